@@ -1,0 +1,35 @@
+"""Shared test fixtures.
+
+Tests that read `../shared/fixtures` (the Qwen3 tokenizer, FTRL sample rows) skip cleanly when
+that folder is absent, as it is in a user's fresh clone.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHARED_FIXTURES = pathlib.Path(
+    os.environ.get("TURNSIGHT_SHARED_FIXTURES", REPO_ROOT.parent / "shared" / "fixtures")
+)
+
+
+def shared_path(*parts: str) -> pathlib.Path:
+    """Path under ../shared/fixtures, or skip the calling test when it is absent."""
+    path = SHARED_FIXTURES.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"shared fixture {path} not present (fresh clone without ../shared)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir() -> pathlib.Path:
+    return shared_path("qwen3-tokenizer")
+
+
+@pytest.fixture(scope="session")
+def ftrl_sample_path() -> pathlib.Path:
+    return shared_path("ftrl", "ftrl_test_sample.jsonl")
