@@ -1,0 +1,168 @@
+"""Memory-bounded attention over plain, padded and packed sequences.
+
+One kernel serves three callers:
+
+* plain causal batches with right padding (the student forward);
+* packed hindsight sequences (SPEC §4): each token carries a segment id and up to two
+  "context" pairs (segment, end) naming earlier segments it may also read — a block token
+  reads the original trajectory (segment 0) up to where its turn begins, and a depth branch
+  reads the shared trunk of its block up to where its depth ends;
+* decoding against a KV cache, where each query sits at a cache slot and reads every slot
+  at or before it.
+
+Queries are processed in chunks of `q_chunk` inside a `lax.scan` whose body is
+rematerialised, so neither the forward nor the backward pass ever holds a [T, T] score or
+mask array: the peak is [B, heads, q_chunk, S] for one chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+PAD_SEGMENT = -1  # a padding token: never read, its own output is zero
+NO_SEGMENT = -2  # an unused context slot
+_MASKED = -1e30  # finite, so a row with no readable key stays NaN-free
+
+
+@struct.dataclass
+class Layout:
+    """Per-token structure of a batch of (possibly packed) sequences, all [B, T] int32.
+
+    positions: rotary position of each token.
+    segment_ids: segment of each token; a token reads earlier tokens of its own segment.
+      PAD_SEGMENT marks padding.
+    ctx{1,2}_segment / ctx{1,2}_end: a token also reads tokens j of segment ctx_segment with
+      packed index j < ctx_end (NO_SEGMENT when unused).
+    """
+
+    positions: jax.Array
+    segment_ids: jax.Array
+    ctx1_segment: jax.Array
+    ctx1_end: jax.Array
+    ctx2_segment: jax.Array
+    ctx2_end: jax.Array
+
+    @classmethod
+    def causal(cls, valid_mask: jax.Array) -> "Layout":
+        """Plain causal layout for right-padded rows; `valid_mask` [B, T] bool."""
+        valid_mask = jnp.asarray(valid_mask, bool)
+        b, t = valid_mask.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        seg = jnp.where(valid_mask, 0, PAD_SEGMENT).astype(jnp.int32)
+        none = jnp.full((b, t), NO_SEGMENT, jnp.int32)
+        zero = jnp.zeros((b, t), jnp.int32)
+        return cls(positions, seg, none, zero, none, zero)
+
+    @classmethod
+    def full(cls, batch: int, length: int) -> "Layout":
+        return cls.causal(jnp.ones((batch, length), bool))
+
+
+def packed_mask(q: Layout, kv_segment: jax.Array, q_index: jax.Array) -> jax.Array:
+    """Which keys each query may read, for a chunk of queries.
+
+    q: Layout fields sliced to the chunk, each [B, C]; kv_segment [B, S]; q_index [C] (packed
+    index of each query). Returns [B, C, S] bool.
+    """
+    s = kv_segment.shape[1]
+    j = jnp.arange(s, dtype=jnp.int32)[None, None, :]
+    kv_seg = kv_segment[:, None, :]
+    own = (kv_seg == q.segment_ids[..., None]) & (j <= q_index[None, :, None])
+    ctx1 = (kv_seg == q.ctx1_segment[..., None]) & (j < q.ctx1_end[..., None])
+    ctx2 = (kv_seg == q.ctx2_segment[..., None]) & (j < q.ctx2_end[..., None])
+    return (kv_seg >= 0) & (own | ctx1 | ctx2)
+
+
+def _attend_chunk(q, k, v, mask, scale):
+    """q [B, C, Hkv, G, Dh], k/v [B, S, Hkv, Dh], mask [B, C, S] -> [B, C, Hkv, G, Dh]."""
+    scores = jnp.einsum("bckgd,bskd->bkgcs", q, k, preferred_element_type=jnp.float32) * scale
+    m = mask[:, None, None, :, :]
+    scores = jnp.where(m, scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1)
+    # A query with nothing to read (padding) gets exactly zero output rather than an average.
+    probs = probs * jnp.any(m, axis=-1, keepdims=True)
+    return jnp.einsum("bkgcs,bskd->bckgd", probs.astype(v.dtype), v)
+
+
+def chunked_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_meta,
+    mask_fn: Callable[[object, jax.Array], jax.Array],
+    *,
+    q_chunk: int = 512,
+) -> jax.Array:
+    """Grouped-query attention, chunked over queries.
+
+    q [B, T, Hq, Dh]; k, v [B, S, Hkv, Dh]; q_meta: a pytree of [B, T] arrays describing the
+    queries; mask_fn(q_meta_chunk, q_index [C]) -> [B, C, S] bool. Returns [B, T, Hq, Dh] in
+    q's dtype. Scores and softmax are float32.
+    """
+    b, t, hq, dh = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    scale = dh**-0.5
+    qg = q.reshape(b, t, hkv, g, dh)
+    if t <= q_chunk:
+        mask = mask_fn(q_meta, jnp.arange(t, dtype=jnp.int32))
+        return _attend_chunk(qg, k, v, mask, scale).reshape(b, t, hq, dh)
+
+    n = -(-t // q_chunk)
+    pad = n * q_chunk - t
+    if pad:
+        qg = jnp.pad(qg, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+        # Padded queries read nothing: give them PAD/NO segments via the mask function's inputs.
+        q_meta = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, pad)), constant_values=PAD_SEGMENT), q_meta)
+
+    def to_chunks(a):  # [B, n*C, ...] -> [n, B, C, ...]
+        return jnp.moveaxis(a.reshape(b, n, q_chunk, *a.shape[2:]), 1, 0)
+
+    q_chunks = to_chunks(qg)
+    meta_chunks = jax.tree.map(to_chunks, q_meta)
+    starts = jnp.arange(n, dtype=jnp.int32) * q_chunk
+
+    @jax.checkpoint
+    def body(_, xs):
+        qc, meta_c, start = xs
+        mask = mask_fn(meta_c, start + jnp.arange(q_chunk, dtype=jnp.int32))
+        return None, _attend_chunk(qc, k, v, mask, scale)
+
+    _, out = jax.lax.scan(body, None, (q_chunks, meta_chunks, starts))
+    out = jnp.moveaxis(out, 0, 1).reshape(b, n * q_chunk, hq, dh)
+    return out[:, :t]
+
+
+def layout_attention(q, k, v, layout: Layout, *, q_chunk: int = 512) -> jax.Array:
+    """Attention of a (packed) sequence with itself, per `layout`. Shapes as chunked_attention."""
+    kv_segment = layout.segment_ids
+    q_meta = Layout(
+        positions=layout.positions,
+        segment_ids=layout.segment_ids,
+        ctx1_segment=layout.ctx1_segment,
+        ctx1_end=layout.ctx1_end,
+        ctx2_segment=layout.ctx2_segment,
+        ctx2_end=layout.ctx2_end,
+    )
+    return chunked_attention(
+        q, k, v, q_meta, lambda meta, idx: packed_mask(meta, kv_segment, idx), q_chunk=q_chunk
+    )
+
+
+def cache_attention(q, k_cache, v_cache, slots: jax.Array, *, q_chunk: int = 512) -> jax.Array:
+    """Attention of new queries against a KV cache that already holds their own keys.
+
+    q [B, N, Hq, Dh]; k_cache, v_cache [B, S, Hkv, Dh]; slots [B, N] int32 (cache slot of each
+    query; slot -1 marks a padding query). A query reads every slot j <= its own slot.
+    """
+    s = k_cache.shape[1]
+
+    def mask_fn(q_slots, _):
+        j = jnp.arange(s, dtype=jnp.int32)[None, None, :]
+        return (j <= q_slots[..., None]) & (q_slots[..., None] >= 0)
+
+    return chunked_attention(q, k_cache, v_cache, slots, mask_fn, q_chunk=q_chunk)

@@ -1,0 +1,224 @@
+"""Dense Qwen3 in Flax NNX, numerically the Hugging Face `Qwen3ForCausalLM`.
+
+Layer weights are stacked along a leading layer axis and the decoder runs as one `lax.scan`
+over layers: a 36-layer model compiles as fast as a 1-layer one, and per-layer
+rematerialisation is a `jax.checkpoint` on the scan body.
+
+Weight layout (kernels are [in, out]; Hugging Face stores [out, in]):
+  embed [V, D]; layers.{q,k,v} [L, D, H*Dh]; layers.o [L, Hq*Dh, D]; layers.{gate,up} [L, D, F];
+  layers.down [L, F, D]; layers.{attn_norm,mlp_norm} [L, D]; layers.{q_norm,k_norm} [L, Dh];
+  final_norm [D]; lm_head [D, V] (absent when embeddings are tied).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from turnsight_jax.models.attention import Layout, cache_attention, layout_attention
+from turnsight_jax.models.config import Qwen3Config
+from turnsight_jax.sharding import constrain
+
+LAYER_PARAMS = ("attn_norm", "q", "k", "v", "o", "q_norm", "k_norm", "mlp_norm", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeOptions:
+    """How the forward pass runs; does not change the math beyond float rounding.
+
+    compute_dtype: dtype of matmul inputs and activations (float32 or bfloat16).
+    remat: rematerialise each decoder layer in the backward pass.
+    attn_q_chunk: queries per attention chunk (bounds the [chunk, keys] score block).
+    """
+
+    compute_dtype: jnp.dtype = jnp.float32
+    remat: bool = False
+    attn_q_chunk: int = 512
+
+
+@struct.dataclass
+class KVCache:
+    """Keys and values of every layer. k, v [L, B, S, Hkv, Dh]; lengths [B] int32 filled slots."""
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def zeros(cls, cfg: Qwen3Config, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
+        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def repeat(self, n: int) -> "KVCache":
+        """Each row repeated n times along the batch ([B] -> [B*n], row-major): shares a prompt's
+        prefill across its n rollouts."""
+        return KVCache(
+            jnp.repeat(self.k, n, axis=1), jnp.repeat(self.v, n, axis=1), jnp.repeat(self.lengths, n)
+        )
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Hugging Face Qwen3RMSNorm: normalise in float32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding (rotate-half convention). x [B, T, H, Dh]; positions [B, T] int32."""
+    dh = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    x1, x2 = x[..., : dh // 2], x[..., dh // 2 :]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+def _init(rngs: nnx.Rngs, shape, dtype, std=0.02):
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class Qwen3(nnx.Module):
+    """Qwen3 causal LM.
+
+    `model(tokens)` with tokens [B, T] int32 is a plain causal forward returning float32 logits
+    [B, T, V] at positions 0..T-1. Training and scoring use `hidden_states` + chunked log-probs
+    (turnsight_jax.logprobs) so that [B, T, V] float32 never exists.
+    """
+
+    def __init__(
+        self,
+        cfg: Qwen3Config,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype=jnp.float32,
+        options: RuntimeOptions = RuntimeOptions(),
+    ):
+        self.config = cfg
+        self.options = options
+        L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+        hq, hkv, dh = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+        self.embed = nnx.Param(_init(rngs, (V, D), param_dtype))
+        shapes = {
+            "attn_norm": (L, D), "q": (L, D, hq), "k": (L, D, hkv), "v": (L, D, hkv), "o": (L, hq, D),
+            "q_norm": (L, dh), "k_norm": (L, dh), "mlp_norm": (L, D),
+            "gate": (L, D, F), "up": (L, D, F), "down": (L, F, D),
+        }
+        layers = {}
+        for name, shape in shapes.items():
+            if name.endswith("norm"):
+                layers[name] = nnx.Param(jnp.ones(shape, param_dtype))
+            else:
+                layers[name] = nnx.Param(_init(rngs, shape, param_dtype))
+        self.layers = nnx.Dict(layers)
+        self.final_norm = nnx.Param(jnp.ones((D,), param_dtype))
+        self.lm_head = None if cfg.tie_word_embeddings else nnx.Param(_init(rngs, (D, V), param_dtype))
+
+    # ---- pieces ----
+    def output_weight(self) -> jax.Array:
+        """The [D, V] matrix that maps final hidden states to logits."""
+        if self.lm_head is None:
+            return self.embed[...].T
+        return self.lm_head[...]
+
+    def _layer_params(self):
+        return {name: self.layers[name][...] for name in LAYER_PARAMS}
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.options.compute_dtype)
+        return constrain(x, "activation")
+
+    def _qkv(self, p, x, positions):
+        cfg, dt = self.config, self.options.compute_dtype
+        b, t, _ = x.shape
+        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+        q = jnp.einsum("btd,dh->bth", h, p["q"].astype(dt)).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = jnp.einsum("btd,dh->bth", h, p["k"].astype(dt)).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = jnp.einsum("btd,dh->bth", h, p["v"].astype(dt)).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        q = rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
+        k = rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
+        return constrain(q, "heads"), constrain(k, "heads"), constrain(v, "heads")
+
+    def _finish_layer(self, p, x, attn):
+        cfg, dt = self.config, self.options.compute_dtype
+        b, t = x.shape[:2]
+        x = x + jnp.einsum("bth,hd->btd", attn.reshape(b, t, -1), p["o"].astype(dt))
+        x = constrain(x, "activation")
+        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+        gate = jnp.einsum("btd,df->btf", h, p["gate"].astype(dt))
+        up = jnp.einsum("btd,df->btf", h, p["up"].astype(dt))
+        mlp = jnp.einsum("btf,fd->btd", constrain(jax.nn.silu(gate) * up, "mlp"), p["down"].astype(dt))
+        return constrain(x + mlp, "activation")
+
+    # ---- forward passes ----
+    def hidden_states(self, tokens: jax.Array, layout: Layout | None = None) -> jax.Array:
+        """Final-norm hidden states [B, T, D] (compute dtype) for tokens [B, T] under `layout`
+        (plain causal when None)."""
+        if layout is None:
+            layout = Layout.full(*tokens.shape)
+        chunk = self.options.attn_q_chunk
+
+        def layer(x, p):
+            q, k, v = self._qkv(p, x, layout.positions)
+            return self._finish_layer(p, x, layout_attention(q, k, v, layout, q_chunk=chunk)), None
+
+        if self.options.remat:
+            layer = jax.checkpoint(layer, prevent_cse=False)
+        x, _ = jax.lax.scan(layer, self.embed_tokens(tokens), self._layer_params())
+        return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """float32 logits [..., V] of hidden states [..., D]. Use on small slices only."""
+        w = self.output_weight().astype(hidden.dtype)
+        return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens: jax.Array, layout: Layout | None = None) -> jax.Array:
+        return self.logits(self.hidden_states(tokens, layout))
+
+    def extend(self, tokens: jax.Array, num_new: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Append up to N tokens per row to the cache and return their hidden states.
+
+        tokens [B, N] int32; num_new [B] int32 (row b appends its first num_new[b] tokens; the
+        rest are padding); cache with lengths [B]. Returns (hidden [B, N, D], cache with
+        lengths + num_new). Serves prefill (N = prompt bucket), single-token decode (N = 1) and
+        observation appends alike. Padding tokens write into slots past the new length, which no
+        query reads and the next append overwrites.
+        """
+        b, n = tokens.shape
+        cfg = self.config
+        offs = jnp.arange(n, dtype=jnp.int32)[None, :]
+        slots = cache.lengths[:, None] + offs  # [B, N]
+        query_slots = jnp.where(offs < num_new[:, None], slots, -1)
+        rows = jnp.arange(b)[:, None]
+        chunk = self.options.attn_q_chunk
+
+        def layer(carry, p):
+            x, k_all, v_all, i = carry
+            q, k, v = self._qkv(p, x, slots)
+            k_l = k_all[i].at[rows, slots].set(k.astype(k_all.dtype), mode="drop")
+            v_l = v_all[i].at[rows, slots].set(v.astype(v_all.dtype), mode="drop")
+            attn = cache_attention(q, k_l.astype(q.dtype), v_l.astype(q.dtype), query_slots, q_chunk=chunk)
+            k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_l, i, 0)
+            v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_l, i, 0)
+            return (self._finish_layer(p, x, attn), k_all, v_all, i + 1), None
+
+        init = (self.embed_tokens(tokens), cache.k, cache.v, jnp.int32(0))
+        (x, k_all, v_all, _), _ = jax.lax.scan(layer, init, self._layer_params())
+        hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+        return hidden, KVCache(k_all, v_all, cache.lengths + num_new.astype(jnp.int32))
+
+
+def init_model(
+    cfg: Qwen3Config, *, seed: int = 0, param_dtype=jnp.float32, options: RuntimeOptions = RuntimeOptions()
+) -> Qwen3:
+    """A randomly initialised model (normal(0.02) kernels, unit norms), on the default device."""
+    return Qwen3(cfg, rngs=nnx.Rngs(seed), param_dtype=param_dtype, options=options)
