@@ -7,6 +7,11 @@ that folder is absent, as it is in a user's fresh clone.
 from __future__ import annotations
 
 import os
+
+# Eight fake CPU devices for the sharding tests; must be set before JAX initialises. Unsharded
+# code runs on device 0 as usual.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pathlib
 
 import pytest
