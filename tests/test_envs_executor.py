@@ -112,6 +112,7 @@ def test_seeded_randomness_is_deterministic(ex):
     assert a[0] == a[2] and a[1] == a[3] and a[0] != a[1]
 
 
+@pytest.mark.slow
 def test_default_limit_is_ten_seconds():
     with ToolExecutor(1) as executor:
         assert executor.limits.timeout_s == 10.0

@@ -1,0 +1,159 @@
+"""The environment protocol shared by every task source (FTRL, ToolHop, BFCL, built-in).
+
+An *episode* is one rollout's environment. The rollout driver:
+
+1. `env.start(task, seed=...)` -> `Episode`; the prompt is `task.messages` with `task.tools`;
+2. after each policy turn, `episode.step(calls)` with that turn's parsed calls (`ToolCall` or
+   `CallError`, in order) -> `StepResult`: one observation string per call (same order), a
+   `done` flag and, for multi-turn user simulations (BFCL), the next user message;
+   a turn with **no** calls ends the episode (FTRL, ToolHop, built-in) or the current user turn
+   (BFCL, which then sends the next user message or finishes);
+3. `episode.score(final_text)` -> `EpisodeScore(reward, metrics)` at the end;
+4. `episode.close()`.
+
+A `CallError` (malformed call) is answered with its `message`; a failing tool is answered with
+an error observation. Nothing raised by tool code or caused by model output escapes `step`.
+
+`VectorEnv` runs many episodes concurrently (a thread per busy episode; the tool executor behind
+FTRL-style environments spreads the calls over its worker processes). Determinism: given the same
+task, seed and calls, an episode returns the same observations and score.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import dataclasses
+from typing import Sequence
+
+from turnsight_jax.chat.types import Call, CallError, Task, ToolCall
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What the environment answers to one policy turn.
+
+    observations: one text per call of the turn, in call order (empty for a turn without calls).
+    done: the episode is over; the policy gets no further turn.
+    user_message: a user message to append after the observations (BFCL's next user turn);
+      None when there is none.
+    added_tools: tool schemas that became available with `user_message` (BFCL miss_func).
+    """
+
+    observations: tuple[str, ...]
+    done: bool
+    user_message: str | None = None
+    added_tools: tuple[dict, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeScore:
+    """The outcome of an episode: the scalar reward and named metrics (all floats)."""
+
+    reward: float
+    metrics: dict[str, float]
+
+
+class Episode(abc.ABC):
+    """One rollout's environment state."""
+
+    task: Task
+
+    @abc.abstractmethod
+    def step(self, calls: Sequence[Call]) -> StepResult:
+        """Executes one policy turn's calls; see the module docstring."""
+
+    @abc.abstractmethod
+    def score(self, final_text: str | None = None) -> EpisodeScore:
+        """Scores the finished episode; `final_text` is the policy's last (answer) turn."""
+
+    def close(self) -> None:
+        """Releases the episode's resources (idempotent)."""
+
+    @property
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """True once the episode has ended."""
+
+
+class Environment(abc.ABC):
+    """A factory of episodes for one task source."""
+
+    name: str = "env"
+
+    @abc.abstractmethod
+    def start(self, task: Task, *, seed: int = 0) -> Episode:
+        """Starts a fresh episode for `task`."""
+
+    def close(self) -> None:
+        """Releases shared resources (worker pools)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def call_label(call: Call) -> str:
+    """A short description of a call for logs: the tool name or `<malformed>`."""
+    return call.name if isinstance(call, ToolCall) else "<malformed>"
+
+
+def malformed_observation(call: CallError) -> str:
+    """The observation for a call the parser rejected: its message (never empty)."""
+    return call.message or "malformed tool call"
+
+
+class VectorEnv:
+    """Runs a batch of episodes concurrently.
+
+    `step(calls_per_episode)` takes one entry per episode: the turn's calls, or None for an
+    episode that does not act this round (finished, or waiting). Episodes step in parallel
+    threads, so the tool calls of all rollouts reach the executor's worker pool together.
+    """
+
+    def __init__(self, env: Environment, *, max_threads: int = 32):
+        self.env = env
+        self.episodes: list[Episode] = []
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max_threads, thread_name_prefix="vector-env"
+        )
+
+    def start(self, tasks: Sequence[Task], seeds: Sequence[int] | None = None) -> list[Episode]:
+        """Starts one episode per task (closing any previous batch)."""
+        self.close_episodes()
+        if seeds is None:
+            seeds = list(range(len(tasks)))
+        if len(seeds) != len(tasks):
+            raise ValueError(f"VectorEnv.start: {len(tasks)} tasks but {len(seeds)} seeds")
+        self.episodes = list(
+            self._pool.map(lambda ts: self.env.start(ts[0], seed=ts[1]), zip(tasks, seeds))
+        )
+        return self.episodes
+
+    def step(self, calls_per_episode: Sequence[Sequence[Call] | None]) -> list[StepResult | None]:
+        if len(calls_per_episode) != len(self.episodes):
+            raise ValueError(
+                f"VectorEnv.step: {len(self.episodes)} episodes but "
+                f"{len(calls_per_episode)} call lists"
+            )
+        futures = [
+            None if calls is None or ep.done else self._pool.submit(ep.step, list(calls))
+            for ep, calls in zip(self.episodes, calls_per_episode)
+        ]
+        return [None if f is None else f.result() for f in futures]
+
+    def score(self, final_texts: Sequence[str | None] | None = None) -> list[EpisodeScore]:
+        if final_texts is None:
+            final_texts = [None] * len(self.episodes)
+        return [ep.score(text) for ep, text in zip(self.episodes, final_texts)]
+
+    def close_episodes(self) -> None:
+        for ep in self.episodes:
+            ep.close()
+        self.episodes = []
+
+    def close(self) -> None:
+        self.close_episodes()
+        self._pool.shutdown(wait=True)

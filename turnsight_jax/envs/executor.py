@@ -1,0 +1,353 @@
+"""Isolated, pooled execution of dataset tool code (FTRL, ToolHop, built-in tasks).
+
+Tool source from datasets is never run in the trainer's process. A `ToolExecutor` keeps a pool
+of worker processes (`_tool_worker.py`, started with `python -I`), sends each call to a free
+worker and returns the observation text. Per call it enforces a wall-clock limit (10 s default,
+FTRL's), a CPU-seconds limit, an address-space limit and an output-size cap. A hang, infinite
+loop, memory bomb, segfault, `os._exit` or `sys.exit` in tool code costs only that call: the
+call returns an error observation and a dead or unresponsive worker is killed (with its whole
+process group) and replaced.
+
+Observation text follows FTRL (`Code/utils/utils.py: call_function/get_feedback`):
+  * dict / list result -> `json.dumps(value, ensure_ascii=False)`; other non-str -> `str(value)`;
+  * any exception or timeout -> `an error occured when call {name}: {message}` (FTRL's spelling).
+
+Arguments are the JSON-decoded object of the parsed call, passed as keyword arguments
+(`fn(**arguments)`); they are shipped as JSON data, so an argument that contains Python source is
+just a string to the tool. Nothing here evaluates model text.
+
+Usage::
+
+    with ToolExecutor(num_workers=2) as ex:
+        texts = ex.run_many([ToolRequest("f", "def f(x):\\n    return x * 2", {"x": 3})])
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import os
+import queue
+import select
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Sequence
+
+_WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_tool_worker.py")
+_HEADER = struct.Struct(">I")
+ERROR_TEMPLATE = "an error occured when call {name}: {message}"
+
+
+def error_text(name: str, message: str) -> str:
+    """FTRL's error observation for a failed call of tool `name`."""
+    return ERROR_TEMPLATE.format(name=name, message=message)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolRequest:
+    """One tool call to run.
+
+    name: the tool (function) name the policy called.
+    source: Python source that defines a function called `name` (dataset tool code).
+    arguments: the JSON-decoded arguments (normally a dict), passed as `fn(**arguments)`.
+    seed: seeds Python's `random` in the worker before the call (determinism for a seed).
+    """
+
+    name: str
+    source: str
+    arguments: Any
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutorLimits:
+    """Per-call limits. `cpu_s=None` means: the same number of seconds as `timeout_s`."""
+
+    timeout_s: float = 10.0
+    cpu_s: float | None = None
+    memory_mb: int = 1024
+    max_output_chars: int = 16384
+    file_mb: int = 16
+    # Extra wall time the parent waits beyond `timeout_s` before it kills the worker: the
+    # in-worker alarm normally answers first, this only covers code stuck inside C.
+    kill_grace_s: float = 0.75
+
+
+class _WorkerCrashed(Exception):
+    pass
+
+
+class _Worker:
+    """One worker process plus the source keys it has compiled."""
+
+    def __init__(self, limits: ExecutorLimits, workdir: str):
+        config = {
+            "memory_mb": limits.memory_mb,
+            "max_output_chars": limits.max_output_chars,
+            "file_mb": limits.file_mb,
+        }
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": workdir,
+            "TMPDIR": workdir,
+            "LANG": "C.UTF-8",
+            "PYTHONHASHSEED": "0",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            # Thread pools of numeric libraries reserve address space per thread; keep one.
+            "OPENBLAS_NUM_THREADS": "1",
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", _WORKER_SCRIPT, json.dumps(config)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            cwd=workdir,
+            env=env,
+            start_new_session=True,  # own process group: kill() takes any children with it
+        )
+        self.known_keys: set[str] = set()
+        self._buffer = b""
+        ready = self._read_frame(deadline=time.monotonic() + 60.0)
+        if ready != {"ready": True}:
+            self.kill()
+            raise RuntimeError(f"tool worker failed to start (first frame: {ready!r})")
+
+    def _read_frame(self, deadline: float) -> dict:
+        fd = self.proc.stdout.fileno()
+        while True:
+            if len(self._buffer) >= _HEADER.size:
+                (length,) = _HEADER.unpack_from(self._buffer)
+                if len(self._buffer) >= _HEADER.size + length:
+                    body = self._buffer[_HEADER.size : _HEADER.size + length]
+                    self._buffer = self._buffer[_HEADER.size + length :]
+                    return json.loads(body.decode("utf-8", errors="surrogatepass"))
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            ready, _, _ = select.select([fd], [], [], remaining)
+            if not ready:
+                raise TimeoutError
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                raise _WorkerCrashed
+            self._buffer += chunk
+
+    def send(self, obj: dict) -> None:
+        body = json.dumps(obj, ensure_ascii=False).encode("utf-8", errors="surrogatepass")
+        try:
+            self.proc.stdin.write(_HEADER.pack(len(body)) + body)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as e:
+            raise _WorkerCrashed from e
+
+    def request(self, obj: dict, deadline: float) -> dict:
+        self.send(obj)
+        return self._read_frame(deadline)
+
+    def death_message(self) -> str:
+        """Why the worker stopped answering, once it has exited."""
+        try:
+            code = self.proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            return "tool process stopped responding"
+        if code < 0:
+            try:
+                sig = signal.Signals(-code).name
+            except ValueError:
+                sig = f"signal {-code}"
+            return f"tool process was killed by {sig}"
+        return f"tool process exited with code {code}"
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.kill()
+        except ProcessLookupError:
+            pass
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()  # EOF: the worker loop returns
+            self.proc.wait(timeout=2.0)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        self.kill()
+
+
+class ToolExecutor:
+    """A pool of isolated worker processes running dataset tool code.
+
+    Thread-safe: `run_many` may be called from several threads (e.g. one per rollout); calls are
+    spread over the workers and run concurrently (one call per worker at a time).
+
+    Args:
+      num_workers: worker processes (and calls in flight).
+      timeout_s: per-call wall-clock limit (FTRL: 10 s); the call's observation is a timeout
+        error when it is exceeded.
+      cpu_s: per-call CPU-seconds limit (default: `timeout_s`).
+      memory_mb: address-space limit of each worker (RLIMIT_AS).
+      max_output_chars: longer observation texts are cut to this many characters plus a note.
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 2,
+        *,
+        timeout_s: float = 10.0,
+        cpu_s: float | None = None,
+        memory_mb: int = 1024,
+        max_output_chars: int = 16384,
+        file_mb: int = 16,
+        kill_grace_s: float = 0.75,
+    ):
+        if num_workers < 1:
+            raise ValueError(f"ToolExecutor: num_workers must be >= 1, got {num_workers}")
+        if timeout_s <= 0:
+            raise ValueError(f"ToolExecutor: timeout_s must be > 0, got {timeout_s}")
+        self.limits = ExecutorLimits(
+            timeout_s=timeout_s,
+            cpu_s=cpu_s,
+            memory_mb=memory_mb,
+            max_output_chars=max_output_chars,
+            file_mb=file_mb,
+            kill_grace_s=kill_grace_s,
+        )
+        self.num_workers = num_workers
+        self._tmp = tempfile.TemporaryDirectory(prefix="turnsight_tools_")
+        self._idle: queue.Queue[_Worker] = queue.Queue()
+        self._all: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.restarts = 0  # how many times a worker was replaced (crash / timeout)
+        for _ in range(num_workers):
+            worker = self._spawn()
+            self._idle.put(worker)
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=num_workers, thread_name_prefix="tool-exec"
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def _spawn(self) -> _Worker:
+        worker = _Worker(self.limits, self._tmp.name)
+        with self._lock:
+            self._all.append(worker)
+        return worker
+
+    def _replace(self, worker: _Worker) -> _Worker:
+        worker.kill()
+        with self._lock:
+            if worker in self._all:
+                self._all.remove(worker)
+            self.restarts += 1
+        return self._spawn()
+
+    def close(self) -> None:
+        """Stops all workers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            workers = list(self._all)
+            self._all.clear()
+        for worker in workers:
+            worker.close()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "ToolExecutor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    @property
+    def worker_pids(self) -> list[int]:
+        with self._lock:
+            return [w.proc.pid for w in self._all]
+
+    # -- calls -----------------------------------------------------------------------------
+    def run(self, request: ToolRequest) -> str:
+        """Runs one call; returns its observation text. Never raises for tool failures."""
+        return self.run_many([request])[0]
+
+    def run_many(self, requests: Sequence[ToolRequest]) -> list[str]:
+        """Runs calls concurrently over the pool; returns observation texts in request order."""
+        if self._closed:
+            raise RuntimeError("ToolExecutor.run_many: the executor is closed")
+        if not requests:
+            return []
+        if len(requests) == 1:
+            return [self._run_one(requests[0])]
+        futures = [self._pool.submit(self._run_one, r) for r in requests]
+        return [f.result() for f in futures]
+
+    def _run_one(self, request: ToolRequest) -> str:
+        try:
+            args_json = json.dumps(request.arguments, ensure_ascii=False, allow_nan=True)
+        except (TypeError, ValueError) as e:
+            return error_text(request.name, f"arguments are not JSON data: {e}")
+        key = hashlib.sha256(request.source.encode("utf-8", errors="surrogatepass")).hexdigest()
+        limits = self.limits
+        cpu = limits.cpu_s if limits.cpu_s is not None else limits.timeout_s
+        message = {
+            "op": "call",
+            "key": key,
+            "name": request.name,
+            "args": json.loads(args_json),
+            "seed": int(request.seed),
+            "timeout": float(limits.timeout_s),
+            "cpu": float(cpu),
+        }
+        worker = self._idle.get()
+        try:
+            deadline = time.monotonic() + limits.timeout_s + limits.kill_grace_s
+            try:
+                if key not in worker.known_keys:
+                    message["source"] = request.source
+                reply = worker.request(message, deadline)
+                if reply.get("need_source"):  # evicted from the worker's cache
+                    message["source"] = request.source
+                    reply = worker.request(message, deadline)
+                worker.known_keys.add(key)
+            except TimeoutError:
+                worker = self._replace(worker)
+                return error_text(
+                    request.name,
+                    f"Function {request.name} timed out after {limits.timeout_s:.6f} seconds.",
+                )
+            except _WorkerCrashed:
+                reason = worker.death_message()
+                worker = self._replace(worker)
+                return error_text(request.name, reason)
+            if "ok" in reply:
+                return reply["ok"]
+            return error_text(request.name, reply.get("err", "unknown worker error"))
+        finally:
+            self._idle.put(worker)
