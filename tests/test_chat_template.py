@@ -261,15 +261,19 @@ CASES = {
         True,
         [("Checking.", [("get_weather", {"city": "Oslo"})], None, ["Snow"]), ("Snow in Oslo.", [], "Easy.", None)],
     ),
-    "empty_content_call_no_thinking": _case(
-        _user("Weather in Oslo?"),
-        TOOLS,
-        False,
-        # With thinking off the template separates the kept empty think block from the first call
-        # by a newline, so the policy text here starts with "\n".
-        [("", [("get_weather", {"city": "Oslo"})], None, ["Snow"]), ("Snow.", [], None, None)],
-    ),
 }
+
+# With thinking off and no content before the call, the template separates the kept empty think
+# block from the call by one more newline, so the matching policy text starts with "\n". The
+# strings are equal, but the ids are not: the template's string tokenises "\n\n" + "\n" as one
+# "\n\n\n" token, whereas a policy samples its own "\n" after the prompt's "\n\n". This is the
+# one boundary where piecewise ids can differ (tested below); generated tokens are never re-tokenised.
+BOUNDARY_CASE = _case(
+    _user("Weather in Oslo?"),
+    TOOLS,
+    False,
+    [("", [("get_weather", {"city": "Oslo"})], None, ["Snow"]), ("Snow.", [], None, None)],
+)
 
 # Conversations rendered by render_messages directly (history shapes the rollout never produces
 # itself but prompts may contain).
@@ -373,6 +377,22 @@ def test_history_rendering_equals_official_template(tok, name, gen_prompt):
     if gen_prompt:
         expected_ids = tok.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True, enable_thinking=think)["input_ids"]
         assert T.prompt_ids(tok, messages, tools, enable_thinking=think) == list(expected_ids)
+
+
+def test_policy_text_starting_with_newline_is_the_only_id_boundary(tok):
+    text, ids, conversation, gen_prompt = _build(tok, BOUNDARY_CASE)
+    kwargs = dict(tools=TOOLS, add_generation_prompt=gen_prompt, enable_thinking=False)
+    assert text == tok.apply_chat_template(conversation, tokenize=False, **kwargs)
+    expected = list(tok.apply_chat_template(conversation, tokenize=True, **kwargs)["input_ids"])
+    nl2, nl3 = encode(tok, "\n\n"), encode(tok, "\n\n\n")
+    assert len(nl2) == 1 and len(nl3) == 1
+    # Exactly one place differs: our [.., "\n\n", "\n", <tool_call>] vs the template's [.., "\n\n\n", <tool_call>].
+    i = next(j for j, (a, b) in enumerate(zip(ids, expected)) if a != b)
+    assert ids[i : i + 2] == [nl2[0], encode(tok, "\n")[0]]
+    assert expected[i] == nl3[0]
+    assert len(ids) == len(expected) + 1
+    assert ids[i + 2 :] == expected[i + 1 :]
+    assert tok.decode(ids) == tok.decode(expected)
 
 
 def test_observation_suffix_exact_text():
