@@ -1,0 +1,165 @@
+"""Built-in synthetic tasks: gold chains solve them, random calls do not, generation is seeded."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import numpy as np
+import pytest
+
+from turnsight_jax.chat.types import ToolCall
+from turnsight_jax.envs.base import VectorEnv
+from turnsight_jax.envs.ftrl import FTRLEnv, solve_metrics
+from turnsight_jax.envs.synthetic import (
+    SYNTHETIC_CATEGORIES,
+    SyntheticConfig,
+    entity_vocabulary,
+    generate_task,
+    generate_tasks,
+    gold_tool_calls,
+    gold_turn_texts,
+)
+from turnsight_jax.rewards import answer_f1_reward, matchtir_turn_rewards
+
+
+@pytest.fixture(scope="module")
+def env():
+    with FTRLEnv(num_workers=2, timeout_s=5.0) as e:
+        yield e
+
+
+def _run_policy(env, tasks, policy):
+    """Steps every task's episode turn by turn with `policy(task, turn, rng)` -> calls."""
+    venv = VectorEnv(env)
+    try:
+        venv.start(tasks, seeds=list(range(len(tasks))))
+        rngs = [random.Random(i) for i in range(len(tasks))]
+        n_turns = max(len(t.gold_calls) for t in tasks)
+        for turn in range(n_turns):
+            venv.step([policy(t, turn, r) for t, r in zip(tasks, rngs)])
+        venv.step([[] for _ in tasks])  # the answer turn
+        return venv.score([f"<answer>{t.answer}</answer>" for t in tasks]), list(venv.episodes)
+    finally:
+        venv.close()
+
+
+def _gold_policy(task, turn, rng):
+    calls = gold_tool_calls(task)
+    return calls[turn] if turn < len(calls) else None
+
+
+def _random_policy(task, turn, rng):
+    if turn >= len(task.gold_calls):
+        return None
+    names = [t["function"]["name"] for t in task.tools]
+    keys = sorted({k for src in task.codes.values() for k in json.loads(
+        src.split("table = ", 1)[1].split("\n", 1)[0])})
+    return [ToolCall(rng.choice(names), {"name": rng.choice(keys)}) for _ in task.gold_calls[turn]]
+
+
+@pytest.mark.parametrize("category", SYNTHETIC_CATEGORIES)
+def test_gold_chains_score_solve_f1_one_on_1000_tasks(env, category):
+    tasks = [generate_task(category, s) for s in range(1000)]
+    t0 = time.monotonic()
+    scores, episodes = _run_policy(env, tasks, _gold_policy)
+    elapsed = time.monotonic() - t0
+    f1 = np.array([s.metrics["solve_f1"] for s in scores])
+    assert f1.min() == 1.0, [t.task_id for t, v in zip(tasks, f1) if v < 1][:3]
+    assert all(s.metrics["answer_correct"] == 1.0 for s in scores)
+    # The final observations carry the answer: the last turn's outputs are the answer parts.
+    for task, ep in list(zip(tasks, episodes))[:50]:
+        assert ", ".join(out for _, out in ep.turns[-1]) == task.answer
+    assert elapsed < 60, elapsed
+
+
+def test_random_calls_score_far_lower(env):
+    tasks = generate_tasks(400, seed=7)
+    gold_scores, _ = _run_policy(env, tasks, _gold_policy)
+    rand_scores, _ = _run_policy(env, tasks, _random_policy)
+    gold = np.mean([s.reward for s in gold_scores])
+    rand = np.mean([s.reward for s in rand_scores])
+    assert gold == 1.0
+    assert rand < 0.3, rand
+
+
+def test_generation_is_deterministic_per_seed():
+    a = generate_tasks(40, seed=3)
+    b = generate_tasks(40, seed=3)
+    c = generate_tasks(40, seed=4)
+    assert a == b
+    assert sum(x != y for x, y in zip(a, c)) >= 38
+
+
+def test_task_shape_is_small_and_ftrl_like():
+    cfg = SyntheticConfig()
+    for category in SYNTHETIC_CATEGORIES:
+        for seed in range(50):
+            t = generate_task(category, seed, cfg)
+            hops = 1 if "single" in category else cfg.hops
+            width = cfg.width if category.startswith("parallel") else 1
+            assert len(t.gold_calls) == hops
+            assert all(len(turn) == width for turn in t.gold_calls)
+            assert hops + cfg.min_distractors <= len(t.tools) <= hops + cfg.max_distractors
+            assert set(t.codes) == {x["function"]["name"] for x in t.tools}
+            assert sum(len(v) for v in t.unsolved_set.values()) == hops * width
+            assert len(t.answer.split(", ")) == width
+            content = t.messages[0]["content"]
+            assert content.startswith("Please call given tools to answer the question.\nQuestion: ")
+            assert len(content) < 160
+            assert t.category == category and t.data_source == f"synthetic/{category}"
+    q = generate_task("multi_hop", 0).extra["question"]
+    assert q.startswith("What is the ") and q.count(" of ") == 2
+
+
+def test_difficulty_knobs():
+    cfg = SyntheticConfig(hops=3, width=3, min_distractors=2, max_distractors=2, vocab_size=30)
+    t = generate_task("parallel_multi_hop", 1, cfg)
+    assert len(t.gold_calls) == 3 and all(len(turn) == 3 for turn in t.gold_calls)
+    assert len(t.tools) == 5
+    names = {c["arguments"]["name"] for turn in t.gold_calls for c in turn}
+    assert names <= set(entity_vocabulary(30))
+    long_prompt = generate_task("single_hop", 1, SyntheticConfig(prompt_style="ftrl"))
+    assert "Please note that all your information must be obtained by calling tools" in (
+        long_prompt.messages[0]["content"])
+    with pytest.raises(ValueError, match="hops"):
+        generate_task("multi_hop", 0, SyntheticConfig(hops=1))
+    with pytest.raises(ValueError, match="unknown synthetic category"):
+        generate_task("triple_hop", 0)
+
+
+def test_gold_turn_texts_are_qwen3_tool_calls_and_answer():
+    t = generate_task("parallel_multi_hop", 5)
+    texts = gold_turn_texts(t)
+    assert len(texts) == len(t.gold_calls) + 1
+    first = texts[0].split("\n")
+    assert first[0] == "<tool_call>" and first[2] == "</tool_call>" and first[3] == "<tool_call>"
+    payload = json.loads(first[1])
+    assert payload == dict(t.gold_calls[0][0]) and list(payload) == ["name", "arguments"]
+    assert texts[-1] == f"<answer>{t.answer}</answer>"
+    # The gold chain is MatchTIR-perfect too.
+    r = matchtir_turn_rewards(gold_tool_calls(t) + [[]], t.gold_calls, texts[-1], t.answer)
+    np.testing.assert_allclose(r, np.ones(len(texts)))
+    assert answer_f1_reward(texts[-1], t.answer) == 1.0
+
+
+def test_gold_turn_texts_round_trip_through_the_parser():
+    parsing = pytest.importorskip("turnsight_jax.chat.parsing")
+    t = generate_task("parallel_multi_hop", 9)
+    for text, gold in zip(gold_turn_texts(t), gold_tool_calls(t)):
+        calls = parsing.parse_turn(text).calls
+        assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in gold]
+
+
+def test_solve_metrics_of_a_wrong_hop(env):
+    t = generate_task("multi_hop", 11)
+    gold = gold_tool_calls(t)
+    ep = env.start(t, seed=0)
+    ep.step(gold[0])
+    ep.step([ToolCall(gold[1][0].name, {"name": gold[0][0].arguments["name"]})])  # wrong input
+    ep.step([])
+    m = ep.score("<answer>x</answer>").metrics
+    assert m["solved"] == 1 and m["solve_f1"] == pytest.approx(2 * 1 / (2 + 2))
+    assert m == {**solve_metrics(ep.call_outputs, t.unsolved_set), "answer_correct": 0.0,
+                 "num_turns": 2.0}
