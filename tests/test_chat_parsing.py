@@ -60,8 +60,9 @@ def test_answer_inside_call_arguments_is_not_an_answer():
 
 
 def test_closing_think_without_opening_tag():
-    t = parse_turn("reasoning from the prompt's <think>\n</think>\n\nAnswer: 3")
-    assert t.thinking == "reasoning from the prompt's <think>"[len("reasoning from the prompt's <think>") :] or t.thinking == ""
+    # Like the chat template, thinking is what follows the last <think> before </think>.
+    t = parse_turn("preamble <think>\nthought\n</think>\n\nAnswer: 3")
+    assert (t.thinking, t.content) == ("thought", "Answer: 3")
     t = parse_turn("I reason here\n</think>\n\nAnswer: 3")
     assert (t.thinking, t.content, t.answer) == ("I reason here", "Answer: 3", "Answer: 3")
 
