@@ -1,0 +1,505 @@
+"""Trajectories: the token stream of one multi-turn rollout, its masks and per-turn records.
+
+A trajectory is ``prompt + turn_0 + obs_0 + turn_1 + obs_1 + ... + turn_{K-1} [+ obs_{K-1}]``:
+
+- ``prompt``: ``template.prompt_ids`` (ends with the generation prompt = turn 0's assistant header);
+- ``turn_k``: the policy's sampled tokens, appended as sampled (never re-tokenised), ending with the
+  sampled ``<|im_end|>`` unless the turn was cut at the length limit;
+- ``obs_k``: ``template.observation_suffix_ids`` of turn k's tool results; it ends with turn k+1's
+  assistant header.
+
+Only ``turn_k`` tokens are policy tokens (``policy_mask``; ``turn_ids`` = k there, -1 elsewhere).
+``TrajectoryBatch`` packs trajectories into fixed-shape arrays with bucketed lengths, so the jitted
+train step compiles once per bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import flax.struct
+import numpy as np
+
+from turnsight_jax.chat.types import Call
+
+# Qwen3 vocabulary ids of <|im_start|> / <|im_end|>; tests check them against the fixture tokenizer.
+# Pass `tokenizer.special_ids(tok)` values for any other tokenizer.
+QWEN3_IM_START_ID = 151644
+QWEN3_IM_END_ID = 151645
+
+DEFAULT_BUCKETS: tuple[int, ...] = tuple(256 * 2**i for i in range(8))  # 256 .. 32768
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnRecord:
+    """Where one policy turn and its observation sit in the trajectory (token indices).
+
+    header_start: first token of this turn's assistant header ``<|im_start|>assistant\\n...``.
+    policy_start, policy_end: the policy tokens [start, end), including the sampled <|im_end|>.
+    text: decoded policy text. calls: parsed calls. answer: parsed final answer (or None).
+    results: one observation text per call, in order.
+    obs_start, obs_end: the observation suffix appended after this turn ([e, e) when none).
+    result_spans: token span [start, end) of each result's text inside the trajectory.
+    """
+
+    header_start: int
+    policy_start: int
+    policy_end: int
+    text: str
+    calls: list[Call]
+    results: list[str] = dataclasses.field(default_factory=list)
+    obs_start: int = -1
+    obs_end: int = -1
+    result_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    answer: str | None = None
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return self.policy_end - self.policy_start
+
+    @property
+    def has_observation(self) -> bool:
+        return self.obs_end > self.obs_start
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One rollout.
+
+    tokens: int32 [L]; policy_mask: bool [L]; turn_ids: int32 [L] (turn index on policy tokens,
+    -1 elsewhere); old_logprobs: float32 [L] (sampling log-probs on policy tokens, 0 elsewhere);
+    prompt_len: number of prompt tokens; turns: K TurnRecords; reward: outcome reward;
+    metrics: free-form (``metrics["turn_rewards"]``, length K, feeds ``TrajectoryBatch.turn_rewards``);
+    truncated / finish_reason: how the rollout ended ("answer", "max_turns", "length", ...).
+    """
+
+    tokens: np.ndarray
+    policy_mask: np.ndarray
+    turn_ids: np.ndarray
+    old_logprobs: np.ndarray
+    prompt_len: int
+    turns: list[TurnRecord]
+    group_id: int
+    task_id: Any
+    reward: float = 0.0
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    truncated: bool = False
+    finish_reason: str = ""
+
+    def __post_init__(self):
+        n = self.tokens.shape[0]
+        for name, dtype in (("tokens", np.int32), ("policy_mask", np.bool_), ("turn_ids", np.int32), ("old_logprobs", np.float32)):
+            arr = getattr(self, name)
+            if arr.ndim != 1 or arr.shape[0] != n or arr.dtype != dtype:
+                raise ValueError(f"Trajectory.{name} must be {np.dtype(dtype).name}[{n}], got {arr.dtype}{list(arr.shape)}")
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turns)
+
+
+class TrajectoryBuilder:
+    """Assembles a Trajectory turn by turn during a rollout.
+
+    Call order: ``add_policy_turn`` then ``add_observation``, alternating; optionally
+    ``mark_truncated`` (after which nothing more may be added); then ``build``.
+
+    Args:
+      prompt_ids: token ids of the rendered prompt, ending with the generation prompt.
+      group_id: index of the prompt group (siblings share it).
+      task_id: the task's id (any value).
+      im_start_id / im_end_id: ids of <|im_start|> / <|im_end|> (defaults: the Qwen3 vocabulary).
+    """
+
+    def __init__(
+        self,
+        prompt_ids: Sequence[int],
+        group_id: int,
+        task_id: Any,
+        *,
+        im_start_id: int = QWEN3_IM_START_ID,
+        im_end_id: int = QWEN3_IM_END_ID,
+    ):
+        prompt = np.asarray(prompt_ids, dtype=np.int64)
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise ValueError(f"prompt_ids must be a non-empty 1-D id sequence, got shape {prompt.shape}")
+        starts = np.flatnonzero(prompt == im_start_id)
+        if starts.size == 0:
+            raise ValueError(
+                f"prompt has no <|im_start|> (id {im_start_id}); it must end with the generation prompt "
+                "(pass im_start_id=special_ids(tokenizer).im_start for a non-Qwen3 tokenizer)"
+            )
+        self.group_id = int(group_id)
+        self.task_id = task_id
+        self._im_start_id = int(im_start_id)
+        self._im_end_id = int(im_end_id)
+        self._prompt_len = int(prompt.size)
+        self._tokens: list[np.ndarray] = [prompt.astype(np.int32)]
+        self._logprobs: list[np.ndarray] = [np.zeros(prompt.size, np.float32)]
+        self._turn_ids: list[np.ndarray] = [np.full(prompt.size, -1, np.int32)]
+        self._length = int(prompt.size)
+        self._next_header = int(starts[-1])  # turn 0's header = the prompt's generation prompt
+        self._turns: list[TurnRecord] = []
+        self._expect_policy = True
+        self._truncated = False
+        self._truncation_reason = ""
+
+    @property
+    def length(self) -> int:
+        """Current number of tokens (prompt + everything appended so far)."""
+        return self._length
+
+    @property
+    def num_turns(self) -> int:
+        return len(self._turns)
+
+    @property
+    def turns(self) -> list[TurnRecord]:
+        return list(self._turns)
+
+    def _append(self, ids: np.ndarray, logprobs: np.ndarray, turn: int) -> tuple[int, int]:
+        start = self._length
+        self._tokens.append(ids)
+        self._logprobs.append(logprobs)
+        self._turn_ids.append(np.full(ids.size, turn, np.int32))
+        self._length += int(ids.size)
+        return start, self._length
+
+    def _check_open(self, what: str) -> None:
+        if self._truncated:
+            raise RuntimeError(f"cannot {what}: the trajectory was marked truncated ({self._truncation_reason})")
+
+    def add_policy_turn(
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float],
+        text: str,
+        calls: Sequence[Call],
+        answer: str | None = None,
+    ) -> TurnRecord:
+        """Append the policy's sampled tokens for the next turn.
+
+        Args:
+          token_ids: int [n >= 1], as sampled (including the sampled <|im_end|>, if any).
+          logprobs: float [n], the sampler's log-probabilities of those tokens.
+          text: decoded text of the turn; calls / answer: from ``parsing.parse_turn``.
+        """
+        self._check_open("add a policy turn")
+        if not self._expect_policy:
+            raise RuntimeError(
+                f"turn {len(self._turns)}: add_observation must follow turn {len(self._turns) - 1} before "
+                "the next policy turn (the next assistant header is part of the observation suffix)"
+            )
+        ids = np.asarray(token_ids, dtype=np.int64)
+        lp = np.asarray(logprobs, dtype=np.float32)
+        k = len(self._turns)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"turn {k}: a policy turn needs at least one token, got shape {ids.shape}")
+        if lp.shape != ids.shape:
+            raise ValueError(f"turn {k}: {ids.size} tokens but logprobs has shape {lp.shape}")
+        if not np.all(np.isfinite(lp)):
+            raise ValueError(f"turn {k}: non-finite sampling log-probs")
+        start, end = self._append(ids.astype(np.int32), lp, k)
+        record = TurnRecord(
+            header_start=self._next_header,
+            policy_start=start,
+            policy_end=end,
+            text=text,
+            calls=list(calls),
+            obs_start=end,
+            obs_end=end,
+            answer=answer,
+        )
+        self._turns.append(record)
+        self._expect_policy = False
+        return record
+
+    def add_observation(
+        self,
+        suffix_ids: Sequence[int],
+        results: Sequence[str],
+        result_spans: Sequence[tuple[int, int]],
+        header_offset: int,
+    ) -> TurnRecord:
+        """Append the observation suffix after the last policy turn.
+
+        Args:
+          suffix_ids: int [S], from ``template.observation_suffix_ids`` (starts with the newline
+            after <|im_end|>, ends with the next assistant header).
+          results: one observation text per call of the last turn, in order.
+          result_spans: each result's token span [start, end) within ``suffix_ids``.
+          header_offset: index in ``suffix_ids`` of the next assistant header's <|im_start|>.
+        """
+        self._check_open("add an observation")
+        if self._expect_policy:
+            raise RuntimeError("add_observation must follow a policy turn")
+        k = len(self._turns) - 1
+        turn = self._turns[k]
+        ids = np.asarray(suffix_ids, dtype=np.int64)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"turn {k}: observation suffix must be a non-empty 1-D id sequence")
+        last_token = int(self._tokens[-1][-1])
+        if last_token != self._im_end_id:
+            raise ValueError(
+                f"turn {k} ended with token {last_token}, not <|im_end|> ({self._im_end_id}); an observation "
+                "can only follow a completed turn"
+            )
+        if len(results) != len(turn.calls):
+            raise ValueError(f"turn {k}: {len(turn.calls)} calls but {len(results)} results")
+        if len(result_spans) != len(results):
+            raise ValueError(f"turn {k}: {len(results)} results but {len(result_spans)} result spans")
+        if not 0 <= header_offset < ids.size or int(ids[header_offset]) != self._im_start_id:
+            raise ValueError(
+                f"turn {k}: header_offset {header_offset} does not point at <|im_start|> ({self._im_start_id}) "
+                f"in the {ids.size}-token suffix"
+            )
+        for a, b in result_spans:
+            if not 0 <= a <= b <= ids.size:
+                raise ValueError(f"turn {k}: result span ({a}, {b}) outside the {ids.size}-token suffix")
+        start, end = self._append(ids.astype(np.int32), np.zeros(ids.size, np.float32), -1)
+        record = dataclasses.replace(
+            turn,
+            results=list(results),
+            obs_start=start,
+            obs_end=end,
+            result_spans=[(start + a, start + b) for a, b in result_spans],
+        )
+        self._turns[k] = record
+        self._next_header = start + int(header_offset)
+        self._expect_policy = True
+        return record
+
+    def mark_truncated(self, reason: str = "length") -> None:
+        """Record that the rollout was cut (e.g. "length": a turn cut without <|im_end|>)."""
+        self._check_open("mark truncated")
+        self._truncated = True
+        self._truncation_reason = reason
+
+    def build(self, *, reward: float = 0.0, metrics: dict[str, Any] | None = None, finish_reason: str | None = None) -> Trajectory:
+        """Concatenate everything into a Trajectory and check it.
+
+        finish_reason: required unless the trajectory was marked truncated (its reason is used) or
+        the last turn gave an answer ("answer").
+        """
+        if self._truncated:
+            if finish_reason is not None and finish_reason != self._truncation_reason:
+                raise ValueError(
+                    f"finish_reason {finish_reason!r} conflicts with the truncation reason {self._truncation_reason!r}"
+                )
+            finish_reason = self._truncation_reason
+        elif finish_reason is None:
+            if self._turns and self._turns[-1].answer is not None:
+                finish_reason = "answer"
+            else:
+                raise ValueError("build(): finish_reason is required when the last turn gave no answer")
+        tokens = np.concatenate(self._tokens)
+        turn_ids = np.concatenate(self._turn_ids)
+        # Observation tokens carry turn id -1 from _append; policy tokens their turn index.
+        policy_mask = turn_ids >= 0
+        traj = Trajectory(
+            tokens=tokens,
+            policy_mask=policy_mask,
+            turn_ids=turn_ids,
+            old_logprobs=np.concatenate(self._logprobs),
+            prompt_len=self._prompt_len,
+            turns=list(self._turns),
+            group_id=self.group_id,
+            task_id=self.task_id,
+            reward=float(reward),
+            metrics=dict(metrics or {}),
+            truncated=self._truncated,
+            finish_reason=finish_reason,
+        )
+        check_trajectory(traj, segments=self._tokens)
+        return traj
+
+
+def check_trajectory(traj: Trajectory, *, segments: Sequence[np.ndarray] | None = None) -> None:
+    """Assert the token layout invariants; raise AssertionError naming the first violation.
+
+    tokens = prompt + (policy turn, observation)* in order, with turn records tiling [prompt_len, L)
+    exactly; policy_mask / turn_ids / old_logprobs agree with the records. With ``segments`` (the
+    appended id arrays, in order), also checks that every segment appears unchanged at its place.
+    """
+    L = traj.length
+    pos = traj.prompt_len
+    for k, t in enumerate(traj.turns):
+        if t.policy_start != pos:
+            raise AssertionError(f"turn {k} starts at {t.policy_start}, expected {pos} (gap or overlap)")
+        if not t.header_start < t.policy_start:
+            raise AssertionError(f"turn {k}: header_start {t.header_start} not before policy_start {t.policy_start}")
+        if not (t.policy_start < t.policy_end <= t.obs_start <= t.obs_end) or t.obs_start != t.policy_end:
+            raise AssertionError(f"turn {k}: inconsistent spans {t}")
+        for a, b in t.result_spans:
+            if not t.obs_start <= a <= b <= t.obs_end:
+                raise AssertionError(f"turn {k}: result span ({a}, {b}) outside its observation")
+        pos = t.obs_end
+    if pos != L:
+        raise AssertionError(f"turn records end at {pos} but the trajectory has {L} tokens")
+    expected_ids = np.full(L, -1, np.int32)
+    for k, t in enumerate(traj.turns):
+        expected_ids[t.policy_start : t.policy_end] = k
+    if not np.array_equal(traj.turn_ids, expected_ids):
+        raise AssertionError("turn_ids disagree with the turn records")
+    if not np.array_equal(traj.policy_mask, expected_ids >= 0):
+        raise AssertionError("policy_mask disagrees with the turn records")
+    if np.any(traj.old_logprobs[~traj.policy_mask] != 0):
+        raise AssertionError("old_logprobs must be 0 off policy tokens")
+    if segments is not None:
+        offset = 0
+        for i, seg in enumerate(segments):
+            if not np.array_equal(traj.tokens[offset : offset + seg.size], seg):
+                raise AssertionError(f"segment {i} was altered in the concatenated tokens")
+            offset += seg.size
+        if offset != L:
+            raise AssertionError(f"segments hold {offset} tokens but the trajectory has {L}")
+
+
+@flax.struct.dataclass
+class TrajectoryBatch:
+    """B trajectories right-padded to a bucketed length T (host numpy arrays; device_put as needed).
+
+    tokens: int32 [B, T]; valid_mask: bool [B, T] (False on padding); policy_mask: bool [B, T];
+    turn_ids: int32 [B, T] (-1 off policy tokens); old_logprobs: float32 [B, T];
+    group_ids: int32 [B]; rewards: float32 [B]; num_turns: int32 [B];
+    turn_rewards: float32 [B, K] (``metrics["turn_rewards"]``, zeros when absent or past a
+    trajectory's last turn).
+    """
+
+    tokens: Any
+    valid_mask: Any
+    policy_mask: Any
+    turn_ids: Any
+    old_logprobs: Any
+    group_ids: Any
+    rewards: Any
+    num_turns: Any
+    turn_rewards: Any
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.tokens.shape)
+
+
+def _pick_bucket(length: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if b >= length:
+            return int(b)
+    raise ValueError(
+        f"trajectory of {length} tokens is longer than the largest bucket {buckets[-1]}; "
+        "raise the largest bucket or lower the rollout length limit (trajectories are never truncated here)"
+    )
+
+
+def make_batch(
+    trajectories: Sequence[Trajectory],
+    *,
+    buckets: Sequence[int] = DEFAULT_BUCKETS,
+    pad_id: int,
+    num_turns_bucket: int | None = None,
+) -> TrajectoryBatch:
+    """Right-pad trajectories into a TrajectoryBatch.
+
+    T = the smallest bucket >= the longest trajectory. K = ``num_turns_bucket`` (must be >= every
+    trajectory's turn count), or by default the smallest power of two >= the largest turn count.
+
+    Raises:
+      ValueError: empty input, unsorted buckets, a trajectory longer than every bucket, more turns
+        than K, or ``metrics["turn_rewards"]`` whose length differs from the turn count.
+    """
+    if not trajectories:
+        raise ValueError("make_batch needs at least one trajectory")
+    buckets = [int(b) for b in buckets]
+    if not buckets or any(b <= 0 for b in buckets) or buckets != sorted(set(buckets)):
+        raise ValueError(f"buckets must be positive and strictly increasing, got {buckets}")
+    B = len(trajectories)
+    T = _pick_bucket(max(t.length for t in trajectories), buckets)
+    max_turns = max(t.num_turns for t in trajectories)
+    if num_turns_bucket is None:
+        K = 1
+        while K < max_turns:
+            K *= 2
+    else:
+        K = int(num_turns_bucket)
+        if K < max_turns:
+            raise ValueError(f"a trajectory has {max_turns} turns but num_turns_bucket is {K}")
+    tokens = np.full((B, T), pad_id, np.int32)
+    valid = np.zeros((B, T), np.bool_)
+    policy = np.zeros((B, T), np.bool_)
+    turn_ids = np.full((B, T), -1, np.int32)
+    logprobs = np.zeros((B, T), np.float32)
+    turn_rewards = np.zeros((B, K), np.float32)
+    for i, t in enumerate(trajectories):
+        n = t.length
+        tokens[i, :n] = t.tokens
+        valid[i, :n] = True
+        policy[i, :n] = t.policy_mask
+        turn_ids[i, :n] = t.turn_ids
+        logprobs[i, :n] = t.old_logprobs
+        tr = t.metrics.get("turn_rewards")
+        if tr is not None:
+            tr = np.asarray(tr, np.float32)
+            if tr.shape != (t.num_turns,):
+                raise ValueError(
+                    f"trajectory {i}: metrics['turn_rewards'] has shape {tr.shape}, expected ({t.num_turns},)"
+                )
+            turn_rewards[i, : t.num_turns] = tr
+    return TrajectoryBatch(
+        tokens=tokens,
+        valid_mask=valid,
+        policy_mask=policy,
+        turn_ids=turn_ids,
+        old_logprobs=logprobs,
+        group_ids=np.array([t.group_id for t in trajectories], np.int32),
+        rewards=np.array([t.reward for t in trajectories], np.float32),
+        num_turns=np.array([t.num_turns for t in trajectories], np.int32),
+        turn_rewards=turn_rewards,
+    )
+
+
+def trajectory_arrays(traj: Trajectory) -> dict[str, np.ndarray]:
+    """The per-trajectory arrays a batch row holds (the form ``unbatch`` returns)."""
+    tr = traj.metrics.get("turn_rewards")
+    return {
+        "tokens": traj.tokens,
+        "policy_mask": traj.policy_mask,
+        "turn_ids": traj.turn_ids,
+        "old_logprobs": traj.old_logprobs,
+        "group_id": np.int32(traj.group_id),
+        "reward": np.float32(traj.reward),
+        "num_turns": np.int32(traj.num_turns),
+        "turn_rewards": np.zeros(traj.num_turns, np.float32) if tr is None else np.asarray(tr, np.float32),
+    }
+
+
+def unbatch(batch: TrajectoryBatch) -> list[dict[str, np.ndarray]]:
+    """Split a batch back into per-trajectory arrays with padding removed (see ``trajectory_arrays``).
+
+    Raises:
+      ValueError: a row whose valid_mask is not a prefix (the batch was not right-padded).
+    """
+    valid = np.asarray(batch.valid_mask)
+    rows = []
+    for i in range(valid.shape[0]):
+        n = int(valid[i].sum())
+        if not valid[i, :n].all():
+            raise ValueError(f"row {i}: valid_mask is not a prefix of the row")
+        k = int(np.asarray(batch.num_turns)[i])
+        rows.append(
+            {
+                "tokens": np.asarray(batch.tokens)[i, :n],
+                "policy_mask": np.asarray(batch.policy_mask)[i, :n],
+                "turn_ids": np.asarray(batch.turn_ids)[i, :n],
+                "old_logprobs": np.asarray(batch.old_logprobs)[i, :n],
+                "group_id": np.asarray(batch.group_ids)[i],
+                "reward": np.asarray(batch.rewards)[i],
+                "num_turns": np.asarray(batch.num_turns)[i],
+                "turn_rewards": np.asarray(batch.turn_rewards)[i, :k],
+            }
+        )
+    return rows
