@@ -69,10 +69,12 @@ def token_id(tokenizer: Any, token: str) -> int:
     Raises:
       KeyError: the token is not a single entry of the vocabulary.
     """
-    vocab = tokenizer.get_vocab()
-    if token not in vocab:
+    # convert_tokens_to_ids maps unknown strings to the unk id (or None): check the round trip.
+    # (get_vocab() would be exact too but rebuilds a 150k-entry dict on every call.)
+    tid = tokenizer.convert_tokens_to_ids(token)
+    if tid is None or tokenizer.convert_ids_to_tokens(int(tid)) != token:
         raise KeyError(f"token {token!r} is not in the tokenizer's vocabulary")
-    return int(vocab[token])
+    return int(tid)
 
 
 @dataclasses.dataclass(frozen=True)
