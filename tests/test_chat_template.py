@@ -431,6 +431,8 @@ def test_observation_suffix_ids_spans_and_header(tok):
 def test_observation_suffix_rejects_bad_results():
     with pytest.raises(TypeError, match="list of strings"):
         T.observation_suffix("oops", enable_thinking=True)
+    with pytest.raises(ValueError, match="at least one result"):
+        T.observation_suffix([], enable_thinking=False)
     with pytest.raises(TypeError, match="result 1 is int"):
         T.observation_suffix(["a", 3], enable_thinking=True)
 

@@ -194,6 +194,9 @@ def _observation_parts(results: Sequence[str], enable_thinking: bool) -> tuple[s
     """Suffix text, each result's character span in it, and where the next assistant header starts."""
     if isinstance(results, str):
         raise TypeError("results must be a list of strings (one per tool call), not a single string")
+    if len(results) == 0:
+        # The template renders no user turn at all for zero tool messages.
+        raise ValueError("observation suffix needs at least one result (a turn without tool calls gets no observation)")
     text = "\n" + IM_START + "user"
     spans: list[tuple[int, int]] = []
     for i, result in enumerate(results):
