@@ -121,3 +121,20 @@ def test_default_limit_is_ten_seconds():
         elapsed = time.monotonic() - t
     assert out == ERR + "Function f timed out after 10.000000 seconds."
     assert 9.9 <= elapsed < 11.0
+
+
+def test_failures_inside_a_batch_cost_only_their_own_call(ex):
+    ok = [ToolRequest("g", "def g(i):\n    return i * 10", {"i": i}) for i in range(40)]
+    bad = {5: _f("import ctypes\nctypes.string_at(0)"), 17: _f("while True:\n    pass"),
+           23: _f("import os\nos._exit(1)"), 31: _f("raise KeyError('k')")}
+    reqs = [bad.get(i, r) for i, r in enumerate(ok)]
+    t = time.monotonic()
+    outs = ex.run_many(reqs)
+    assert time.monotonic() - t < 4.0
+    assert outs[5] == ERR + "tool process was killed by SIGSEGV"
+    assert outs[17] == ERR + "Function f timed out after 1.000000 seconds."
+    assert outs[23] == ERR + "tool process exited with code 1"
+    assert outs[31] == ERR + "'k'"
+    assert [o for i, o in enumerate(outs) if i not in bad] == [
+        str(i * 10) for i in range(40) if i not in bad]
+    _healthy(ex)

@@ -12,6 +12,7 @@ code runs, so tool code that prints, reads input() or writes to fd 1 cannot corr
 Requests:
   {"op": "call", "key": <source hash>, "source": <str, optional>, "name": <tool name>,
    "args": <JSON value>, "seed": <int>, "timeout": <float s>, "cpu": <float s>}
+  {"op": "batch", "calls": [<call request>, ...]}   (one reply frame per call, in order)
 Replies:
   {"ok": <result text>}            tool returned; text formatted the FTRL way
   {"err": <message>}               tool raised, timed out or exceeded a limit
@@ -212,35 +213,40 @@ def main() -> None:
             continue
         if request is None:
             return  # parent closed the pipe
-        key = request["key"]
-        code = cache.get(key)
-        if code is None:
-            source = request.get("source")
-            if source is None:
-                _write_frame(out_fd, {"need_source": True})
-                continue
-            try:
-                # "<string>" as the filename so SyntaxError text matches FTRL's exec(str).
-                code = compile(source, "<string>", "exec")
-            except BaseException as e:  # noqa: BLE001 - SyntaxError, MemoryError, ...
-                code = e
-            cache[key] = code
-            if len(cache) > _MAX_CACHED_SOURCES:
-                cache.popitem(last=False)
-        else:
-            cache.move_to_end(key)
-        status, text = _run_call(
-            code,
-            request["name"],
-            request["args"],
-            int(request.get("seed", 0)),
-            float(request["timeout"]),
-            float(request["cpu"]),
-            memory_mb,
-        )
-        text = _truncate(text, max_chars)
-        _write_frame(out_fd, {status: text})
+        # A frame holds one call or a batch of calls; results stream back one frame per call,
+        # in order, so the parent can tell which call a crash or hang belongs to.
+        calls = request["calls"] if request.get("op") == "batch" else [request]
+        for call in calls:
+            _write_frame(out_fd, _serve_call(call, cache, memory_mb, max_chars))
 
+
+def _serve_call(request: dict, cache: collections.OrderedDict, memory_mb: int, max_chars: int) -> dict:
+    key = request["key"]
+    code = cache.get(key)
+    if code is None:
+        source = request.get("source")
+        if source is None:
+            return {"need_source": True}
+        try:
+            # "<string>" as the filename so SyntaxError text matches FTRL's exec(str).
+            code = compile(source, "<string>", "exec")
+        except BaseException as e:  # noqa: BLE001 - SyntaxError, MemoryError, ...
+            code = e
+        cache[key] = code
+        if len(cache) > _MAX_CACHED_SOURCES:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(key)
+    status, text = _run_call(
+        code,
+        request["name"],
+        request["args"],
+        int(request.get("seed", 0)),
+        float(request["timeout"]),
+        float(request["cpu"]),
+        memory_mb,
+    )
+    return {status: _truncate(text, max_chars)}
 
 if __name__ == "__main__":
     main()

@@ -14,8 +14,9 @@ An *episode* is one rollout's environment. The rollout driver:
 A `CallError` (malformed call) is answered with its `message`; a failing tool is answered with
 an error observation. Nothing raised by tool code or caused by model output escapes `step`.
 
-`VectorEnv` runs many episodes concurrently (a thread per busy episode; the tool executor behind
-FTRL-style environments spreads the calls over its worker processes). Determinism: given the same
+`VectorEnv` runs many episodes concurrently: the calls of all FTRL-style episodes (dataset tool
+code) go to their shared executor as one batch, spread over its worker processes; other episodes
+(BFCL) step in threads. Determinism: given the same
 task, seed and calls, an episode returns the same observations and score.
 """
 
@@ -109,8 +110,9 @@ class VectorEnv:
     """Runs a batch of episodes concurrently.
 
     `step(calls_per_episode)` takes one entry per episode: the turn's calls, or None for an
-    episode that does not act this round (finished, or waiting). Episodes step in parallel
-    threads, so the tool calls of all rollouts reach the executor's worker pool together.
+    episode that does not act this round (finished, or waiting). The tool calls of all
+    executor-backed episodes are sent to the executor as one batch; other episodes step in
+    parallel threads.
     """
 
     def __init__(self, env: Environment, *, max_threads: int = 32):
@@ -138,11 +140,36 @@ class VectorEnv:
                 f"VectorEnv.step: {len(self.episodes)} episodes but "
                 f"{len(calls_per_episode)} call lists"
             )
-        futures = [
-            None if calls is None or ep.done else self._pool.submit(ep.step, list(calls))
-            for ep, calls in zip(self.episodes, calls_per_episode)
-        ]
-        return [None if f is None else f.result() for f in futures]
+        results: list[StepResult | None] = [None] * len(self.episodes)
+        # Episodes that run dataset tool code (FTRL, ToolHop, built-in) plan their calls first;
+        # all their calls then go to the shared executor as one batch.
+        batched: dict[int, list] = {}
+        threaded = []
+        for i, (ep, calls) in enumerate(zip(self.episodes, calls_per_episode)):
+            if calls is None or ep.done:
+                continue
+            calls = list(calls)
+            if hasattr(ep, "plan_step") and hasattr(ep, "commit_step"):
+                plan = ep.plan_step(calls)
+                if isinstance(plan, StepResult):
+                    results[i] = plan
+                else:
+                    batched.setdefault(id(ep.executor), []).append((i, ep, calls, plan))
+            else:
+                threaded.append((i, self._pool.submit(ep.step, calls)))
+        for group in batched.values():
+            executor = group[0][1].executor
+            requests = [r for _, _, _, (_, reqs, _) in group for r in reqs]
+            texts = executor.run_many(requests)
+            offset = 0
+            for i, ep, calls, (observations, reqs, slots) in group:
+                results[i] = ep.commit_step(
+                    calls, observations, slots, texts[offset : offset + len(reqs)]
+                )
+                offset += len(reqs)
+        for i, future in threaded:
+            results[i] = future.result()
+        return results
 
     def score(self, final_texts: Sequence[str | None] | None = None) -> list[EpisodeScore]:
         if final_texts is None:

@@ -47,6 +47,17 @@ class CodeToolEpisode(Episode):
         return self._done
 
     def step(self, calls: Sequence[Call]) -> StepResult:
+        plan = self.plan_step(calls)
+        if isinstance(plan, StepResult):
+            return plan
+        observations, requests, slots = plan
+        return self.commit_step(calls, observations, slots, self._executor.run_many(requests))
+
+    # Two-phase stepping lets `VectorEnv` send the calls of all episodes to the executor as one
+    # batch (one chunked `run_many`), instead of one small batch per episode.
+    def plan_step(self, calls: Sequence[Call]):
+        """Either a finished `StepResult` (no tool code to run) or (observations, requests,
+        request slots) for `commit_step`."""
         with self._lock:
             if self._done:
                 return StepResult(observations=tuple(["episode is over"] * len(calls)), done=True)
@@ -55,7 +66,7 @@ class CodeToolEpisode(Episode):
                 return StepResult(observations=(), done=True)
             observations: list[str | None] = [None] * len(calls)
             requests: list[ToolRequest] = []
-            request_slots: list[int] = []
+            slots: list[int] = []
             for i, call in enumerate(calls):
                 if isinstance(call, CallError):
                     observations[i] = malformed_observation(call)
@@ -69,8 +80,19 @@ class CodeToolEpisode(Episode):
                     requests.append(
                         ToolRequest(call.name, self.task.codes[call.name], call.arguments, seed)
                     )
-                    request_slots.append(i)
-            for slot, text in zip(request_slots, self._executor.run_many(requests)):
+                    slots.append(i)
+            return observations, requests, slots
+
+    def commit_step(
+        self,
+        calls: Sequence[Call],
+        observations: list,
+        slots: Sequence[int],
+        texts: Sequence[str],
+    ) -> StepResult:
+        """Records the executed turn (see `plan_step`) and returns its `StepResult`."""
+        with self._lock:
+            for slot, text in zip(slots, texts):
                 observations[slot] = text
             self._n_calls += len(calls)
             turn = []
@@ -82,6 +104,10 @@ class CodeToolEpisode(Episode):
             self.turns.append(turn)
             self.call_outputs.extend(turn)
             return StepResult(observations=tuple(observations), done=False)
+
+    @property
+    def executor(self) -> ToolExecutor:
+        return self._executor
 
     def score(self, final_text: str | None = None) -> EpisodeScore:  # pragma: no cover - abstract
         raise NotImplementedError

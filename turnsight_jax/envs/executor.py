@@ -240,6 +240,8 @@ class ToolExecutor:
         self._lock = threading.Lock()
         self._closed = False
         self.restarts = 0  # how many times a worker was replaced (crash / timeout)
+        self.max_chunk = 16  # calls per frame sent to one worker
+        self._key_cache: dict[str, str] = {}
         for _ in range(num_workers):
             worker = self._spawn()
             self._idle.put(worker)
@@ -298,56 +300,134 @@ class ToolExecutor:
         return self.run_many([request])[0]
 
     def run_many(self, requests: Sequence[ToolRequest]) -> list[str]:
-        """Runs calls concurrently over the pool; returns observation texts in request order."""
+        """Runs calls concurrently over the pool; returns observation texts in request order.
+
+        Each busy worker is driven by one pool thread that keeps taking the next chunk of
+        pending requests of this batch and sends the chunk as one frame; the worker streams one
+        result per call back. At a few thousand calls per second the parent's per-call
+        bookkeeping and the pipe round trips, not the tool code, limit throughput, so calls
+        are not handed from thread to thread one by one.
+        """
         if self._closed:
             raise RuntimeError("ToolExecutor.run_many: the executor is closed")
         if not requests:
             return []
         if len(requests) == 1:
             return [self._run_one(requests[0])]
-        futures = [self._pool.submit(self._run_one, r) for r in requests]
-        return [f.result() for f in futures]
+        results: list[str | None] = [None] * len(requests)
+        # Small enough chunks to balance the workers, large enough to amortise the round trips.
+        chunk = max(1, min(self.max_chunk, len(requests) // (4 * self.num_workers)))
+        starts = iter(range(0, len(requests), chunk))
+        lock = threading.Lock()
+
+        def drain() -> None:
+            worker = self._idle.get()
+            try:
+                while True:
+                    with lock:
+                        first = next(starts, None)
+                    if first is None:
+                        return
+                    texts, worker = self._call_chunk(worker, requests[first : first + chunk])
+                    results[first : first + len(texts)] = texts
+            finally:
+                self._idle.put(worker)
+
+        futures = [self._pool.submit(drain) for _ in range(min(self.num_workers, len(requests)))]
+        for future in futures:
+            future.result()
+        return results  # type: ignore[return-value]
 
     def _run_one(self, request: ToolRequest) -> str:
+        worker = self._idle.get()
         try:
-            args_json = json.dumps(request.arguments, ensure_ascii=False, allow_nan=True)
+            texts, worker = self._call_chunk(worker, [request])
+            return texts[0]
+        finally:
+            self._idle.put(worker)
+
+    def _message(self, request: ToolRequest, worker: _Worker) -> tuple[dict | None, str, str | None]:
+        """(wire message or None, source key, error text when the arguments are not JSON)."""
+        try:
+            args = json.loads(json.dumps(request.arguments, ensure_ascii=False, allow_nan=True))
         except (TypeError, ValueError) as e:
-            return error_text(request.name, f"arguments are not JSON data: {e}")
-        key = hashlib.sha256(request.source.encode("utf-8", errors="surrogatepass")).hexdigest()
+            return None, "", error_text(request.name, f"arguments are not JSON data: {e}")
+        key = self._key_cache.get(request.source)
+        if key is None:
+            key = hashlib.sha256(request.source.encode("utf-8", errors="surrogatepass")).hexdigest()
+            if len(self._key_cache) > 8192:
+                self._key_cache.clear()
+            self._key_cache[request.source] = key
         limits = self.limits
-        cpu = limits.cpu_s if limits.cpu_s is not None else limits.timeout_s
         message = {
             "op": "call",
             "key": key,
             "name": request.name,
-            "args": json.loads(args_json),
+            "args": args,
             "seed": int(request.seed),
             "timeout": float(limits.timeout_s),
-            "cpu": float(cpu),
+            "cpu": float(limits.cpu_s if limits.cpu_s is not None else limits.timeout_s),
         }
-        worker = self._idle.get()
+        if key not in worker.known_keys:
+            message["source"] = request.source
+        return message, key, None
+
+    def _call_chunk(
+        self, worker: _Worker, requests: Sequence[ToolRequest]
+    ) -> tuple[list[str], _Worker]:
+        """Runs `requests` in order on `worker`; returns (observations, the worker to use next).
+
+        A call that hangs or kills the worker gets its error observation; the worker is replaced
+        and the calls after it run on the replacement.
+        """
+        limits = self.limits
+        out: list[str | None] = [None] * len(requests)
+        messages, keys, slots = [], [], []
+        for i, request in enumerate(requests):
+            message, key, error = self._message(request, worker)
+            if error is not None:
+                out[i] = error
+                continue
+            messages.append(message)
+            keys.append(key)
+            slots.append(i)
+            if "source" in message:
+                worker.known_keys.add(key)  # later calls of this chunk reuse the compiled code
+        if not messages:
+            return out, worker  # type: ignore[return-value]
+        done = 0
         try:
-            deadline = time.monotonic() + limits.timeout_s + limits.kill_grace_s
-            try:
-                if key not in worker.known_keys:
-                    message["source"] = request.source
-                reply = worker.request(message, deadline)
-                if reply.get("need_source"):  # evicted from the worker's cache
-                    message["source"] = request.source
-                    reply = worker.request(message, deadline)
-                worker.known_keys.add(key)
-            except TimeoutError:
-                worker = self._replace(worker)
-                return error_text(
-                    request.name,
-                    f"Function {request.name} timed out after {limits.timeout_s:.6f} seconds.",
-                )
-            except _WorkerCrashed:
-                reason = worker.death_message()
-                worker = self._replace(worker)
-                return error_text(request.name, reason)
-            if "ok" in reply:
-                return reply["ok"]
-            return error_text(request.name, reply.get("err", "unknown worker error"))
-        finally:
-            self._idle.put(worker)
+            worker.send(messages[0] if len(messages) == 1 else {"op": "batch", "calls": messages})
+            for done in range(len(messages)):
+                deadline = time.monotonic() + limits.timeout_s + limits.kill_grace_s
+                reply = worker._read_frame(deadline)
+                if reply.get("need_source"):  # evicted from the worker's cache: resend alone
+                    worker.known_keys.discard(keys[done])
+                    resend = dict(messages[done], source=requests[slots[done]].source)
+                    reply = worker.request(resend, deadline)
+                    worker.known_keys.add(keys[done])
+                name = requests[slots[done]].name
+                if "ok" in reply:
+                    out[slots[done]] = reply["ok"]
+                else:
+                    out[slots[done]] = error_text(name, reply.get("err", "unknown worker error"))
+        except TimeoutError:
+            name = requests[slots[done]].name
+            out[slots[done]] = error_text(
+                name, f"Function {name} timed out after {limits.timeout_s:.6f} seconds."
+            )
+            worker = self._replace(worker)
+            rest = [requests[i] for i in slots[done + 1 :]]
+            if rest:
+                texts, worker = self._call_chunk(worker, rest)
+                for i, text in zip(slots[done + 1 :], texts):
+                    out[i] = text
+        except _WorkerCrashed:
+            out[slots[done]] = error_text(requests[slots[done]].name, worker.death_message())
+            worker = self._replace(worker)
+            rest = [requests[i] for i in slots[done + 1 :]]
+            if rest:
+                texts, worker = self._call_chunk(worker, rest)
+                for i, text in zip(slots[done + 1 :], texts):
+                    out[i] = text
+        return out, worker  # type: ignore[return-value]
