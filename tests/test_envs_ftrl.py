@@ -10,7 +10,6 @@ import textwrap
 import pytest
 
 from turnsight_jax.chat.types import CallError, ToolCall
-from turnsight_jax.envs.executor import ToolExecutor
 from turnsight_jax.envs.ftrl import (
     FTRLEnv,
     FTRLFormatError,

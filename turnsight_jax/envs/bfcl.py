@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import ast
 import copy
+import dataclasses
 import functools
 import importlib
 import inspect
 import json
+import keyword
 import math
 import os
 import tempfile
@@ -153,8 +155,6 @@ def _is_json_value(value: Any, depth: int = 0) -> bool:
 
 
 def _valid_kwarg_name(name: Any) -> bool:
-    import keyword
-
     # No leading underscore: no backend method takes such a parameter, and it keeps dunder
     # names out of the call strings handed to the checker.
     return (
@@ -384,7 +384,7 @@ class BFCLEpisode(Episode):
         if n_valid == 0:
             # BFCL: a step that decodes to no call ends the user turn.
             nxt = self._next_user_turn()
-            return dataclasses_replace(nxt, observations=tuple(observations))
+            return dataclasses.replace(nxt, observations=tuple(observations))
         self.call_strings[-1].append(step_strings)
         self._steps_in_turn += 1
         if self._steps_in_turn > self._step_limit:
@@ -404,12 +404,6 @@ class BFCLEpisode(Episode):
     @property
     def checker_result(self) -> dict:
         return check_episode(self)
-
-
-def dataclasses_replace(result: StepResult, **changes) -> StepResult:
-    import dataclasses
-
-    return dataclasses.replace(result, **changes)
 
 
 def check_episode(episode: BFCLEpisode) -> dict:

@@ -124,7 +124,6 @@ def run(limit: int | None = None, passes: int = 3, log: Callable[[str], None] = 
     log(f"{'category':28s} {'pass':>9s} {'remove fails':>13s} {'alter fails':>12s}")
 
     # 2: removal and alteration.
-    rows = []
     for category, ts in tasks.items():
         removed = [first_detected_change(env, t, "remove")[0] is not None for t in ts]
         altered = [first_detected_change(env, t, "alter")[0] is not None for t in ts]
