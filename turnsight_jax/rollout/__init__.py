@@ -1,0 +1,1 @@
+"""Rollouts: the KV-cached sampler and the multi-turn driver."""

@@ -1,0 +1,138 @@
+"""KV-cached batched sampling: compiled prefill/append and a compiled decode loop.
+
+The decode loop is one `lax.while_loop` per turn (no Python per token). Each step maps the
+last hidden state to logits, samples, records the token and its log-prob, and appends the
+token to the cache — also the stop token, so that after a turn the cache holds exactly the
+tokens the policy emitted and an observation can be appended behind them.
+
+Log-probs are those of the temperature-scaled, *untruncated* distribution,
+log softmax(logits / T)[token], which is what a teacher-forced forward at temperature T gives
+the trainer (top-k / top-p only restrict what can be drawn). Greedy decoding reports T = 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from turnsight_jax.models.qwen3 import KVCache, Qwen3
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """temperature > 0; top_k = 0 disables; top_p = 1.0 disables; greedy ignores the rest."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+
+    def __post_init__(self):
+        if not self.greedy and self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (use greedy=True for argmax), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def truncated_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """Scaled logits [B, V] with tokens outside top-k / the top-p nucleus set to -inf.
+
+    The nucleus keeps the smallest set of most likely tokens whose probability reaches top_p
+    (the token that crosses the threshold is kept)."""
+    scaled = logits / params.temperature
+    if params.top_k:
+        kth = jax.lax.top_k(scaled, params.top_k)[0][:, -1:]
+        scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
+    if params.top_p < 1.0:
+        order = jnp.argsort(-scaled, axis=-1)
+        sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep_sorted = mass_before < params.top_p
+        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(scaled.shape[0])[:, None], order].set(keep_sorted)
+        scaled = jnp.where(keep, scaled, -jnp.inf)
+    return scaled
+
+
+def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row. logits [B, V] float32 -> (tokens [B] int32, logprobs [B] f32)."""
+    if params.greedy:
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        lp = jax.nn.log_softmax(logits, axis=-1)
+    else:
+        tokens = jax.random.categorical(key, truncated_logits(logits, params), axis=-1).astype(jnp.int32)
+        lp = jax.nn.log_softmax(logits / params.temperature, axis=-1)
+    return tokens, jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+
+
+@struct.dataclass
+class TurnOutput:
+    """One decoded turn for every row. tokens, logprobs [B, N]; lengths [B] tokens emitted
+    (stop token included); stopped [B] whether the row emitted a stop token."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    lengths: jax.Array
+    stopped: jax.Array
+
+
+def _last_hidden(hidden: jax.Array, num_new: jax.Array) -> jax.Array:
+    """hidden [B, N, D] -> [B, D] at each row's last appended token."""
+    idx = jnp.maximum(num_new - 1, 0)
+    return jnp.take_along_axis(hidden, idx[:, None, None], axis=1)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
+def append_tokens(graphdef, state, tokens, num_new, cache: KVCache, last_hidden):
+    """Append tokens [B, N] (num_new [B] real ones per row) to the cache; return the new cache
+    and the hidden state [B, D] after each row's last token (rows appending 0 keep theirs)."""
+    model: Qwen3 = nnx.merge(graphdef, state)
+    hidden, cache = model.extend(tokens, num_new, cache)
+    new_last = _last_hidden(hidden, num_new)
+    return cache, jnp.where((num_new > 0)[:, None], new_last.astype(last_hidden.dtype), last_hidden)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=(2,))
+def decode_turn(graphdef, state, cache: KVCache, last_hidden, key, max_new: int, params: SamplingParams,
+                stop_ids, active):
+    """Decode up to `max_new` tokens for every active row.
+
+    last_hidden [B, D]: hidden state after each row's last cached token; stop_ids [S] int32;
+    active [B] bool (inactive rows emit nothing and keep their cache). Returns (TurnOutput,
+    cache, last_hidden, key). Rows stop at a stop token or when the cache is full."""
+    model: Qwen3 = nnx.merge(graphdef, state)
+    w = model.output_weight()
+    b = last_hidden.shape[0]
+    out_tok = jnp.zeros((b, max_new), jnp.int32)
+    out_lp = jnp.zeros((b, max_new), jnp.float32)
+
+    def cond(c):
+        step, done = c[0], c[1]
+        return (step < max_new) & ~jnp.all(done)
+
+    def body(c):
+        step, done, stopped, count, out_tok, out_lp, cache, hidden, key = c
+        key, sub = jax.random.split(key)
+        logits = jnp.einsum("bd,dv->bv", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        tok, lp = sample(logits, sub, params)
+        live = ~done
+        out_tok = out_tok.at[:, step].set(jnp.where(live, tok, 0))
+        out_lp = out_lp.at[:, step].set(jnp.where(live, lp, 0.0))
+        h, cache = model.extend(tok[:, None], live.astype(jnp.int32), cache)
+        hidden = jnp.where(live[:, None], h[:, 0].astype(hidden.dtype), hidden)
+        is_stop = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1) & live
+        full = cache.lengths >= cache.max_len
+        count = count + live.astype(jnp.int32)
+        return (step + 1, done | is_stop | full, stopped | is_stop, count, out_tok, out_lp, cache, hidden, key)
+
+    done0 = ~active | (cache.lengths >= cache.max_len)
+    zeros = jnp.zeros((b,), jnp.int32)
+    init = (jnp.int32(0), done0, jnp.zeros((b,), bool), zeros, out_tok, out_lp, cache, last_hidden, key)
+    _, _, stopped, count, out_tok, out_lp, cache, hidden, key = jax.lax.while_loop(cond, body, init)
+    return TurnOutput(out_tok, out_lp, count, stopped), cache, hidden, key
