@@ -16,6 +16,7 @@ from turnsight_jax.rollout.sampler import SamplingParams, append_tokens, decode_
 CFG = Qwen3Config(vocab_size=211, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, tie_word_embeddings=False)
 NO_STOP = jnp.array([-1], jnp.int32)
+BIG = jnp.full((3,), 10_000, jnp.int32)  # per-row token budgets that never bind
 
 
 def _prefill(graphdef, state, rows, max_len):
@@ -39,12 +40,12 @@ def test_greedy_equals_stepwise_argmax_across_observation_append():
     greedy = SamplingParams(greedy=True)
     key = jax.random.key(0)
     active = jnp.ones((3,), bool)
-    out1, cache, hidden, key = decode_turn(graphdef, state, cache, hidden, key, 8, greedy, NO_STOP, active)
+    out1, cache, hidden, key = decode_turn(graphdef, state, cache, hidden, key, 8, greedy, NO_STOP, active, BIG)
     obs = np.zeros((3, 7), np.int32)
     for i, o in enumerate(observations):
         obs[i, : len(o)] = o
     cache, hidden = append_tokens(graphdef, state, jnp.asarray(obs), jnp.array([4, 1, 7]), cache, hidden)
-    out2, cache, hidden, key = decode_turn(graphdef, state, cache, hidden, key, 6, greedy, NO_STOP, active)
+    out2, cache, hidden, key = decode_turn(graphdef, state, cache, hidden, key, 6, greedy, NO_STOP, active, BIG)
 
     fwd = jax.jit(lambda t: jax.nn.log_softmax(model(t), -1))
     for i in range(3):
@@ -75,10 +76,10 @@ def test_stop_token_ends_row_and_is_cached():
     greedy = SamplingParams(greedy=True)
     # find what greedy emits, then declare its 3rd token of row 0 a stop token
     probe, *_ = decode_turn(graphdef, state, jax.tree.map(jnp.copy, cache), hidden, jax.random.key(0), 6, greedy,
-                            NO_STOP, jnp.ones((2,), bool))
+                            NO_STOP, jnp.ones((2,), bool), BIG[:2])
     stop = int(probe.tokens[0, 2])
     out, cache2, _, _ = decode_turn(graphdef, state, cache, hidden, jax.random.key(0), 6, greedy,
-                                    jnp.array([stop]), jnp.ones((2,), bool))
+                                    jnp.array([stop]), jnp.ones((2,), bool), BIG[:2])
     assert bool(out.stopped[0]) and int(out.lengths[0]) == 3
     assert list(np.asarray(out.tokens[0, 3:])) == [0, 0, 0]
     assert int(cache2.lengths[0]) == 3 + 3  # the stop token is in the cache
@@ -89,7 +90,7 @@ def test_inactive_rows_emit_nothing():
     graphdef, state = nnx.split(model)
     cache, hidden = _prefill(graphdef, state, [[1, 2], [3, 4]], 16)
     out, cache, _, _ = decode_turn(graphdef, state, cache, hidden, jax.random.key(1), 4, SamplingParams(),
-                                   NO_STOP, jnp.array([True, False]))
+                                   NO_STOP, jnp.array([True, False]), BIG[:2])
     assert list(np.asarray(out.lengths)) == [4, 0] and list(np.asarray(cache.lengths)) == [6, 2]
 
 
@@ -105,7 +106,7 @@ def _draws(params, n=4096, vocab=12, seed=0):
                                   cache, jnp.zeros((n, cfg.hidden_size)))
     logits = np.asarray(model(jnp.array([[3, 3]])))[0, -1]
     out, *_ = decode_turn(graphdef, state, cache, hidden, jax.random.key(seed), 1, params, NO_STOP,
-                          jnp.ones((n,), bool))
+                          jnp.ones((n,), bool), jnp.full((n,), 99, jnp.int32))
     return np.asarray(out.tokens[:, 0]), np.asarray(out.logprobs[:, 0]), logits
 
 
@@ -151,3 +152,12 @@ def test_invalid_sampling_params():
         SamplingParams(temperature=0.0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+
+
+def test_budget_caps_each_row():
+    model = init_model(CFG, seed=2)
+    graphdef, state = nnx.split(model)
+    cache, hidden = _prefill(graphdef, state, [[1, 2], [3, 4], [5]], 16)
+    out, cache, _, _ = decode_turn(graphdef, state, cache, hidden, jax.random.key(1), 6, SamplingParams(),
+                                   NO_STOP, jnp.ones((3,), bool), jnp.array([2, 6, 0]))
+    assert list(np.asarray(out.lengths)) == [2, 6, 0] and list(np.asarray(cache.lengths)) == [4, 8, 1]

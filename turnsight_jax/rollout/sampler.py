@@ -100,12 +100,15 @@ def append_tokens(graphdef, state, tokens, num_new, cache: KVCache, last_hidden)
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=(2,))
 def decode_turn(graphdef, state, cache: KVCache, last_hidden, key, max_new: int, params: SamplingParams,
-                stop_ids, active):
+                stop_ids, active, budget, forced=None):
     """Decode up to `max_new` tokens for every active row.
 
     last_hidden [B, D]: hidden state after each row's last cached token; stop_ids [S] int32;
-    active [B] bool (inactive rows emit nothing and keep their cache). Returns (TurnOutput,
-    cache, last_hidden, key). Rows stop at a stop token or when the cache is full."""
+    active [B] bool (inactive rows emit nothing and keep their cache); budget [B] int32 (a row
+    emits at most budget[b] tokens); forced: optional [B, max_new] int32 of tokens that replace
+    the sampled ones (-1 = sample), a scripted override whose log-probs are still the model's.
+    Returns (TurnOutput, cache, last_hidden, key). Rows stop at
+    a stop token, at their budget, or when the cache is full."""
     model: Qwen3 = nnx.merge(graphdef, state)
     w = model.output_weight()
     b = last_hidden.shape[0]
@@ -121,6 +124,11 @@ def decode_turn(graphdef, state, cache: KVCache, last_hidden, key, max_new: int,
         key, sub = jax.random.split(key)
         logits = jnp.einsum("bd,dv->bv", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
         tok, lp = sample(logits, sub, params)
+        if forced is not None:
+            f = forced[:, step]
+            tok = jnp.where(f >= 0, f, tok)
+            scale = 1.0 if params.greedy else params.temperature
+            lp = jnp.take_along_axis(jax.nn.log_softmax(logits / scale, -1), tok[:, None], -1)[:, 0]
         live = ~done
         out_tok = out_tok.at[:, step].set(jnp.where(live, tok, 0))
         out_lp = out_lp.at[:, step].set(jnp.where(live, lp, 0.0))
@@ -129,9 +137,9 @@ def decode_turn(graphdef, state, cache: KVCache, last_hidden, key, max_new: int,
         is_stop = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1) & live
         full = cache.lengths >= cache.max_len
         count = count + live.astype(jnp.int32)
-        return (step + 1, done | is_stop | full, stopped | is_stop, count, out_tok, out_lp, cache, hidden, key)
+        return (step + 1, done | is_stop | full | (count >= budget), stopped | is_stop, count, out_tok, out_lp, cache, hidden, key)
 
-    done0 = ~active | (cache.lengths >= cache.max_len)
+    done0 = ~active | (cache.lengths >= cache.max_len) | (budget <= 0)
     zeros = jnp.zeros((b,), jnp.int32)
     init = (jnp.int32(0), done0, jnp.zeros((b,), bool), zeros, out_tok, out_lp, cache, last_hidden, key)
     _, _, stopped, count, out_tok, out_lp, cache, hidden, key = jax.lax.while_loop(cond, body, init)

@@ -1,0 +1,399 @@
+"""The multi-turn rollout driver: policy turns interleaved with tool execution.
+
+For B tasks x G rollouts the driver renders each prompt, lets the policy generate a turn for
+every live rollout, parses the calls on the host, executes them concurrently in the
+environments, appends the observation tokens behind the policy's own tokens, and repeats up to
+`max_turns`. It returns `Trajectory` records (token ids, policy mask, turn ids, old log-probs,
+turn records with calls and results) with rewards and metrics from the environments.
+
+The policy is an interface (`TurnPolicy`): `ModelPolicy` decodes with the KV-cached sampler;
+`ReplayPolicy` replays fixed turn texts, so evaluation and the driver are testable without a
+trained model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from turnsight_jax.chat import template as tmpl
+from turnsight_jax.chat import tokenizer as tok_lib
+from turnsight_jax.chat.parsing import parse_turn
+from turnsight_jax.chat.trajectory import Trajectory, TrajectoryBuilder
+from turnsight_jax.chat.types import CallError, Task
+from turnsight_jax.envs.base import Environment, VectorEnv
+from turnsight_jax.models.qwen3 import KVCache
+from turnsight_jax.rewards import matchtir_turn_rewards
+from turnsight_jax.rollout.sampler import SamplingParams, append_tokens, decode_turn
+
+log = logging.getLogger(__name__)
+
+TOOL_ERROR_PREFIX = "an error occured when call"
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Budgets of a rollout.
+
+    max_turns: policy turns per episode. max_prompt_tokens: longer prompts are an error (they
+    would otherwise be silently cut). max_response_tokens: policy + observation tokens after the
+    prompt. max_turn_tokens: decode cap of one turn (static: one compiled decode loop).
+    """
+
+    max_turns: int = 10
+    max_prompt_tokens: int = 10_000
+    max_response_tokens: int = 13_000
+    max_turn_tokens: int = 1024
+    enable_thinking: bool = False
+    matchtir_method: str = "assignment"
+
+    def __post_init__(self):
+        for name in ("max_turns", "max_prompt_tokens", "max_response_tokens", "max_turn_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"rollout.{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass
+class GeneratedTurn:
+    """One policy turn: token ids as generated (stop token included when `stopped`), their
+    sampling log-probs, the decoded text."""
+
+    ids: list[int]
+    logprobs: list[float]
+    text: str
+    stopped: bool
+
+
+class TurnPolicy(Protocol):
+    def begin(self, prompts: Sequence[Sequence[int]], group_size: int) -> None:
+        """Start len(prompts) * group_size rollouts; row r continues prompt r // group_size."""
+
+    def generate(self, active: np.ndarray, budgets: np.ndarray) -> list[GeneratedTurn | None]:
+        """One turn for every active row (at most budgets[r] tokens); None for inactive rows."""
+
+    def append(self, suffixes: Sequence[Sequence[int] | None]) -> None:
+        """Append observation tokens to the rows given (None: nothing)."""
+
+
+def _bucket(n: int, minimum: int = 16) -> int:
+    """Next power of two >= n: bounds how many shapes (compilations) a run can see."""
+    return max(minimum, 1 << max(0, int(n - 1).bit_length()))
+
+
+class ModelPolicy:
+    """Decodes with the compiled KV-cached sampler.
+
+    The prompts of a group are prefilled once and the cache is repeated G times. Rows, prompt
+    lengths and observation lengths are bucketed to powers of two so a run compiles a bounded
+    number of programs (`compilations()` reports how many).
+    """
+
+    def __init__(self, graphdef, state, tokenizer, *, sampling: SamplingParams, config: RolloutConfig,
+                 seed: int = 0, cache_dtype=jnp.float32, forced_scripts: Sequence[Sequence[str]] | None = None):
+        """forced_scripts: optional turn texts per row that override sampling (a scripted policy
+        run through the real decode loop and cache; log-probs remain the model's)."""
+        self.graphdef, self.state = graphdef, state
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.config = config
+        self.key = jax.random.key(seed)
+        self.cache_dtype = cache_dtype
+        ids = tok_lib.special_ids(tokenizer)
+        self.stop_ids = jnp.array([ids.im_end, ids.endoftext], jnp.int32)
+        self.timings = {"prefill": 0.0, "decode": 0.0, "append": 0.0}
+        self.decoded_tokens = 0
+        self.forced_scripts = forced_scripts
+        self.turn = 0
+
+    @staticmethod
+    def compilations() -> int:
+        return decode_turn._cache_size() + append_tokens._cache_size()
+
+    def begin(self, prompts, group_size):
+        t0 = time.perf_counter()
+        cfg = self.graphdef_config()
+        n_prompts = len(prompts)
+        self.rows = n_prompts * group_size
+        self.padded_rows = _bucket(self.rows, 1)
+        longest = max(len(p) for p in prompts)
+        width = _bucket(longest, 64)
+        # Cache: the prompt bucket plus the response budget (+ one turn of slack for padded appends).
+        max_len = width + self.config.max_response_tokens + 1
+        prompt_rows = _bucket(n_prompts, 1)
+        toks = np.zeros((prompt_rows, width), np.int32)
+        lens = np.zeros((prompt_rows,), np.int32)
+        for i, p in enumerate(prompts):
+            toks[i, : len(p)] = p
+            lens[i] = len(p)
+        cache = KVCache.zeros(cfg, prompt_rows, max_len, self.cache_dtype)
+        hidden = jnp.zeros((prompt_rows, cfg.hidden_size), self.cache_dtype)
+        cache, hidden = append_tokens(self.graphdef, self.state, jnp.asarray(toks), jnp.asarray(lens), cache, hidden)
+        # Repeat each prompt's cache G times, then pad the rows to the bucket with empty rows.
+        take = np.minimum(np.arange(self.padded_rows) // group_size, prompt_rows - 1)
+        take = jnp.asarray(take)
+        self.cache = KVCache(cache.k[:, take], cache.v[:, take], cache.lengths[take])
+        self.hidden = hidden[take]
+        self.turn = 0
+        self.timings["prefill"] += time.perf_counter() - t0
+
+    def graphdef_config(self):
+        from flax import nnx
+
+        return nnx.merge(self.graphdef, self.state).config
+
+    def generate(self, active, budgets):
+        t0 = time.perf_counter()
+        act = np.zeros(self.padded_rows, bool)
+        act[: self.rows] = active
+        bud = np.zeros(self.padded_rows, np.int32)
+        bud[: self.rows] = np.minimum(budgets, self.config.max_turn_tokens)
+        act &= bud > 0
+        self.key, sub = jax.random.split(self.key)
+        forced = None
+        if self.forced_scripts is not None:
+            forced = np.full((self.padded_rows, self.config.max_turn_tokens), -1, np.int32)
+            for r in range(self.rows):
+                script = self.forced_scripts[r]
+                if self.turn < len(script):
+                    ids = (tok_lib.encode(self.tokenizer, script[self.turn]) + [int(self.stop_ids[0])])
+                    ids = ids[: self.config.max_turn_tokens]
+                    forced[r, : len(ids)] = ids
+            forced = jnp.asarray(forced)
+        self.turn += 1
+        out, self.cache, self.hidden, _ = decode_turn(
+            self.graphdef, self.state, self.cache, self.hidden, sub, self.config.max_turn_tokens, self.sampling,
+            self.stop_ids, jnp.asarray(act), jnp.asarray(bud), forced,
+        )
+        tokens, logprobs = np.asarray(out.tokens), np.asarray(out.logprobs)
+        lengths, stopped = np.asarray(out.lengths), np.asarray(out.stopped)
+        self.timings["decode"] += time.perf_counter() - t0
+        result: list[GeneratedTurn | None] = []
+        for r in range(self.rows):
+            if not act[r]:
+                result.append(None if not active[r] else GeneratedTurn([], [], "", False))
+                continue
+            n = int(lengths[r])
+            ids = tokens[r, :n].tolist()
+            self.decoded_tokens += n
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            result.append(GeneratedTurn(ids, logprobs[r, :n].tolist(), text, bool(stopped[r])))
+        return result
+
+    def append(self, suffixes):
+        if not any(s for s in suffixes):
+            return
+        t0 = time.perf_counter()
+        width = _bucket(max(len(s) for s in suffixes if s), 16)
+        toks = np.zeros((self.padded_rows, width), np.int32)
+        lens = np.zeros((self.padded_rows,), np.int32)
+        for r, s in enumerate(suffixes):
+            if s:
+                toks[r, : len(s)] = s
+                lens[r] = len(s)
+        self.cache, self.hidden = append_tokens(
+            self.graphdef, self.state, jnp.asarray(toks), jnp.asarray(lens), self.cache, self.hidden
+        )
+        self.timings["append"] += time.perf_counter() - t0
+
+
+class ReplayPolicy:
+    """Replays fixed turn texts: `scripts[r]` is the list of turn texts of row r. Each turn is
+    tokenised and ends with <|im_end|>; a row out of script answers with an empty answer."""
+
+    def __init__(self, tokenizer, scripts: Sequence[Sequence[str]]):
+        self.tokenizer = tokenizer
+        self.scripts = [list(s) for s in scripts]
+        self.im_end = tok_lib.im_end_id(tokenizer)
+        self.timings: dict[str, float] = {}
+
+    def begin(self, prompts, group_size):
+        rows = len(prompts) * group_size
+        if len(self.scripts) != rows:
+            raise ValueError(f"ReplayPolicy has {len(self.scripts)} scripts for {rows} rollouts")
+        self.turn = [0] * rows
+
+    def generate(self, active, budgets):
+        out: list[GeneratedTurn | None] = []
+        for r, live in enumerate(active):
+            if not live:
+                out.append(None)
+                continue
+            script = self.scripts[r]
+            text = script[self.turn[r]] if self.turn[r] < len(script) else "<answer></answer>"
+            self.turn[r] += 1
+            ids = tok_lib.encode(self.tokenizer, text) + [self.im_end]
+            stopped = len(ids) <= budgets[r]
+            ids = ids[: max(int(budgets[r]), 0)]
+            out.append(GeneratedTurn(ids, [0.0] * len(ids), self.tokenizer.decode(ids, skip_special_tokens=False),
+                                     stopped))
+        return out
+
+    def append(self, suffixes):
+        pass
+
+
+def user_suffix(tokenizer, results: Sequence[str], user_message: str | None, *, enable_thinking: bool):
+    """(ids, result_spans, header_offset) appended after a completed policy turn: the tool
+    responses (if any), then a user message (if any), then the next assistant header."""
+    if results and user_message is None:
+        suf = tmpl.observation_suffix_ids(tokenizer, results, enable_thinking=enable_thinking)
+        return suf.ids, suf.result_spans, suf.header_offset
+    text = ""
+    char_spans = []
+    if results:
+        head = tmpl.observation_suffix(results, enable_thinking=enable_thinking)
+        cut = head.rindex(tok_lib.IM_START)  # drop the assistant header; the user turn follows
+        _, char_spans, _ = tmpl._observation_parts(results, enable_thinking)
+        text = head[:cut]
+    text += ("" if text else "\n") + tok_lib.IM_START + "user\n" + (user_message or "") + tok_lib.IM_END + "\n"
+    header_char = len(text)
+    text += tmpl.generation_prompt(enable_thinking=enable_thinking)
+    ids, offsets = tok_lib.encode_with_offsets(tokenizer, text)
+    spans = [tok_lib.char_span_to_token_span(offsets, a, b) for a, b in char_spans]
+    header, _ = tok_lib.char_span_to_token_span(offsets, header_char, header_char + 1)
+    return ids, spans, header
+
+
+@dataclasses.dataclass
+class RolloutResult:
+    trajectories: list[Trajectory]
+    stats: dict[str, float]
+
+
+def _turn_metrics(traj: Trajectory) -> dict[str, float]:
+    calls = [c for t in traj.turns for c in t.calls]
+    results = [r for t in traj.turns for r in t.results]
+    errors = sum(isinstance(c, CallError) for c in calls) + sum(r.startswith(TOOL_ERROR_PREFIX) for r in results)
+    return {
+        "num_turns": float(traj.num_turns),
+        "num_calls": float(len(calls)),
+        "tool_error_rate": errors / max(len(calls), 1),
+        "response_tokens": float(traj.length - traj.prompt_len),
+        "policy_tokens": float(traj.policy_mask.sum()),
+        "truncated": float(traj.truncated),
+    }
+
+
+def rollout(
+    policy: TurnPolicy,
+    env: Environment,
+    tasks: Sequence[Task],
+    *,
+    tokenizer,
+    group_size: int,
+    config: RolloutConfig,
+    seed: int = 0,
+    group_offset: int = 0,
+) -> RolloutResult:
+    """Run len(tasks) * group_size episodes to the end. Trajectory r belongs to group
+    group_offset + r // group_size."""
+    t_start = time.perf_counter()
+    ids = tok_lib.special_ids(tokenizer)
+    prompts = []
+    for task in tasks:
+        p = tmpl.prompt_ids(tokenizer, task.messages, task.tools, enable_thinking=config.enable_thinking)
+        if len(p) > config.max_prompt_tokens:
+            raise ValueError(
+                f"task {task.task_id}: prompt has {len(p)} tokens, over rollout.max_prompt_tokens="
+                f"{config.max_prompt_tokens}"
+            )
+        prompts.append(p)
+    row_tasks = [t for t in tasks for _ in range(group_size)]
+    n = len(row_tasks)
+    builders = [
+        TrajectoryBuilder(prompts[r // group_size], group_offset + r // group_size, row_tasks[r].task_id,
+                          im_start_id=ids.im_start, im_end_id=ids.im_end)
+        for r in range(n)
+    ]
+    vec = VectorEnv(env)
+    tool_s = 0.0
+    try:
+        vec.start(row_tasks, [seed * 1_000_003 + r for r in range(n)])
+        policy.begin(prompts, group_size)
+        active = np.ones(n, bool)
+        used = np.zeros(n, np.int64)
+        final_text: list[str | None] = [None] * n
+        finish: list[str | None] = [None] * n
+        for turn in range(config.max_turns):
+            budgets = np.maximum(config.max_response_tokens - used, 0)
+            outs = policy.generate(active, budgets)
+            calls_per_row: list = [None] * n
+            for r in np.flatnonzero(active):
+                out = outs[r]
+                if not out.ids:  # no budget left for even one token
+                    builders[r].mark_truncated("length")
+                    finish[r] = "length"
+                    active[r] = False
+                    continue
+                parsed = parse_turn(out.text)
+                builders[r].add_policy_turn(out.ids, out.logprobs, out.text, parsed.calls, parsed.answer)
+                used[r] += len(out.ids)
+                final_text[r] = out.text
+                if not out.stopped:
+                    builders[r].mark_truncated("length")
+                    finish[r] = "length"
+                    active[r] = False
+                    continue
+                calls_per_row[r] = list(parsed.calls)
+            t0 = time.perf_counter()
+            steps = vec.step(calls_per_row)
+            tool_s += time.perf_counter() - t0
+            suffixes: list = [None] * n
+            for r in np.flatnonzero(active):
+                step = steps[r]
+                calls = calls_per_row[r]
+                if step is None:
+                    continue
+                if step.done or (not calls and step.user_message is None):
+                    finish[r] = "answer" if not calls else "env_done"
+                    active[r] = False
+                    continue
+                if turn == config.max_turns - 1:
+                    finish[r] = "max_turns"
+                    active[r] = False
+                    continue
+                sid, spans, header = user_suffix(tokenizer, list(step.observations), step.user_message,
+                                                 enable_thinking=config.enable_thinking)
+                if used[r] + len(sid) >= config.max_response_tokens:
+                    builders[r].mark_truncated("length")
+                    finish[r] = "length"
+                    active[r] = False
+                    continue
+                builders[r].add_observation(sid, list(step.observations), spans, header)
+                used[r] += len(sid)
+                suffixes[r] = sid
+            policy.append(suffixes)
+            if not active.any():
+                break
+        scores = vec.score(final_text)
+    finally:
+        vec.close()
+
+    trajectories = []
+    for r, b in enumerate(builders):
+        task = row_tasks[r]
+        score = scores[r]
+        traj = b.build(reward=score.reward, metrics=dict(score.metrics),
+                       finish_reason=None if b._truncated else (finish[r] or "max_turns"))
+        traj.metrics.update(_turn_metrics(traj))
+        if task.gold_calls is not None:
+            answer = traj.turns[-1].answer if traj.turns else None
+            traj.metrics["turn_rewards"] = matchtir_turn_rewards(
+                [t.calls for t in traj.turns], task.gold_calls, answer, task.answer, method=config.matchtir_method
+            ).tolist()
+        trajectories.append(traj)
+    elapsed = time.perf_counter() - t_start
+    stats = {"rollout_s": elapsed, "tool_s": tool_s,
+             "tokens": float(sum(t.length - t.prompt_len for t in trajectories))}
+    for k, v in getattr(policy, "timings", {}).items():
+        stats[f"{k}_s"] = v
+    if isinstance(policy, ModelPolicy):
+        stats["compilations"] = float(policy.compilations())
+        stats["decoded_tokens"] = float(policy.decoded_tokens)
+    return RolloutResult(trajectories, stats)
