@@ -1,0 +1,138 @@
+"""Packed hindsight views: the teacher's log-probs on the packed copies equal those of each
+(turn, depth) view built as its own plain sequence."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from turnsight_jax.assets import default_tokenizer
+from turnsight_jax.chat.hindsight import teacher_view_ids
+from turnsight_jax.envs.ftrl import FTRLEnv
+from turnsight_jax.envs.synthetic import SyntheticConfig, generate_task, gold_turn_texts
+from turnsight_jax.models.attention import Layout
+from turnsight_jax.models.config import Qwen3Config
+from turnsight_jax.models.qwen3 import RuntimeOptions, init_model
+from turnsight_jax.rollout.driver import ReplayPolicy, RolloutConfig, rollout
+from turnsight_jax.teacher import logprobs_at, teacher_logprobs
+from turnsight_jax.views import ViewOptions, build_views, covered_turns
+
+CFG = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return default_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def trajectories(tok):
+    """Real multi-turn trajectories: gold chains, wrong calls, malformed calls, parallel calls."""
+    rng = np.random.default_rng(0)
+    tasks = [generate_task(c, s, SyntheticConfig(hops=3)) for s, c in
+             enumerate(["multi_hop", "parallel_multi_hop", "single_hop", "parallel_single_hop"])]
+    scripts = []
+    for t in tasks:
+        gold = gold_turn_texts(t)
+        scripts.append(gold)
+        noisy = list(gold)
+        noisy.insert(1, '<tool_call>\n{"name": "nope", "arguments": {"x": 1}}\n</tool_call>')
+        noisy.insert(2, "<tool_call>{not json</tool_call>")
+        scripts.append(noisy[: int(rng.integers(2, len(noisy) + 1))])
+    with FTRLEnv(num_workers=1) as env:
+        res = rollout(ReplayPolicy(tok, scripts), env, tasks, tokenizer=tok, group_size=2,
+                      config=RolloutConfig(max_turns=6, max_response_tokens=4096))
+    return tasks, res.trajectories
+
+
+@pytest.mark.parametrize("options", [
+    ViewOptions(),
+    ViewOptions(source="tool_results_answer", turns="last:2"),
+    ViewOptions(source="answer", depths=(1, 2)),
+    ViewOptions(depths=(2,), turns="first:1"),
+])
+def test_packed_views_equal_plain_sequences(tok, trajectories, options):
+    tasks, trajs = trajectories
+    answers = [tasks[i // 2].answer for i in range(len(trajs))]
+    views, stats = build_views(trajs, tok, options=options, gold_answers=answers)
+    model = init_model(CFG, seed=1, options=RuntimeOptions(attn_q_chunk=128))
+    pol_count = [int(t.policy_mask.sum()) for t in trajs]
+    targets = np.zeros(views.view_pred.shape[1:], np.int32)
+    for b, t in enumerate(trajs):
+        targets[b, : pol_count[b]] = t.tokens[t.policy_mask]
+    packed = np.asarray(jax.jit(lambda v, y: teacher_logprobs(model, v, y, chunk=64))(
+        jax.tree.map(jnp.asarray, views), jnp.asarray(targets)))
+
+    # every (turn, depth) view as its own plain sequence, scored in fixed-shape batches
+    cases = []  # (b, k, di, seq, n)
+    for b, traj in enumerate(trajs):
+        covered = set(covered_turns(traj.num_turns, options.turns))
+        for k, turn in enumerate(traj.turns):
+            for di, d in enumerate(options.depths):
+                if k in covered:
+                    seq = teacher_view_ids(tok, traj, k, d, max_depth=max(options.depths), source=options.source,
+                                           gold_answer=answers[b], template=options.template)
+                else:  # outside coverage the teacher reads the student's own context
+                    seq = [int(x) for x in traj.tokens[: turn.policy_end]]
+                cases.append((b, k, di, seq, turn.policy_end - turn.policy_start))
+    rows, width, most = 8, 1024, 64  # fixed shapes: one compilation
+    assert max(n for *_, n in cases) <= most
+    score = jax.jit(lambda x, m, pred, y: logprobs_at(model, model.hidden_states(x, Layout.causal(m)), pred, y,
+                                                      chunk=256))
+    plain = []
+    for i in range(0, len(cases), rows):
+        x = np.zeros((rows, width), np.int32)
+        m = np.zeros((rows, width), bool)
+        pred = np.zeros((rows, most), np.int32)
+        y = np.zeros((rows, most), np.int32)
+        for r, (_, _, _, seq, n) in enumerate(cases[i:i + rows]):
+            x[r, : len(seq)] = seq
+            m[r, : len(seq)] = True
+            pred[r, :n] = np.arange(len(seq) - n - 1, len(seq) - 1)  # only the turn's tokens
+            y[r, :n] = seq[len(seq) - n:]
+        out = np.asarray(score(*map(jnp.asarray, (x, m, pred, y))))
+        plain.extend(out[r, :n] for r, (*_, n) in enumerate(cases[i:i + rows]))
+    checked = 0
+    for (b, k, di, seq, n), lp in zip(cases, plain):
+        traj, turn = trajs[b], trajs[b].turns[k]
+        pol = np.flatnonzero(traj.policy_mask)
+        idx = [int(np.searchsorted(pol, p)) for p in range(turn.policy_start, turn.policy_end)]
+        np.testing.assert_allclose(packed[di, b, idx], lp, atol=1e-5, rtol=0)
+        checked += n
+    assert checked > 100
+    assert stats["view_tokens"] > stats["trajectory_tokens"]
+
+
+def test_depths_share_trunk_and_dedupe(tok, trajectories):
+    """Depths that clip to the same block reuse one branch; the trunk is built once per turn."""
+    _, trajs = trajectories
+    traj = trajs[0]
+    one, s1 = build_views([traj], tok, options=ViewOptions(depths=(1,)))
+    three, s3 = build_views([traj], tok, options=ViewOptions(depths=(1, 2, 3)))
+    # the three depths share their trunk: fewer tokens than three separate hindsight copies
+    extra1 = s1["view_tokens"] - s1["trajectory_tokens"]
+    extra3 = s3["view_tokens"] - s3["trajectory_tokens"]
+    naive = sum(len(teacher_view_ids(tok, traj, k, d)) - t.header_start
+                for k, t in enumerate(traj.turns) if k < traj.num_turns - 1 for d in (1, 2, 3))
+    assert extra1 < extra3 < naive
+    last = traj.turns[-2]  # the last tool turn: items for itself and the answer turn, so d = 3 clips to d = 2
+    pol = np.flatnonzero(traj.policy_mask)
+    j = int(np.searchsorted(pol, last.policy_start))
+    assert three.view_pred[0, 0, j] != three.view_pred[1, 0, j] == three.view_pred[2, 0, j]
+    # the answer turn (empty block) is scored on the original segment
+    ans = traj.turns[-1]
+    j = int(np.searchsorted(pol, ans.policy_start))
+    assert list(three.view_pred[:, 0, j]) == [ans.policy_start - 1] * 3
+
+
+def test_bad_options(tok, trajectories):
+    _, trajs = trajectories
+    with pytest.raises(ValueError, match="depths"):
+        build_views(trajs, tok, options=ViewOptions(depths=()))
+    with pytest.raises(ValueError, match="turns must be"):
+        build_views(trajs, tok, options=ViewOptions(turns="middle:3"))
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        build_views(trajs, tok, buckets=(64,))

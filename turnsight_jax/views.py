@@ -1,0 +1,194 @@
+"""Packed hindsight views (SPEC §4) and the compact policy-token index of a training batch.
+
+One packed teacher row per trajectory holds:
+
+  [original trajectory (segment 0)]
+  then, for every covered turn k with a non-empty hindsight block:
+  [trunk_k: message open + item(k) + item(k+1) + ... ]           reads original[:header_start_k]
+  [branch_k,m: message close + assistant header + turn k tokens]  reads original[:header_start_k]
+                                                                  and trunk_k up to m items
+  (one branch per distinct item count m = min(d, K - k) over the depths d)
+
+so the three depths of a turn share their common prefix, and a branch token sees exactly what it
+would see in the plain sequence original[:header_start_k] + message(d) + header + turn k
+(rotary positions continue from header_start_k). A turn whose block is empty (the answer turn
+with source "tool_results") is scored on the original segment itself: its teacher context is
+the student's own. Turns outside the coverage window (`turns="first:N"/"last:N"`) get no views.
+
+Everything is indexed by *policy positions*: `pol_pos [B, N]` lists each row's policy-token
+positions (N = a bucket of the longest row's count), and `view_pred [D, B, N]` gives, for depth
+d, the packed index whose hidden state predicts that token. The trainer works on these compact
+[B, N] arrays (turn means, group statistics and the loss only involve policy tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+from flax import struct
+
+from turnsight_jax.chat.hindsight import HindsightTemplate, hindsight_pieces
+from turnsight_jax.chat.trajectory import Trajectory
+from turnsight_jax.models.attention import NO_SEGMENT, PAD_SEGMENT, Layout
+
+DEFAULT_PACKED_BUCKETS: tuple[int, ...] = tuple(256 * 2**i for i in range(10))  # 256 .. 131072
+
+
+def pick_bucket(n: int, buckets: Sequence[int], what: str) -> int:
+    for b in sorted(buckets):
+        if n <= b:
+            return b
+    raise ValueError(f"{what}: length {n} exceeds the largest bucket {max(buckets)}; add a larger bucket "
+                     f"(never truncated silently)")
+
+
+def policy_bucket(n: int) -> int:
+    return max(16, 1 << max(0, int(n - 1).bit_length()))
+
+
+def covered_turns(num_turns: int, turns: str) -> range:
+    """Turn indices a coverage spec selects: "all", "first:N" or "last:N"."""
+    if turns == "all":
+        return range(num_turns)
+    kind, _, n = turns.partition(":")
+    if kind not in ("first", "last") or not n.isdigit() or int(n) <= 0:
+        raise ValueError(f"turns must be 'all', 'first:N' or 'last:N' with N > 0, got {turns!r}")
+    n = int(n)
+    return range(min(n, num_turns)) if kind == "first" else range(max(0, num_turns - n), num_turns)
+
+
+@struct.dataclass
+class PackedViews:
+    """Teacher input for a batch of B trajectories (numpy or jax arrays).
+
+    tokens [B, P] int32 and layout (Layout fields [B, P]): the packed rows.
+    view_pred [D, B, N] int32: packed index whose hidden state predicts policy token n of row b
+      under depth d (0 where pol_valid is False).
+    """
+
+    tokens: Any
+    layout: Layout
+    view_pred: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ViewOptions:
+    depths: tuple[int, ...] = (1, 2, 3)
+    source: str = "tool_results"
+    turns: str = "all"
+    template: HindsightTemplate = HindsightTemplate()
+
+
+def policy_positions(trajs: Sequence[Trajectory], width: int | None = None):
+    """pol_pos [B, N] int32 (policy-token positions, 0-padded), pol_valid [B, N] bool."""
+    counts = [int(t.policy_mask.sum()) for t in trajs]
+    n = width or policy_bucket(max(counts + [1]))
+    if max(counts + [0]) > n:
+        raise ValueError(f"a trajectory has {max(counts)} policy tokens, over the policy width {n}")
+    pos = np.zeros((len(trajs), n), np.int32)
+    valid = np.zeros((len(trajs), n), bool)
+    for b, t in enumerate(trajs):
+        p = np.flatnonzero(t.policy_mask)
+        pos[b, : p.size] = p
+        valid[b, : p.size] = True
+    return pos, valid
+
+
+class _Row:
+    """Accumulates one packed row."""
+
+    def __init__(self, traj: Trajectory):
+        n = traj.length
+        self.tok = [traj.tokens.astype(np.int32)]
+        self.pos = [np.arange(n, dtype=np.int32)]
+        self.seg = [np.zeros(n, np.int32)]
+        self.c1s = [np.full(n, NO_SEGMENT, np.int32)]
+        self.c1e = [np.zeros(n, np.int32)]
+        self.c2s = [np.full(n, NO_SEGMENT, np.int32)]
+        self.c2e = [np.zeros(n, np.int32)]
+        self.length = n
+        self.next_seg = 1
+
+    def add(self, ids, first_pos, ctx1_end, ctx2=(NO_SEGMENT, 0)) -> tuple[int, int]:
+        """Append a segment; returns (segment id, packed start)."""
+        m = len(ids)
+        seg, start = self.next_seg, self.length
+        self.next_seg += 1
+        self.tok.append(np.asarray(ids, np.int32))
+        self.pos.append(first_pos + np.arange(m, dtype=np.int32))
+        self.seg.append(np.full(m, seg, np.int32))
+        self.c1s.append(np.zeros(m, np.int32))
+        self.c1e.append(np.full(m, ctx1_end, np.int32))
+        self.c2s.append(np.full(m, ctx2[0], np.int32))
+        self.c2e.append(np.full(m, ctx2[1], np.int32))
+        self.length += m
+        return seg, start
+
+    def arrays(self, width: int):
+        pad = width - self.length
+        fills = (0, 0, PAD_SEGMENT, NO_SEGMENT, 0, NO_SEGMENT, 0)
+        parts = (self.tok, self.pos, self.seg, self.c1s, self.c1e, self.c2s, self.c2e)
+        return [np.concatenate(p + [np.full(pad, f, np.int32)]) for p, f in zip(parts, fills)]
+
+
+def build_views(
+    trajs: Sequence[Trajectory],
+    tokenizer,
+    *,
+    options: ViewOptions = ViewOptions(),
+    gold_answers: Sequence[str | None] | None = None,
+    policy_width: int | None = None,
+    buckets: Sequence[int] = DEFAULT_PACKED_BUCKETS,
+) -> tuple[PackedViews, dict[str, float]]:
+    """Packed teacher rows for `trajs` (numpy). Returns (views, stats) where stats counts the
+    packed tokens against the trajectories' own tokens."""
+    depths = tuple(options.depths)
+    if not depths or any(d < 1 for d in depths):
+        raise ValueError(f"hindsight depths must be a non-empty tuple of ints >= 1, got {depths}")
+    max_depth = max(depths)
+    pol_pos, pol_valid = policy_positions(trajs, policy_width)
+    n_pol = pol_pos.shape[1]
+    view_pred = np.zeros((len(depths), len(trajs), n_pol), np.int32)
+    rows = []
+    for b, traj in enumerate(trajs):
+        row = _Row(traj)
+        where = {int(p): j for j, p in enumerate(pol_pos[b, : int(pol_valid[b].sum())])}
+        # Default predictor of every policy token: the original sequence (the student's context).
+        for p, j in where.items():
+            view_pred[:, b, j] = p - 1
+        answer = None if gold_answers is None else gold_answers[b]
+        for k in covered_turns(traj.num_turns, options.turns):
+            turn = traj.turns[k]
+            pieces = hindsight_pieces(tokenizer, traj, k, max_depth=max_depth, source=options.source,
+                                      gold_answer=answer, template=options.template)
+            if pieces.is_empty:
+                continue
+            hs = turn.header_start
+            trunk = list(pieces.open_ids) + [t for item in pieces.item_ids for t in item]
+            trunk_seg, trunk_start = row.add(trunk, hs, hs)
+            ends = np.cumsum([len(pieces.open_ids)] + [len(item) for item in pieces.item_ids])
+            policy = [int(x) for x in traj.tokens[turn.policy_start: turn.policy_end - 1]]
+            branch_of: dict[int, int] = {}
+            for di, d in enumerate(depths):
+                m = min(d, pieces.num_items)
+                if m not in branch_of:
+                    end = int(ends[m])
+                    branch = list(pieces.close_ids) + list(pieces.header_ids) + policy
+                    _, start = row.add(branch, hs + end, hs, (trunk_seg, trunk_start + end))
+                    # the token before policy token 0 is the header's last token
+                    branch_of[m] = start + len(pieces.close_ids) + len(pieces.header_ids) - 1
+                first = branch_of[m]
+                for i, p in enumerate(range(turn.policy_start, turn.policy_end)):
+                    view_pred[di, b, where[p]] = first + i
+        rows.append(row)
+    width = pick_bucket(max(r.length for r in rows), buckets, "packed hindsight row")
+    cols = [np.stack(c) for c in zip(*(r.arrays(width) for r in rows))]
+    tok, pos, seg, c1s, c1e, c2s, c2e = cols
+    views = PackedViews(tok, Layout(pos, seg, c1s, c1e, c2s, c2e), view_pred)
+    own = sum(t.length for t in trajs)
+    packed = sum(r.length for r in rows)
+    stats = {"view_tokens": float(packed), "trajectory_tokens": float(own), "view_overhead": packed / max(own, 1),
+             "packed_width": float(width)}
+    return views, stats
