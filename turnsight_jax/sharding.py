@@ -121,3 +121,17 @@ def constrain(x: jax.Array, kind: str) -> jax.Array:
         return x
     spec = _fit(ACTIVATION_SPECS[kind], x.shape, mesh)
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def shard_rows(tree, mesh: Mesh, row_axis_of=lambda path: 0):
+    """device_put every array of `tree` with its row axis (default 0) split over (data, fsdp)."""
+
+    def put(path, x):
+        if x is None:
+            return None
+        axis = row_axis_of(path)
+        spec = [None] * x.ndim
+        spec[axis] = BATCH
+        return jax.device_put(x, NamedSharding(mesh, _fit(P(*spec), x.shape, mesh)))
+
+    return jax.tree_util.tree_map_with_path(put, tree)

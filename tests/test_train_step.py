@@ -1,0 +1,245 @@
+"""The fused train step against an unfused reference; sharding, micro-batching, λ = 0, config errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from turnsight_jax import advantages as adv_lib
+from turnsight_jax.assets import default_tokenizer
+from turnsight_jax.batching import make_train_batch
+from turnsight_jax.chat.hindsight import teacher_view_ids
+from turnsight_jax.envs.ftrl import FTRLEnv
+from turnsight_jax.envs.synthetic import SyntheticConfig, generate_task, gold_turn_texts
+from turnsight_jax.models.attention import Layout
+from turnsight_jax.models.config import Qwen3Config
+from turnsight_jax.models.qwen3 import init_model
+from turnsight_jax.rollout.driver import ReplayPolicy, RolloutConfig, rollout
+from turnsight_jax.sharding import make_mesh, state_shardings
+from turnsight_jax.train_step import (AlgoConfig, ConfigError, LossConfig, StepConfig, aggregation_weights,
+                                      make_train_step, shard_batch, token_losses)
+
+CFG = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, tie_word_embeddings=False)
+G = 2
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return default_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def setup(tok):
+    """8 real trajectories (4 groups of 2) with varied rewards, and old log-probs near the model's."""
+    tasks = [generate_task(c, s, SyntheticConfig(hops=2)) for s, c in
+             enumerate(["multi_hop", "single_hop", "parallel_single_hop", "multi_hop"])]
+    scripts = []
+    for t in tasks:
+        gold = gold_turn_texts(t)
+        scripts.append(gold)
+        scripts.append(['<tool_call>\n{"name": "nope", "arguments": {"x": 1}}\n</tool_call>', "<answer>no</answer>"])
+    with FTRLEnv(num_workers=1) as env:
+        trajs = rollout(ReplayPolicy(tok, scripts), env, tasks, tokenizer=tok, group_size=G,
+                        config=RolloutConfig(max_turns=5, max_response_tokens=2048)).trajectories
+    policy = init_model(CFG, seed=0)
+    ref = init_model(CFG, seed=1)  # a different reference so δ is not ~0
+    rng = np.random.default_rng(0)
+    for t in trajs:  # old log-probs: the policy's own, perturbed so some ratios clip
+        lp = np.asarray(jax.nn.log_softmax(policy(jnp.asarray(t.tokens[None])), -1))[0]
+        own = np.concatenate([[0.0], lp[np.arange(t.length - 1), t.tokens[1:]]])
+        t.old_logprobs = np.where(t.policy_mask, own + rng.normal(0, 0.3, t.length), 0).astype(np.float32)
+    answers = [tasks[i // G].answer for i in range(len(trajs))]
+    return trajs, answers, policy, ref
+
+
+def _cfg(**algo):
+    return StepConfig(algo=AlgoConfig(**algo), loss=LossConfig(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.05,
+                                                                kl_estimator="k3"),
+                      group_size=G, max_turns=5, logprob_chunk=64)
+
+
+def _sgd_step(cfg, policy, ref, batch, mesh=None):
+    """Run the fused step with SGD(lr=1): the update is exactly -grad."""
+    graphdef, params = nnx.split(policy)
+    _, ref_params = nnx.split(ref)
+    opt = optax.sgd(1.0)
+    step = make_train_step(graphdef, cfg, opt)
+    if mesh is not None:
+        params = jax.device_put(params, state_shardings(params, mesh))
+        ref_params = jax.device_put(ref_params, state_shardings(ref_params, mesh))
+        batch = shard_batch(batch, mesh)
+        with jax.set_mesh(mesh):
+            opt_state = opt.init(params)
+            before = jax.tree.map(np.asarray, params)
+            new, _, metrics = step(params, opt_state, ref_params, batch)
+    else:
+        batch = jax.tree.map(jnp.asarray, batch)
+        before = jax.tree.map(np.asarray, params)
+        new, _, metrics = step(params, opt.init(params), ref_params, batch)
+    grads = jax.tree.map(lambda a, b: a - np.asarray(b), before, new)
+    return grads, metrics
+
+
+def _reference_grads(cfg, policy, ref, trajs, answers, tok):
+    """Teacher on explicit plain views, advantages and the loss in plain code (no packing).
+
+    Each (turn, depth) view is its own right-padded sequence; log-probs are an explicit
+    log_softmax of the logits at the positions that predict policy tokens."""
+    a = cfg.algo
+    b = len(trajs)
+    n = max(int(t.policy_mask.sum()) for t in trajs)
+    pol = [np.flatnonzero(t.policy_mask) for t in trajs]
+    mask = np.zeros((b, n), bool)
+    turn_ids = np.full((b, n), -1, np.int32)
+    old = np.zeros((b, n), np.float32)
+    for i, t in enumerate(trajs):
+        c = len(pol[i])
+        mask[i, :c] = True
+        turn_ids[i, :c] = t.turn_ids[pol[i]]
+        old[i, :c] = t.old_logprobs[pol[i]]
+
+    def plain_logprobs(model, seqs, preds, targets, width=1024):
+        """seqs: token lists; preds/targets: index lists per sequence -> list of log-prob arrays."""
+        x = np.zeros((len(seqs), width), np.int32)
+        m = np.zeros((len(seqs), width), bool)
+        for r, sq in enumerate(seqs):
+            x[r, : len(sq)] = sq
+            m[r, : len(sq)] = True
+        h = model.hidden_states(jnp.asarray(x), Layout.causal(jnp.asarray(m)))
+        out = []
+        for r in range(len(seqs)):
+            logits = model.logits(h[r, np.asarray(preds[r])])
+            out.append(jnp.take_along_axis(jax.nn.log_softmax(logits, -1), jnp.asarray(targets[r])[:, None], -1)[:, 0])
+        return out
+
+    # reference log-probs on the student's context (for the KL term)
+    ref_lp = np.zeros((b, n), np.float32)
+    for i, lp in enumerate(plain_logprobs(ref, [t.tokens for t in trajs], [p - 1 for p in pol],
+                                          [t.tokens[p] for t, p in zip(trajs, pol)])):
+        ref_lp[i, : len(pol[i])] = np.asarray(lp)
+    # teacher on every (turn, depth) view built explicitly
+    teacher = np.zeros((len(a.depths), b, n), np.float32)
+    cases = []
+    for i, t in enumerate(trajs):
+        for k, turn in enumerate(t.turns):
+            for di, d in enumerate(a.depths):
+                seq = teacher_view_ids(tok, t, k, d, max_depth=max(a.depths), source=a.source, gold_answer=answers[i])
+                cases.append((i, turn, di, seq))
+    for c0 in range(0, len(cases), 16):
+        chunk = cases[c0:c0 + 16]
+        ms = [turn.policy_end - turn.policy_start for _, turn, _, _ in chunk]
+        lps = plain_logprobs(ref, [c[3] for c in chunk],
+                             [np.arange(len(c[3]) - m - 1, len(c[3]) - 1) for c, m in zip(chunk, ms)],
+                             [np.asarray(c[3][len(c[3]) - m:]) for c, m in zip(chunk, ms)])
+        for (i, turn, di, _), lp in zip(chunk, lps):
+            j = np.searchsorted(pol[i], np.arange(turn.policy_start, turn.policy_end))
+            teacher[di, i, j] = np.asarray(lp)
+
+    group_ids = np.repeat(np.arange(b // G), G).astype(np.int32)
+    rewards = np.array([t.reward for t in trajs], np.float32)
+    base = adv_lib.grpo_advantages(rewards, group_ids, mask, num_groups=b // G)
+    adv = base
+    if a.name == "turnsight":
+        adv = adv_lib.turnsight_advantages(teacher - old[None], mask, turn_ids, group_ids, base, lam=a.lam,
+                                           eps_w=a.eps_w, num_groups=b // G, max_turns=cfg.max_turns)["advantages"]
+    weights = aggregation_weights(jnp.asarray(mask), cfg.loss.aggregation)
+    graphdef, params = nnx.split(policy)
+
+    def loss(params):
+        model = nnx.merge(graphdef, params)
+        lps = plain_logprobs(model, [t.tokens for t in trajs], [p - 1 for p in pol],
+                             [t.tokens[p] for t, p in zip(trajs, pol)])
+        total = 0.0
+        for i, lp in enumerate(lps):
+            lp_pol = jnp.zeros(n).at[: len(pol[i])].set(lp)
+            tl, _ = token_losses(lp_pol, old[i], adv[i], cfg.loss, ref_lp[i])
+            total = total + jnp.sum(tl * weights[i])
+        return total
+
+    return jax.grad(loss)(params)
+
+
+def _max_diff(a, b):
+    return max(jax.tree.leaves(jax.tree.map(lambda x, y: float(np.abs(np.asarray(x) - np.asarray(y)).max()), a, b)))
+
+
+def test_fused_step_equals_unfused_reference(setup, tok):
+    trajs, answers, policy, ref = setup
+    cfg = _cfg(name="turnsight", depths=(1, 2, 3))
+    batch, _ = make_train_batch(trajs, tok, cfg, gold_answers=answers)
+    grads, metrics = _sgd_step(cfg, policy, ref, batch)
+    want = _reference_grads(cfg, policy, ref, trajs, answers, tok)
+    scale = max(jax.tree.leaves(jax.tree.map(lambda x: float(np.abs(np.asarray(x)).max()), want)))
+    assert scale > 1e-4  # a real gradient
+    assert _max_diff(grads, want) < 1e-5 * max(1.0, scale) + 1e-6
+    assert 0.0 < float(metrics["clip_frac"]) < 1.0  # the perturbation made some ratios clip
+
+
+def test_micro_batched_equals_full_batch(setup, tok):
+    trajs, answers, policy, ref = setup
+    cfg = _cfg(name="turnsight")
+    batch, _ = make_train_batch(trajs, tok, cfg, gold_answers=answers)
+    full, _ = _sgd_step(cfg, policy, ref, batch)
+    micro, _ = _sgd_step(dataclasses.replace(cfg, micro_batches=4, teacher_micro_batches=2), policy, ref, batch)
+    assert _max_diff(full, micro) < 1e-6
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 fake devices (tests/conftest.py)")
+@pytest.mark.parametrize("fsdp,tensor", [(2, 4), (4, 2)])
+def test_sharded_step_equals_unsharded(setup, tok, fsdp, tensor):
+    trajs, answers, policy, ref = setup
+    cfg = _cfg(name="turnsight")
+    batch, _ = make_train_batch(trajs, tok, cfg, gold_answers=answers)
+    plain, m0 = _sgd_step(cfg, policy, ref, batch)
+    sharded, m1 = _sgd_step(cfg, policy, ref, batch, mesh=make_mesh(fsdp=fsdp, tensor=tensor))
+    assert _max_diff(plain, sharded) < 1e-6
+    assert abs(float(m0["pg_loss"]) - float(m1["pg_loss"])) < 1e-6
+
+
+def test_lambda_zero_equals_base_algorithm(setup, tok):
+    trajs, answers, policy, ref = setup
+    ts = _cfg(name="turnsight", lam=0.0)
+    base = _cfg(name="grpo")
+    b1, _ = make_train_batch(trajs, tok, ts, gold_answers=answers)
+    b2, _ = make_train_batch(trajs, tok, base, gold_answers=answers)
+    g1, m1 = _sgd_step(ts, policy, ref, b1)
+    g2, m2 = _sgd_step(base, policy, ref, b2)
+    # identical advantages, bit for bit; the update then differs only by XLA's summation order
+    # in two differently fused programs
+    assert float(m1["adv_mean"]) == float(m2["adv_mean"]) and float(m1["adv_abs_mean"]) == float(m2["adv_abs_mean"])
+    assert float(m1["weight_min"]) != 1.0 or float(m1["weight_max"]) != 1.0  # TurnSight weights were active
+    assert _max_diff(g1, g2) < 1e-7
+
+
+def test_reference_unused_without_views_or_kl(setup, tok):
+    """GRPO with kl_coef = 0 never runs the reference: NaN reference weights change nothing."""
+    trajs, answers, policy, ref = setup
+    cfg = dataclasses.replace(_cfg(name="grpo"), loss=LossConfig(kl_coef=0.0))
+    batch, _ = make_train_batch(trajs, tok, cfg)
+    assert batch.views is None
+    graphdef, state = nnx.split(init_model(CFG, seed=1))
+    nan_ref = nnx.merge(graphdef, jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), state))
+    g1, m1 = _sgd_step(cfg, policy, ref, batch)
+    g2, m2 = _sgd_step(cfg, policy, nan_ref, batch)
+    assert _max_diff(g1, g2) == 0.0 and np.isfinite(float(m2["pg_loss"]))
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(algo=AlgoConfig(name="ppo")), "unknown algorithm 'ppo'"),
+    (dict(algo=AlgoConfig(depths=())), "depths is empty"),
+    (dict(algo=AlgoConfig(eps_w=1.0)), "eps_w must be in"),
+    (dict(group_size=3), "not divisible by group_size 3"),
+    (dict(loss=LossConfig(aggregation="mean")), "loss.aggregation 'mean' unknown"),
+])
+def test_invalid_configs_fail_with_one_line(change, message):
+    cfg = dataclasses.replace(StepConfig(group_size=2), **change)
+    with pytest.raises(ConfigError, match=message) as e:
+        cfg.validate(batch_size=8)
+    assert "\n" not in str(e.value)
