@@ -60,15 +60,51 @@ def truncated_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return scaled
 
 
+_BLOCK = 1024
+
+
+def _inverse_cdf(scaled: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Exact categorical draw from softmax(scaled) [B, V] by a two-level inverse CDF.
+
+    One uniform per row instead of V Gumbel variates (threefry for 150k variates per row costs
+    more than the whole forward pass of a small model on CPU). The vocabulary is split into blocks
+    of 1024: a block is drawn from the block masses, then a token inside it. Returns (tokens [B],
+    log-sum-exp [B]) so the caller gets log-probs without a second pass over V.
+    """
+    b, v = scaled.shape
+    nb = -(-v // _BLOCK)
+    top = jnp.max(scaled, axis=-1, keepdims=True)
+    p = jnp.exp(scaled - top)  # -inf (truncated) tokens get exactly 0
+    p = jnp.pad(p, ((0, 0), (0, nb * _BLOCK - v))).reshape(b, nb, _BLOCK)
+    mass = jnp.sum(p, axis=-1)  # [B, nb]
+    total = jnp.sum(mass, axis=-1)
+    u = jax.random.uniform(key, (b,), jnp.float32) * total
+    cum = jnp.cumsum(mass, axis=-1)
+    blk = jnp.minimum(jnp.sum(cum <= u[:, None], axis=-1), nb - 1)
+    # float round-off can leave u past the last non-empty block: step back to one with mass
+    blk = jnp.where(jnp.take_along_axis(mass, blk[:, None], -1)[:, 0] > 0, blk,
+                    nb - 1 - jnp.argmax(jnp.flip(mass > 0, -1), axis=-1))
+    rest = u - (jnp.take_along_axis(cum, blk[:, None], -1)[:, 0] - jnp.take_along_axis(mass, blk[:, None], -1)[:, 0])
+    inner = jnp.take_along_axis(p, blk[:, None, None], axis=1)[:, 0]  # [B, 1024]
+    icum = jnp.cumsum(inner, axis=-1)
+    j = jnp.minimum(jnp.sum(icum <= rest[:, None], axis=-1), _BLOCK - 1)
+    j = jnp.where(jnp.take_along_axis(inner, j[:, None], -1)[:, 0] > 0, j,
+                  _BLOCK - 1 - jnp.argmax(jnp.flip(inner > 0, -1), axis=-1))
+    return (blk * _BLOCK + j).astype(jnp.int32), top[:, 0] + jnp.log(total)
+
+
 def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row. logits [B, V] float32 -> (tokens [B] int32, logprobs [B] f32)."""
     if params.greedy:
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        lp = jax.nn.log_softmax(logits, axis=-1)
-    else:
-        tokens = jax.random.categorical(key, truncated_logits(logits, params), axis=-1).astype(jnp.int32)
-        lp = jax.nn.log_softmax(logits / params.temperature, axis=-1)
-    return tokens, jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        return tokens, jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
+    scaled = logits / params.temperature
+    truncated = params.top_k > 0 or params.top_p < 1.0
+    tokens, lse = _inverse_cdf(truncated_logits(logits, params) if truncated else scaled, key)
+    if truncated:  # log-probs are of the untruncated tempered distribution (module docstring)
+        lse = jax.nn.logsumexp(scaled, axis=-1)
+    return tokens, jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - lse
 
 
 @struct.dataclass

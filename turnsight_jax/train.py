@@ -1,0 +1,259 @@
+"""`python -m turnsight_jax.train [--config FILE] [--config.key=value ...] [--workdir DIR] [--dry_run]`
+
+With no config this runs the embedded default end to end on a CPU: a tiny Qwen3 with the real
+Qwen3 tokenizer, a supervised warm-start on gold built-in trajectories, TurnSight RL on built-in
+tasks, and held-out Solve-F1 before and after RL.
+
+Per step: rollouts with the current policy (KV-cached sampler ⇄ isolated tool environments) ->
+trajectory batch + packed hindsight views -> the fused, sharded train step -> metrics; held-out
+evaluation and checkpoints on schedule and on SIGTERM; automatic resume from the latest finished
+checkpoint; a Hugging Face export at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import shutil
+import signal
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections as mlc
+import numpy as np
+from flax import nnx
+
+from turnsight_jax import runtime
+from turnsight_jax.batching import make_train_batch
+from turnsight_jax.checkpointing import Checkpointer, write_run_files
+from turnsight_jax.config import apply_overrides, default_config, load_config_file, validate
+from turnsight_jax.models.weights import save_pretrained
+from turnsight_jax.rollout.driver import ModelPolicy, rollout
+from turnsight_jax.sharding import make_mesh, state_shardings
+from turnsight_jax.train_step import ConfigError, make_optimizer, make_train_step, shard_batch
+
+
+def load_run_config(path: str | None, overrides: list[str]) -> mlc.ConfigDict:
+    cfg = load_config_file(path) if path else default_config()
+    bad = [o for o in overrides if not o.startswith("--config.")]
+    if bad:
+        raise ConfigError(f"unknown argument {bad[0]!r} (overrides look like --config.rl.lam=0.3)")
+    return apply_overrides(cfg, [o[len("--config."):] for o in overrides])
+
+
+class _Preemption:
+    """SIGTERM/SIGINT set a flag; the loop checkpoints after the current step and exits."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM,)}
+
+    def _handle(self, signum, frame):
+        runtime.log(f"received signal {signum}: checkpointing after this step, then exiting")
+        self.requested = True
+
+    def restore(self):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def _rollout_metrics(trajs) -> dict[str, float]:
+    keys = ("solve_f1", "solve_p", "solve_r", "num_turns", "num_calls", "response_tokens", "tool_error_rate",
+            "truncated", "policy_tokens")
+    out = {"rollout/reward_mean": float(np.mean([t.reward for t in trajs]))}
+    for k in keys:
+        vals = [t.metrics[k] for t in trajs if k in t.metrics]
+        if vals:
+            out[f"rollout/{k}"] = float(np.mean(vals))
+    return out
+
+
+def _step_flops(qcfg, decoded: float, train_tokens: float, view_tokens: float, policy_tokens: float) -> float:
+    """Model FLOPs of one RL step: decoding (forward), teacher views (forward), update (3x forward)."""
+    per_tok = qcfg.flops_per_token(1024) - 2 * qcfg.hidden_size * qcfg.vocab_size  # trunk only
+    head = 2 * qcfg.hidden_size * qcfg.vocab_size
+    return (decoded * (per_tok + head) + view_tokens * per_tok + policy_tokens * 3 * head
+            + 3 * train_tokens * per_tok + 3 * policy_tokens * head)
+
+
+def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
+    step_cfg = validate(cfg, jax.device_count())
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    qcfg = runtime.model_config(cfg)
+    # Everything that can fail on bad input happens before the run folder is touched.
+    tok, tokdir = runtime.setup_tokenizer(cfg, qcfg.vocab_size)
+    train_tasks = runtime.load_tasks(cfg, "train")
+    eval_tasks = runtime.load_tasks(cfg, "eval")
+    if not train_tasks:
+        raise ConfigError("no training tasks")
+    runtime.log(f"{len(train_tasks)} training tasks, {len(eval_tasks)} held-out tasks; mesh {dict(mesh.shape)}; "
+                f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    write_run_files(workdir, qcfg, tokdir)
+    start_path = cfg.model.hf_path or None
+    if cfg.sft.steps > 0 and cfg.data.source == "builtin" and not cfg.model.hf_path:
+        from turnsight_jax.sft import run_sft
+
+        start_path = str(run_sft(cfg, workdir, mesh, tok, tokdir))
+    model = runtime.build_model(cfg, mesh, hf_path=start_path, seed=cfg.seed)
+    graphdef, params = nnx.split(model)
+    ref_params = jax.tree.map(jnp.copy, params)  # the frozen initial policy: teacher and KL reference
+    optimizer = make_optimizer(step_cfg.optim)
+    step_fn = make_train_step(graphdef, step_cfg, optimizer)
+    with jax.set_mesh(mesh):
+        opt_state = jax.jit(optimizer.init, out_shardings=None)(params)
+
+    ckpt = Checkpointer(workdir, keep=cfg.checkpoint.keep)
+    start = 0
+    latest = ckpt.latest_step()
+    if latest is not None:
+        params, opt_state, meta = ckpt.restore(latest, params, opt_state)
+        start = int(meta["next_step"])
+        runtime.log(f"resumed from {workdir}/checkpoints/{latest} (next step {start})")
+    mlog = runtime.MetricsLog(workdir, tensorboard=cfg.log.tensorboard, resume_step=start - 1 if latest is not None else -1)
+
+    env = runtime.make_env(cfg.data.source)
+    eval_env = env if cfg.data.eval_source == cfg.data.source else runtime.make_env(cfg.data.eval_source)
+    summary: dict = {}
+    eval_before_path = workdir / "eval_before_rl.json"
+    if eval_tasks and not eval_before_path.exists():
+        t0 = time.perf_counter()
+        before = runtime.evaluate_policy(graphdef, ref_params, tok, eval_tasks, cfg, eval_env)
+        if jax.process_index() == 0:
+            eval_before_path.write_text(json.dumps(before))
+        runtime.log(f"held-out before RL: Solve-F1 {before.get('solve_f1', float('nan')):.3f} "
+                    f"± {before.get('solve_f1_se', 0):.3f} ({time.perf_counter() - t0:.0f}s)")
+
+    import grain
+
+    n_steps = cfg.train.steps
+    per_step = cfg.train.prompts_per_step
+    epochs = max(1, math.ceil(n_steps * per_step / len(train_tasks)) + 1)
+    # The data position is the step index: batch s is ds[s], so resuming needs no iterator state.
+    ds = grain.MapDataset.range(len(train_tasks)).shuffle(seed=cfg.seed).repeat(epochs).batch(per_step, drop_remainder=True)
+    sampling = runtime.sampling_params(cfg)
+    rc = runtime.rollout_config(cfg)
+    peak = runtime.matmul_peak_flops() if jax.devices()[0].platform == "cpu" else None
+    progress = runtime.Progress(n_steps, start, cfg.log.progress)
+    preempt = _Preemption()
+    step = start
+    try:
+        for step in range(start, n_steps):
+            t_step = time.perf_counter()
+            tasks = [train_tasks[int(i)] for i in ds[step]]
+            policy = ModelPolicy(graphdef, params, tok, sampling=sampling, config=rc, seed=cfg.seed * 100_003 + step)
+            res = rollout(policy, env, tasks, tokenizer=tok, group_size=cfg.train.group_size, config=rc,
+                          seed=cfg.seed * 100_003 + step)
+            t_roll = time.perf_counter() - t_step
+            batch, bstats = make_train_batch(res.trajectories, tok, step_cfg, gold_answers=[
+                t.answer for t in tasks for _ in range(cfg.train.group_size)])
+            with jax.set_mesh(mesh):
+                params, opt_state, m = step_fn(params, opt_state, ref_params, shard_batch(batch, mesh))
+                m = jax.device_get(m)
+            t_total = time.perf_counter() - t_step
+            metrics = _rollout_metrics(res.trajectories)
+            for k, v in m.items():
+                prefix = "turnsight/" if k in ("agreement_rate", "depth_histogram", "weight_mean", "weight_min",
+                                               "weight_max", "frac_turns_amplified", "frac_turns_damped",
+                                               "delta_mean") else "train/"
+                metrics[prefix + k] = v
+            tokens = res.stats["tokens"] + bstats["trajectory_tokens"] + bstats.get("view_tokens", 0.0)
+            flops = _step_flops(runtime.model_config(cfg), res.stats.get("decoded_tokens", 0.0),
+                                bstats["trajectory_tokens"], bstats.get("view_tokens", 0.0), bstats["policy_tokens"])
+            metrics.update({"perf/step_s": t_total, "perf/rollout_s": t_roll, "perf/update_s": t_total - t_roll,
+                            "perf/tool_s": res.stats["tool_s"], "perf/tokens_per_s": tokens / t_total,
+                            "perf/compilations": res.stats.get("compilations", 0.0),
+                            "perf/view_overhead": bstats.get("view_overhead", 0.0)})
+            if peak:
+                metrics["perf/mfu_vs_measured_matmul"] = flops / t_total / peak
+            if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < n_steps and eval_tasks:
+                ev = runtime.evaluate_policy(graphdef, params, tok, eval_tasks, cfg, eval_env)
+                metrics.update({f"eval/{k}": v for k, v in ev.items() if isinstance(v, float)})
+            mlog.write(step, metrics)
+            progress.update(step, {"reward": metrics["rollout/reward_mean"],
+                                   "solve_f1": metrics.get("rollout/solve_f1", float("nan")),
+                                   "w_max": float(metrics.get("turnsight/weight_max", 1.0))})
+            last = step + 1 == n_steps
+            if preempt.requested or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or last:
+                ckpt.save(step + 1, params, opt_state, {"next_step": step + 1, "seed": cfg.seed,
+                                                        "data_position": step + 1})
+            if preempt.requested:
+                runtime.log(f"stopped after step {step + 1}; rerun the same command to resume")
+                return {"preempted_at": step + 1}
+    finally:
+        preempt.restore()
+        mlog.close()
+
+    if eval_tasks:
+        after = runtime.evaluate_policy(graphdef, params, tok, eval_tasks, cfg, eval_env)
+        before = json.loads(eval_before_path.read_text()) if eval_before_path.exists() else None
+        summary["eval_after_rl"] = after
+        if before:
+            summary["eval_before_rl"] = before
+            diff = np.array(after["per_task_solve_f1"]) - np.array(before["per_task_solve_f1"])
+            se = float(diff.std(ddof=1) / math.sqrt(len(diff))) if len(diff) > 1 else float("nan")
+            summary["improvement"] = {"mean": float(diff.mean()), "paired_se": se,
+                                      "z": float(diff.mean() / se) if se > 0 else float("inf")}
+            runtime.log(
+                f"held-out Solve-F1: after warm-start {before['solve_f1']:.3f} ± {before['solve_f1_se']:.3f} -> "
+                f"after RL {after['solve_f1']:.3f} ± {after['solve_f1_se']:.3f} "
+                f"(paired difference {diff.mean():+.3f} ± {se:.3f}, {diff.mean() / se if se > 0 else float('inf'):.1f} SE)")
+        if jax.process_index() == 0:
+            (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if cfg.checkpoint.export_at_end:
+        export(graphdef, params, workdir / "export", workdir / "tokenizer")
+    ckpt.close()
+    env.close()
+    if eval_env is not env:
+        eval_env.close()
+    return summary
+
+
+def export(graphdef, params, out: pathlib.Path, tokdir: pathlib.Path) -> pathlib.Path:
+    """The trained policy as a Hugging Face folder (safetensors + config + tokenizer)."""
+    save_pretrained(nnx.merge(graphdef, params), out)
+    if jax.process_index() == 0:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if (tokdir / name).is_file():
+                shutil.copyfile(tokdir / name, out / name)
+    runtime.log(f"exported Hugging Face folder {out}")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m turnsight_jax.train", description=__doc__.split("\n\n")[1],
+                                 epilog="Overrides: --config.<key>=<value>, e.g. --config.rl.lam=0.3")
+    ap.add_argument("--config", default=None, help="a configs/*.py file (default: the embedded tiny CPU config)")
+    ap.add_argument("--workdir", default=None, help="run folder (default: runs/<config name>)")
+    ap.add_argument("--dry_run", action="store_true",
+                    help="compile the train step on abstract parameters and print its memory plan; allocate nothing")
+    args, rest = ap.parse_known_args(argv)
+    runtime.maybe_initialize_distributed()
+    try:
+        cfg = load_run_config(args.config, rest)
+        if jax.process_index() == 0:
+            print(f"# resolved config{' (' + args.config + ')' if args.config else ' (embedded default)'}\n{cfg}",
+                  file=sys.stderr)
+        if args.dry_run:
+            from turnsight_jax.plan import dry_run
+
+            dry_run(cfg)
+            return 0
+        workdir = pathlib.Path(args.workdir or f"runs/{cfg.name}")
+        train(cfg, workdir)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # dataset rows, checkpoint files: the message names file/row/key
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
