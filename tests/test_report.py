@@ -1,0 +1,125 @@
+"""`python -m turnsight_jax.report`: plots from a run's metrics.jsonl.
+
+The metrics file is constructed here with the keys and value shapes of a real run of
+`python -m turnsight_jax.train` (a 3-step tiny_cpu run logged exactly these keys); a real run
+takes about a minute on a CPU, too long for this suite.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import numpy as np
+import pytest
+
+from turnsight_jax import report
+
+EXPECTED_PNGS = ("reward.png", "solve.png", "turnsight_weights.png", "depth_histogram.png", "agreement.png",
+                 "lengths.png", "optimization.png")
+
+
+def realistic_record(step: int, rng: np.random.Generator, *, turnsight: bool = True, evaluate: bool = False) -> dict:
+    """One step's metrics as the trainer writes them (keys of a real tiny_cpu run)."""
+    progress = step / 20
+    f1 = min(1.0, 0.2 + 0.6 * progress + 0.05 * rng.standard_normal())
+    rec = {
+        "step": step,
+        "rollout/reward_mean": f1, "rollout/solve_f1": f1, "rollout/solve_p": min(1.0, f1 + 0.1),
+        "rollout/solve_r": max(0.0, f1 - 0.05), "rollout/num_turns": 2.0 + progress, "rollout/num_calls": 1.5,
+        "rollout/response_tokens": 120.0 + 40 * progress, "rollout/tool_error_rate": 0.3 * (1 - progress),
+        "rollout/truncated": 0.0, "rollout/policy_tokens": 80.0,
+        "train/adv_abs_mean": 0.7, "train/adv_mean": 0.0, "train/clip_frac": 0.01 * step, "train/grad_norm": 1.5,
+        "train/kl": 0.0, "train/pg_loss": -0.01 * rng.standard_normal(), "train/ratio": 1.0,
+        "train/reward_mean": f1,
+        "perf/step_s": 4.1, "perf/rollout_s": 1.0, "perf/update_s": 3.1, "perf/tool_s": 0.01,
+        "perf/tokens_per_s": 650.0, "perf/compilations": 6.0, "perf/view_overhead": 1.0,
+    }
+    if turnsight:
+        hist = [int(x) for x in rng.multinomial(40, [0.6 - 0.02 * step, 0.25 + 0.01 * step, 0.15 + 0.01 * step])]
+        rec.update({
+            "turnsight/agreement_rate": 0.8, "turnsight/delta_mean": [0.01, 0.02, 0.03],
+            "turnsight/depth_histogram": hist, "turnsight/frac_turns_amplified": 0.4,
+            "turnsight/frac_turns_damped": 0.35, "turnsight/weight_max": 1.45, "turnsight/weight_mean": 1.02,
+            "turnsight/weight_min": 0.55,
+        })
+    if evaluate:
+        rec.update({"eval/solve_f1": f1, "eval/solve_f1_se": 0.03, "eval/solve_p": f1, "eval/solve_p_se": 0.03,
+                    "eval/solve_r": f1, "eval/solve_r_se": 0.03, "eval/answer_correct": f1})
+    return rec
+
+
+def write_metrics(run_dir: pathlib.Path, records, tail: str = "") -> pathlib.Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + tail)
+    return path
+
+
+def png_size(path: pathlib.Path) -> tuple[int, int]:
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(path)
+    return img.shape[1], img.shape[0]  # (width, height)
+
+
+def test_all_plots_from_a_realistic_run(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    records = [realistic_record(s, rng, evaluate=(s + 1) % 5 == 0) for s in range(20)]
+    # A resumed run re-logs steps 18 and 19; the last record of a step wins.
+    rerun = [realistic_record(s, rng) for s in (18, 19)]
+    rerun[1]["rollout/reward_mean"] = 0.987
+    # The run was still writing: a cut-off last line.
+    write_metrics(tmp_path / "run", records + rerun, tail='{"step": 20, "rollout/rew')
+    code = report.main([str(tmp_path / "run"), "--out", str(tmp_path / "plots")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "7 plots from 20 steps" in out
+    assert "skipped an incomplete last line" in err
+    for name in EXPECTED_PNGS:
+        path = tmp_path / "plots" / name
+        assert path.stat().st_size > 5_000, name
+        assert png_size(path) == (800, 450), name
+    index = (tmp_path / "plots" / "index.md").read_text()
+    assert all(f"({name})" in index for name in EXPECTED_PNGS)
+
+    metrics, notes = report.load_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert metrics.steps == list(range(20))
+    assert metrics.series("rollout/reward_mean")[1][19] == 0.987
+    assert metrics.series("eval/solve_f1")[0] == [4, 9, 14]  # only evaluation steps (18/19 re-logged without)
+    steps, fractions = report.depth_fractions(metrics)
+    assert steps == list(range(20)) and len(fractions) == 3
+    hist = metrics.records[7]["turnsight/depth_histogram"]
+    assert [f[7] for f in fractions] == pytest.approx([c / sum(hist) for c in hist])
+    assert all(math.isclose(sum(f[i] for f in fractions), 1.0) for i in range(20))
+
+
+def test_grpo_run_without_turnsight_keys_skips_those_plots(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    write_metrics(tmp_path, [realistic_record(s, rng, turnsight=False) for s in range(5)])
+    result = report.make_report(tmp_path)
+    capsys.readouterr()
+    names = sorted(p.name for p in result.files)
+    assert names == sorted(["reward.png", "solve.png", "lengths.png", "optimization.png"])
+    assert all(p.parent == tmp_path / "report" and png_size(p) == (800, 450) for p in result.files)
+    skipped = [n for n in result.notes if n.startswith("skipped")]
+    assert [n.split(":")[0] for n in skipped] == ["skipped turnsight_weights.png", "skipped depth_histogram.png",
+                                                  "skipped agreement.png"]
+    assert any(n.startswith("solve.png: absent keys left out: eval/solve_p") for n in result.notes)
+    assert "skipped depth_histogram.png: no turnsight/depth_histogram in metrics.jsonl" in (
+        tmp_path / "report" / "index.md").read_text()
+
+
+def test_missing_empty_and_broken_metrics_files(tmp_path, capsys):
+    assert report.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {tmp_path / 'metrics.jsonl'}: no such file "
+                                               "(expected a training run folder with metrics.jsonl)")
+    write_metrics(tmp_path, [], tail="\n\n")
+    assert report.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'metrics.jsonl'}: no metrics (the file is empty)"
+    write_metrics(tmp_path, [], tail='{"step": 0}\nnot json\n{"step": 2}\n')
+    assert report.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: {tmp_path / 'metrics.jsonl'}: line 2: invalid JSON")
+    assert report.main([str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nope'}: no such run folder"

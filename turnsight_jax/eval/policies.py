@@ -1,0 +1,210 @@
+"""Where policy turns come from: a model (training run or Hugging Face folder) or a replay.
+
+Everything after the policy is shared: the evaluation loop asks a `PolicySource` for the
+`TurnPolicy` of one batch of tasks and hands it to the same rollout driver, environments,
+scoring and tables. `ModelSource` returns one greedy `ModelPolicy` per rollout budget (reused
+across batches); `ReplaySource` a `ReplayPolicy` over the batch's scripts.
+
+Model loading is split in two: `ModelSource.inspect` reads only config.json and the tokenizer
+(architecture and vocabulary checks, fast, before any heavy work), `ModelSource.load` then reads
+the weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any, Protocol, Sequence
+
+from turnsight_jax.chat.types import Task
+from turnsight_jax.eval import scripts as script_lib
+from turnsight_jax.eval.errors import EvalError
+from turnsight_jax.rollout.driver import ModelPolicy, ReplayPolicy, RolloutConfig, TurnPolicy
+from turnsight_jax.rollout.sampler import SamplingParams
+
+
+class PolicySource(Protocol):
+    label: str
+    tokenizer: Any
+
+    def describe(self) -> dict:
+        """What produced the turns (for results.json)."""
+
+    def check(self, benchmark: str, tasks: Sequence[Task]) -> None:
+        """Raise EvalError when the source cannot serve these tasks (before any rollout)."""
+
+    def policy_for(self, benchmark: str, tasks: Sequence[Task], config: RolloutConfig) -> TurnPolicy:
+        """The policy for one batch of tasks (group size 1)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Replay
+# ---------------------------------------------------------------------------------------------
+class ReplaySource:
+    """Fixed turn texts: the ground truth (`mode="gold"`) or a script file."""
+
+    def __init__(self, mode: str, tokenizer, label: str | None = None):
+        self.tokenizer = tokenizer
+        self.mode = mode
+        self._file = None if mode == "gold" else script_lib.load_script_file(mode)
+        self.label = label or ("replay: gold" if mode == "gold" else f"replay: {pathlib.Path(mode).name}")
+
+    def describe(self) -> dict:
+        return {"kind": "replay", "script": self.mode}
+
+    def script(self, benchmark: str, task: Task) -> list[str]:
+        if self._file is None:
+            return script_lib.gold_script(benchmark, task)
+        return script_lib.file_script(self._file, benchmark, task)
+
+    def check(self, benchmark, tasks):
+        if self._file is None:
+            script_lib.check_gold_supported([benchmark])
+        missing = [t.task_id for t in tasks if self._missing(benchmark, t)]
+        if missing:
+            raise EvalError(
+                f"--replay {self.mode}: no script for {len(missing)} of {len(tasks)} {benchmark} tasks "
+                f"(first: {', '.join(map(repr, missing[:3]))})"
+            )
+
+    def _missing(self, benchmark, task) -> bool:
+        try:
+            self.script(benchmark, task)
+        except EvalError:
+            return True
+        return False
+
+    def policy_for(self, benchmark, tasks, config):
+        return ReplayPolicy(self.tokenizer, [self.script(benchmark, t) for t in tasks])
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
+def tokenizer_from(folder) -> Any:
+    """Loads a tokenizer folder; the bundled Qwen3 tokenizer is loaded once per process."""
+    from turnsight_jax.assets import default_tokenizer, default_tokenizer_dir
+    from turnsight_jax.chat.tokenizer import load_tokenizer
+
+    if folder is None or pathlib.Path(folder) == default_tokenizer_dir():
+        return default_tokenizer()
+    return load_tokenizer(folder)
+
+
+def _has_tokenizer(folder: pathlib.Path) -> bool:
+    return (folder / "tokenizer.json").is_file() and (folder / "tokenizer_config.json").is_file()
+
+
+@dataclasses.dataclass
+class ModelSpec:
+    """What `inspect` found: the model folder, its config, the tokenizer folder."""
+
+    kind: str  # "checkpoint" or "hf"
+    path: pathlib.Path
+    step: int | None
+    config: Any
+    tokenizer_dir: pathlib.Path
+
+
+class ModelSource:
+    """Greedy decoding with a Qwen3 from a training run (`--checkpoint`) or an HF folder (`--hf`)."""
+
+    def __init__(self, spec: ModelSpec, tokenizer, *, dtype: str = "float32", seed: int = 0,
+                 label: str | None = None):
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.seed = seed
+        self._named = label is not None
+        self.label = label or spec.path.name
+        self.graphdef = self.state = None
+        self._policies: dict[RolloutConfig, ModelPolicy] = {}
+
+    @staticmethod
+    def inspect(kind: str, path: str, *, step: int | None = None, tokenizer_dir: str | None = None) -> "ModelSpec":
+        """Architecture and tokenizer checks from config.json alone; raises EvalError."""
+        from turnsight_jax.assets import default_tokenizer_dir
+        from turnsight_jax.models.config import Qwen3Config
+
+        folder = pathlib.Path(path)
+        flag = "--checkpoint" if kind == "checkpoint" else "--hf"
+        if not folder.is_dir():
+            raise EvalError(f"{flag} {folder}: no such folder")
+        if kind == "checkpoint":
+            model_dir = folder / "model"
+            if not (model_dir / "config.json").is_file():
+                raise EvalError(f"{flag} {folder}: not a turnsight_jax run folder (no model/config.json)")
+            default_tok = folder / "tokenizer"
+        else:
+            model_dir = folder
+            if not (model_dir / "config.json").is_file():
+                raise EvalError(f"{flag} {folder}: no config.json (expected a Hugging Face Qwen3 model folder)")
+            default_tok = folder if _has_tokenizer(folder) else default_tokenizer_dir()
+        try:
+            cfg = Qwen3Config.from_pretrained(model_dir)
+        except (ValueError, FileNotFoundError) as e:
+            raise EvalError(str(e)) from None
+        tok_dir = pathlib.Path(tokenizer_dir) if tokenizer_dir else default_tok
+        return ModelSpec(kind, folder, step, cfg, tok_dir)
+
+    @staticmethod
+    def load_tokenizer(spec: ModelSpec):
+        """The tokenizer, checked against the model's vocabulary; raises EvalError."""
+        from turnsight_jax.chat.tokenizer import check_vocab_fits
+
+        try:
+            tok = tokenizer_from(spec.tokenizer_dir)
+            check_vocab_fits(tok, spec.config.vocab_size)
+        except (ValueError, FileNotFoundError, TypeError) as e:
+            raise EvalError(f"{spec.path}: {e}") from None
+        return tok
+
+    def load(self) -> None:
+        """Reads the weights (the heavy part)."""
+        import jax.numpy as jnp
+        from flax import nnx
+
+        dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[self.dtype]
+        try:
+            if self.spec.kind == "checkpoint":
+                from turnsight_jax.checkpointing import load_policy_from_run
+
+                model, _, step = load_policy_from_run(self.spec.path, step=self.spec.step)
+                self.spec.step = step
+                if not self._named:
+                    self.label = f"{self.spec.path.name}@{step}"
+                if self.dtype != "float32":
+                    model = nnx.merge(*_cast(nnx.split(model), dtype))
+            else:
+                from turnsight_jax.models.weights import load_pretrained
+
+                model = load_pretrained(self.spec.path, dtype=dtype)
+        except (ValueError, FileNotFoundError) as e:
+            raise EvalError(str(e)) from None
+        self.graphdef, self.state = nnx.split(model)
+        self._cache_dtype = dtype
+
+    def describe(self) -> dict:
+        return {"kind": self.spec.kind, "path": str(self.spec.path), "step": self.spec.step,
+                "tokenizer": str(self.spec.tokenizer_dir), "dtype": self.dtype}
+
+    def check(self, benchmark, tasks):
+        pass
+
+    def policy_for(self, benchmark, tasks, config):
+        if self.graphdef is None:
+            raise RuntimeError("ModelSource.load() must run before policy_for()")
+        policy = self._policies.get(config)
+        if policy is None:
+            policy = ModelPolicy(self.graphdef, self.state, self.tokenizer, sampling=SamplingParams(greedy=True),
+                                 config=config, seed=self.seed, cache_dtype=self._cache_dtype)
+            self._policies[config] = policy
+        return policy
+
+
+def _cast(split: tuple, dtype) -> tuple:
+    import jax
+
+    graphdef, state = split
+    return graphdef, jax.tree_util.tree_map(
+        lambda x: x.astype(dtype) if hasattr(x, "dtype") and x.dtype.kind == "f" else x, state)

@@ -1,0 +1,118 @@
+"""Aggregation and tables: per-category scores, benchmark averages, the overall average.
+
+All scores are fractions in [0, 1] in results.json and percentages (two decimals) in the
+Markdown tables.
+
+* FTRL / built-in: per category, the mean over its tasks of each task's Solve-P, Solve-R and
+  Solve-F1; "Avg P/R/F1" is the mean over the categories present; the benchmark's headline
+  "Avg" is the mean of those three (= the mean of all category x metric cells).
+* BFCL: per category, the fraction of tasks the official checker passes; headline = the mean
+  over the categories present.
+* ToolHop: the fraction of tasks answered correctly (headline).
+* Overall: the mean of the headlines of the benchmarks evaluated.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from turnsight_jax.eval import suites as suite_lib
+from turnsight_jax.eval.runner import Example
+
+ACCURACY_KEY = {"bfcl": "bfcl_pass", "toolhop": "answer_correct"}
+SHORT = {"solve_p": "Solve-P", "solve_r": "Solve-R", "solve_f1": "Solve-F1"}
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(sum(values) / len(values)) if values else float("nan")
+
+
+def _category_stats(benchmark: str, examples: Sequence[Example]) -> dict:
+    stats: dict = {"n": len(examples)}
+    if suite_lib.KIND[benchmark] == "solve":
+        for key in suite_lib.SOLVE_METRICS:
+            stats[key] = _mean([float(e.metrics[key]) for e in examples])
+        if examples and "answer_correct" in examples[0].metrics:
+            stats["answer_correct"] = _mean([float(e.metrics["answer_correct"]) for e in examples])
+    else:
+        stats["accuracy"] = _mean([float(e.metrics[ACCURACY_KEY[benchmark]]) for e in examples])
+    stats["mean_turns"] = _mean([float(e.num_turns) for e in examples])
+    stats["mean_calls"] = _mean([float(e.metrics.get("num_calls", 0.0)) for e in examples])
+    stats["tool_error_rate"] = _mean([float(e.metrics.get("tool_error_rate", 0.0)) for e in examples])
+    stats["truncated"] = _mean([float(e.truncated) for e in examples])
+    return stats
+
+
+def summarise(suites: Sequence[suite_lib.Suite], examples: Sequence[Example]) -> dict:
+    """{"benchmarks": {name: {"title", "kind", "categories", "average", "score"}}, "overall"}."""
+    out: dict = {"benchmarks": {}}
+    for suite in suites:
+        by_cat: dict[str, list[Example]] = {cat: [] for cat in suite.categories}
+        for e in examples:
+            if e.benchmark == suite.benchmark:
+                by_cat[e.category].append(e)
+        cats = {}
+        for cat, exs in by_cat.items():
+            cats[cat] = {"label": suite.labels[cat], **_category_stats(suite.benchmark, exs)}
+        kind = suite_lib.KIND[suite.benchmark]
+        if kind == "solve":
+            average = {k: _mean([c[k] for c in cats.values()]) for k in suite_lib.SOLVE_METRICS}
+            score = _mean(list(average.values()))
+        else:
+            average = {"accuracy": _mean([c["accuracy"] for c in cats.values()])}
+            score = average["accuracy"]
+        out["benchmarks"][suite.benchmark] = {
+            "title": suite_lib.TITLES[suite.benchmark], "kind": kind, "n": sum(c["n"] for c in cats.values()),
+            "categories": cats, "average": average, "score": score,
+        }
+    out["overall"] = _mean([b["score"] for b in out["benchmarks"].values()])
+    return out
+
+
+def _pct(x: float) -> str:
+    return "–" if x != x else f"{100 * x:.2f}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _solve_table(model: str, bench: Mapping) -> str:
+    header, row = ["Model"], [model]
+    for cat in bench["categories"].values():
+        for key in suite_lib.SOLVE_METRICS:
+            header.append(f"{cat['label']} {SHORT[key]}")
+            row.append(_pct(cat[key]))
+    for key in suite_lib.SOLVE_METRICS:
+        header.append(f"Avg {SHORT[key]}")
+        row.append(_pct(bench["average"][key]))
+    header.append("Avg")
+    row.append(_pct(bench["score"]))
+    return _table(header, [row])
+
+
+def _accuracy_table(model: str, bench: Mapping) -> str:
+    header, row = ["Model"], [model]
+    for cat in bench["categories"].values():
+        header.append(cat["label"])
+        row.append(_pct(cat["accuracy"]))
+    if len(bench["categories"]) > 1:
+        header.append("Avg")
+        row.append(_pct(bench["score"]))
+    return _table(header, [row])
+
+
+def markdown(model: str, summary: Mapping) -> str:
+    """Per-benchmark tables (Table 1 layout, one model row) and an overall table."""
+    parts = []
+    for name, bench in summary["benchmarks"].items():
+        counts = ", ".join(f"{c['label']} {c['n']}" for c in bench["categories"].values())
+        table = _solve_table(model, bench) if bench["kind"] == "solve" else _accuracy_table(model, bench)
+        metric = "Solve-P/R/F1 (%)" if bench["kind"] == "solve" else "accuracy (%)"
+        parts.append(f"### {bench['title']} — {metric}\n\n{table}\n\nTasks per category: {counts}.")
+    header = ["Model"] + [b["title"] for b in summary["benchmarks"].values()] + ["Overall"]
+    row = [model] + [_pct(b["score"]) for b in summary["benchmarks"].values()] + [_pct(summary["overall"])]
+    parts.append("### Overall (benchmark headline scores, %)\n\n" + _table(header, [row]))
+    return "\n\n".join(parts) + "\n"

@@ -1,0 +1,210 @@
+"""Benchmarks and their categories: which tasks, which environment, which rollout budgets.
+
+A *suite* is one benchmark's tasks grouped by category in the order of the paper's Table 1:
+
+  ftrl     Single-Hop, Parallel Single-Hop, Multi-Hop, Parallel Multi-Hop  (Solve-P/R/F1)
+  bfcl     Base, Missing Function, Missing Parameter, Long Context         (checker accuracy)
+  toolhop  ToolHop                                                          (answer accuracy)
+  builtin  the four FTRL categories on seeded synthetic tasks               (Solve-P/R/F1)
+
+`check_inputs` validates names and paths without loading anything; `load_suite` loads the tasks;
+`make_env` builds the environment; `rollout_config` the driver's budgets for the benchmark.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from typing import Sequence
+
+from turnsight_jax.chat.types import Task
+from turnsight_jax.envs.base import Environment
+from turnsight_jax.eval.errors import EvalError
+from turnsight_jax.rollout.driver import RolloutConfig
+
+BENCHMARKS = ("ftrl", "bfcl", "toolhop", "builtin")
+
+FTRL_CATEGORIES: tuple[tuple[str, str], ...] = (
+    ("single_hop", "Single-Hop"),
+    ("parallel_single_hop", "Parallel Single-Hop"),
+    ("multi_hop", "Multi-Hop"),
+    ("parallel_multi_hop", "Parallel Multi-Hop"),
+)
+BFCL_CATEGORIES: tuple[tuple[str, str], ...] = (
+    ("multi_turn_base", "Base"),
+    ("multi_turn_miss_func", "Missing Function"),
+    ("multi_turn_miss_param", "Missing Parameter"),
+    ("multi_turn_long_context", "Long Context"),
+)
+TOOLHOP_CATEGORIES: tuple[tuple[str, str], ...] = (("toolhop", "ToolHop"),)
+
+# What each benchmark reports per category: FTRL-style Solve-P/R/F1 or a pass rate.
+SOLVE_METRICS = ("solve_p", "solve_r", "solve_f1")
+KIND = {"ftrl": "solve", "builtin": "solve", "bfcl": "accuracy", "toolhop": "accuracy"}
+TITLES = {"ftrl": "FTRL", "bfcl": "BFCL v4 multi-turn", "toolhop": "ToolHop", "builtin": "Built-in"}
+
+# BFCL ends a user turn after 20 steps (its MAXIMUM_STEP_LIMIT, enforced by the environment,
+# which force-quits the episode); a user turn needs at most that many call steps plus the
+# answer step, so this many policy turns per user turn never bind before BFCL's own limit.
+BFCL_POLICY_TURNS_PER_USER_TURN = 20 + 2
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """Options shared by every benchmark (see `python -m turnsight_jax.evaluate --help`)."""
+
+    max_turns: int = 20
+    max_new_tokens: int = 1024
+    max_prompt_tokens: int = 10_000
+    max_response_tokens: int = 13_000
+    bfcl_max_response_tokens: int = 32_768
+    enable_thinking: bool = False
+    batch_size: int = 32
+    limit: int | None = None
+    bfcl_limit: int | None = None
+    builtin_per_category: int = 50
+    builtin_seed: int = 1000
+    workers: int = 2
+    tool_timeout_s: float = 10.0
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class Suite:
+    """One benchmark's tasks, grouped by category (category key -> tasks, in table order)."""
+
+    benchmark: str
+    categories: dict[str, list[Task]]
+    labels: dict[str, str]
+
+    @property
+    def tasks(self) -> list[Task]:
+        return [t for ts in self.categories.values() for t in ts]
+
+    def __len__(self) -> int:
+        return sum(len(ts) for ts in self.categories.values())
+
+
+def parse_benchmarks(text: str) -> list[str]:
+    """"ftrl,bfcl" -> ["ftrl", "bfcl"]; unknown or repeated names are an EvalError."""
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    if not names:
+        raise EvalError(f"--benchmarks is empty; choose from {', '.join(BENCHMARKS)}")
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        raise EvalError(
+            f"unknown benchmark {unknown[0]!r} in --benchmarks; valid benchmarks: {', '.join(BENCHMARKS)}"
+        )
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise EvalError(f"benchmark {dupes[0]!r} is listed twice in --benchmarks")
+    return names
+
+
+def check_inputs(benchmarks: Sequence[str], ftrl_path: str | None, toolhop_path: str | None) -> None:
+    """Data paths exist for the benchmarks that need them; bfcl-eval is importable for bfcl."""
+    for name, flag, path in (("ftrl", "--ftrl", ftrl_path), ("toolhop", "--toolhop", toolhop_path)):
+        if name not in benchmarks:
+            continue
+        if not path:
+            raise EvalError(f"--benchmarks {name} needs {flag} PATH (the {TITLES[name]} test file)")
+        if not os.path.exists(path):
+            raise EvalError(f"{flag} {path}: no such file or folder")
+    if "bfcl" in benchmarks:
+        from turnsight_jax.envs.bfcl import import_bfcl
+
+        try:
+            import_bfcl()
+        except ImportError as e:
+            raise EvalError(str(e)) from None
+
+
+def _group(tasks: Sequence[Task], known: Sequence[tuple[str, str]], limit: int | None,
+           where: str) -> tuple[dict[str, list[Task]], dict[str, str]]:
+    """Tasks by category: the known categories first (in table order), then any others."""
+    labels = dict(known)
+    groups: dict[str, list[Task]] = {key: [] for key, _ in known}
+    for task in tasks:
+        key = task.category or "uncategorised"
+        if key not in groups:
+            groups[key] = []
+            labels[key] = key.replace("_", " ").title()
+        groups[key].append(task)
+    groups = {k: (v[:limit] if limit is not None else v) for k, v in groups.items() if v}
+    if not groups:
+        raise EvalError(f"{where}: no tasks to evaluate")
+    return groups, {k: labels[k] for k in groups}
+
+
+def load_suite(benchmark: str, settings: EvalSettings, *, ftrl_path: str | None = None,
+               toolhop_path: str | None = None) -> Suite:
+    """Loads one benchmark's tasks (limits applied per category)."""
+    limit = settings.limit
+    if benchmark == "ftrl":
+        from turnsight_jax.envs import ftrl
+
+        try:
+            tasks = ftrl.load_tasks(pathlib.Path(ftrl_path))
+        except (OSError, ValueError) as e:
+            raise EvalError(f"--ftrl: {e}") from None
+        groups, labels = _group(tasks, FTRL_CATEGORIES, limit, f"--ftrl {ftrl_path}")
+    elif benchmark == "toolhop":
+        from turnsight_jax.envs import toolhop
+
+        try:
+            tasks = toolhop.load_tasks(pathlib.Path(toolhop_path))
+        except (OSError, ValueError) as e:
+            raise EvalError(f"--toolhop: {e}") from None
+        groups, labels = _group(tasks, TOOLHOP_CATEGORIES, limit, f"--toolhop {toolhop_path}")
+    elif benchmark == "bfcl":
+        from turnsight_jax.envs import bfcl
+
+        per_cat = [x for x in (settings.bfcl_limit, limit) if x is not None]
+        n = min(per_cat) if per_cat else None
+        tasks = [t for key, _ in BFCL_CATEGORIES for t in bfcl.load_tasks(key, limit=n)]
+        groups, labels = _group(tasks, BFCL_CATEGORIES, None, "bfcl")
+    elif benchmark == "builtin":
+        from turnsight_jax.envs import synthetic
+
+        n = settings.builtin_per_category if limit is None else min(limit, settings.builtin_per_category)
+        cats = [key for key, _ in FTRL_CATEGORIES]
+        tasks = synthetic.generate_tasks(n * len(cats), seed=settings.builtin_seed, categories=cats)
+        groups, labels = _group(tasks, FTRL_CATEGORIES, None, "builtin")
+    else:
+        raise EvalError(f"unknown benchmark {benchmark!r}; valid benchmarks: {', '.join(BENCHMARKS)}")
+    return Suite(benchmark, groups, labels)
+
+
+def make_env(benchmark: str, settings: EvalSettings) -> Environment:
+    """The benchmark's environment (the caller closes it)."""
+    if benchmark in ("ftrl", "builtin"):
+        from turnsight_jax.envs.ftrl import FTRLEnv
+
+        return FTRLEnv(num_workers=settings.workers, timeout_s=settings.tool_timeout_s)
+    if benchmark == "toolhop":
+        from turnsight_jax.envs.toolhop import ToolHopEnv
+
+        return ToolHopEnv(num_workers=settings.workers, timeout_s=settings.tool_timeout_s)
+    if benchmark == "bfcl":
+        from turnsight_jax.envs.bfcl import BFCLEnv
+
+        return BFCLEnv()
+    raise EvalError(f"unknown benchmark {benchmark!r}")
+
+
+def rollout_config(benchmark: str, settings: EvalSettings, tasks: Sequence[Task]) -> RolloutConfig:
+    """The driver's budgets for a benchmark.
+
+    FTRL, ToolHop, built-in: `max_turns` policy turns (FTRL's evaluation uses 20) and
+    `max_response_tokens`. BFCL: its own per-user-turn step limit applies (the environment
+    force-quits after 20 steps in one user turn, as BFCL's harness does), so the driver's cap is
+    set above it, (#user turns) x 22; the response budget is `bfcl_max_response_tokens`.
+    """
+    common = dict(max_prompt_tokens=settings.max_prompt_tokens, max_turn_tokens=settings.max_new_tokens,
+                  enable_thinking=settings.enable_thinking)
+    if benchmark == "bfcl":
+        user_turns = max((len(t.extra["bfcl_entry"]["question"]) for t in tasks), default=1)
+        return RolloutConfig(max_turns=user_turns * BFCL_POLICY_TURNS_PER_USER_TURN,
+                             max_response_tokens=settings.bfcl_max_response_tokens, **common)
+    return RolloutConfig(max_turns=settings.max_turns, max_response_tokens=settings.max_response_tokens, **common)

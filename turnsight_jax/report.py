@@ -1,0 +1,305 @@
+"""Plots of a training run from its `metrics.jsonl` (one JSON object per training step).
+
+    python -m turnsight_jax.report RUN_DIR [--out DIR]      # default DIR: RUN_DIR/report
+
+Writes PNG files of a fixed size (8 x 4.5 in at 100 dpi = 800 x 450 px) and an index.md:
+
+  reward.png            rollout/reward_mean
+  solve.png             Solve-P/R/F1 of the rollouts and of the held-out evaluations (eval/*)
+  turnsight_weights.png TurnSight weight mean with its min-max range
+  depth_histogram.png   share of turns whose selected depth d* is 1, 2, 3, ... (stacked area)
+  agreement.png         depth agreement rate, share of turns amplified / damped
+  lengths.png           response tokens and turns per rollout
+  optimization.png      pg_loss, kl, clip_frac, grad_norm, step time, tool error rate
+
+A plot whose keys are all absent is skipped with a note (printed and listed in index.md); a
+panel or line whose key is absent is left out. Steps written twice (a resumed run) keep the
+last record. A missing or empty metrics file is an error (exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+from typing import Callable, Sequence
+
+FIG_SIZE = (8.0, 4.5)  # inches
+DPI = 100  # -> 800 x 450 pixels
+
+SOLVE_KEYS = ("rollout/solve_p", "rollout/solve_r", "rollout/solve_f1", "eval/solve_p", "eval/solve_r",
+              "eval/solve_f1")
+WEIGHT_KEYS = ("turnsight/weight_mean", "turnsight/weight_min", "turnsight/weight_max")
+AGREEMENT_KEYS = ("turnsight/agreement_rate", "turnsight/frac_turns_amplified", "turnsight/frac_turns_damped")
+LENGTH_KEYS = ("rollout/response_tokens", "rollout/num_turns")
+OPTIM_KEYS = ("train/pg_loss", "train/kl", "train/clip_frac", "train/grad_norm", "perf/step_s",
+              "rollout/tool_error_rate")
+DEPTH_KEY = "turnsight/depth_histogram"
+
+
+class ReportError(ValueError):
+    """The run folder or its metrics file cannot be read."""
+
+
+@dataclasses.dataclass
+class Metrics:
+    """Records by step (ascending), each a dict of the keys that step logged."""
+
+    steps: list[int]
+    records: list[dict]
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) where `key` holds a finite number."""
+        xs, ys = [], []
+        for step, rec in zip(self.steps, self.records):
+            v = rec.get(key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                continue
+            xs.append(step)
+            ys.append(float(v))
+        return xs, ys
+
+    def has(self, key: str) -> bool:
+        return any(key in r and r[key] is not None for r in self.records)
+
+
+def load_metrics(path: str | pathlib.Path) -> tuple[Metrics, list[str]]:
+    """Reads metrics.jsonl; returns (metrics, notes). A cut-off last line (a run still writing)
+    is skipped with a note; any other unreadable line is an error naming it."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ReportError(f"{path}: no such file (expected a training run folder with metrics.jsonl)")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
+    if not numbered:
+        raise ReportError(f"{path}: no metrics (the file is empty)")
+    notes: list[str] = []
+    by_step: dict[int, dict] = {}
+    for k, (lineno, line) in enumerate(numbered):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            if k == len(numbered) - 1 and k > 0:
+                notes.append(f"line {lineno}: skipped an incomplete last line ({e.msg})")
+                continue
+            raise ReportError(f"{path}: line {lineno}: invalid JSON ({e})") from None
+        if not isinstance(rec, dict):
+            raise ReportError(f"{path}: line {lineno}: expected a JSON object, got {type(rec).__name__}")
+        step = rec.get("step", k)
+        if isinstance(step, bool) or not isinstance(step, (int, float)):
+            raise ReportError(f"{path}: line {lineno}: 'step' must be a number, got {step!r:.40}")
+        by_step[int(step)] = rec  # a resumed run re-logs steps: keep the last
+    steps = sorted(by_step)
+    return Metrics(steps, [by_step[s] for s in steps]), notes
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots
+# ---------------------------------------------------------------------------------------------
+def _figure(nrows: int = 1, ncols: int = 1):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(nrows, ncols, figsize=FIG_SIZE, dpi=DPI, squeeze=False)
+    return fig, axes
+
+
+def _save(fig, path: pathlib.Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)  # no bbox_inches="tight": the pixel size stays fixed
+    plt.close(fig)
+
+
+def _line(ax, m: Metrics, key: str, label: str | None = None, **kw) -> bool:
+    xs, ys = m.series(key)
+    if not xs:
+        return False
+    ax.plot(xs, ys, label=label or key, **kw)
+    return True
+
+
+def _integer_steps(ax) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _finish(ax, title: str, ylabel: str = "", legend: bool = True) -> None:
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    _integer_steps(ax)
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if legend and ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+
+
+def plot_reward(m: Metrics, path: pathlib.Path) -> None:
+    fig, ax = _figure()
+    _line(ax[0, 0], m, "rollout/reward_mean", "rollout reward (mean)", marker=".")
+    _finish(ax[0, 0], "Reward", "reward")
+    _save(fig, path)
+
+
+def plot_solve(m: Metrics, path: pathlib.Path) -> None:
+    fig, ax = _figure()
+    a = ax[0, 0]
+    styles = {"solve_f1": ("Solve-F1", "C0"), "solve_p": ("Solve-P", "C1"), "solve_r": ("Solve-R", "C2")}
+    for suffix, (name, color) in styles.items():
+        _line(a, m, f"rollout/{suffix}", f"rollout {name}", color=color, lw=2 if suffix == "solve_f1" else 1)
+        _line(a, m, f"eval/{suffix}", f"eval {name}", color=color, ls="--", marker="o", ms=4)
+    _finish(a, "Solve-P/R/F1 (rollouts: solid; held-out eval: dashed)", "score")
+    _save(fig, path)
+
+
+def plot_weights(m: Metrics, path: pathlib.Path) -> None:
+    fig, ax = _figure()
+    a = ax[0, 0]
+    lo_x, lo = m.series("turnsight/weight_min")
+    hi_x, hi = m.series("turnsight/weight_max")
+    if lo_x and lo_x == hi_x:
+        a.fill_between(lo_x, lo, hi, alpha=0.25, color="C0", label="min-max")
+    else:
+        _line(a, m, "turnsight/weight_min", "min", color="C0", ls=":")
+        _line(a, m, "turnsight/weight_max", "max", color="C0", ls=":")
+    _line(a, m, "turnsight/weight_mean", "mean", color="C0", lw=2)
+    a.axhline(1.0, color="gray", lw=0.8)
+    _finish(a, "TurnSight weights w", "w")
+    _save(fig, path)
+
+
+def depth_fractions(m: Metrics) -> tuple[list[int], list[list[float]]]:
+    """(steps, fractions[d][i]) from the per-step depth histograms (counts of turns per d*)."""
+    steps, hists = [], []
+    for step, rec in zip(m.steps, m.records):
+        h = rec.get(DEPTH_KEY)
+        if not isinstance(h, list) or not h or not all(isinstance(c, (int, float)) for c in h):
+            continue
+        total = float(sum(h))
+        if total <= 0:
+            continue
+        steps.append(step)
+        hists.append([c / total for c in h])
+    depth = max((len(h) for h in hists), default=0)
+    fractions = [[h[d] if d < len(h) else 0.0 for h in hists] for d in range(depth)]
+    return steps, fractions
+
+
+def plot_depths(m: Metrics, path: pathlib.Path) -> None:
+    steps, fractions = depth_fractions(m)
+    fig, ax = _figure()
+    a = ax[0, 0]
+    a.stackplot(steps, fractions, labels=[f"d* = {d + 1}" for d in range(len(fractions))], alpha=0.85)
+    a.set_ylim(0, 1)
+    _finish(a, "Selected hindsight depth (share of turns)", "share")
+    _save(fig, path)
+
+
+def plot_agreement(m: Metrics, path: pathlib.Path) -> None:
+    fig, ax = _figure()
+    a = ax[0, 0]
+    _line(a, m, "turnsight/agreement_rate", "depth agreement rate", lw=2)
+    _line(a, m, "turnsight/frac_turns_amplified", "turns amplified (w > 1)")
+    _line(a, m, "turnsight/frac_turns_damped", "turns damped (w < 1)")
+    a.set_ylim(-0.02, 1.02)
+    _finish(a, "Depth agreement and weight direction", "fraction")
+    _save(fig, path)
+
+
+def plot_lengths(m: Metrics, path: pathlib.Path) -> None:
+    fig, ax = _figure(1, 2)
+    for a, key, title in ((ax[0, 0], "rollout/response_tokens", "Response tokens"),
+                          (ax[0, 1], "rollout/num_turns", "Turns per rollout")):
+        if not _line(a, m, key, key, marker="."):
+            a.text(0.5, 0.5, f"no {key}", ha="center", va="center", transform=a.transAxes)
+        _finish(a, title, legend=False)
+    _save(fig, path)
+
+
+def plot_optimization(m: Metrics, path: pathlib.Path) -> None:
+    fig, ax = _figure(2, 3)
+    for a, key in zip(ax.flat, OPTIM_KEYS):
+        if not _line(a, m, key, key, lw=1):
+            a.text(0.5, 0.5, f"no {key}", ha="center", va="center", transform=a.transAxes, fontsize=8)
+        a.set_title(key, fontsize=9)
+        a.tick_params(labelsize=7)
+        _integer_steps(a)
+        a.grid(alpha=0.3)
+    _save(fig, path)
+
+
+PLOTS: tuple[tuple[str, Sequence[str], Callable], ...] = (
+    ("reward.png", ("rollout/reward_mean",), plot_reward),
+    ("solve.png", SOLVE_KEYS, plot_solve),
+    ("turnsight_weights.png", WEIGHT_KEYS, plot_weights),
+    ("depth_histogram.png", (DEPTH_KEY,), plot_depths),
+    ("agreement.png", AGREEMENT_KEYS, plot_agreement),
+    ("lengths.png", LENGTH_KEYS, plot_lengths),
+    ("optimization.png", OPTIM_KEYS, plot_optimization),
+)
+
+
+@dataclasses.dataclass
+class Report:
+    files: list[pathlib.Path]
+    notes: list[str]
+    num_steps: int
+
+
+def make_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None = None,
+                log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> Report:
+    """Writes the plots of `run_dir/metrics.jsonl` into `out_dir` (default run_dir/report)."""
+    run_dir = pathlib.Path(run_dir)
+    if not run_dir.is_dir():
+        raise ReportError(f"{run_dir}: no such run folder")
+    metrics, notes = load_metrics(run_dir / "metrics.jsonl")
+    out = pathlib.Path(out_dir) if out_dir is not None else run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    for name, keys, plot in PLOTS:
+        present = [k for k in keys if metrics.has(k)]
+        if not present or (plot is plot_depths and not depth_fractions(metrics)[0]):
+            notes.append(f"skipped {name}: no {', '.join(keys)} in metrics.jsonl")
+            continue
+        missing = [k for k in keys if k not in present]
+        if missing:
+            notes.append(f"{name}: absent keys left out: {', '.join(missing)}")
+        plot(metrics, out / name)
+        files.append(out / name)
+        log(f"wrote {out / name}")
+    for note in notes:
+        log(f"note: {note}")
+    index = [f"# Training report: {run_dir.name}", "",
+             f"{len(metrics.steps)} steps ({metrics.steps[0]}..{metrics.steps[-1]}).", ""]
+    index += [f"![{f.stem}]({f.name})" for f in files]
+    if notes:
+        index += ["", "Notes:", ""] + [f"- {n}" for n in notes]
+    (out / "index.md").write_text("\n".join(index) + "\n")
+    return Report(files, notes, len(metrics.steps))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m turnsight_jax.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", help="training run folder holding metrics.jsonl")
+    parser.add_argument("--out", default=None, help="output folder (default: RUN_DIR/report)")
+    args = parser.parse_args(argv)
+    try:
+        report = make_report(args.run_dir, args.out)
+    except ReportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{len(report.files)} plots from {report.num_steps} steps in "
+          f"{pathlib.Path(args.out) if args.out else pathlib.Path(args.run_dir) / 'report'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
