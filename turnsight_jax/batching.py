@@ -48,6 +48,7 @@ def make_train_batch(
             trajs, tokenizer,
             options=ViewOptions(depths=tuple(a.depths), source=a.source, turns=a.turns),
             gold_answers=gold_answers, policy_width=pol_pos.shape[1], buckets=packed_buckets,
+            with_reference=bool(cfg.loss.kl_coef),
         )
         stats.update(vstats)
     batch = TrainBatch(

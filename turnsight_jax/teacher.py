@@ -36,13 +36,13 @@ def student_logprobs(model: Qwen3, tokens: jax.Array, valid_mask: jax.Array, pol
     return logprobs_at(model, hidden, jnp.maximum(pol_pos - 1, 0), targets, chunk=chunk, temperature=temperature)
 
 
-def teacher_logprobs(model: Qwen3, views: PackedViews, targets: jax.Array, *, chunk: int = 1024,
-                     temperature: float = 1.0) -> jax.Array:
-    """Frozen-teacher log-probs of the policy tokens under every depth's hindsight view.
+def teacher_logprobs(model: Qwen3, views: PackedViews, *, chunk: int = 1024, temperature: float = 1.0) -> jax.Array:
+    """Frozen-teacher log-probs of the policy tokens under every view of `views.view_pred`
+    (the hindsight depths, then the plain reference row when built with_reference).
 
-    targets [B, N] (the policy tokens); returns [D, B, N] float32, outside the gradient."""
+    One forward over the packed rows; the vocabulary projection runs once per distinct
+    (predictor, target) pair and is gathered into [R, B, N] float32, outside the gradient."""
     hidden = model.hidden_states(views.tokens, views.layout)
-    out = jax.vmap(lambda idx: logprobs_at(model, hidden, idx, targets, chunk=chunk, temperature=temperature))(
-        views.view_pred
-    )
+    distinct = logprobs_at(model, hidden, views.pred, views.pred_target, chunk=chunk, temperature=temperature)
+    out = jax.vmap(lambda s: jnp.take_along_axis(distinct, s, axis=1))(views.slot)
     return jax.lax.stop_gradient(out)

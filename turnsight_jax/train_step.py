@@ -32,7 +32,7 @@ from flax import nnx, struct
 
 from turnsight_jax import advantages as adv_lib
 from turnsight_jax.models.qwen3 import Qwen3
-from turnsight_jax.teacher import logprobs_at, student_logprobs
+from turnsight_jax.teacher import student_logprobs, teacher_logprobs
 from turnsight_jax.views import PackedViews
 
 ALGORITHMS = ("grpo", "matchtir", "turnsight")
@@ -189,9 +189,9 @@ class TrainBatch:
 
 
 def row_axis(path) -> int:
-    """Axis holding the trajectories in a TrainBatch leaf: 1 for view_pred [D, B, N], else 0."""
+    """Axis holding the trajectories in a TrainBatch leaf: 1 for view_pred / slot [R, B, N], else 0."""
     names = [getattr(k, "name", None) for k in path]
-    return 1 if names and names[-1] == "view_pred" else 0
+    return 1 if names and names[-1] in ("view_pred", "slot") else 0
 
 
 def shard_batch(batch: TrainBatch, mesh) -> TrainBatch:
@@ -311,7 +311,7 @@ def _merge(x, axis: int = 0):
     return jnp.moveaxis(x, 0, axis)
 
 
-def split_batch(batch: TrainBatch, m: int) -> TrainBatch:
+def split_batch(batch, m: int):
     """Strided micro-batches of a TrainBatch (views included), stacked on a new leading axis."""
     def f(path, x):
         return None if x is None else _split(x, m, axis=row_axis(path))
@@ -322,29 +322,18 @@ def split_batch(batch: TrainBatch, m: int) -> TrainBatch:
 def teacher_and_ref_logprobs(ref_model: Qwen3, batch: TrainBatch, cfg: StepConfig):
     """(teacher log-probs [D, B, N] or None, reference log-probs [B, N] or None), no gradient.
 
-    The packed views' original segment doubles as the reference's plain context for the KL."""
+    With views, one packed forward gives both: the views are built with a reference row when a
+    KL term is on (turnsight_jax.batching)."""
     need_kl = bool(cfg.loss.kl_coef)
-    targets = jnp.take_along_axis(batch.tokens, batch.pol_pos, axis=1)
     temp, chunk, m = cfg.loss.temperature, cfg.logprob_chunk, cfg.teacher_micro_batches
     if cfg.algo.uses_views:
-        pred = batch.views.view_pred
-        if need_kl:
-            pred = jnp.concatenate([pred, jnp.maximum(batch.pol_pos - 1, 0)[None]], axis=0)
-
-        def one(args):
-            tok, layout, pred_mb, y = args
-            hidden = ref_model.hidden_states(tok, layout)
-            return jax.vmap(lambda idx: logprobs_at(ref_model, hidden, idx, y, chunk=chunk, temperature=temp))(pred_mb)
-
-        args = (batch.views.tokens, batch.views.layout, pred, targets)
+        one = lambda v: teacher_logprobs(ref_model, v, chunk=chunk, temperature=temp)
         if m == 1:
-            out = one(args)
+            out = one(batch.views)
         else:
-            split = (_split(args[0], m), jax.tree.map(lambda x: _split(x, m), args[1]), _split(pred, m, 1),
-                     _split(targets, m))
-            out = _merge(jax.lax.map(one, split), axis=1)
-        out = jax.lax.stop_gradient(out)
-        return (out[:-1], out[-1]) if need_kl else (out, None)
+            out = _merge(jax.lax.map(one, split_batch(batch.views, m)), axis=1)
+        depths = len(cfg.algo.depths)
+        return out[:depths], (out[depths] if need_kl else None)
     if need_kl:
         def one_ref(args):
             tok, valid, pos = args

@@ -45,7 +45,11 @@ def pick_bucket(n: int, buckets: Sequence[int], what: str) -> int:
 
 
 def policy_bucket(n: int) -> int:
-    return max(16, 1 << max(0, int(n - 1).bit_length()))
+    """Width for n policy tokens: multiples of 32 up to 512, then powers of two (bounded compiles,
+    little padding on short responses)."""
+    if n <= 512:
+        return max(32, -(-n // 32) * 32)
+    return 1 << int(n - 1).bit_length()
 
 
 def covered_turns(num_turns: int, turns: str) -> range:
@@ -64,13 +68,21 @@ class PackedViews:
     """Teacher input for a batch of B trajectories (numpy or jax arrays).
 
     tokens [B, P] int32 and layout (Layout fields [B, P]): the packed rows.
-    view_pred [D, B, N] int32: packed index whose hidden state predicts policy token n of row b
-      under depth d (0 where pol_valid is False).
+    view_pred [R, B, N] int32: packed index whose hidden state predicts policy token n of row b
+      under view r: r < D the hindsight depths, r = D (when built `with_reference`) the student's
+      own context (the original segment) for a KL term. 0 where the policy slot is padding.
+    pred, pred_target [B, U] int32: the distinct (predictor, target) pairs of each row — depths
+      that clip to the same block, and every depth of an empty block, share one pair, so the
+      vocabulary projection runs once per distinct pair.
+    slot [R, B, N] int32: index into pred of each (view, row, policy token).
     """
 
     tokens: Any
     layout: Layout
     view_pred: Any
+    pred: Any
+    pred_target: Any
+    slot: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,21 +153,25 @@ def build_views(
     gold_answers: Sequence[str | None] | None = None,
     policy_width: int | None = None,
     buckets: Sequence[int] = DEFAULT_PACKED_BUCKETS,
+    with_reference: bool = False,
 ) -> tuple[PackedViews, dict[str, float]]:
     """Packed teacher rows for `trajs` (numpy). Returns (views, stats) where stats counts the
-    packed tokens against the trajectories' own tokens."""
+    packed tokens against the trajectories' own tokens. `with_reference` adds the student-context
+    row (view D) for a KL term."""
     depths = tuple(options.depths)
     if not depths or any(d < 1 for d in depths):
         raise ValueError(f"hindsight depths must be a non-empty tuple of ints >= 1, got {depths}")
     max_depth = max(depths)
     pol_pos, pol_valid = policy_positions(trajs, policy_width)
     n_pol = pol_pos.shape[1]
-    view_pred = np.zeros((len(depths), len(trajs), n_pol), np.int32)
+    n_views = len(depths) + int(with_reference)
+    view_pred = np.zeros((n_views, len(trajs), n_pol), np.int32)
     rows = []
     for b, traj in enumerate(trajs):
         row = _Row(traj)
         where = {int(p): j for j, p in enumerate(pol_pos[b, : int(pol_valid[b].sum())])}
         # Default predictor of every policy token: the original sequence (the student's context).
+        # The reference row (with_reference) keeps it.
         for p, j in where.items():
             view_pred[:, b, j] = p - 1
         answer = None if gold_answers is None else gold_answers[b]
@@ -186,9 +202,35 @@ def build_views(
     width = pick_bucket(max(r.length for r in rows), buckets, "packed hindsight row")
     cols = [np.stack(c) for c in zip(*(r.arrays(width) for r in rows))]
     tok, pos, seg, c1s, c1e, c2s, c2e = cols
-    views = PackedViews(tok, Layout(pos, seg, c1s, c1e, c2s, c2e), view_pred)
+    pred, pred_target, slot = _distinct_predictors(trajs, view_pred, pol_pos, pol_valid)
+    views = PackedViews(tok, Layout(pos, seg, c1s, c1e, c2s, c2e), view_pred, pred, pred_target, slot)
     own = sum(t.length for t in trajs)
     packed = sum(r.length for r in rows)
     stats = {"view_tokens": float(packed), "trajectory_tokens": float(own), "view_overhead": packed / max(own, 1),
-             "packed_width": float(width)}
+             "packed_width": float(width), "teacher_rows": float(pol_valid.sum() * n_views),
+             "teacher_distinct_rows": float(sum(len(set(view_pred[:, b, pol_valid[b]].ravel())) for b in range(len(trajs))))}
     return views, stats
+
+
+def _distinct_predictors(trajs, view_pred, pol_pos, pol_valid):
+    """(pred [B, U], pred_target [B, U], slot [R, B, N]): one entry per distinct predictor."""
+    r, b, n = view_pred.shape
+    targets = [t.tokens[pol_pos[i]] for i, t in enumerate(trajs)]
+    uniq = []
+    for i in range(b):
+        valid = pol_valid[i]
+        keys = view_pred[:, i, :][:, valid]  # [R, n_valid]
+        tg = np.broadcast_to(targets[i][valid], keys.shape)
+        u, inverse = np.unique(keys.ravel(), return_inverse=True)
+        first = np.zeros(u.size, np.int64)
+        first[inverse[::-1]] = np.arange(inverse.size)[::-1]
+        uniq.append((u, tg.ravel()[first], inverse.reshape(keys.shape)))
+    width = policy_bucket(max(u.size for u, _, _ in uniq))
+    pred = np.zeros((b, width), np.int32)
+    pred_target = np.zeros((b, width), np.int32)
+    slot = np.zeros((r, b, n), np.int32)
+    for i, (u, tg, inv) in enumerate(uniq):
+        pred[i, : u.size] = u
+        pred_target[i, : u.size] = tg
+        slot[:, i, pol_valid[i]] = inv
+    return pred, pred_target, slot
