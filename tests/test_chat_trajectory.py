@@ -190,7 +190,7 @@ def test_make_batch_and_unbatch_round_trip():
     ]
     batch = make_batch(trajs, pad_id=151643)
     assert isinstance(batch, TrajectoryBatch)
-    assert batch.tokens.shape == (3, 512) and batch.tokens.dtype == np.int32  # 308 tokens -> bucket 512
+    assert batch.tokens.shape == (3, 384) and batch.tokens.dtype == np.int32  # 308 tokens -> bucket 384
     assert batch.turn_rewards.shape == (3, 4)  # 3 turns -> power of two 4
     assert batch.valid_mask.sum(axis=1).tolist() == [30, 13, 308]
     assert (batch.tokens[1, 13:] == 151643).all() and not batch.policy_mask[1, 13:].any()

@@ -33,7 +33,8 @@ from turnsight_jax.chat.hindsight import HindsightTemplate, hindsight_pieces
 from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.models.attention import NO_SEGMENT, PAD_SEGMENT, Layout
 
-DEFAULT_PACKED_BUCKETS: tuple[int, ...] = tuple(256 * 2**i for i in range(10))  # 256 .. 131072
+# multiples of 256 up to 4096 (little padding on short rows), then powers of two up to 131072
+DEFAULT_PACKED_BUCKETS: tuple[int, ...] = tuple(range(256, 4097, 256)) + tuple(8192 * 2**i for i in range(5))
 
 
 def pick_bucket(n: int, buckets: Sequence[int], what: str) -> int:

@@ -28,7 +28,8 @@ from turnsight_jax.chat.types import Call
 QWEN3_IM_START_ID = 151644
 QWEN3_IM_END_ID = 151645
 
-DEFAULT_BUCKETS: tuple[int, ...] = tuple(256 * 2**i for i in range(8))  # 256 .. 32768
+# multiples of 128 up to 2048 (little padding on short rollouts), then powers of two up to 32768
+DEFAULT_BUCKETS: tuple[int, ...] = tuple(range(128, 2049, 128)) + tuple(4096 * 2**i for i in range(4))
 
 
 @dataclasses.dataclass(frozen=True)
