@@ -28,7 +28,9 @@ def default_config() -> mlc.ConfigDict:
     c.model = mlc.ConfigDict()
     c.model.preset = "tiny-default"  # a preset name, or "" when hf_path is set
     c.model.hf_path = ""  # a Hugging Face Qwen3 folder to start from
-    c.model.param_dtype = "float32"
+    c.model.param_dtype = "float32"  # the trained policy (and optimizer moments)
+    c.model.ref_dtype = "float32"  # the frozen reference/teacher copy (bfloat16 halves its memory)
+    c.model.allow_random_init = True  # large presets without hf_path are refused unless this is set
     c.model.compute_dtype = "float32"
     c.model.remat = False
     c.model.attn_q_chunk = 128  # small chunks: cheaper on CPU (static causal bounds skip more)
@@ -98,7 +100,7 @@ def default_config() -> mlc.ConfigDict:
     c.train.mini_batches = 1
     c.train.ppo_epochs = 1
     c.train.teacher_micro_batches = 1
-    c.train.logprob_chunk = 1024
+    c.train.logprob_chunk = 256  # rows per vocabulary-projection chunk (256 is fastest on CPU)
 
     c.eval = mlc.ConfigDict()
     c.eval.every = 0  # 0: only before and after RL
@@ -120,6 +122,11 @@ def default_config() -> mlc.ConfigDict:
     c.mesh.data = 1
     c.mesh.fsdp = -1
     c.mesh.tensor = 1
+
+    c.plan = mlc.ConfigDict()  # --dry_run: the worst-case geometry and the device budget
+    c.plan.packed_factor = 2.0  # packed teacher row length / trajectory length
+    c.plan.distinct_factor = 3.0  # distinct teacher predictors / policy tokens
+    c.plan.device_memory_gib = 80.0
 
     c.log = mlc.ConfigDict()
     c.log.tensorboard = True
@@ -230,7 +237,7 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None) -> StepConfig:
         raise ConfigError(f"data.source={cfg.data.source!r} needs data.path")
     if not cfg.model.preset and not cfg.model.hf_path:
         raise ConfigError("set model.preset or model.hf_path")
-    for key in ("param_dtype", "compute_dtype"):
+    for key in ("param_dtype", "compute_dtype", "ref_dtype"):
         if cfg.model[key] not in ("float32", "bfloat16"):
             raise ConfigError(f"model.{key} must be float32 or bfloat16, got {cfg.model[key]!r}")
     if cfg.train.steps < 0 or cfg.train.prompts_per_step < 1:

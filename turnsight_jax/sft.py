@@ -28,7 +28,7 @@ from turnsight_jax.envs.synthetic import generate_tasks, gold_turn_texts
 from turnsight_jax.models.weights import save_pretrained
 from turnsight_jax.rollout.driver import ReplayPolicy, rollout
 from turnsight_jax.teacher import student_logprobs
-from turnsight_jax.views import policy_positions
+from turnsight_jax.views import policy_bucket, policy_positions
 
 
 def gold_trajectories(tasks: list[Task], tok, cfg: mlc.ConfigDict, env, chunk: int = 256):
@@ -80,10 +80,13 @@ def run_sft(cfg: mlc.ConfigDict, workdir: pathlib.Path, mesh, tok, tokdir: pathl
     opt_state = optimizer.init(params)
     rng = np.random.default_rng(cfg.seed)
     progress = runtime.Progress(s.steps, 0, cfg.log.progress)
+    # One shape for every step (the longest gold trajectory): a single compilation.
+    width = [max(t.length for t in trajs)]
+    pol_width = policy_bucket(max(int(t.policy_mask.sum()) for t in trajs))
     for step in range(s.steps):
         pick = [trajs[i] for i in rng.choice(len(trajs), size=min(s.batch_size, len(trajs)), replace=False)]
-        tb = make_batch(pick, pad_id=0, buckets=(256, 512, 1024, 2048, 4096))
-        pol_pos, pol_valid = policy_positions(pick)
+        tb = make_batch(pick, pad_id=0, buckets=width)
+        pol_pos, pol_valid = policy_positions(pick, pol_width)
         with jax.set_mesh(mesh):
             params, opt_state, loss = _sft_step(graphdef, optimizer, params, opt_state, jnp.asarray(tb.tokens),
                                                 jnp.asarray(tb.valid_mask), jnp.asarray(pol_pos),

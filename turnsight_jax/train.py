@@ -84,6 +84,9 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     step_cfg = validate(cfg, jax.device_count())
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     qcfg = runtime.model_config(cfg)
+    if not cfg.model.hf_path and not cfg.model.allow_random_init:
+        raise ConfigError(f"model.preset={cfg.model.preset!r} would start from random weights: set "
+                          f"--config.model.hf_path=/path/to/Qwen3 (a Hugging Face folder)")
     # Everything that can fail on bad input happens before the run folder is touched.
     tok, tokdir = runtime.setup_tokenizer(cfg, qcfg.vocab_size)
     train_tasks = runtime.load_tasks(cfg, "train")
@@ -102,7 +105,9 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
         start_path = str(run_sft(cfg, workdir, mesh, tok, tokdir))
     model = runtime.build_model(cfg, mesh, hf_path=start_path, seed=cfg.seed)
     graphdef, params = nnx.split(model)
-    ref_params = jax.tree.map(jnp.copy, params)  # the frozen initial policy: teacher and KL reference
+    # The frozen initial policy: teacher and KL reference (optionally in a narrower dtype).
+    ref_dtype = runtime.DTYPES[cfg.model.ref_dtype]
+    ref_params = jax.tree.map(lambda x: x.astype(ref_dtype) if x.dtype != ref_dtype else jnp.copy(x), params)
     optimizer = make_optimizer(step_cfg.optim)
     step_fn = make_train_step(graphdef, step_cfg, optimizer)
     with jax.set_mesh(mesh):
@@ -232,7 +237,15 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default=None, help="run folder (default: runs/<config name>)")
     ap.add_argument("--dry_run", action="store_true",
                     help="compile the train step on abstract parameters and print its memory plan; allocate nothing")
+    ap.add_argument("--fake_devices", type=int, default=0,
+                    help="with --dry_run on a CPU: pretend to have N devices (sets XLA's host device count)")
     args, rest = ap.parse_known_args(argv)
+    if args.fake_devices:
+        import os
+
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={args.fake_devices}")
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     runtime.maybe_initialize_distributed()
     try:
         cfg = load_run_config(args.config, rest)

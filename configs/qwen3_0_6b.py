@@ -1,0 +1,27 @@
+"""Qwen3-0.6B with TurnSight: a single-GPU-sized run of the paper's recipe on FTRL, smaller batch.
+
+    python -m turnsight_jax.train --config configs/qwen3_0_6b.py \
+        --config.model.hf_path=/path/to/Qwen3-0.6B --config.data.path=... --config.data.eval_path=...
+"""
+
+import importlib.util
+import pathlib
+
+
+def get_config():
+    spec = importlib.util.spec_from_file_location("qwen3_8b", pathlib.Path(__file__).with_name("qwen3_8b.py"))
+    base = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(base)
+    c = base.get_config()
+    c.name = "qwen3_0_6b_turnsight"
+    c.model.preset = "qwen3-0.6b"
+    c.model.ref_dtype = "bfloat16"
+    c.train.prompts_per_step = 8
+    c.train.group_size = 8
+    c.train.micro_batches = 16
+    c.train.teacher_micro_batches = 16
+    c.train.steps = 3 * 277  # 3 epochs x ceil(2215 / 8)
+    c.rollout.max_prompt_tokens = 8192
+    c.rollout.max_response_tokens = 8192
+    c.optim.lr = 2e-6
+    return c

@@ -1,0 +1,160 @@
+"""`python -m turnsight_jax.train`: bad inputs, SIGTERM + resume, checkpoint validity, HF export."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# A run small enough for CI: random tiny model (no warm-start), 2 prompts x 2 rollouts, 2 turns.
+FAST = [
+    "--config.model.preset=tiny", "--config.sft.steps=0", "--config.data.num_eval=0", "--config.train.steps=6",
+    "--config.train.prompts_per_step=2", "--config.train.group_size=2", "--config.rollout.max_turns=2",
+    "--config.rollout.max_turn_tokens=12", "--config.rollout.max_response_tokens=64",
+    "--config.checkpoint.every=0", "--config.log.tensorboard=False", "--config.model.attn_q_chunk=128",
+]
+
+
+def _run(args, workdir, **kw):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's laptop
+    env["JAX_PLATFORMS"] = "cpu"
+    return subprocess.Popen([sys.executable, "-m", "turnsight_jax.train", "--workdir", str(workdir), *args],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _records(workdir):
+    out = {}
+    for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = {k: v for k, v in rec.items() if not k.startswith("perf/")}
+    return out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--config.data.source=ftrl", "--config.data.path=/nonexistent/ftrl.jsonl"], "/nonexistent/ftrl.jsonl"),
+    (["--config.rl.lamda=0.3"], "unknown config key 'rl.lamda'; did you mean rl.lam"),
+    (["SMALL_VOCAB_MODEL"], "tokenizer .* does not fit the model"),
+    (["--config.train.group_size=3"], "not divisible by group_size 3"),
+])
+def test_bad_inputs_fail_before_training(tmp_path, args, message):
+    if args == ["SMALL_VOCAB_MODEL"]:  # a Qwen3 whose embedding has fewer rows than the tokenizer
+        from turnsight_jax.models.config import Qwen3Config
+        from turnsight_jax.models.qwen3 import init_model
+        from turnsight_jax.models.weights import save_pretrained
+
+        save_pretrained(init_model(Qwen3Config(vocab_size=1000, hidden_size=16, intermediate_size=32, num_layers=1,
+                                               num_heads=1, num_kv_heads=1, head_dim=16)), tmp_path / "small")
+        args = [f"--config.model.hf_path={tmp_path / 'small'}"]
+    proc = _run(FAST + args, tmp_path / "run")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and __import__("re").search(message, last), last
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing touched
+
+
+def test_dataset_row_missing_field_names_row(tmp_path):
+    row = {"messages": [{"role": "user", "content": "q"}], "tools": "[]", "codes": "{}", "unsolved_set": "{}",
+           "data_source": "self/single_hop"}  # no "answer"
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({**row, "answer": "a"}) + "\n" + json.dumps(row) + "\n")
+    proc = _run(FAST + ["--config.data.source=ftrl", f"--config.data.path={path}"], tmp_path / "run")
+    _, err = proc.communicate(timeout=300)
+    last = err.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "answer" in last and ("row 1" in last or "line 2" in last), last
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("full")
+    proc = _run(FAST, workdir)
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    return workdir
+
+
+def test_sigterm_then_resume_matches_uninterrupted(uninterrupted, tmp_path):
+    workdir = tmp_path / "interrupted"
+    proc = _run(FAST, workdir)
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            proc.send_signal(signal.SIGTERM)  # a real signal while step 4 runs (or just after step 3)
+            break
+        time.sleep(0.2)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert "checkpointing after this step" in err
+    stopped = max(_records(workdir))
+    assert 2 <= stopped < 5, stopped  # stopped early, with a checkpoint of what it finished
+    proc = _run(FAST, workdir)
+    _, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    assert f"resumed from" in err
+    full, resumed = _records(uninterrupted), _records(workdir)
+    assert sorted(resumed) == list(range(6))
+    for step in range(3, 6):
+        assert resumed[step] == full[step], step
+
+
+def test_unfinished_checkpoint_is_never_loaded(uninterrupted, tmp_path):
+    import shutil
+
+    from turnsight_jax.checkpointing import Checkpointer
+
+    work = tmp_path / "copy"
+    shutil.copytree(uninterrupted, work)
+    # a write cut short: orbax's temporary folder for step 9, half written
+    partial = work / "checkpoints" / "9.orbax-checkpoint-tmp-1234567"
+    shutil.copytree(work / "checkpoints" / "6", partial)
+    (partial / "params" / "_METADATA").unlink(missing_ok=True)
+    ckpt = Checkpointer(work)
+    assert ckpt.latest_step() == 6
+    ckpt.close()
+
+
+def test_exported_folder_loads_in_transformers(uninterrupted):
+    torch = pytest.importorskip("torch")
+    import jax.numpy as jnp
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    from turnsight_jax.checkpointing import load_policy_from_run
+
+    export = uninterrupted / "export"
+    hf = Qwen3ForCausalLM.from_pretrained(export).eval()
+    tok = AutoTokenizer.from_pretrained(export)
+    ids = tok.encode("<tool_call>\n{\"name\": \"get_home\"}\n</tool_call>")
+    ours, _, step = load_policy_from_run(uninterrupted)
+    assert step == 6
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits.numpy()
+    assert np.abs(np.asarray(ours(jnp.asarray([ids]))) - ref).max() < 1e-4
+
+
+def test_dry_run_compiles_qwen3_8b_on_8_fake_devices(tmp_path):
+    """The paper's config compiles its step for 8 fake CPU devices and prints a memory plan,
+    allocating no model (a full 8B in float32 would not fit this machine's memory)."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "turnsight_jax.train", "--config", "configs/qwen3_8b.py", "--dry_run",
+         "--fake_devices", "8", "--config.train.prompts_per_step=8", "--config.rollout.max_prompt_tokens=1024",
+         "--config.rollout.max_response_tokens=1024", "--config.train.micro_batches=8",
+         "--config.train.teacher_micro_batches=8"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Memory plan: qwen3_8b_turnsight on mesh {'data': 1, 'fsdp': 8, 'tensor': 1}" in proc.stdout
+    assert "peak estimate" in proc.stdout and "GiB per device" in proc.stdout
