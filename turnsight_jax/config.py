@@ -48,7 +48,8 @@ def default_config() -> mlc.ConfigDict:
     c.data.width = 2
     c.data.min_distractors = 1
     c.data.max_distractors = 1
-    c.data.vocab_size = 24
+    c.data.vocab_size = 10  # entity names
+    c.data.num_relations = 4  # relation names (tools)
     c.data.extra_rows = 1
     c.data.prompt_style = "short"
 
@@ -108,9 +109,9 @@ def default_config() -> mlc.ConfigDict:
     c.eval.batch_size = 64
 
     c.sft = mlc.ConfigDict()  # supervised warm-start on gold built-in trajectories
-    c.sft.steps = 150
+    c.sft.steps = 100
     c.sft.batch_size = 16
-    c.sft.lr = 3e-3
+    c.sft.lr = 1e-2
     c.sft.num_tasks = 1024
 
     c.checkpoint = mlc.ConfigDict()

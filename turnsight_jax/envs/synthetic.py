@@ -4,9 +4,9 @@ Each task is a small lookup world: relation tools `get_<relation>(name)` whose P
 (`Task.codes`) holds a tiny table from entity to entity, run through the same isolated executor
 as FTRL's tools. The four FTRL categories:
 
-  single_hop           "What is the city of Kato?"            1 turn, 1 call
-  parallel_single_hop  "What are the city of Kato and ...?"   1 turn, `width` calls
-  multi_hop            "What is the pet of the city of Kato?" `hops` turns, 1 call each
+  single_hop           'What is the city of "Kato"?'            1 turn, 1 call
+  parallel_single_hop  'What are the city of "Kato" and ...?'   1 turn, `width` calls
+  multi_hop            'What is the pet of the city of "Kato"?' `hops` turns, 1 call each
   parallel_multi_hop   `width` chains of `hops` hops          `hops` turns, `width` calls each
 
 plus 1–2 distractor tools (other relations over the same entities). Gold call chains are in
@@ -63,6 +63,7 @@ class SyntheticConfig:
     width: number of parallel sub-questions of the parallel categories (>= 2).
     min_distractors / max_distractors: distractor tools per task (uniform in the range).
     vocab_size: number of distinct entity names the generator draws from.
+    num_relations: how many of the 16 relation names (tools) tasks draw from.
     extra_rows: table rows per tool beyond those the gold chain needs.
     prompt_style: "short" (FTRL's first sentence + the question) or "ftrl" (FTRL's full text).
     """
@@ -72,6 +73,7 @@ class SyntheticConfig:
     min_distractors: int = 1
     max_distractors: int = 2
     vocab_size: int = 64
+    num_relations: int = len(RELATIONS)
     extra_rows: int = 2
     prompt_style: str = "short"
 
@@ -85,9 +87,11 @@ class SyntheticConfig:
                 f"SyntheticConfig: need 0 <= min_distractors <= max_distractors, got "
                 f"{self.min_distractors}, {self.max_distractors}"
             )
-        if self.hops + self.max_distractors > len(RELATIONS):
+        if not 1 <= self.num_relations <= len(RELATIONS):
+            raise ValueError(f"SyntheticConfig.num_relations must be in [1, {len(RELATIONS)}], got {self.num_relations}")
+        if self.hops + self.max_distractors > self.num_relations:
             raise ValueError(
-                f"SyntheticConfig: hops + max_distractors must be <= {len(RELATIONS)} relations"
+                f"SyntheticConfig: hops + max_distractors must be <= num_relations={self.num_relations}"
             )
         needed = self.width * (self.hops + 1) + self.extra_rows * 2 + 2
         if not needed <= self.vocab_size <= len(_CONSONANTS) ** 2 * len(_VOWELS) ** 2:
@@ -147,8 +151,12 @@ def _tool_source(relation: str, table: dict[str, str]) -> str:
 
 
 def _phrase(relations: Sequence[str], start: str) -> str:
-    """'the pet of the city of Kato' for relations (city, pet) applied to Kato."""
-    text = start
+    """'the pet of the city of "Kato"' for relations (city, pet) applied to Kato.
+
+    The entity is quoted so that it tokenises exactly as in the call's JSON string (a bare
+    ' Kato' starts with a different, space-prefixed token): copying it is then a plain token
+    copy, which a tiny model learns quickly."""
+    text = '"' + start + '"'
     for rel in relations:
         text = f"the {rel} of {text}"
     return text
@@ -164,7 +172,7 @@ def generate_task(category: str, seed: int, config: SyntheticConfig = SyntheticC
     hops = 1 if category.endswith("single_hop") else config.hops
     width = config.width if category.startswith("parallel") else 1
     n_distractors = rng.randint(config.min_distractors, config.max_distractors)
-    relations = rng.sample(RELATIONS, hops + n_distractors)
+    relations = rng.sample(RELATIONS[: config.num_relations], hops + n_distractors)
     chain_rel, distractor_rel = relations[:hops], relations[hops:]
 
     # Distinct entities for every chain position: no entity is both an input and an output

@@ -184,7 +184,8 @@ class Qwen3(nnx.Module):
     def __call__(self, tokens: jax.Array, layout: Layout | None = None) -> jax.Array:
         return self.logits(self.hidden_states(tokens, layout))
 
-    def extend(self, tokens: jax.Array, num_new: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    def extend(self, tokens: jax.Array, num_new: jax.Array, cache: KVCache, *, window: int | None = None
+               ) -> tuple[jax.Array, KVCache]:
         """Append up to N tokens per row to the cache and return their hidden states.
 
         tokens [B, N] int32; num_new [B] int32 (row b appends its first num_new[b] tokens; the
@@ -192,6 +193,9 @@ class Qwen3(nnx.Module):
         lengths + num_new). Serves prefill (N = prompt bucket), single-token decode (N = 1) and
         observation appends alike. Padding tokens write into slots past the new length, which no
         query reads and the next append overwrites.
+
+        window: a static bound on the slots any query reads (every row's new length must be
+        <= window); attention then costs O(window) instead of O(cache size) per token.
         """
         b, n = tokens.shape
         cfg = self.config
@@ -200,15 +204,17 @@ class Qwen3(nnx.Module):
         query_slots = jnp.where(offs < num_new[:, None], slots, -1)
         rows = jnp.arange(b)[:, None]
         chunk = self.options.attn_q_chunk
+        window = cache.max_len if window is None else min(window, cache.max_len)
 
         def layer(carry, p):
             x, k_all, v_all, i = carry
             q, k, v = self._qkv(p, x, slots)
-            k_l = k_all[i].at[rows, slots].set(k.astype(k_all.dtype), mode="drop")
-            v_l = v_all[i].at[rows, slots].set(v.astype(v_all.dtype), mode="drop")
+            # Written in place into the stacked cache (a scan carry): no per-layer copy.
+            k_all = k_all.at[i, rows, slots].set(k.astype(k_all.dtype), mode="drop")
+            v_all = v_all.at[i, rows, slots].set(v.astype(v_all.dtype), mode="drop")
+            k_l = jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(k_all, i, 0, keepdims=False), 0, window, 1)
+            v_l = jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(v_all, i, 0, keepdims=False), 0, window, 1)
             attn = cache_attention(q, k_l.astype(q.dtype), v_l.astype(q.dtype), query_slots, q_chunk=chunk)
-            k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_l, i, 0)
-            v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_l, i, 0)
             return (self._finish_layer(p, x, attn), k_all, v_all, i + 1), None
 
         init = (self.embed_tokens(tokens), cache.k, cache.v, jnp.int32(0))

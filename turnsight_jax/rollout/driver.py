@@ -133,14 +133,21 @@ class ModelPolicy:
             lens[i] = len(p)
         cache = KVCache.zeros(cfg, prompt_rows, max_len, self.cache_dtype)
         hidden = jnp.zeros((prompt_rows, cfg.hidden_size), self.cache_dtype)
-        cache, hidden = append_tokens(self.graphdef, self.state, jnp.asarray(toks), jnp.asarray(lens), cache, hidden)
+        cache, hidden = append_tokens(self.graphdef, self.state, jnp.asarray(toks), jnp.asarray(lens), cache, hidden,
+                                      window=width)
         # Repeat each prompt's cache G times, then pad the rows to the bucket with empty rows.
         take = np.minimum(np.arange(self.padded_rows) // group_size, prompt_rows - 1)
         take = jnp.asarray(take)
         self.cache = KVCache(cache.k[:, take], cache.v[:, take], cache.lengths[take])
         self.hidden = hidden[take]
         self.turn = 0
+        self.lengths = np.asarray(lens)[np.asarray(take)]  # host copy of the filled slots per row
         self.timings["prefill"] += time.perf_counter() - t0
+
+    def _window(self, needed: int) -> int:
+        """Attention window for `needed` filled slots: a power of two (bounded compilations),
+        at most the cache size."""
+        return min(self.cache.max_len, _bucket(needed, 64))
 
     def graphdef_config(self):
         from flax import nnx
@@ -169,9 +176,11 @@ class ModelPolicy:
         out, self.cache, self.hidden, _ = decode_turn(
             self.graphdef, self.state, self.cache, self.hidden, sub, self.config.max_turn_tokens, self.sampling,
             self.stop_ids, jnp.asarray(act), jnp.asarray(bud), forced,
+            window=self._window(int(self.lengths.max()) + self.config.max_turn_tokens),
         )
         tokens, logprobs = np.asarray(out.tokens), np.asarray(out.logprobs)
         lengths, stopped = np.asarray(out.lengths), np.asarray(out.stopped)
+        self.lengths = self.lengths + lengths
         self.timings["decode"] += time.perf_counter() - t0
         result: list[GeneratedTurn | None] = []
         for r in range(self.rows):
@@ -197,8 +206,10 @@ class ModelPolicy:
                 toks[r, : len(s)] = s
                 lens[r] = len(s)
         self.cache, self.hidden = append_tokens(
-            self.graphdef, self.state, jnp.asarray(toks), jnp.asarray(lens), self.cache, self.hidden
+            self.graphdef, self.state, jnp.asarray(toks), jnp.asarray(lens), self.cache, self.hidden,
+            window=self._window(int((self.lengths + lens).max())),
         )
+        self.lengths = self.lengths + lens
         self.timings["append"] += time.perf_counter() - t0
 
 
@@ -314,7 +325,8 @@ def rollout(
     vec = VectorEnv(env)
     tool_s = 0.0
     try:
-        vec.start(row_tasks, [seed * 1_000_003 + r for r in range(n)])
+        # Episode seeds depend on (seed, global row), not on how rows were batched.
+        vec.start(row_tasks, [seed * 1_000_003 + group_offset * group_size + r for r in range(n)])
         policy.begin(prompts, group_size)
         active = np.ones(n, bool)
         used = np.zeros(n, np.int64)

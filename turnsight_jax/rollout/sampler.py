@@ -124,19 +124,20 @@ def _last_hidden(hidden: jax.Array, num_new: jax.Array) -> jax.Array:
     return jnp.take_along_axis(hidden, idx[:, None, None], axis=1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
-def append_tokens(graphdef, state, tokens, num_new, cache: KVCache, last_hidden):
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("window",), donate_argnums=(4,))
+def append_tokens(graphdef, state, tokens, num_new, cache: KVCache, last_hidden, *, window: int | None = None):
     """Append tokens [B, N] (num_new [B] real ones per row) to the cache; return the new cache
-    and the hidden state [B, D] after each row's last token (rows appending 0 keep theirs)."""
+    and the hidden state [B, D] after each row's last token (rows appending 0 keep theirs).
+    window: static bound on the filled slots after the append (see Qwen3.extend)."""
     model: Qwen3 = nnx.merge(graphdef, state)
-    hidden, cache = model.extend(tokens, num_new, cache)
+    hidden, cache = model.extend(tokens, num_new, cache, window=window)
     new_last = _last_hidden(hidden, num_new)
     return cache, jnp.where((num_new > 0)[:, None], new_last.astype(last_hidden.dtype), last_hidden)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), static_argnames=("window",), donate_argnums=(2,))
 def decode_turn(graphdef, state, cache: KVCache, last_hidden, key, max_new: int, params: SamplingParams,
-                stop_ids, active, budget, forced=None):
+                stop_ids, active, budget, forced=None, *, window: int | None = None):
     """Decode up to `max_new` tokens for every active row.
 
     last_hidden [B, D]: hidden state after each row's last cached token; stop_ids [S] int32;
@@ -168,7 +169,7 @@ def decode_turn(graphdef, state, cache: KVCache, last_hidden, key, max_new: int,
         live = ~done
         out_tok = out_tok.at[:, step].set(jnp.where(live, tok, 0))
         out_lp = out_lp.at[:, step].set(jnp.where(live, lp, 0.0))
-        h, cache = model.extend(tok[:, None], live.astype(jnp.int32), cache)
+        h, cache = model.extend(tok[:, None], live.astype(jnp.int32), cache, window=window)
         hidden = jnp.where(live[:, None], h[:, 0].astype(hidden.dtype), hidden)
         is_stop = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1) & live
         full = cache.lengths >= cache.max_len
