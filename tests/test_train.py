@@ -44,7 +44,9 @@ def _records(workdir):
     (["--config.data.source=ftrl", "--config.data.path=/nonexistent/ftrl.jsonl"], "/nonexistent/ftrl.jsonl"),
     (["--config.rl.lamda=0.3"], "unknown config key 'rl.lamda'; did you mean rl.lam"),
     (["SMALL_VOCAB_MODEL"], "tokenizer .* does not fit the model"),
-    (["--config.train.group_size=3"], "not divisible by group_size 3"),
+    (["--config.train.micro_batches=3"], "must split into 1 mini-batches of 3 equal micro-batches"),
+    (["--config.mesh.fsdp=3"], "mesh data=1 x fsdp=3 x tensor=1 does not divide 1 devices"),
+    (["--config.rl.eps_w=1.0"], "eps_w must be in"),
 ])
 def test_bad_inputs_fail_before_training(tmp_path, args, message):
     if args == ["SMALL_VOCAB_MODEL"]:  # a Qwen3 whose embedding has fewer rows than the tokenizer
@@ -64,7 +66,10 @@ def test_bad_inputs_fail_before_training(tmp_path, args, message):
 
 
 def test_dataset_row_missing_field_names_row(tmp_path):
-    row = {"messages": [{"role": "user", "content": "q"}], "tools": "[]", "codes": "{}", "unsolved_set": "{}",
+    tool = {"type": "function", "function": {"name": "t", "description": "d",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    row = {"messages": [{"role": "user", "content": "q"}], "tools": json.dumps([tool]),
+           "codes": json.dumps({"t": "def t():\n    return 'x'\n"}), "unsolved_set": json.dumps({"t": ["x"]}),
            "data_source": "self/single_hop"}  # no "answer"
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({**row, "answer": "a"}) + "\n" + json.dumps(row) + "\n")

@@ -8,7 +8,7 @@ import numpy as np
 
 from turnsight_jax.chat.trajectory import DEFAULT_BUCKETS, Trajectory, make_batch
 from turnsight_jax.train_step import ConfigError, StepConfig, TrainBatch
-from turnsight_jax.views import DEFAULT_PACKED_BUCKETS, ViewOptions, build_views, policy_positions
+from turnsight_jax.views import DEFAULT_PACKED_BUCKETS, ViewOptions, build_views, policy_bucket, policy_positions
 
 
 def _group_index(trajs: Sequence[Trajectory], group_size: int) -> np.ndarray:
@@ -31,26 +31,38 @@ def make_train_batch(
     length_buckets: Sequence[int] = DEFAULT_BUCKETS,
     packed_buckets: Sequence[int] = DEFAULT_PACKED_BUCKETS,
     pad_id: int = 0,
+    min_shapes: dict[str, int] | None = None,
 ) -> tuple[TrainBatch, dict[str, float]]:
-    """Assemble a TrainBatch (numpy arrays) and stats (token counts, view overhead)."""
+    """Assemble a TrainBatch (numpy arrays) and stats (token counts, view overhead).
+
+    min_shapes: floors for the bucketed widths {"T", "N", "P", "U"}; the trainer passes the
+    largest widths seen so far, so shapes only grow and the step compiles a handful of times.
+    The widths used are returned in stats as T/N/P/U."""
     cfg.validate(len(trajs))
-    tb = make_batch(trajs, buckets=length_buckets, pad_id=pad_id, num_turns_bucket=cfg.max_turns)
-    pol_pos, pol_valid = policy_positions(trajs)
+    floor = {"T": 0, "N": 0, "P": 0, "U": 0, **(min_shapes or {})}
+    longest = max(t.length for t in trajs)
+    buckets = [b for b in length_buckets if b >= max(floor["T"], 1)] or list(length_buckets)
+    tb = make_batch(trajs, buckets=buckets if longest <= buckets[-1] else length_buckets, pad_id=pad_id,
+                    num_turns_bucket=cfg.max_turns)
+    pol_pos, pol_valid = policy_positions(
+        trajs, max(policy_bucket(max(int(t.policy_mask.sum()) for t in trajs)), floor["N"]))
     rows = np.arange(len(trajs))[:, None]
     turn_ids = np.where(pol_valid, np.asarray(tb.turn_ids)[rows, pol_pos], -1).astype(np.int32)
     old_lp = np.where(pol_valid, np.asarray(tb.old_logprobs)[rows, pol_pos], 0.0).astype(np.float32)
     views = None
     stats = {"trajectory_tokens": float(sum(t.length for t in trajs)), "policy_tokens": float(pol_valid.sum()),
-             "batch_width": float(tb.tokens.shape[1]), "policy_width": float(pol_pos.shape[1])}
+             "batch_width": float(tb.tokens.shape[1]), "policy_width": float(pol_pos.shape[1]),
+             "T": float(tb.tokens.shape[1]), "N": float(pol_pos.shape[1])}
     if cfg.algo.uses_views:
         a = cfg.algo
         views, vstats = build_views(
             trajs, tokenizer,
             options=ViewOptions(depths=tuple(a.depths), source=a.source, turns=a.turns),
             gold_answers=gold_answers, policy_width=pol_pos.shape[1], buckets=packed_buckets,
-            with_reference=bool(cfg.loss.kl_coef),
+            with_reference=bool(cfg.loss.kl_coef), min_widths=(floor["P"], floor["U"]),
         )
         stats.update(vstats)
+        stats["P"], stats["U"] = float(views.tokens.shape[1]), float(views.pred.shape[1])
     batch = TrainBatch(
         tokens=np.asarray(tb.tokens, np.int32),
         valid=np.asarray(tb.valid_mask, bool),

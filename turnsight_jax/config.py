@@ -230,11 +230,12 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
     )
 
 
-def validate(cfg: mlc.ConfigDict, num_devices: int | None = None) -> StepConfig:
-    """Check a run config; raise ConfigError with one line naming the problem."""
+def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *, check_data: bool = True) -> StepConfig:
+    """Check a run config; raise ConfigError with one line naming the problem. `check_data=False`
+    (the dry run) skips the data paths, which a memory plan does not need."""
     if cfg.data.source not in ("builtin", "ftrl", "toolhop"):
         raise ConfigError(f"data.source must be builtin, ftrl or toolhop, got {cfg.data.source!r}")
-    if cfg.data.source != "builtin" and not cfg.data.path:
+    if check_data and cfg.data.source != "builtin" and not cfg.data.path:
         raise ConfigError(f"data.source={cfg.data.source!r} needs data.path")
     if not cfg.model.preset and not cfg.model.hf_path:
         raise ConfigError("set model.preset or model.hf_path")

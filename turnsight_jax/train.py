@@ -147,6 +147,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     progress = runtime.Progress(n_steps, start, cfg.log.progress)
     preempt = _Preemption()
     step = start
+    shapes: dict[str, int] = {}  # widths only grow: the step compiles a handful of times per run
     try:
         for step in range(start, n_steps):
             t_step = time.perf_counter()
@@ -156,7 +157,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                           seed=cfg.seed * 100_003 + step)
             t_roll = time.perf_counter() - t_step
             batch, bstats = make_train_batch(res.trajectories, tok, step_cfg, gold_answers=[
-                t.answer for t in tasks for _ in range(cfg.train.group_size)])
+                t.answer for t in tasks for _ in range(cfg.train.group_size)], min_shapes=shapes)
+            shapes = {k: max(shapes.get(k, 0), int(bstats[k])) for k in ("T", "N", "P", "U") if k in bstats}
             with jax.set_mesh(mesh):
                 params, opt_state, m = step_fn(params, opt_state, ref_params, shard_batch(batch, mesh))
                 m = jax.device_get(m)

@@ -155,6 +155,7 @@ def build_views(
     policy_width: int | None = None,
     buckets: Sequence[int] = DEFAULT_PACKED_BUCKETS,
     with_reference: bool = False,
+    min_widths: tuple[int, int] = (0, 0),
 ) -> tuple[PackedViews, dict[str, float]]:
     """Packed teacher rows for `trajs` (numpy). Returns (views, stats) where stats counts the
     packed tokens against the trajectories' own tokens. `with_reference` adds the student-context
@@ -200,10 +201,10 @@ def build_views(
                 for i, p in enumerate(range(turn.policy_start, turn.policy_end)):
                     view_pred[di, b, where[p]] = first + i
         rows.append(row)
-    width = pick_bucket(max(r.length for r in rows), buckets, "packed hindsight row")
+    width = pick_bucket(max([r.length for r in rows] + [min_widths[0]]), buckets, "packed hindsight row")
     cols = [np.stack(c) for c in zip(*(r.arrays(width) for r in rows))]
     tok, pos, seg, c1s, c1e, c2s, c2e = cols
-    pred, pred_target, slot = _distinct_predictors(trajs, view_pred, pol_pos, pol_valid)
+    pred, pred_target, slot = _distinct_predictors(trajs, view_pred, pol_pos, pol_valid, min_widths[1])
     views = PackedViews(tok, Layout(pos, seg, c1s, c1e, c2s, c2e), view_pred, pred, pred_target, slot)
     own = sum(t.length for t in trajs)
     packed = sum(r.length for r in rows)
@@ -213,7 +214,7 @@ def build_views(
     return views, stats
 
 
-def _distinct_predictors(trajs, view_pred, pol_pos, pol_valid):
+def _distinct_predictors(trajs, view_pred, pol_pos, pol_valid, min_width: int = 0):
     """(pred [B, U], pred_target [B, U], slot [R, B, N]): one entry per distinct predictor."""
     r, b, n = view_pred.shape
     targets = [t.tokens[pol_pos[i]] for i, t in enumerate(trajs)]
@@ -226,7 +227,7 @@ def _distinct_predictors(trajs, view_pred, pol_pos, pol_valid):
         first = np.zeros(u.size, np.int64)
         first[inverse[::-1]] = np.arange(inverse.size)[::-1]
         uniq.append((u, tg.ravel()[first], inverse.reshape(keys.shape)))
-    width = policy_bucket(max(u.size for u, _, _ in uniq))
+    width = policy_bucket(max([u.size for u, _, _ in uniq] + [min_width]))
     pred = np.zeros((b, width), np.int32)
     pred_target = np.zeros((b, width), np.int32)
     slot = np.zeros((r, b, n), np.int32)
