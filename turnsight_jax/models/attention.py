@@ -105,9 +105,9 @@ def chunked_attention(
     num_keys keys. Returns [B, T, Hq, Dh] in q's dtype. Scores and softmax are float32.
 
     causal_bound: the query at index i reads no key beyond i (true of every packed layout, whose
-    context segments precede the reader). Chunk c then scores only keys [0, (c+1) * q_chunk):
-    chunks are unrolled with static key ranges, roughly halving the work of a causal pass.
-    Otherwise chunks run in a `lax.scan` over all S keys.
+    context segments precede the reader). Chunks are then grouped, and a group scores only the
+    keys up to its own end. Otherwise every chunk scores all S keys. Either way chunks run in a
+    rematerialised `lax.scan`, so one [B, H, q_chunk, keys] score block is alive at a time.
     """
     b, t, hq, dh = q.shape
     s_len, hkv = k.shape[1], k.shape[2]
@@ -126,36 +126,49 @@ def chunked_attention(
         q_meta = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, pad)), constant_values=PAD_SEGMENT), q_meta)
 
     if causal_bound:
-        outs = []
-        for c in range(n):
-            lo, hi = c * q_chunk, min((c + 1) * q_chunk, s_len)
-            meta_c = jax.tree.map(lambda a: a[:, lo:lo + q_chunk], q_meta)
-
-            @jax.checkpoint
-            def part(qc, meta_c, kc, vc, lo=lo, hi=hi):
-                mask = mask_fn(meta_c, lo + jnp.arange(q_chunk, dtype=jnp.int32), hi)
-                return _attend_chunk(qc, kc, vc, mask, scale)
-
-            outs.append(part(qg[:, lo:lo + q_chunk], meta_c, k[:, :hi], v[:, :hi]))
+        # Static key bounds need static shapes: chunks are grouped (at most `_GROUPS` groups, one
+        # chunk per group for short rows), each group scans its chunks over the keys up to the
+        # group's end. Few groups keep the compiled program small and at most a few score blocks
+        # alive; the saving over full-key chunks is (G - 1) / (2G) of the attention work.
+        groups = min(n, _GROUPS)
+        bounds = [round(n * (g + 1) / groups) for g in range(groups)]
+        outs, first = [], 0
+        for last in bounds:
+            hi = min(last * q_chunk, s_len)
+            sub = lambda a, f=first, l=last: a[:, f * q_chunk:l * q_chunk]
+            outs.append(_scan_chunks(sub(qg), jax.tree.map(sub, q_meta), k[:, :hi], v[:, :hi],
+                                     lambda meta, idx, m=hi: mask_fn(meta, idx, m), first * q_chunk, q_chunk, scale))
+            first = last
         out = jnp.concatenate(outs, axis=1)
         return out.reshape(b, n * q_chunk, hq, dh)[:, :t]
+
+    out = _scan_chunks(qg, q_meta, k, v, lambda meta, idx: mask_fn(meta, idx, s_len), 0, q_chunk, scale)
+    return out.reshape(b, n * q_chunk, hq, dh)[:, :t]
+
+
+_GROUPS = 4
+
+
+def _scan_chunks(qg, q_meta, k, v, mask_fn, start: int, q_chunk: int, scale: float):
+    """Queries qg [B, n*C, Hkv, G, Dh] in chunks of C, each against all of k, v, inside a
+    rematerialised lax.scan (one chunk's scores alive at a time, forward and backward)."""
+    b, total = qg.shape[:2]
+    n = total // q_chunk
+    if n == 1:
+        return _attend_chunk(qg, k, v, mask_fn(q_meta, start + jnp.arange(q_chunk, dtype=jnp.int32)), scale)
 
     def to_chunks(a):  # [B, n*C, ...] -> [n, B, C, ...]
         return jnp.moveaxis(a.reshape(b, n, q_chunk, *a.shape[2:]), 1, 0)
 
-    q_chunks = to_chunks(qg)
-    meta_chunks = jax.tree.map(to_chunks, q_meta)
-    starts = jnp.arange(n, dtype=jnp.int32) * q_chunk
+    starts = start + jnp.arange(n, dtype=jnp.int32) * q_chunk
 
     @jax.checkpoint
     def body(_, xs):
-        qc, meta_c, start = xs
-        mask = mask_fn(meta_c, start + jnp.arange(q_chunk, dtype=jnp.int32), s_len)
-        return None, _attend_chunk(qc, k, v, mask, scale)
+        qc, meta_c, st = xs
+        return None, _attend_chunk(qc, k, v, mask_fn(meta_c, st + jnp.arange(q_chunk, dtype=jnp.int32)), scale)
 
-    _, out = jax.lax.scan(body, None, (q_chunks, meta_chunks, starts))
-    out = jnp.moveaxis(out, 0, 1).reshape(b, n * q_chunk, hq, dh)
-    return out[:, :t]
+    _, out = jax.lax.scan(body, None, (to_chunks(qg), jax.tree.map(to_chunks, q_meta), starts))
+    return jnp.moveaxis(out, 0, 1).reshape(b, total, *out.shape[3:])
 
 
 def layout_attention(q, k, v, layout: Layout, *, q_chunk: int = 512) -> jax.Array:
