@@ -36,6 +36,9 @@ def get_config():
     c.rollout.max_turn_tokens = 4096
     c.rollout.enable_thinking = True
     c.rollout.temperature = 1.0
+    # 4 prompts x 16 rollouts = 64 rows per rollout chunk: a bf16 KV cache of 64 x 23k slots is
+    # 27 GiB per device on fsdp=8 (all 512 rows at once would be 217 GiB).
+    c.rollout.prompts_per_chunk = 4
 
     c.rl.name = "turnsight"
     c.rl.base = "matchtir"

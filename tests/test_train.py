@@ -21,6 +21,7 @@ FAST = [
     "--config.train.prompts_per_step=2", "--config.train.group_size=2", "--config.rollout.max_turns=2",
     "--config.rollout.max_turn_tokens=12", "--config.rollout.max_response_tokens=64",
     "--config.checkpoint.every=0", "--config.log.tensorboard=False", "--config.model.attn_q_chunk=128",
+    "--config.rollout.prompts_per_chunk=1",  # exercise chunked rollouts
 ]
 
 

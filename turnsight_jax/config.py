@@ -49,6 +49,7 @@ def default_config() -> mlc.ConfigDict:
     c.data.min_distractors = 1
     c.data.max_distractors = 1
     c.data.vocab_size = 10  # entity names
+    c.data.entity_style = "names"  # single-token first names: a tiny model learns to copy them quickly
     c.data.num_relations = 4  # relation names (tools)
     c.data.extra_rows = 1
     c.data.prompt_style = "short"
@@ -62,6 +63,7 @@ def default_config() -> mlc.ConfigDict:
     c.rollout.temperature = 1.0
     c.rollout.top_p = 1.0
     c.rollout.top_k = 0
+    c.rollout.prompts_per_chunk = 0  # rollouts run this many prompts (x group) at a time; 0 = all
 
     c.rl = mlc.ConfigDict()  # the advantage: turnsight_jax.train_step.AlgoConfig
     c.rl.name = "turnsight"

@@ -80,6 +80,24 @@ def _step_flops(qcfg, decoded: float, train_tokens: float, view_tokens: float, p
             + 3 * train_tokens * per_tok + 3 * policy_tokens * head)
 
 
+def chunked_rollout(graphdef, params, tok, env, tasks, cfg, sampling, rc, *, seed: int):
+    """Rollouts for `tasks` x group_size, `rollout.prompts_per_chunk` prompts at a time (the KV
+    cache holds one chunk's rows); trajectories and stats of all chunks together."""
+    g = cfg.train.group_size
+    per = cfg.rollout.prompts_per_chunk or len(tasks)
+    trajs, stats = [], {}
+    for i in range(0, len(tasks), per):
+        policy = ModelPolicy(graphdef, params, tok, sampling=sampling, config=rc, seed=seed + i,
+                             cache_dtype=runtime.DTYPES[cfg.model.compute_dtype])
+        res = rollout(policy, env, tasks[i:i + per], tokenizer=tok, group_size=g, config=rc, seed=seed, group_offset=i)
+        trajs.extend(res.trajectories)
+        for k, v in res.stats.items():
+            stats[k] = stats.get(k, 0.0) + v if k != "compilations" else v
+    from turnsight_jax.rollout.driver import RolloutResult
+
+    return RolloutResult(trajs, stats)
+
+
 def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     step_cfg = validate(cfg, jax.device_count())
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
@@ -152,9 +170,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
         for step in range(start, n_steps):
             t_step = time.perf_counter()
             tasks = [train_tasks[int(i)] for i in ds[step]]
-            policy = ModelPolicy(graphdef, params, tok, sampling=sampling, config=rc, seed=cfg.seed * 100_003 + step)
-            res = rollout(policy, env, tasks, tokenizer=tok, group_size=cfg.train.group_size, config=rc,
-                          seed=cfg.seed * 100_003 + step)
+            res = chunked_rollout(graphdef, params, tok, env, tasks, cfg, sampling, rc, seed=cfg.seed * 100_003 + step)
             t_roll = time.perf_counter() - t_step
             batch, bstats = make_train_batch(res.trajectories, tok, step_cfg, gold_answers=[
                 t.answer for t in tasks for _ in range(cfg.train.group_size)], min_shapes=shapes)

@@ -42,6 +42,14 @@ RELATIONS = (
     "city", "boss", "pet", "team", "home", "job", "song", "car",
     "club", "book", "coach", "friend", "school", "color", "food", "star",
 )
+# First names that the Qwen3 tokenizer keeps as one token after a quote, a newline and a tag
+# alike, so copying one is a single-token copy (no name is a substring of another).
+SINGLE_TOKEN_NAMES = (
+    "Bob", "Carl", "Emma", "Jack", "Paul", "Sam", "Tom", "Anna", "Ben", "Eric", "Mike", "Adam", "Alan",
+    "Andy", "Bill", "Chris", "David", "Frank", "George", "Harry", "Henry", "James", "Joe", "Kim", "Leo",
+    "Mark", "Max", "Steve", "Will", "Kevin", "Ray",
+)
+
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
 
@@ -64,6 +72,8 @@ class SyntheticConfig:
     min_distractors / max_distractors: distractor tools per task (uniform in the range).
     vocab_size: number of distinct entity names the generator draws from.
     num_relations: how many of the 16 relation names (tools) tasks draw from.
+    entity_style: "cvcv" (four-letter made-up words, up to 9,800) or "names" (single-token first
+      names, up to 31: easiest to copy for a tiny model).
     extra_rows: table rows per tool beyond those the gold chain needs.
     prompt_style: "short" (FTRL's first sentence + the question) or "ftrl" (FTRL's full text).
     """
@@ -74,6 +84,7 @@ class SyntheticConfig:
     max_distractors: int = 2
     vocab_size: int = 64
     num_relations: int = len(RELATIONS)
+    entity_style: str = "cvcv"
     extra_rows: int = 2
     prompt_style: str = "short"
 
@@ -93,22 +104,26 @@ class SyntheticConfig:
             raise ValueError(
                 f"SyntheticConfig: hops + max_distractors must be <= num_relations={self.num_relations}"
             )
+        if self.entity_style not in ("cvcv", "names"):
+            raise ValueError(f"SyntheticConfig.entity_style must be 'cvcv' or 'names', got {self.entity_style!r}")
         needed = self.width * (self.hops + 1) + self.extra_rows * 2 + 2
-        if not needed <= self.vocab_size <= len(_CONSONANTS) ** 2 * len(_VOWELS) ** 2:
+        most = len(SINGLE_TOKEN_NAMES) if self.entity_style == "names" else len(_CONSONANTS) ** 2 * len(_VOWELS) ** 2
+        if not needed <= self.vocab_size <= most:
             raise ValueError(
-                f"SyntheticConfig.vocab_size must be in [{needed}, "
-                f"{len(_CONSONANTS) ** 2 * len(_VOWELS) ** 2}] for these knobs, got {self.vocab_size}"
+                f"SyntheticConfig.vocab_size must be in [{needed}, {most}] for these knobs, got {self.vocab_size}"
             )
         if self.prompt_style not in ("short", "ftrl"):
             raise ValueError(f"SyntheticConfig.prompt_style must be 'short' or 'ftrl', got {self.prompt_style!r}")
 
 
-def entity_vocabulary(size: int) -> list[str]:
+def entity_vocabulary(size: int, style: str = "cvcv") -> list[str]:
     """The first `size` names of a fixed shuffled list of consonant-vowel-consonant-vowel words.
 
     All names have four letters, so none is a substring of another (FTRL's substring check can
     never credit the wrong entity).
     """
+    if style == "names":
+        return list(SINGLE_TOKEN_NAMES[:size])
     return list(_all_entities()[:size])
 
 
@@ -168,7 +183,7 @@ def generate_task(category: str, seed: int, config: SyntheticConfig = SyntheticC
         raise ValueError(f"unknown synthetic category {category!r}; expected one of {SYNTHETIC_CATEGORIES}")
     config.validate()
     rng = random.Random(f"turnsight-synthetic|{category}|{seed}")
-    vocab = entity_vocabulary(config.vocab_size)
+    vocab = entity_vocabulary(config.vocab_size, config.entity_style)
     hops = 1 if category.endswith("single_hop") else config.hops
     width = config.width if category.startswith("parallel") else 1
     n_distractors = rng.randint(config.min_distractors, config.max_distractors)
