@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any
 
 import jax
@@ -35,7 +36,7 @@ from turnsight_jax.models.qwen3 import Qwen3
 from turnsight_jax.teacher import student_logprobs, teacher_logprobs
 from turnsight_jax.views import PackedViews
 
-ALGORITHMS = ("grpo", "matchtir", "turnsight")
+ALGORITHMS = ("grpo", "matchtir", "turnsight")  # built in; more via advantages.register_advantage
 LOSS_AGGREGATIONS = ("seq_mean_token_mean", "seq_mean_token_sum", "token_mean")
 KL_ESTIMATORS = ("k1", "k3", "low_var_kl")
 
@@ -46,7 +47,8 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class AlgoConfig:
-    """Which advantage: `name` in ALGORITHMS; TurnSight wraps `base` (grpo or matchtir).
+    """Which advantage: `name` is "turnsight" or a registered base estimator (grpo, matchtir, or one
+    added with turnsight_jax.advantages.register_advantage); TurnSight wraps `base`.
 
     TurnSight switches (SPEC §1 ablations): lam, eps_w, selection ("vote" | "mean" | depth index),
     aggregation ("turn" | "token"), group_norm, turns ("all" | "first:N" | "last:N"), depths (the
@@ -113,10 +115,11 @@ class StepConfig:
     def validate(self, batch_size: int | None = None) -> None:
         """Raise ConfigError (one line) for any invalid combination."""
         a, l, o = self.algo, self.loss, self.optim
-        if a.name not in ALGORITHMS:
-            raise ConfigError(f"unknown algorithm {a.name!r}; expected one of {ALGORITHMS}")
-        if a.name == "turnsight" and a.base not in ("grpo", "matchtir"):
-            raise ConfigError(f"unknown TurnSight base algorithm {a.base!r}; expected 'grpo' or 'matchtir'")
+        known = sorted(adv_lib.ADVANTAGE_FNS)
+        if a.name != "turnsight" and a.name not in adv_lib.ADVANTAGE_FNS:
+            raise ConfigError(f"unknown algorithm {a.name!r}; expected turnsight or a registered estimator {known}")
+        if a.name == "turnsight" and a.base not in adv_lib.ADVANTAGE_FNS:
+            raise ConfigError(f"unknown TurnSight base algorithm {a.base!r}; expected a registered estimator {known}")
         if a.name == "turnsight":
             if not a.depths:
                 raise ConfigError("algo.depths is empty: TurnSight needs at least one hindsight depth")
@@ -264,20 +267,24 @@ def aggregation_weights(pol_valid: jax.Array, how: str) -> jax.Array:
     return m / jnp.maximum(m.sum(), 1.0)
 
 
+def _base_advantages(name: str, batch: TrainBatch, a: AlgoConfig, num_groups: int) -> jax.Array:
+    """A registered base estimator (turnsight_jax.advantages.ADVANTAGE_FNS) on the compact batch;
+    it receives the knobs its signature names (eps, num_groups, gamma)."""
+    fn = adv_lib.ADVANTAGE_FNS[name]
+    params = inspect.signature(fn).parameters
+    knobs = {k: v for k, v in {"eps": a.eps, "num_groups": num_groups, "gamma": a.gamma}.items() if k in params}
+    arrays = {"rewards": batch.rewards, "group_ids": batch.group_ids, "policy_mask": batch.pol_valid,
+              "turn_rewards": batch.turn_rewards, "num_turns": batch.num_turns, "turn_ids": batch.turn_ids}
+    return adv_lib.compute_base_advantages(name, arrays, **knobs)
+
+
 def compute_advantages(batch: TrainBatch, teacher_lp, cfg: StepConfig) -> tuple[jax.Array, dict]:
     """Advantages [B, N] of the configured algorithm over the whole batch, and diagnostics."""
     a = cfg.algo
     b = batch.pol_valid.shape[0]
     num_groups = b // cfg.group_size
     mask = batch.pol_valid
-    base_name = a.base if a.name == "turnsight" else a.name
-    if base_name == "grpo":
-        base = adv_lib.grpo_advantages(batch.rewards, batch.group_ids, mask, eps=a.eps, num_groups=num_groups)
-    else:
-        base = adv_lib.matchtir_advantages(
-            batch.turn_rewards, batch.num_turns, batch.turn_ids, mask, batch.group_ids,
-            gamma=a.gamma, eps=a.eps, num_groups=num_groups,
-        )
+    base = _base_advantages(a.base if a.name == "turnsight" else a.name, batch, a, num_groups)
     if a.name != "turnsight":
         return base, {}
     delta = teacher_lp - batch.old_logprobs[None]

@@ -10,10 +10,8 @@ See docs/adding_an_algorithm.md. The script
 2. builds it with `make_advantage_fn`, plain and wrapped by TurnSight, jits both and checks them
    against numpy and TurnSight's guarantees (same sign, |Ã / A| within [1 - λ·ε_w, 1 + λ·ε_w]);
 3. with --train-step: runs one step of the real fused train step (`train_step.make_train_step`)
-   on a tiny random Qwen3 and real trajectories, with `rloo` as TurnSight's base. The train step
-   does not read the registry (train_step.compute_advantages hard-codes grpo and matchtir), so
-   this part wires `rloo` in the way docs/adding_an_algorithm.md tells you to edit
-   train_step.py, by wrapping `compute_advantages` and extending `ALGORITHMS` at run time.
+   on a tiny random Qwen3 and real trajectories, with `rloo` as TurnSight's base, chosen by name
+   exactly as `--config.rl.base=rloo` would choose it (the step reads the registry).
 """
 
 from __future__ import annotations
@@ -113,37 +111,14 @@ def check_train_step() -> None:
     from turnsight_jax.rollout.driver import ReplayPolicy, RolloutConfig, rollout
     from turnsight_jax.teacher import student_logprobs
 
-    # What docs/adding_an_algorithm.md says to edit in train_step.py, done at run time here:
-    # accept the name, and compute the base advantage through the registry.
-    original = ts.compute_advantages
-
-    def compute_advantages(batch, teacher_lp, cfg):
-        if cfg.algo.base != "rloo" and cfg.algo.name != "rloo":
-            return original(batch, teacher_lp, cfg)
-        num_groups = batch.pol_valid.shape[0] // cfg.group_size
-        base = adv_lib.compute_base_advantages(
-            "rloo", {"rewards": batch.rewards, "group_ids": batch.group_ids, "policy_mask": batch.pol_valid},
-            num_groups=num_groups)
-        if cfg.algo.name == "rloo":
-            return base, {}
-        a = cfg.algo
-        out = adv_lib.turnsight_advantages(
-            teacher_lp - batch.old_logprobs[None], batch.pol_valid, batch.turn_ids, batch.group_ids, base,
-            lam=a.lam, eps_w=a.eps_w, eps=a.eps, selection=a.selection, aggregation=a.aggregation,
-            group_norm=a.group_norm, turns=a.turns, num_groups=num_groups, max_turns=cfg.max_turns)
-        return out["advantages"], {k: out[k] for k in ("agreement_rate", "weight_min", "weight_max")}
-
-    ts.compute_advantages = compute_advantages
     cfg = ts.StepConfig(algo=ts.AlgoConfig(name="turnsight", base="rloo"), group_size=2, max_turns=4,
                         logprob_chunk=256)
+    cfg.validate(8)  # a registered estimator is a valid TurnSight base (and a valid rl.name)
     try:
-        cfg.validate(8)
-        raise AssertionError("StepConfig.validate should refuse an unknown TurnSight base")
+        dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, base="not_registered")).validate(8)
+        raise AssertionError("StepConfig.validate should refuse an unregistered base")
     except ts.ConfigError as e:
-        print(f"train step before wiring: ConfigError: {e}")
-    # StepConfig.validate checks TurnSight's base against ('grpo', 'matchtir'); a plain `rloo`
-    # would need `ALGORITHMS`. Skip that check here by validating a config with base grpo.
-    dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, base="grpo")).validate(8)
+        print(f"unregistered base refused: {e}")
 
     tok = default_tokenizer()
     tasks = [generate_task(c, s, SyntheticConfig(hops=2)) for s, c in
@@ -152,7 +127,7 @@ def check_train_step() -> None:
     with FTRLEnv(num_workers=1) as env:
         trajs = rollout(ReplayPolicy(tok, scripts), env, tasks, tokenizer=tok, group_size=2,
                         config=RolloutConfig(max_turns=4, max_response_tokens=1024)).trajectories
-    batch, stats = make_train_batch(trajs, tok, dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, base="grpo")))
+    batch, stats = make_train_batch(trajs, tok, cfg)
     qcfg = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                        num_kv_heads=1, head_dim=16)
     graphdef, params = nnx.split(init_model(qcfg, seed=0))
