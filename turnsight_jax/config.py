@@ -96,7 +96,7 @@ def default_config() -> mlc.ConfigDict:
     c.optim.max_grad_norm = 1.0
 
     c.train = mlc.ConfigDict()
-    c.train.steps = 30
+    c.train.steps = 20
     c.train.prompts_per_step = 8
     c.train.group_size = 4
     c.train.micro_batches = 1

@@ -45,6 +45,13 @@ def load_run_config(path: str | None, overrides: list[str]) -> mlc.ConfigDict:
     return apply_overrides(cfg, [o[len("--config."):] for o in overrides])
 
 
+def _z_score(mean: float, se: float) -> float:
+    """Improvement in standard errors; 0 when nothing changed at all (mean and spread both 0)."""
+    if se > 0:
+        return mean / se
+    return 0.0 if mean == 0 else math.copysign(math.inf, mean)
+
+
 class _Preemption:
     """SIGTERM/SIGINT set a flag; the loop checkpoints after the current step and exits."""
 
@@ -191,6 +198,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             metrics.update({"perf/step_s": t_total, "perf/rollout_s": t_roll, "perf/update_s": t_total - t_roll,
                             "perf/tool_s": res.stats["tool_s"], "perf/tokens_per_s": tokens / t_total,
                             "perf/compilations": res.stats.get("compilations", 0.0),
+                            "perf/step_compilations": float(step_fn._cache_size()),
+                            **{f"shape/{k}": float(v) for k, v in shapes.items()},
                             "perf/view_overhead": bstats.get("view_overhead", 0.0)})
             if peak:
                 metrics["perf/mfu_vs_measured_matmul"] = flops / t_total / peak
@@ -221,11 +230,11 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             diff = np.array(after["per_task_solve_f1"]) - np.array(before["per_task_solve_f1"])
             se = float(diff.std(ddof=1) / math.sqrt(len(diff))) if len(diff) > 1 else float("nan")
             summary["improvement"] = {"mean": float(diff.mean()), "paired_se": se,
-                                      "z": float(diff.mean() / se) if se > 0 else float("inf")}
+                                      "z": _z_score(float(diff.mean()), se)}
             runtime.log(
                 f"held-out Solve-F1: after warm-start {before['solve_f1']:.3f} ± {before['solve_f1_se']:.3f} -> "
                 f"after RL {after['solve_f1']:.3f} ± {after['solve_f1_se']:.3f} "
-                f"(paired difference {diff.mean():+.3f} ± {se:.3f}, {diff.mean() / se if se > 0 else float('inf'):.1f} SE)")
+                f"(paired difference {diff.mean():+.3f} ± {se:.3f}, {_z_score(float(diff.mean()), se):.1f} SE)")
         if jax.process_index() == 0:
             (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     if cfg.checkpoint.export_at_end:
