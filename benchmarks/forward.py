@@ -47,6 +47,8 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--length", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--q-chunk", type=int, default=RuntimeOptions.attn_q_chunk,
+                    help="attention query chunk (RuntimeOptions.attn_q_chunk)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--mfu", action="store_true", help="bf16 MFU of qwen3-0.6b at 4096 tokens (GPU)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="device bf16 dense peak for MFU")
@@ -70,12 +72,13 @@ def main():
         return
 
     cfg = get_preset(args.preset)
-    print(f"model: {args.preset}, {cfg.num_params() / 1e6:.0f}M parameters; batch {args.batch} x {args.length}")
+    print(f"model: {args.preset}, {cfg.num_params() / 1e6:.0f}M parameters; batch {args.batch} x {args.length}; "
+          f"attention query chunk {args.q_chunk}")
     tokens_np = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.batch, args.length)).astype(np.int32)
     tokens = jnp.asarray(tokens_np)
     with tempfile.TemporaryDirectory() as d:
         save_pretrained(init_model(cfg, seed=0), d)
-        model = load_pretrained(d)
+        model = load_pretrained(d, options=RuntimeOptions(attn_q_chunk=args.q_chunk))
         gd, st = nnx.split(model)
         fwd = jax.jit(lambda s, t: nnx.merge(gd, s)(t))
         t0 = time.perf_counter()
