@@ -50,6 +50,8 @@ def main():
     ap.add_argument("--q-chunk", type=int, default=RuntimeOptions.attn_q_chunk,
                     help="attention query chunk (RuntimeOptions.attn_q_chunk)")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--attention", action="store_true",
+                    help="also time attention alone (all layers) per query chunk vs torch SDPA")
     ap.add_argument("--mfu", action="store_true", help="bf16 MFU of qwen3-0.6b at 4096 tokens (GPU)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="device bf16 dense peak for MFU")
     args = ap.parse_args()
@@ -113,6 +115,38 @@ def main():
         rows.append(["packed-view layout (hidden states)", f"{t_packed * 1e3:.0f} ms", f"{ntok / t_packed:,.0f} tok/s",
                      f"packed/plain = {t_packed / t_plain:.2f}x time"])
     print(table(rows, ["case", "time (median)", "throughput", "ratio"]))
+    if args.attention:
+        print(table(attention_rows(cfg, args), ["attention only, all layers", "time (median)", "ratio"]))
+
+
+def attention_rows(cfg, args) -> list[list[str]]:
+    """Where the decoder body's time goes on this backend: causal attention alone, per query
+    chunk, against torch's fused scaled_dot_product_attention on the same shapes."""
+    from turnsight_jax.models.attention import layout_attention
+
+    rng = np.random.default_rng(0)
+    b, t, hq, hkv, dh = args.batch, args.length, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q_np = rng.standard_normal((b, t, hq, dh), dtype=np.float32)
+    k_np = rng.standard_normal((b, t, hkv, dh), dtype=np.float32)
+    v_np = rng.standard_normal((b, t, hkv, dh), dtype=np.float32)
+    q, k, v = map(jnp.asarray, (q_np, k_np, v_np))
+    lay = Layout.full(b, t)
+    rows, base = [], None
+    if not args.no_torch:
+        import torch
+
+        tq = torch.from_numpy(q_np).transpose(1, 2)
+        tk = torch.from_numpy(k_np).transpose(1, 2).repeat_interleave(hq // hkv, 1)
+        tv = torch.from_numpy(v_np).transpose(1, 2).repeat_interleave(hq // hkv, 1)
+        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+        base = time_fn(sdpa, repeats=args.repeats) * cfg.num_layers
+        rows.append(["torch scaled_dot_product_attention (causal)", f"{base * 1e3:.0f} ms", "1.00x"])
+    for chunk in (128, 256, 512):
+        f = jax.jit(lambda q, k, v, c=chunk: layout_attention(q, k, v, lay, q_chunk=c))
+        ours = time_fn(lambda: f(q, k, v), repeats=args.repeats) * cfg.num_layers
+        rows.append([f"ours, query chunk {chunk}", f"{ours * 1e3:.0f} ms",
+                     f"{ours / base:.2f}x torch's time" if base else ""])
+    return rows
 
 
 if __name__ == "__main__":
