@@ -38,3 +38,35 @@ def qwen3_tokenizer_dir() -> pathlib.Path:
 @pytest.fixture(scope="session")
 def ftrl_sample_path() -> pathlib.Path:
     return shared_path("ftrl", "ftrl_test_sample.jsonl")
+
+
+# In CI (CI=true) every optional test dependency is installed by the project's own files
+# (`.ci/run`), so a skip for any reason other than an absent ../shared/fixtures would hide an
+# untested acceptance item: it is reported as a failure instead.
+_ALLOWED_CI_SKIP = "shared fixture"
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+
+
+def _fail_unexpected_skip(report) -> None:
+    if os.environ.get("CI", "").lower() in ("", "0", "false") or not report.skipped:
+        return
+    reason = _skip_reason(report)
+    if _ALLOWED_CI_SKIP not in reason:
+        report.outcome = "failed"
+        report.longrepr = f"skipped in CI, where every test dependency is installed: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_unexpected_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _fail_unexpected_skip(outcome.get_result())
