@@ -4,15 +4,13 @@
         --config.model.hf_path=/path/to/Qwen3-0.6B --config.data.path=... --config.data.eval_path=...
 """
 
-import importlib.util
 import pathlib
+
+from turnsight_jax.config import load_config_file
 
 
 def get_config():
-    spec = importlib.util.spec_from_file_location("qwen3_8b", pathlib.Path(__file__).with_name("qwen3_8b.py"))
-    base = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(base)
-    c = base.get_config()
+    c = load_config_file(pathlib.Path(__file__).with_name("qwen3_8b.py"))
     c.name = "qwen3_0_6b_turnsight"
     c.model.preset = "qwen3-0.6b"
     c.model.ref_dtype = "bfloat16"
