@@ -68,7 +68,8 @@ MARKER = re.compile(r"#\s*doc-test:\s*(covered-by|external)\b\s*(.*)")
 
 # The short run (also the notebook's QUICK setting, so the two share compiled programs).
 SHORT_TRAIN = [
-    "--config.sft.steps=0", "--config.train.steps=1", "--config.train.prompts_per_step=2",
+    "--config.sft.steps=0", "--config.sft.curriculum_steps=0", "--config.train.steps=1",
+    "--config.train.prompts_per_step=2",
     "--config.train.group_size=2", "--config.train.micro_batches=1", "--config.train.mini_batches=1",
     "--config.train.teacher_micro_batches=1", "--config.data.num_eval=2", "--config.eval.max_turns=2",
     "--config.rollout.max_turns=2", "--config.rollout.max_turn_tokens=12", "--config.rollout.max_response_tokens=64",
@@ -428,7 +429,8 @@ class Session:
         if kind == "sft":
             folder = self.fresh("sft")
             args = _set_flag(self.substitute(prog[3:], training=True), "--workdir", str(folder))
-            args += ["--config.sft.steps=2", "--config.sft.batch_size=2", "--config.sft.num_tasks=8"]
+            args += ["--config.sft.curriculum_steps=2", "--config.sft.steps=2", "--config.sft.batch_size=2",
+                     "--config.sft.num_tasks=8"]
 
             def warm(proc):
                 assert (folder / "sft" / "SFT_DONE").is_file()

@@ -110,10 +110,12 @@ def default_config() -> mlc.ConfigDict:
     c.eval.max_turns = 4
     c.eval.batch_size = 64
 
-    c.sft = mlc.ConfigDict()  # supervised warm-start on gold built-in trajectories
-    c.sft.steps = 100
+    c.sft = mlc.ConfigDict()  # supervised warm-start on gold built-in trajectories (see sft.py)
+    c.sft.curriculum_steps = 250  # stage 1: short rows, softmax over the task vocabulary
+    c.sft.curriculum_lr = 3e-3
+    c.sft.steps = 60  # stage 2: full rows, full vocabulary
+    c.sft.lr = 3e-3
     c.sft.batch_size = 16
-    c.sft.lr = 1e-2
     c.sft.num_tasks = 1024
 
     c.checkpoint = mlc.ConfigDict()

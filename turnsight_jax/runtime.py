@@ -30,8 +30,11 @@ from turnsight_jax.train_step import ConfigError
 
 # The embedded default's model: the real Qwen3 vocabulary (so the real tokenizer works) on a tiny
 # trunk; the 151,936 x 64 embedding is most of its 10M parameters and most of its compute.
+# head_dim 64 (> hidden/heads, as in Qwen3 itself): q and k are RMS-normalised per head, so an
+# attention logit is at most ~sqrt(head_dim); at 16 that is 4, too flat to single out one entity
+# token among hundreds, and the copy the built-in tasks need did not form.
 PRESETS.setdefault("tiny-default", Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=256,
-                                               num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+                                               num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
                                                tie_word_embeddings=True))
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

@@ -4,6 +4,17 @@ The gold call chains of built-in tasks are replayed through the real environment
 observations are the tools' own outputs), and the model is trained with cross-entropy on the
 policy tokens only. The embedded default runs this before RL; the result is a Hugging Face folder
 `WORKDIR/sft` that RL starts from and that serves as the frozen reference.
+
+Two stages:
+1. `sft.curriculum_steps` steps on short rows (each trajectory from its first user message on,
+   without the system block of tool schemas) with the softmax restricted to the task vocabulary
+   (the tokens that occur in the gold policy turns, a few dozen). A randomly initialised model has
+   to learn to copy an entity name from the question or a tool result; measured on the default
+   task, this forms in ~200 such steps, while full-vocabulary SFT on full rows still guesses the
+   name at chance after 800 steps (the 151,936-way normaliser and the ~280 schema tokens dilute
+   the one signal that teaches the copy). Restricted steps are also ~4x cheaper on a CPU.
+2. `sft.steps` steps of ordinary SFT: full rows, full vocabulary. This calibrates the model
+   against the rest of the vocabulary so that sampling and RL see a proper distribution.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ import pathlib
 import shutil
 import sys
 import time
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +39,8 @@ from turnsight_jax.chat.types import Task
 from turnsight_jax.envs.synthetic import generate_tasks, gold_turn_texts
 from turnsight_jax.models.weights import save_pretrained
 from turnsight_jax.rollout.driver import ReplayPolicy, rollout
-from turnsight_jax.teacher import student_logprobs
+from turnsight_jax.models.attention import Layout
+from turnsight_jax.teacher import gather_rows, student_logprobs
 from turnsight_jax.views import policy_bucket, policy_positions
 
 
@@ -46,6 +59,57 @@ def gold_trajectories(tasks: list[Task], tok, cfg: mlc.ConfigDict, env, chunk: i
     return out
 
 
+def drop_system_block(tokens: np.ndarray, policy_mask: np.ndarray, user_start: Sequence[int]):
+    """tokens, policy_mask [T] -> the same from the first `<|im_start|>user` on (the tool-schema
+    system block removed; the policy tokens are untouched)."""
+    n = len(user_start)
+    for i in range(len(tokens) - n + 1):
+        if tokens[i] == user_start[0] and list(tokens[i:i + n]) == list(user_start):
+            return tokens[i:], policy_mask[i:]
+    raise ValueError("a gold trajectory has no '<|im_start|>user' message")
+
+
+def task_vocabulary(trajs) -> np.ndarray:
+    """Sorted ids of every token that occurs in a gold policy turn: the restricted softmax's classes."""
+    return np.unique(np.concatenate([t.tokens[t.policy_mask.astype(bool)] for t in trajs])).astype(np.int32)
+
+
+def pad_rows(rows, width: int, pol_width: int):
+    """rows of (tokens [t], policy_mask [t]) -> tokens, valid [B, width]; pol_pos, pol_valid [B, pol_width]."""
+    b = len(rows)
+    tokens = np.zeros((b, width), np.int32)
+    valid = np.zeros((b, width), bool)
+    pol_pos = np.zeros((b, pol_width), np.int32)
+    pol_valid = np.zeros((b, pol_width), bool)
+    for i, (ids, pm) in enumerate(rows):
+        tokens[i, :len(ids)] = ids
+        valid[i, :len(ids)] = True
+        p = np.flatnonzero(pm)
+        pol_pos[i, :p.size] = p
+        pol_valid[i, :p.size] = True
+    return tokens, valid, pol_pos, pol_valid
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
+def _restricted_step(graphdef, optimizer, params, opt_state, classes, tokens, valid, pol_pos, pol_valid):
+    """One step of cross-entropy over `classes` [C] only; targets are the policy tokens, which
+    all lie in `classes`. tokens, valid [B, T]; pol_pos, pol_valid [B, N]."""
+    def loss_fn(p):
+        model = nnx.merge(graphdef, p)
+        hidden = model.hidden_states(tokens, Layout.causal(valid))
+        rows = gather_rows(hidden, jnp.maximum(pol_pos - 1, 0))  # [B, N, D]
+        w = model.output_weight()[:, classes]  # [D, C]
+        logp = jax.nn.log_softmax(jnp.einsum("bnd,dc->bnc", rows, w.astype(rows.dtype),
+                                             preferred_element_type=jnp.float32), axis=-1)
+        target = jnp.searchsorted(classes, jnp.take_along_axis(tokens, pol_pos, axis=1))
+        lp = jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
+        return -jnp.sum(lp * pol_valid) / jnp.maximum(pol_valid.sum(), 1)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
 def _sft_step(graphdef, optimizer, params, opt_state, tokens, valid, pol_pos, pol_valid):
     def loss_fn(p):
@@ -55,6 +119,13 @@ def _sft_step(graphdef, optimizer, params, opt_state, tokens, valid, pol_pos, po
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
+
+
+def _adamw(lr: float, steps: int):
+    warmup = min(10, max(steps // 10, 1))
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr * 0.1),
+                                   weight_decay=0.0))
 
 
 def run_sft(cfg: mlc.ConfigDict, workdir: pathlib.Path, mesh, tok, tokdir: pathlib.Path) -> pathlib.Path:
@@ -71,34 +142,56 @@ def run_sft(cfg: mlc.ConfigDict, workdir: pathlib.Path, mesh, tok, tokdir: pathl
                            config=runtime.synthetic_config(cfg))
     with runtime.make_env("builtin") as env:
         trajs = gold_trajectories(tasks, tok, cfg, env)
-    runtime.log(f"sft: {len(trajs)} gold trajectories in {time.perf_counter() - t0:.1f}s; {s.steps} steps")
+    runtime.log(f"sft: {len(trajs)} gold trajectories in {time.perf_counter() - t0:.1f}s; "
+                f"{s.curriculum_steps} + {s.steps} steps")
     model = runtime.build_model(cfg, mesh, seed=cfg.seed)
     graphdef, params = nnx.split(model)
-    optimizer = optax.chain(optax.clip_by_global_norm(1.0),
-                            optax.adamw(optax.warmup_cosine_decay_schedule(0.0, s.lr, 10, max(s.steps, 11), s.lr * 0.1),
-                                        weight_decay=0.0))
-    opt_state = optimizer.init(params)
     rng = np.random.default_rng(cfg.seed)
-    progress = runtime.Progress(s.steps, 0, cfg.log.progress)
-    # One shape for every step (the longest gold trajectory): a single compilation.
-    width = [max(t.length for t in trajs)]
+    bs = min(s.batch_size, len(trajs))
     pol_width = policy_bucket(max(int(t.policy_mask.sum()) for t in trajs))
-    for step in range(s.steps):
-        pick = [trajs[i] for i in rng.choice(len(trajs), size=min(s.batch_size, len(trajs)), replace=False)]
-        tb = make_batch(pick, pad_id=0, buckets=width)
-        pol_pos, pol_valid = policy_positions(pick, pol_width)
-        with jax.set_mesh(mesh):
-            params, opt_state, loss = _sft_step(graphdef, optimizer, params, opt_state, jnp.asarray(tb.tokens),
-                                                jnp.asarray(tb.valid_mask), jnp.asarray(pol_pos),
-                                                jnp.asarray(pol_valid))
-        if step % 10 == 0 or step == s.steps - 1:
-            progress.update(step, {"sft_loss": float(loss)})
+    loss = float("nan")
+    if s.curriculum_steps > 0:
+        t1 = time.perf_counter()
+        user_start = tok.encode("<|im_start|>user")
+        short = [drop_system_block(t.tokens, t.policy_mask.astype(bool), user_start) for t in trajs]
+        classes = jnp.asarray(task_vocabulary(trajs))
+        width = max(len(ids) for ids, _ in short)
+        optimizer = _adamw(s.curriculum_lr, s.curriculum_steps)
+        opt_state = optimizer.init(params)
+        runtime.log(f"sft stage 1: {s.curriculum_steps} steps on rows without the system block (<= {width} "
+                    f"tokens), softmax over the {classes.size} task-vocabulary tokens")
+        progress = runtime.Progress(s.curriculum_steps, 0, cfg.log.progress)
+        for step in range(s.curriculum_steps):
+            batch = pad_rows([short[i] for i in rng.choice(len(short), size=bs, replace=False)], width, pol_width)
+            with jax.set_mesh(mesh):
+                params, opt_state, loss = _restricted_step(graphdef, optimizer, params, opt_state, classes,
+                                                           *map(jnp.asarray, batch))
+            if step % 25 == 0 or step == s.curriculum_steps - 1:
+                progress.update(step, {"sft_task_vocab_loss": float(loss)})
+        runtime.log(f"sft stage 1: done in {time.perf_counter() - t1:.1f}s, loss {float(loss):.3f}")
+    if s.steps > 0:
+        optimizer = _adamw(s.lr, s.steps)
+        opt_state = optimizer.init(params)
+        progress = runtime.Progress(s.steps, 0, cfg.log.progress)
+        # One shape for every step (the longest gold trajectory): a single compilation.
+        width = [max(t.length for t in trajs)]
+        for step in range(s.steps):
+            pick = [trajs[i] for i in rng.choice(len(trajs), size=bs, replace=False)]
+            tb = make_batch(pick, pad_id=0, buckets=width)
+            pol_pos, pol_valid = policy_positions(pick, pol_width)
+            with jax.set_mesh(mesh):
+                params, opt_state, loss = _sft_step(graphdef, optimizer, params, opt_state, jnp.asarray(tb.tokens),
+                                                    jnp.asarray(tb.valid_mask), jnp.asarray(pol_pos),
+                                                    jnp.asarray(pol_valid))
+            if step % 10 == 0 or step == s.steps - 1:
+                progress.update(step, {"sft_loss": float(loss)})
     tmp = workdir / "sft.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     save_pretrained(nnx.merge(graphdef, params), tmp)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(tokdir / name, tmp / name)
-    (tmp / "SFT_DONE").write_text(f"steps={s.steps} final_loss={float(loss):.4f}\n")
+    (tmp / "SFT_DONE").write_text(f"curriculum_steps={s.curriculum_steps} steps={s.steps} "
+                                  f"final_loss={float(loss):.4f}\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     runtime.log(f"sft: done in {time.perf_counter() - t0:.1f}s, final loss {float(loss):.3f} -> {out}")

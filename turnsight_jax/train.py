@@ -124,7 +124,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     write_run_files(workdir, qcfg, tokdir)
     start_path = cfg.model.hf_path or None
-    if cfg.sft.steps > 0 and cfg.data.source == "builtin" and not cfg.model.hf_path:
+    if (cfg.sft.steps > 0 or cfg.sft.curriculum_steps > 0) and cfg.data.source == "builtin" and not cfg.model.hf_path:
         from turnsight_jax.sft import run_sft
 
         start_path = str(run_sft(cfg, workdir, mesh, tok, tokdir))

@@ -1,0 +1,149 @@
+"""The supervised warm-start's pieces: short rows, the task vocabulary, the restricted softmax."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from turnsight_jax import config as C
+from turnsight_jax import runtime
+from turnsight_jax.models.attention import Layout
+from turnsight_jax.models.config import Qwen3Config
+from turnsight_jax.models.qwen3 import Qwen3
+from turnsight_jax.sft import (_restricted_step, _sft_step, drop_system_block, gold_trajectories, pad_rows,
+                               task_vocabulary)
+from turnsight_jax.envs.synthetic import generate_tasks, gold_turn_texts
+
+
+@pytest.fixture(scope="module")
+def gold():
+    cfg = C.default_config()
+    tok, _ = runtime.setup_tokenizer(cfg, 151936)
+    tasks = generate_tasks(8, seed=3, categories=("single_hop", "multi_hop"), config=runtime.synthetic_config(cfg))
+    with runtime.make_env("builtin") as env:
+        trajs = gold_trajectories(tasks, tok, cfg, env)
+    return tok, tasks, trajs
+
+
+def test_drop_system_block_keeps_every_policy_token(gold):
+    tok, tasks, trajs = gold
+    user_start = tok.encode("<|im_start|>user")
+    for task, t in zip(tasks, trajs):
+        ids, pm = drop_system_block(t.tokens, t.policy_mask.astype(bool), user_start)
+        text = tok.decode(list(ids))
+        assert text.startswith("<|im_start|>user\nPlease call given tools")
+        assert "<tools>" not in text and "<tools>" in tok.decode(list(t.tokens))
+        # The policy tokens are the same tokens, in the same order, with the same context after the cut.
+        np.testing.assert_array_equal(ids[pm], t.tokens[t.policy_mask.astype(bool)])
+        cut = len(t.tokens) - len(ids)
+        assert cut > 150  # the schemas of 2-3 tools
+        np.testing.assert_array_equal(np.flatnonzero(pm) + cut, np.flatnonzero(t.policy_mask))
+        assert tok.decode(list(ids[pm])).endswith(f"<answer>{task.answer}</answer><|im_end|>")
+
+
+def test_drop_system_block_without_user_message_is_an_error():
+    with pytest.raises(ValueError, match="no '<\\|im_start\\|>user'"):
+        drop_system_block(np.array([1, 2, 3]), np.array([0, 1, 1], bool), [7, 8])
+
+
+def test_task_vocabulary_is_the_policy_tokens(gold):
+    tok, tasks, trajs = gold
+    classes = task_vocabulary(trajs)
+    assert classes.dtype == np.int32 and np.all(np.diff(classes) > 0)
+    expected = set()
+    for task in tasks:
+        for turn in gold_turn_texts(task):
+            expected.update(tok.encode(turn))
+    # Every gold turn's tokens (plus the template's end-of-turn tokens) and nothing from the prompts.
+    assert expected <= set(classes.tolist())
+    assert set(classes.tolist()) - expected <= set(tok.encode("<|im_end|>\n"))
+    assert not set(tok.encode("Please call given tools")) & set(classes.tolist())
+
+
+def _small_model():
+    cfg = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=16, tie_word_embeddings=True)
+    return Qwen3(cfg, rngs=nnx.Rngs(0))
+
+
+def _batch(seed, b=3, t=12, n=4, vocab=96):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(b):
+        length = int(rng.integers(n + 2, t + 1))
+        ids = rng.integers(0, vocab, length).astype(np.int32)
+        pm = np.zeros(length, bool)
+        pm[rng.choice(np.arange(1, length), size=n, replace=False)] = True
+        rows.append((ids, pm))
+    return rows
+
+
+def test_restricted_loss_is_cross_entropy_over_the_classes():
+    """The restricted step's loss = -mean log softmax over `classes` of the policy tokens, computed
+    here from the full logits by hand; with every token as a class it is the ordinary SFT loss."""
+    model = _small_model()
+    graphdef, params = nnx.split(model)
+    rows = _batch(0)
+    tokens, valid, pol_pos, pol_valid = pad_rows(rows, 12, 8)
+    classes = np.unique(np.concatenate([ids[pm] for ids, pm in rows]) + 0).astype(np.int32)
+    classes = np.union1d(classes, [0, 5, 50]).astype(np.int32)  # some classes that are never targets
+
+    hidden = model.hidden_states(jnp.asarray(tokens), Layout.causal(jnp.asarray(valid)))
+    logits = np.asarray(hidden @ model.output_weight(), np.float64)  # [B, T, V]
+    want, count = 0.0, 0
+    for b in range(len(rows)):
+        for p, ok in zip(pol_pos[b], pol_valid[b]):
+            if ok:
+                row = logits[b, p - 1, classes]
+                want -= row[np.searchsorted(classes, tokens[b, p])] - np.log(np.exp(row - row.max()).sum()) - row.max()
+                count += 1
+    want /= count
+
+    sgd = optax.sgd(0.0)  # lr 0: the step returns the loss and leaves the parameters alone
+    args = [jnp.asarray(x) for x in (tokens, valid, pol_pos, pol_valid)]
+    _, _, got = _restricted_step(graphdef, sgd, jax.tree.map(jnp.copy, params), sgd.init(params),
+                                 jnp.asarray(classes), *args)
+    np.testing.assert_allclose(float(got), want, rtol=1e-5)
+
+    everything = jnp.arange(96, dtype=jnp.int32)
+    _, _, restricted_all = _restricted_step(graphdef, sgd, jax.tree.map(jnp.copy, params), sgd.init(params),
+                                            everything, *args)
+    _, _, full = _sft_step(graphdef, sgd, jax.tree.map(jnp.copy, params), sgd.init(params), *args)
+    np.testing.assert_allclose(float(restricted_all), float(full), rtol=1e-5)
+    assert float(got) < float(full)  # fewer classes: a smaller normaliser
+
+
+def test_restricted_gradient_matches_autodiff_of_the_reference():
+    """Gradients of the restricted step = gradients of the hand-written restricted loss."""
+    model = _small_model()
+    graphdef, params = nnx.split(model)
+    rows = _batch(1)
+    tokens, valid, pol_pos, pol_valid = pad_rows(rows, 12, 8)
+    classes = jnp.asarray(np.unique(np.concatenate([ids[pm] for ids, pm in rows])).astype(np.int32))
+
+    def reference(p):
+        m = nnx.merge(graphdef, p)
+        h = m.hidden_states(jnp.asarray(tokens), Layout.causal(jnp.asarray(valid)))
+        logits = (h @ m.output_weight())[..., classes]  # [B, T, C]
+        lsm = jax.nn.log_softmax(logits, -1)
+        idx = jnp.searchsorted(classes, jnp.asarray(tokens))
+        per_pos = jnp.take_along_axis(lsm[:, :-1], idx[:, 1:, None], -1)[..., 0]  # predicts token t+1
+        mask = np.zeros(tokens.shape, bool)
+        for b in range(len(rows)):
+            mask[b, pol_pos[b][pol_valid[b]]] = True
+        mask = jnp.asarray(mask[:, 1:])
+        return -jnp.sum(per_pos * mask) / mask.sum()
+
+    want = jax.grad(reference)(params)
+    lr = 1.0
+    sgd = optax.sgd(lr)
+    new, _, _ = _restricted_step(graphdef, sgd, jax.tree.map(jnp.copy, params), sgd.init(params), classes,
+                                 *[jnp.asarray(x) for x in (tokens, valid, pol_pos, pol_valid)])
+    got = jax.tree.map(lambda a, b: (a - b) / lr, params, new)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5)
+    assert max(float(jnp.abs(w).max()) for w in jax.tree.leaves(want)) > 1e-3
