@@ -66,6 +66,7 @@ def get_config():
 
     c.sft.steps = 0  # the paper starts RL from the base checkpoint
     c.eval.every = 5
+    c.eval.temperature = 0.0  # greedy held-out evaluation
     c.eval.max_turns = 20  # FTRL's evaluation limit
     c.eval.batch_size = 64
     c.checkpoint.every = 5

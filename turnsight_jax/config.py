@@ -86,7 +86,7 @@ def default_config() -> mlc.ConfigDict:
     c.loss.aggregation = "seq_mean_token_mean"
 
     c.optim = mlc.ConfigDict()
-    c.optim.lr = 2e-4
+    c.optim.lr = 1e-3
     c.optim.schedule = "constant"
     c.optim.warmup_steps = 2
     c.optim.min_lr_ratio = 0.0
@@ -108,7 +108,9 @@ def default_config() -> mlc.ConfigDict:
     c.eval = mlc.ConfigDict()
     c.eval.every = 0  # 0: only before and after RL
     c.eval.max_turns = 4
-    c.eval.batch_size = 64
+    c.eval.batch_size = 64  # rollouts per batch
+    c.eval.temperature = 1.0  # 0: greedy; > 0: the sampled policy's expected Solve-F1 (what RL maximises)
+    c.eval.samples = 4  # rollouts per held-out task when sampling (per-task F1 = their mean)
 
     c.sft = mlc.ConfigDict()  # supervised warm-start on gold built-in trajectories (see sft.py)
     c.sft.curriculum_steps = 250  # stage 1: short rows, softmax over the task vocabulary

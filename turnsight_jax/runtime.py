@@ -151,17 +151,31 @@ def sampling_params(cfg: mlc.ConfigDict) -> SamplingParams:
     return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
 
 
-def evaluate_policy(graphdef, state, tok, tasks: Sequence[Task], cfg: mlc.ConfigDict, env) -> dict[str, Any]:
-    """Greedy rollouts on held-out tasks: per-task Solve-F1 and means with standard errors."""
+def evaluate_policy(graphdef, state, tok, tasks: Sequence[Task], cfg: mlc.ConfigDict, env, *,
+                    greedy: bool | None = None) -> dict[str, Any]:
+    """Held-out rollouts: per-task Solve-F1 and means with standard errors.
+
+    Greedy (argmax) when `cfg.eval.temperature` is 0 or `greedy=True`; otherwise `cfg.eval.samples`
+    rollouts per task at that temperature, each task's metrics averaged over its samples: the
+    expected Solve-F1 of the sampled policy, the quantity RL maximises. The sampling seed is fixed,
+    so evaluations before and after training share their random numbers (a lower-variance paired
+    difference)."""
+    greedy = cfg.eval.temperature <= 0 if greedy is None else greedy
+    samples = 1 if greedy else int(cfg.eval.samples)
+    sampling = SamplingParams(greedy=True) if greedy else SamplingParams(temperature=cfg.eval.temperature)
     rc = rollout_config(cfg, max_turns=cfg.eval.max_turns)
     per_task: list[dict[str, float]] = []
-    bs = cfg.eval.batch_size
+    bs = max(1, cfg.eval.batch_size // samples)
     for i in range(0, len(tasks), bs):
         chunk = tasks[i:i + bs]
-        policy = ModelPolicy(graphdef, state, tok, sampling=SamplingParams(greedy=True), config=rc, seed=0)
-        res = rollout(policy, env, chunk, tokenizer=tok, group_size=1, config=rc, seed=0)
-        per_task.extend(t.metrics for t in res.trajectories)
-    out: dict[str, Any] = {"n": len(per_task)}
+        policy = ModelPolicy(graphdef, state, tok, sampling=sampling, config=rc, seed=cfg.seed + i)
+        res = rollout(policy, env, chunk, tokenizer=tok, group_size=samples, config=rc, seed=cfg.seed)
+        for j in range(len(chunk)):
+            group = [t.metrics for t in res.trajectories[j * samples:(j + 1) * samples]]
+            per_task.append({k: float(np.mean([m[k] for m in group])) for k in group[0]
+                             if all(isinstance(m.get(k), (int, float)) for m in group)})
+    out: dict[str, Any] = {"n": len(per_task), "mode": "greedy" if greedy else
+                           f"{samples} samples at temperature {cfg.eval.temperature:g}"}
     for key in ("solve_f1", "solve_p", "solve_r", "answer_correct", "num_turns"):
         vals = np.array([m.get(key, np.nan) for m in per_task], np.float64)
         vals = vals[np.isfinite(vals)]

@@ -87,6 +87,22 @@ def _step_flops(qcfg, decoded: float, train_tokens: float, view_tokens: float, p
             + 3 * train_tokens * per_tok + 3 * policy_tokens * head)
 
 
+def _evaluate(graphdef, params, tok, tasks, cfg, env) -> dict:
+    """The configured held-out evaluation; when it samples, the greedy one too (under "greedy")."""
+    out = runtime.evaluate_policy(graphdef, params, tok, tasks, cfg, env)
+    if out["mode"] != "greedy":
+        greedy = runtime.evaluate_policy(graphdef, params, tok, tasks, cfg, env, greedy=True)
+        out["greedy"] = {k: v for k, v in greedy.items() if k != "per_task_solve_f1"}
+    return out
+
+
+def _describe(ev: dict) -> str:
+    text = f"Solve-F1 {ev.get('solve_f1', float('nan')):.3f} ± {ev.get('solve_f1_se', 0):.3f} ({ev['mode']})"
+    if "greedy" in ev:
+        text += f", greedy {ev['greedy'].get('solve_f1', float('nan')):.3f}"
+    return text
+
+
 def chunked_rollout(graphdef, params, tok, env, tasks, cfg, sampling, rc, *, seed: int):
     """Rollouts for `tasks` x group_size, `rollout.prompts_per_chunk` prompts at a time (the KV
     cache holds one chunk's rows); trajectories and stats of all chunks together."""
@@ -153,11 +169,10 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     eval_before_path = workdir / "eval_before_rl.json"
     if eval_tasks and not eval_before_path.exists():
         t0 = time.perf_counter()
-        before = runtime.evaluate_policy(graphdef, ref_params, tok, eval_tasks, cfg, eval_env)
+        before = _evaluate(graphdef, ref_params, tok, eval_tasks, cfg, eval_env)
         if jax.process_index() == 0:
             eval_before_path.write_text(json.dumps(before))
-        runtime.log(f"held-out before RL: Solve-F1 {before.get('solve_f1', float('nan')):.3f} "
-                    f"± {before.get('solve_f1_se', 0):.3f} ({time.perf_counter() - t0:.0f}s)")
+        runtime.log(f"held-out before RL: {_describe(before)} ({time.perf_counter() - t0:.0f}s)")
 
     import grain
 
@@ -222,7 +237,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
         mlog.close()
 
     if eval_tasks:
-        after = runtime.evaluate_policy(graphdef, params, tok, eval_tasks, cfg, eval_env)
+        after = _evaluate(graphdef, params, tok, eval_tasks, cfg, eval_env)
         before = json.loads(eval_before_path.read_text()) if eval_before_path.exists() else None
         summary["eval_after_rl"] = after
         if before:
@@ -232,9 +247,12 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             summary["improvement"] = {"mean": float(diff.mean()), "paired_se": se,
                                       "z": _z_score(float(diff.mean()), se)}
             runtime.log(
-                f"held-out Solve-F1: after warm-start {before['solve_f1']:.3f} ± {before['solve_f1_se']:.3f} -> "
-                f"after RL {after['solve_f1']:.3f} ± {after['solve_f1_se']:.3f} "
+                f"held-out Solve-F1 ({after['mode']}): after warm-start {before['solve_f1']:.3f} ± "
+                f"{before['solve_f1_se']:.3f} -> after RL {after['solve_f1']:.3f} ± {after['solve_f1_se']:.3f} "
                 f"(paired difference {diff.mean():+.3f} ± {se:.3f}, {_z_score(float(diff.mean()), se):.1f} SE)")
+            if "greedy" in before and "greedy" in after:
+                runtime.log(f"held-out Solve-F1 (greedy): after warm-start {before['greedy']['solve_f1']:.3f} -> "
+                            f"after RL {after['greedy']['solve_f1']:.3f}")
         if jax.process_index() == 0:
             (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     if cfg.checkpoint.export_at_end:
