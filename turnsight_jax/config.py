@@ -86,7 +86,7 @@ def default_config() -> mlc.ConfigDict:
     c.loss.aggregation = "seq_mean_token_mean"
 
     c.optim = mlc.ConfigDict()
-    c.optim.lr = 1e-3
+    c.optim.lr = 3e-4
     c.optim.schedule = "constant"
     c.optim.warmup_steps = 2
     c.optim.min_lr_ratio = 0.0
@@ -96,7 +96,7 @@ def default_config() -> mlc.ConfigDict:
     c.optim.max_grad_norm = 1.0
 
     c.train = mlc.ConfigDict()
-    c.train.steps = 20
+    c.train.steps = 12
     c.train.prompts_per_step = 8
     c.train.group_size = 4
     c.train.micro_batches = 1
