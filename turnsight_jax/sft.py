@@ -10,9 +10,11 @@ Two stages:
    without the system block of tool schemas) with the softmax restricted to the task vocabulary
    (the tokens that occur in the gold policy turns, a few dozen). A randomly initialised model has
    to learn to copy an entity name from the question or a tool result; measured on the default
-   task, this forms in ~200 such steps, while full-vocabulary SFT on full rows still guesses the
-   name at chance after 800 steps (the 151,936-way normaliser and the ~280 schema tokens dilute
-   the one signal that teaches the copy). Restricted steps are also ~4x cheaper on a CPU.
+   task (tiny-default, head_dim 64), this forms in 200-250 such steps, while full-vocabulary SFT
+   on full rows still guesses the name at chance after 800 steps, and each change alone stays at
+   chance too (BENCHMARKS.md; our reading: the 151,936-way normaliser and the ~280 schema tokens
+   dilute the one signal that teaches the copy). Restricted steps on short rows are also several
+   times cheaper on a CPU.
 2. `sft.steps` steps of ordinary SFT: full rows, full vocabulary. This calibrates the model
    against the rest of the vocabulary so that sampling and RL see a proper distribution.
 """
