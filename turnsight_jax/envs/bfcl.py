@@ -165,6 +165,17 @@ def _valid_kwarg_name(name: Any) -> bool:
     )
 
 
+# Environment steps run on threads, and CPython 3.11's AST constructor keeps a recursion counter
+# that concurrent parses corrupt ("SystemError: AST constructor recursion depth mismatch",
+# cpython gh-106905): parses are serialised. They are tiny, so the lock costs nothing measurable.
+_AST_LOCK = threading.Lock()
+
+
+def _parse_eval(text: str) -> ast.expr:
+    with _AST_LOCK:
+        return ast.parse(text, mode="eval").body
+
+
 def call_string(name: str, arguments: Mapping[str, Any]) -> str | None:
     """BFCL's call-string form of a parsed call: `name(k1=repr(v1),k2=repr(v2))`.
 
@@ -183,7 +194,7 @@ def call_string(name: str, arguments: Mapping[str, Any]) -> str | None:
         return None
     text = f"{name}({','.join(f'{k}={v!r}' for k, v in arguments.items())})"
     try:
-        node = ast.parse(text, mode="eval").body
+        node = _parse_eval(text)
     except SyntaxError:
         return None
     if not (
@@ -240,7 +251,7 @@ def _gt_to_call(text: str, entry: Mapping[str, Any]) -> dict[str, Any]:
 
     Positional arguments are named from the method's signature.
     """
-    node = ast.parse(text, mode="eval").body
+    node = _parse_eval(text)
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
         raise ValueError(f"{entry['id']}: ground-truth call {text!r} is not a plain function call")
     name = node.func.id
