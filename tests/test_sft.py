@@ -189,5 +189,11 @@ def test_sampled_evaluation_averages_each_tasks_samples(monkeypatch):
     greedy = runtime.evaluate_policy(None, None, None, tasks, cfg, None, greedy=True)
     assert greedy["mode"] == "greedy" and {c[1] for c in calls} == {1} and calls[0][2].greedy
     np.testing.assert_allclose(greedy["per_task_solve_f1"], f1[:, 0])
+
+    calls.clear()  # the sampling filters reach the sampler and are named in the mode
+    cfg.eval.top_k, cfg.eval.top_p = 20, 0.9
+    filtered = runtime.evaluate_policy(None, None, None, tasks, cfg, None)
+    assert filtered["mode"] == "3 samples at temperature 1, top-k 20, top-p 0.9"
+    assert {(c[2].top_k, c[2].top_p) for c in calls} == {(20, 0.9)}
     cfg.eval.temperature = 0.0
     assert runtime.evaluate_policy(None, None, None, tasks, cfg, None)["mode"] == "greedy"

@@ -111,6 +111,8 @@ def default_config() -> mlc.ConfigDict:
     c.eval.batch_size = 64  # rollouts per batch
     c.eval.temperature = 1.0  # 0: greedy; > 0: the sampled policy's expected Solve-F1 (what RL maximises)
     c.eval.samples = 4  # rollouts per held-out task when sampling (per-task F1 = their mean)
+    c.eval.top_k = 0  # sampling filters of the evaluation (0 / 1.0: off)
+    c.eval.top_p = 1.0
 
     c.sft = mlc.ConfigDict()  # supervised warm-start on gold built-in trajectories (see sft.py)
     c.sft.curriculum_steps = 250  # stage 1: short rows, softmax over the task vocabulary

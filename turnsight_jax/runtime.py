@@ -162,7 +162,8 @@ def evaluate_policy(graphdef, state, tok, tasks: Sequence[Task], cfg: mlc.Config
     difference)."""
     greedy = cfg.eval.temperature <= 0 if greedy is None else greedy
     samples = 1 if greedy else int(cfg.eval.samples)
-    sampling = SamplingParams(greedy=True) if greedy else SamplingParams(temperature=cfg.eval.temperature)
+    sampling = SamplingParams(greedy=True) if greedy else SamplingParams(
+        temperature=cfg.eval.temperature, top_k=int(cfg.eval.top_k), top_p=float(cfg.eval.top_p))
     rc = rollout_config(cfg, max_turns=cfg.eval.max_turns)
     per_task: list[dict[str, float]] = []
     bs = max(1, cfg.eval.batch_size // samples)
@@ -175,7 +176,9 @@ def evaluate_policy(graphdef, state, tok, tasks: Sequence[Task], cfg: mlc.Config
             per_task.append({k: float(np.mean([m[k] for m in group])) for k in group[0]
                              if all(isinstance(m.get(k), (int, float)) for m in group)})
     out: dict[str, Any] = {"n": len(per_task), "mode": "greedy" if greedy else
-                           f"{samples} samples at temperature {cfg.eval.temperature:g}"}
+                           f"{samples} samples at temperature {cfg.eval.temperature:g}"
+                           + (f", top-k {cfg.eval.top_k}" if cfg.eval.top_k else "")
+                           + (f", top-p {cfg.eval.top_p:g}" if cfg.eval.top_p < 1 else "")}
     for key in ("solve_f1", "solve_p", "solve_r", "answer_correct", "num_turns"):
         vals = np.array([m.get(key, np.nan) for m in per_task], np.float64)
         vals = vals[np.isfinite(vals)]
