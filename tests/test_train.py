@@ -48,6 +48,7 @@ def _records(workdir):
     (["--config.train.micro_batches=3"], "must split into 1 mini-batches of 3 equal micro-batches"),
     (["--config.mesh.fsdp=3"], "mesh data=1 x fsdp=3 x tensor=1 does not divide 1 devices"),
     (["--config.rl.eps_w=1.0"], "eps_w must be in"),
+    (["--config.eval.top_p=0"], r"eval: top_p must be in \(0, 1\], got 0"),
 ])
 def test_bad_inputs_fail_before_training(tmp_path, args, message):
     if args == ["SMALL_VOCAB_MODEL"]:  # a Qwen3 whose embedding has fewer rows than the tokenizer

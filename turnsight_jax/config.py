@@ -262,6 +262,16 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *, check_data:
             raise ConfigError(
                 f"mesh data={shape[0]} x fsdp={shape[1]} x tensor={shape[2]} does not divide {num_devices} devices"
             )
+    from turnsight_jax.rollout.sampler import SamplingParams
+
+    for section in ("rollout", "eval"):  # the evaluation samples only when its temperature is > 0
+        c = cfg[section]
+        if section == "eval" and c.temperature <= 0:
+            continue
+        try:
+            SamplingParams(temperature=c.temperature, top_k=int(c.top_k), top_p=float(c.top_p))
+        except ValueError as e:
+            raise ConfigError(f"{section}: {e}") from None
     sc = step_config(cfg)
     sc.validate(cfg.train.prompts_per_step * cfg.train.group_size)
     return sc
