@@ -11,7 +11,7 @@ from scipy import stats
 
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import KVCache, init_model
-from turnsight_jax.rollout.sampler import SamplingParams, append_tokens, decode_turn, truncated_logits
+from turnsight_jax.rollout.sampler import SamplingParams, append_tokens, decode_turn, kth_largest, truncated_logits
 
 CFG = Qwen3Config(vocab_size=211, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, tie_word_embeddings=False)
@@ -131,6 +131,20 @@ def test_top_k_truncates_exactly(k):
     toks, _, logits = _draws(SamplingParams(top_k=k))
     allowed = set(np.argsort(-logits)[:k])
     assert set(toks) == allowed  # every allowed token drawn, nothing else
+
+
+@pytest.mark.parametrize("v,k", [(151936, 20), (151936, 1), (3000, 20), (700, 5), (5000, 1500)])
+def test_kth_largest_equals_a_full_top_k(v, k):
+    """The block-pruned search returns lax.top_k's k-th value, ties and -inf included: values are
+    drawn from a few levels so that many tie, and whole blocks can be the only holders of the top."""
+    rng = np.random.default_rng(v + k)
+    x = rng.choice([-np.inf, -3.0, 0.0, 1.0, 2.5], size=(6, v), p=[0.3, 0.3, 0.3, 0.09, 0.01]).astype(np.float32)
+    x[1] = rng.normal(size=v)  # all distinct
+    x[2, :] = 0.0  # one level
+    x[3, : min(k, v)] = 9.0  # the whole top in the first block(s)
+    x[4, -min(k, v):] = 9.0  # ... or in the last, partial block
+    want = np.asarray(jax.lax.top_k(jnp.asarray(x), k)[0][:, -1])
+    np.testing.assert_array_equal(np.asarray(kth_largest(jnp.asarray(x), k)), want)
 
 
 def test_top_p_truncates_exactly():

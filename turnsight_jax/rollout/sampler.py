@@ -40,6 +40,25 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
 
+_BLOCK = 1024  # vocabulary block of the top-k search and the two-level sampler
+
+
+def kth_largest(x: jax.Array, k: int) -> jax.Array:
+    """x [B, V] -> [B], the k-th largest value of each row (= lax.top_k(x, k)[0][:, -1]).
+
+    XLA's CPU top-k sorts the whole row (~2.5 s for 64 x 151,936 per decoded token). Here: the
+    k blocks of 1024 with the largest maxima hold every top-k value (if a top-k value lay in
+    another block, those k block maxima would all be >= it), so top-k runs on those blocks only,
+    then on their k x k candidates: ~40x faster on CPU, same result."""
+    b, v = x.shape
+    nb = -(-v // _BLOCK)
+    blocks = jnp.pad(x, ((0, 0), (0, nb * _BLOCK - v)), constant_values=-jnp.inf).reshape(b, nb, _BLOCK)
+    best = jax.lax.top_k(jnp.max(blocks, axis=-1), min(k, nb))[1]  # [B, k] block indices
+    sub = jnp.take_along_axis(blocks, best[..., None], axis=1)  # [B, k, 1024]
+    cand = jax.lax.top_k(sub, min(k, _BLOCK))[0].reshape(b, -1)
+    return jax.lax.top_k(cand, k)[0][:, -1]
+
+
 def truncated_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """Scaled logits [B, V] with tokens outside top-k / the top-p nucleus set to -inf.
 
@@ -47,8 +66,7 @@ def truncated_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     (the token that crosses the threshold is kept)."""
     scaled = logits / params.temperature
     if params.top_k:
-        kth = jax.lax.top_k(scaled, params.top_k)[0][:, -1:]
-        scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
+        scaled = jnp.where(scaled >= kth_largest(scaled, params.top_k)[:, None], scaled, -jnp.inf)
     if params.top_p < 1.0:
         order = jnp.argsort(-scaled, axis=-1)
         sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
@@ -58,9 +76,6 @@ def truncated_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
         keep = jnp.zeros_like(keep_sorted).at[jnp.arange(scaled.shape[0])[:, None], order].set(keep_sorted)
         scaled = jnp.where(keep, scaled, -jnp.inf)
     return scaled
-
-
-_BLOCK = 1024
 
 
 def _inverse_cdf(scaled: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
