@@ -14,8 +14,9 @@ from turnsight_jax import runtime
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import Qwen3
-from turnsight_jax.sft import (_restricted_step, _sft_step, drop_system_block, gold_trajectories, pad_rows,
-                               task_vocabulary)
+from turnsight_jax.sft import (_restricted_step, _sft_step, demonstration_turn_texts, drop_system_block,
+                               flatten_policy, gold_trajectories, pad_rows, task_vocabulary)
+from turnsight_jax.teacher import student_logprobs
 from turnsight_jax.envs.synthetic import generate_tasks, gold_turn_texts
 
 
@@ -112,9 +113,69 @@ def test_restricted_loss_is_cross_entropy_over_the_classes():
     everything = jnp.arange(96, dtype=jnp.int32)
     _, _, restricted_all = _restricted_step(graphdef, sgd, jax.tree.map(jnp.copy, params), sgd.init(params),
                                             everything, *args)
-    _, _, full = _sft_step(graphdef, sgd, jax.tree.map(jnp.copy, params), sgd.init(params), *args)
+    _, _, full = _sft_step(graphdef, sgd, jax.tree.map(jnp.copy, params), sgd.init(params), *args[:2],
+                           *map(jnp.asarray, flatten_policy(pol_pos, pol_valid, multiple=8)))
     np.testing.assert_allclose(float(restricted_all), float(full), rtol=1e-5)
     assert float(got) < float(full)  # fewer classes: a smaller normaliser
+
+
+def test_flatten_policy_lists_every_policy_token_once():
+    pol_pos = np.array([[3, 5, 0, 0], [1, 2, 4, 7], [0, 0, 0, 0]], np.int32)
+    pol_valid = pol_pos > 0
+    row, pos, keep = flatten_policy(pol_pos, pol_valid, multiple=4)
+    assert row.shape == pos.shape == keep.shape == (8,)
+    assert list(zip(row[keep], pos[keep])) == [(0, 3), (0, 5), (1, 1), (1, 2), (1, 4), (1, 7)]
+    assert not keep[6:].any()
+    assert flatten_policy(pol_pos, np.zeros_like(pol_valid), multiple=4)[2].shape == (4,)  # never empty
+
+
+def test_packed_sft_step_equals_the_padded_per_row_loss_and_gradient():
+    """The full-vocabulary step on flattened policy tokens computes the same loss and the same
+    update as the mean over the padded [B, N] log-probs."""
+    model = _small_model()
+    graphdef, params = nnx.split(model)
+    rows = _batch(2, b=4)
+    tokens, valid, pol_pos, pol_valid = pad_rows(rows, 12, 8)
+
+    def padded(p):
+        lp = student_logprobs(nnx.merge(graphdef, p), jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(pol_pos))
+        return -jnp.sum(lp * pol_valid) / pol_valid.sum()
+
+    want_loss, want_grads = jax.value_and_grad(padded)(params)
+    sgd = optax.sgd(1.0)  # lr 1: the update is minus the gradient
+    new, _, loss = _sft_step(graphdef, sgd, jax.tree.map(jnp.copy, params), sgd.init(params), jnp.asarray(tokens),
+                             jnp.asarray(valid), *map(jnp.asarray, flatten_policy(pol_pos, pol_valid, multiple=8)))
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    got_grads = jax.tree.map(lambda a, b: a - b, params, new)
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6)
+
+
+def test_imperfect_demonstrations_add_one_wasted_call_at_the_configured_rate():
+    cfg = C.default_config()
+    tasks = generate_tasks(400, seed=5, categories=("single_hop", "multi_hop"), config=runtime.synthetic_config(cfg))
+    rng = np.random.default_rng(0)
+    for t in tasks[:20]:
+        assert demonstration_turn_texts(t, rng, 0.0, 4) == gold_turn_texts(t)
+    wasted = 0
+    for t in tasks:
+        gold = gold_turn_texts(t)
+        got = demonstration_turn_texts(t, rng, 0.5, 4)
+        if got == gold:
+            continue
+        wasted += 1
+        assert len(got) == len(gold) + 1
+        i = next(k for k in range(len(gold)) if got[k] != gold[k])
+        assert got[i + 1:] == gold[i:]  # the demonstrator recovers: the gold chain follows unchanged
+        tool_names = {x["function"]["name"] for x in t.tools}
+        gold_call = t.gold_calls[i][0]
+        assert f'"arguments": {{"name": "{gold_call["arguments"]["name"]}"}}' in got[i]
+        assert f'"name": "{gold_call["name"]}"' not in got[i]
+        assert any(f'"name": "{n}"' in got[i] for n in tool_names)
+    assert abs(wasted / len(tasks) - 0.5) < 0.1  # binomial sd 0.025
+    # Never past the turn limit: a 3-turn gold chain with max_turns 3 stays gold.
+    multi = next(t for t in tasks if len(gold_turn_texts(t)) == 3)
+    assert all(demonstration_turn_texts(multi, rng, 1.0, 3) == gold_turn_texts(multi) for _ in range(5))
 
 
 def test_restricted_gradient_matches_autodiff_of_the_reference():

@@ -121,6 +121,7 @@ def default_config() -> mlc.ConfigDict:
     c.sft.lr = 3e-3
     c.sft.batch_size = 16
     c.sft.num_tasks = 1024
+    c.sft.wrong_call_rate = 0.0  # fraction of demonstrations with one wasted call to a wrong tool
 
     c.checkpoint = mlc.ConfigDict()
     c.checkpoint.every = 10

@@ -38,23 +38,47 @@ from flax import nnx
 
 from turnsight_jax.chat.trajectory import make_batch
 from turnsight_jax.chat.types import Task
-from turnsight_jax.envs.synthetic import generate_tasks, gold_turn_texts
+from turnsight_jax.envs.synthetic import generate_tasks, gold_turn_texts, tool_call_text
 from turnsight_jax.models.weights import save_pretrained
 from turnsight_jax.rollout.driver import ReplayPolicy, rollout
 from turnsight_jax.models.attention import Layout
-from turnsight_jax.teacher import gather_rows, student_logprobs
+from turnsight_jax.logprobs import chunked_logprobs
+from turnsight_jax.teacher import gather_rows
 from turnsight_jax.views import policy_bucket, policy_positions
 
 
-def gold_trajectories(tasks: list[Task], tok, cfg: mlc.ConfigDict, env, chunk: int = 256):
+def demonstration_turn_texts(task: Task, rng: np.random.Generator, wrong_call_rate: float,
+                             max_turns: int) -> list[str]:
+    """The gold turn texts, or with probability `wrong_call_rate` an imperfect demonstration: one
+    gold tool turn is preceded by a call to another of the task's tools with the same arguments
+    (a wasted call; the demonstrator then recovers and finishes the gold chain). Skipped when the
+    extra turn would exceed `max_turns` or the task offers no other tool."""
+    turns = gold_turn_texts(task)
+    calls = task.gold_calls or ()
+    if wrong_call_rate <= 0 or not calls or len(turns) + 1 > max_turns or rng.random() >= wrong_call_rate:
+        return turns
+    i = int(rng.integers(len(calls)))
+    call = calls[i][0]
+    others = sorted(t["function"]["name"] for t in task.tools if t["function"]["name"] != call["name"])
+    if not others:
+        return turns
+    wrong = tool_call_text(others[int(rng.integers(len(others)))], dict(call["arguments"]))
+    return turns[:i] + [wrong] + turns[i:]
+
+
+def gold_trajectories(tasks: list[Task], tok, cfg: mlc.ConfigDict, env, chunk: int = 256,
+                      wrong_call_rate: float = 0.0, seed: int = 0):
+    """Demonstrations replayed through `env` (observations are the tools' own outputs); with
+    `wrong_call_rate` > 0 some are imperfect (see `demonstration_turn_texts`)."""
     from turnsight_jax import runtime
 
     rc = runtime.rollout_config(cfg)
+    rng = np.random.default_rng(seed)
     out = []
     for i in range(0, len(tasks), chunk):
         part = tasks[i:i + chunk]
-        res = rollout(ReplayPolicy(tok, [gold_turn_texts(t) for t in part]), env, part, tokenizer=tok,
-                      group_size=1, config=rc)
+        texts = [demonstration_turn_texts(t, rng, wrong_call_rate, rc.max_turns) for t in part]
+        res = rollout(ReplayPolicy(tok, texts), env, part, tokenizer=tok, group_size=1, config=rc)
         out.extend(t for t in res.trajectories if not t.truncated)
     if not out:
         raise ValueError("no gold trajectory fits the rollout budgets; raise rollout.max_response_tokens")
@@ -112,11 +136,31 @@ def _restricted_step(graphdef, optimizer, params, opt_state, classes, tokens, va
     return optax.apply_updates(params, updates), opt_state, loss
 
 
+def flatten_policy(pol_pos: np.ndarray, pol_valid: np.ndarray, multiple: int = 256):
+    """pol_pos, pol_valid [B, N] -> row, pos [P] int32, keep [P] bool: the batch's policy tokens
+    back to back, padded to a multiple of `multiple` (few distinct shapes, so few compilations)."""
+    row, col = np.nonzero(pol_valid)
+    p = max(multiple, -(-row.size // multiple) * multiple)
+    flat_row = np.zeros(p, np.int32)
+    flat_pos = np.zeros(p, np.int32)
+    keep = np.zeros(p, bool)
+    flat_row[:row.size] = row
+    flat_pos[:row.size] = pol_pos[row, col]
+    keep[:row.size] = True
+    return flat_row, flat_pos, keep
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
-def _sft_step(graphdef, optimizer, params, opt_state, tokens, valid, pol_pos, pol_valid):
+def _sft_step(graphdef, optimizer, params, opt_state, tokens, valid, flat_row, flat_pos, keep):
+    """One step of full-vocabulary cross-entropy on the policy tokens. tokens, valid [B, T];
+    flat_row, flat_pos, keep [P] (`flatten_policy`): the 151,936-wide projection, most of a step's
+    cost, runs on the real policy tokens only, not on every row padded to the longest."""
     def loss_fn(p):
-        lp = student_logprobs(nnx.merge(graphdef, p), tokens, valid, pol_pos, chunk=1024)
-        return -jnp.sum(lp * pol_valid) / jnp.maximum(pol_valid.sum(), 1)
+        model = nnx.merge(graphdef, p)
+        hidden = model.hidden_states(tokens, Layout.causal(valid))
+        rows = hidden[flat_row, jnp.maximum(flat_pos - 1, 0)]  # [P, D]
+        lp = chunked_logprobs(rows, tokens[flat_row, flat_pos], model.output_weight(), chunk=1024)
+        return -jnp.sum(lp * keep) / jnp.maximum(keep.sum(), 1)
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -144,6 +188,9 @@ def run_sft(cfg: mlc.ConfigDict, workdir: pathlib.Path, mesh, tok, tokdir: pathl
                            config=runtime.synthetic_config(cfg))
     with runtime.make_env("builtin") as env:
         trajs = gold_trajectories(tasks, tok, cfg, env)
+        # Stage 2 imitates the (possibly imperfect) demonstrator; stage 1 always sees the gold chains.
+        demos = (gold_trajectories(tasks, tok, cfg, env, wrong_call_rate=s.wrong_call_rate, seed=cfg.seed)
+                 if s.wrong_call_rate > 0 else trajs)
     runtime.log(f"sft: {len(trajs)} gold trajectories in {time.perf_counter() - t0:.1f}s; "
                 f"{s.curriculum_steps} + {s.steps} steps")
     model = runtime.build_model(cfg, mesh, seed=cfg.seed)
@@ -176,15 +223,15 @@ def run_sft(cfg: mlc.ConfigDict, workdir: pathlib.Path, mesh, tok, tokdir: pathl
         opt_state = optimizer.init(params)
         progress = runtime.Progress(s.steps, 0, cfg.log.progress)
         # One shape for every step (the longest gold trajectory): a single compilation.
-        width = [max(t.length for t in trajs)]
+        width = [max(t.length for t in demos)]
+        pol_width = policy_bucket(max(int(t.policy_mask.sum()) for t in demos))
         for step in range(s.steps):
-            pick = [trajs[i] for i in rng.choice(len(trajs), size=bs, replace=False)]
+            pick = [demos[i] for i in rng.choice(len(demos), size=bs, replace=False)]
             tb = make_batch(pick, pad_id=0, buckets=width)
-            pol_pos, pol_valid = policy_positions(pick, pol_width)
+            flat = flatten_policy(*policy_positions(pick, pol_width))
             with jax.set_mesh(mesh):
                 params, opt_state, loss = _sft_step(graphdef, optimizer, params, opt_state, jnp.asarray(tb.tokens),
-                                                    jnp.asarray(tb.valid_mask), jnp.asarray(pol_pos),
-                                                    jnp.asarray(pol_valid))
+                                                    jnp.asarray(tb.valid_mask), *map(jnp.asarray, flat))
             if step % 10 == 0 or step == s.steps - 1:
                 progress.update(step, {"sft_loss": float(loss)})
     tmp = workdir / "sft.tmp"
