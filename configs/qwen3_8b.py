@@ -36,6 +36,7 @@ def get_config():
     c.rollout.max_turn_tokens = 4096
     c.rollout.enable_thinking = True
     c.rollout.temperature = 1.0
+    c.rollout.top_k = 0  # the paper samples the full distribution (the tiny default uses top-k 20)
     # 4 prompts x 16 rollouts = 64 rows per rollout chunk: a bf16 KV cache of 64 x 23k slots is
     # 27 GiB per device on fsdp=8 (all 512 rows at once would be 217 GiB).
     c.rollout.prompts_per_chunk = 4
@@ -67,6 +68,7 @@ def get_config():
     c.sft.steps = 0  # the paper starts RL from the base checkpoint
     c.eval.every = 5
     c.eval.temperature = 0.0  # greedy held-out evaluation
+    c.eval.top_k = 0
     c.eval.max_turns = 20  # FTRL's evaluation limit
     c.eval.batch_size = 64
     c.checkpoint.every = 5
