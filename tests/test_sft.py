@@ -220,6 +220,7 @@ def test_sampled_evaluation_averages_each_tasks_samples(monkeypatch):
     cfg = C.default_config()
     cfg.eval.samples = 3
     cfg.eval.batch_size = 6  # two tasks per rollout call
+    cfg.eval.top_k = 0  # unfiltered first (the default's top-k 20 is checked below)
     f1 = np.array([[1.0, 0.0, 0.5], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.25, 0.5, 0.0], [1.0, 0.0, 0.0]])
     calls = []
 
