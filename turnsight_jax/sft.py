@@ -227,7 +227,8 @@ def run_sft(cfg: mlc.ConfigDict, workdir: pathlib.Path, mesh, tok, tokdir: pathl
         optimizer = _adamw(s.lr, s.steps)
         opt_state = optimizer.init(params)
         progress = runtime.Progress(s.steps, 0, cfg.log.progress)
-        # One shape for every step (the longest gold trajectory): a single compilation.
+        # One row width for every step (the longest demonstration); the flattened policy tokens come
+        # in multiples of 256, so only a few shapes compile.
         width = [max(t.length for t in demos)]
         pol_width = policy_bucket(max(int(t.policy_mask.sum()) for t in demos))
         for step in range(s.steps):

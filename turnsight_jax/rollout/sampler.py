@@ -46,10 +46,10 @@ _BLOCK = 1024  # vocabulary block of the top-k search and the two-level sampler
 def kth_largest(x: jax.Array, k: int) -> jax.Array:
     """x [B, V] -> [B], the k-th largest value of each row (= lax.top_k(x, k)[0][:, -1]).
 
-    XLA's CPU top-k sorts the whole row (~2.5 s for 64 x 151,936 per decoded token). Here: the
+    XLA's CPU top-k sorts the whole row (seconds for 64 x 151,936 per decoded token). Here: the
     k blocks of 1024 with the largest maxima hold every top-k value (if a top-k value lay in
     another block, those k block maxima would all be >= it), so top-k runs on those blocks only,
-    then on their k x k candidates: ~40x faster on CPU, same result."""
+    then on their k x k candidates; same result, ~20-60x faster on CPU (benchmarks/topk.py)."""
     b, v = x.shape
     nb = -(-v // _BLOCK)
     blocks = jnp.pad(x, ((0, 0), (0, nb * _BLOCK - v)), constant_values=-jnp.inf).reshape(b, nb, _BLOCK)
