@@ -44,8 +44,8 @@ from turnsight_jax.models.attention import Layout  # noqa: E402
 from turnsight_jax.models.config import get_preset  # noqa: E402
 from turnsight_jax.models.qwen3 import init_model  # noqa: E402
 from turnsight_jax.rollout.driver import ReplayPolicy, RolloutConfig, rollout  # noqa: E402
-from turnsight_jax.teacher import logprobs_at, teacher_logprobs  # noqa: E402
-from turnsight_jax.views import ViewOptions, build_views, policy_bucket, policy_positions  # noqa: E402
+from turnsight_jax.rl.logprobs import logprobs_at, teacher_logprobs  # noqa: E402
+from turnsight_jax.rl.views import ViewOptions, build_views, policy_bucket, policy_positions  # noqa: E402
 
 DEPTHS = (1, 2, 3)
 

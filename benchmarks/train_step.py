@@ -24,13 +24,13 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import machine, table, time_fn  # noqa: E402
 
 from turnsight_jax.assets import default_tokenizer  # noqa: E402
-from turnsight_jax.batching import make_train_batch  # noqa: E402
+from turnsight_jax.rl.batch import make_train_batch  # noqa: E402
 from turnsight_jax.envs.ftrl import FTRLEnv  # noqa: E402
 from turnsight_jax.envs.synthetic import SyntheticConfig, generate_tasks, gold_turn_texts  # noqa: E402
 from turnsight_jax.models.config import get_preset  # noqa: E402
 from turnsight_jax.models.qwen3 import Qwen3, RuntimeOptions  # noqa: E402
 from turnsight_jax.rollout.driver import ReplayPolicy, RolloutConfig, rollout  # noqa: E402
-from turnsight_jax.teacher import student_logprobs, teacher_logprobs  # noqa: E402
+from turnsight_jax.rl.logprobs import student_logprobs, teacher_logprobs  # noqa: E402
 from turnsight_jax.train_step import (AlgoConfig, StepConfig, make_optimizer, make_train_step,  # noqa: E402
                                       token_losses)
 

@@ -70,3 +70,11 @@ def pytest_runtest_makereport(item, call):
 def pytest_make_collect_report(collector):
     outcome = yield
     _fail_unexpected_skip(outcome.get_result())
+
+
+@pytest.fixture(scope="session")
+def bundled_tokenizer():
+    """The Qwen3 tokenizer the package ships (the same files as ../shared/fixtures/qwen3-tokenizer)."""
+    from turnsight_jax.assets import default_tokenizer
+
+    return default_tokenizer()

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from turnsight_jax import advantages as A
-from turnsight_jax.advantages import (
+from turnsight_jax.rl import advantages as A
+from turnsight_jax.rl.advantages import (
     grpo_advantages,
     matchtir_advantage_parts,
     matchtir_advantages,

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from test_advantages_reference import ALL_MODES, G, MAX_TURNS, matchtir_batches, trajectory_batches
-from turnsight_jax.advantages import (
+from turnsight_jax.rl.advantages import (
     grpo_advantages,
     matchtir_advantage_parts,
     matchtir_advantages,

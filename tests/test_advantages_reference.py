@@ -2,7 +2,7 @@
 jnp implementation on 200 hypothesis-generated batches per estimator and every TurnSight mode.
 
 The reference is written straight from SPEC §1 and the issue text with plain Python loops over
-trajectories, turns and tokens, in float64; it shares no code with `turnsight_jax.advantages`.
+trajectories, turns and tokens, in float64; it shares no code with `turnsight_jax.rl.advantages`.
 
 Batches use values on a dyadic grid (multiples of 1/8) so that the discrete decisions (signs,
 majority votes, argmax over |δ̄|, "all equal in the group") are exact in float32 as well as in
@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from turnsight_jax import advantages as adv_mod
+from turnsight_jax.rl import advantages as adv_mod
 
 # Fixed shapes so each estimator compiles once per mode structure.
 D, B, T, G, MAX_TURNS = 3, 6, 12, 3, 8

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from _hf import hf_logits, make_hf_checkpoint
-from turnsight_jax.logprobs import chunked_logprobs, sequence_logprobs
+from turnsight_jax.rl.logprobs import chunked_logprobs, sequence_logprobs
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.config import PRESETS, Qwen3Config
 from turnsight_jax.models.qwen3 import KVCache, init_model

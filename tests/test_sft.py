@@ -16,7 +16,7 @@ from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import Qwen3
 from turnsight_jax.sft import (_restricted_step, _sft_step, demonstration_turn_texts, drop_system_block,
                                flatten_policy, gold_trajectories, pad_rows, task_vocabulary)
-from turnsight_jax.teacher import student_logprobs
+from turnsight_jax.rl.logprobs import student_logprobs
 from turnsight_jax.envs.synthetic import generate_tasks, gold_turn_texts
 
 

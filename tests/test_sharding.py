@@ -13,7 +13,7 @@ from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.weights import load_pretrained, save_pretrained
 from turnsight_jax.models.qwen3 import init_model
-from turnsight_jax.sharding import batch_sharding, make_mesh
+from turnsight_jax.models.sharding import batch_sharding, make_mesh
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices; see tests/conftest.py")
 

@@ -11,9 +11,9 @@ import optax
 import pytest
 from flax import nnx
 
-from turnsight_jax import advantages as adv_lib
+from turnsight_jax.rl import advantages as adv_lib
 from turnsight_jax.assets import default_tokenizer
-from turnsight_jax.batching import make_train_batch
+from turnsight_jax.rl.batch import make_train_batch
 from turnsight_jax.chat.hindsight import teacher_view_ids
 from turnsight_jax.envs.ftrl import FTRLEnv
 from turnsight_jax.envs.synthetic import SyntheticConfig, generate_task, gold_turn_texts
@@ -21,9 +21,13 @@ from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import init_model
 from turnsight_jax.rollout.driver import ReplayPolicy, RolloutConfig, rollout
-from turnsight_jax.sharding import make_mesh, state_shardings
-from turnsight_jax.train_step import (AlgoConfig, ConfigError, LossConfig, StepConfig, aggregation_weights,
-                                      make_train_step, shard_batch, token_losses)
+from turnsight_jax.errors import ConfigError
+from turnsight_jax.models.sharding import make_mesh, state_shardings
+from turnsight_jax.rl.batch import shard_batch
+from turnsight_jax.rl.config import AlgoConfig, LossConfig, StepConfig
+from turnsight_jax.rl.losses import aggregation_weights, clipped_surrogate, kl_penalty
+from turnsight_jax.rl.methods import resolve_method
+from turnsight_jax.rl.step import make_train_step
 
 CFG = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, tie_word_embeddings=False)
@@ -55,8 +59,13 @@ def setup(tok):
         lp = np.asarray(jax.nn.log_softmax(policy(jnp.asarray(t.tokens[None])), -1))[0]
         own = np.concatenate([[0.0], lp[np.arange(t.length - 1), t.tokens[1:]]])
         t.old_logprobs = np.where(t.policy_mask, own + rng.normal(0, 0.3, t.length), 0).astype(np.float32)
-    answers = [tasks[i // G].answer for i in range(len(trajs))]
-    return trajs, answers, policy, ref
+    row_tasks = [tasks[i // G] for i in range(len(trajs))]
+    return trajs, row_tasks, policy, ref
+
+
+def _batch(trajs, row_tasks, tok, cfg):
+    batch, _ = make_train_batch(trajs, row_tasks, tok, cfg, resolve_method(cfg))
+    return batch
 
 
 def _cfg(**algo):
@@ -146,7 +155,7 @@ def _reference_grads(cfg, policy, ref, trajs, answers, tok):
     rewards = np.array([t.reward for t in trajs], np.float32)
     base = adv_lib.grpo_advantages(rewards, group_ids, mask, num_groups=b // G)
     adv = base
-    if a.name == "turnsight":
+    if a.method == "turnsight":
         adv = adv_lib.turnsight_advantages(teacher - old[None], mask, turn_ids, group_ids, base, lam=a.lam,
                                            eps_w=a.eps_w, num_groups=b // G, max_turns=cfg.max_turns)["advantages"]
     weights = aggregation_weights(jnp.asarray(mask), cfg.loss.aggregation)
@@ -159,7 +168,8 @@ def _reference_grads(cfg, policy, ref, trajs, answers, tok):
         total = 0.0
         for i, lp in enumerate(lps):
             lp_pol = jnp.zeros(n).at[: len(pol[i])].set(lp)
-            tl, _ = token_losses(lp_pol, old[i], adv[i], cfg.loss, ref_lp[i])
+            tl = clipped_surrogate(lp_pol, old[i], adv[i], cfg.loss)[0]
+            tl = tl + cfg.loss.kl_coef * kl_penalty(lp_pol, ref_lp[i], cfg.loss.kl_estimator)
             total = total + jnp.sum(tl * weights[i])
         return total
 
@@ -171,11 +181,11 @@ def _max_diff(a, b):
 
 
 def test_fused_step_equals_unfused_reference(setup, tok):
-    trajs, answers, policy, ref = setup
-    cfg = _cfg(name="turnsight", depths=(1, 2, 3))
-    batch, _ = make_train_batch(trajs, tok, cfg, gold_answers=answers)
+    trajs, row_tasks, policy, ref = setup
+    cfg = _cfg(method="turnsight", depths=(1, 2, 3))
+    batch = _batch(trajs, row_tasks, tok, cfg)
     grads, metrics = _sgd_step(cfg, policy, ref, batch)
-    want = _reference_grads(cfg, policy, ref, trajs, answers, tok)
+    want = _reference_grads(cfg, policy, ref, trajs, [t.answer for t in row_tasks], tok)
     scale = max(jax.tree.leaves(jax.tree.map(lambda x: float(np.abs(np.asarray(x)).max()), want)))
     assert scale > 1e-4  # a real gradient
     assert _max_diff(grads, want) < 1e-5 * max(1.0, scale) + 1e-6
@@ -183,9 +193,9 @@ def test_fused_step_equals_unfused_reference(setup, tok):
 
 
 def test_micro_batched_equals_full_batch(setup, tok):
-    trajs, answers, policy, ref = setup
-    cfg = _cfg(name="turnsight")
-    batch, _ = make_train_batch(trajs, tok, cfg, gold_answers=answers)
+    trajs, row_tasks, policy, ref = setup
+    cfg = _cfg(method="turnsight")
+    batch = _batch(trajs, row_tasks, tok, cfg)
     full, _ = _sgd_step(cfg, policy, ref, batch)
     micro, _ = _sgd_step(dataclasses.replace(cfg, micro_batches=4, teacher_micro_batches=2), policy, ref, batch)
     assert _max_diff(full, micro) < 1e-6
@@ -194,9 +204,9 @@ def test_micro_batched_equals_full_batch(setup, tok):
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 fake devices (tests/conftest.py)")
 @pytest.mark.parametrize("fsdp,tensor", [(2, 4), (4, 2)])
 def test_sharded_step_equals_unsharded(setup, tok, fsdp, tensor):
-    trajs, answers, policy, ref = setup
-    cfg = _cfg(name="turnsight")
-    batch, _ = make_train_batch(trajs, tok, cfg, gold_answers=answers)
+    trajs, row_tasks, policy, ref = setup
+    cfg = _cfg(method="turnsight")
+    batch = _batch(trajs, row_tasks, tok, cfg)
     plain, m0 = _sgd_step(cfg, policy, ref, batch)
     sharded, m1 = _sgd_step(cfg, policy, ref, batch, mesh=make_mesh(fsdp=fsdp, tensor=tensor))
     assert _max_diff(plain, sharded) < 1e-6
@@ -204,11 +214,11 @@ def test_sharded_step_equals_unsharded(setup, tok, fsdp, tensor):
 
 
 def test_lambda_zero_equals_base_algorithm(setup, tok):
-    trajs, answers, policy, ref = setup
-    ts = _cfg(name="turnsight", lam=0.0)
-    base = _cfg(name="grpo")
-    b1, _ = make_train_batch(trajs, tok, ts, gold_answers=answers)
-    b2, _ = make_train_batch(trajs, tok, base, gold_answers=answers)
+    trajs, row_tasks, policy, ref = setup
+    ts = _cfg(method="turnsight", lam=0.0)
+    base = _cfg(method="grpo")
+    b1 = _batch(trajs, row_tasks, tok, ts)
+    b2 = _batch(trajs, row_tasks, tok, base)
     g1, m1 = _sgd_step(ts, policy, ref, b1)
     g2, m2 = _sgd_step(base, policy, ref, b2)
     # identical advantages, bit for bit; the update then differs only by XLA's summation order
@@ -220,9 +230,9 @@ def test_lambda_zero_equals_base_algorithm(setup, tok):
 
 def test_reference_unused_without_views_or_kl(setup, tok):
     """GRPO with kl_coef = 0 never runs the reference: NaN reference weights change nothing."""
-    trajs, answers, policy, ref = setup
-    cfg = dataclasses.replace(_cfg(name="grpo"), loss=LossConfig(kl_coef=0.0))
-    batch, _ = make_train_batch(trajs, tok, cfg)
+    trajs, row_tasks, policy, ref = setup
+    cfg = dataclasses.replace(_cfg(method="grpo"), loss=LossConfig(kl_coef=0.0))
+    batch = _batch(trajs, row_tasks, tok, cfg)
     assert batch.views is None
     graphdef, state = nnx.split(init_model(CFG, seed=1))
     nan_ref = nnx.merge(graphdef, jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), state))
@@ -232,7 +242,7 @@ def test_reference_unused_without_views_or_kl(setup, tok):
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(algo=AlgoConfig(name="ppo")), "unknown algorithm 'ppo'"),
+    (dict(algo=AlgoConfig(method="ppo")), "unknown rl.method 'ppo'"),
     (dict(algo=AlgoConfig(depths=())), "depths is empty"),
     (dict(algo=AlgoConfig(eps_w=1.0)), "eps_w must be in"),
     (dict(group_size=3), "not divisible by group_size 3"),
@@ -242,4 +252,5 @@ def test_invalid_configs_fail_with_one_line(change, message):
     cfg = dataclasses.replace(StepConfig(group_size=2), **change)
     with pytest.raises(ConfigError, match=message) as e:
         cfg.validate(batch_size=8)
+        resolve_method(cfg)
     assert "\n" not in str(e.value)

@@ -16,8 +16,8 @@ from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import RuntimeOptions, init_model
 from turnsight_jax.rollout.driver import ReplayPolicy, RolloutConfig, rollout
-from turnsight_jax.teacher import logprobs_at, teacher_logprobs
-from turnsight_jax.views import ViewOptions, build_views, covered_turns
+from turnsight_jax.rl.logprobs import logprobs_at, teacher_logprobs
+from turnsight_jax.rl.views import ViewOptions, build_views, covered_turns
 
 CFG = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, tie_word_embeddings=False)

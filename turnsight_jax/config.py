@@ -1,4 +1,5 @@
-"""Run configuration: the embedded default, config files, command-line overrides, validation.
+"""Run configuration: the embedded default, config files, command-line overrides, validation, and
+the translation of the ConfigDict into the typed configs each part takes (the one such seam).
 
 A config file is a Python file defining `get_config()` that returns an `ml_collections`
 ConfigDict (see configs/). Overrides use dotted keys: `--config.rl.lam=0.3`. Values are parsed
@@ -16,7 +17,12 @@ from typing import Any, Sequence
 
 import ml_collections as mlc
 
-from turnsight_jax.train_step import AlgoConfig, ConfigError, LossConfig, OptimConfig, StepConfig
+from turnsight_jax.errors import ConfigError
+from turnsight_jax.rl.config import AlgoConfig, LossConfig, OptimConfig, StepConfig
+from turnsight_jax.rl.methods import ResolvedMethod, resolve_method
+from turnsight_jax.rollout.driver import RolloutConfig
+from turnsight_jax.rollout.sampler import SamplingParams
+from turnsight_jax.sources import get_source
 
 
 def default_config() -> mlc.ConfigDict:
@@ -65,8 +71,8 @@ def default_config() -> mlc.ConfigDict:
     c.rollout.top_k = 20  # Qwen3's recommended top-k; also keeps the 151,936-token tail out of rollouts
     c.rollout.prompts_per_chunk = 0  # rollouts run this many prompts (x group) at a time; 0 = all
 
-    c.rl = mlc.ConfigDict()  # the advantage: turnsight_jax.train_step.AlgoConfig
-    c.rl.name = "turnsight"
+    c.rl = mlc.ConfigDict()  # the method and its knobs: turnsight_jax.rl.config.AlgoConfig
+    c.rl.method = "turnsight"  # a registered method (turnsight_jax.rl.methods)
     c.rl.base = "grpo"
     c.rl.gamma = 0.9
     c.rl.lam = 0.5
@@ -77,12 +83,14 @@ def default_config() -> mlc.ConfigDict:
     c.rl.turns = "all"
     c.rl.depths = (1, 2, 3)
     c.rl.source = "tool_results"
+    c.rl.matchtir_matching = "assignment"  # MatchTIR turn rewards: optimal assignment | transport (Sinkhorn)
 
     c.loss = mlc.ConfigDict()
     c.loss.clip_eps = 0.2
     c.loss.clip_eps_high = 0.28
     c.loss.kl_coef = 0.0
     c.loss.kl_estimator = "low_var_kl"
+    c.loss.kl_clip = 10.0  # low_var_kl is clipped to [-kl_clip, kl_clip]
     c.loss.aggregation = "seq_mean_token_mean"
 
     c.optim = mlc.ConfigDict()
@@ -225,15 +233,29 @@ def _flat_keys(cfg: mlc.ConfigDict, prefix: str = ""):
             yield f"{prefix}{k}"
 
 
+def load_run_config(path: str | None, overrides: list[str]) -> mlc.ConfigDict:
+    """The config file (or the embedded default) with `--config.key=value` overrides applied."""
+    cfg = load_config_file(path) if path else default_config()
+    bad = [o for o in overrides if not o.startswith("--config.")]
+    if bad:
+        raise ConfigError(f"unknown argument {bad[0]!r} (overrides look like --config.rl.lam=0.3)")
+    return apply_overrides(cfg, [o[len("--config."):] for o in overrides])
+
+
+# ---- ConfigDict -> typed configs ----
+
 def step_config(cfg: mlc.ConfigDict) -> StepConfig:
     """The train step's typed config from a run config."""
     r, l, o, t = cfg.rl, cfg.loss, cfg.optim, cfg.train
+    args = tuple(sorted(r.args.items())) if "args" in r else ()
     return StepConfig(
-        algo=AlgoConfig(name=r.name, base=r.base, gamma=r.gamma, lam=r.lam, eps_w=r.eps_w, selection=r.selection,
+        algo=AlgoConfig(method=r.method, base=r.base, gamma=r.gamma, lam=r.lam, eps_w=r.eps_w, selection=r.selection,
                         aggregation=r.aggregation, group_norm=r.group_norm, turns=r.turns,
-                        depths=tuple(int(d) for d in r.depths), source=r.source),
+                        depths=tuple(int(d) for d in r.depths), source=r.source,
+                        matchtir_matching=r.matchtir_matching, args=args),
         loss=LossConfig(clip_eps=l.clip_eps, clip_eps_high=l.clip_eps_high, kl_coef=l.kl_coef,
-                        kl_estimator=l.kl_estimator, aggregation=l.aggregation, temperature=cfg.rollout.temperature),
+                        kl_estimator=l.kl_estimator, kl_clip=l.kl_clip, aggregation=l.aggregation,
+                        temperature=cfg.rollout.temperature),
         optim=OptimConfig(lr=o.lr, schedule=o.schedule, warmup_steps=o.warmup_steps, total_steps=t.steps,
                           min_lr_ratio=o.min_lr_ratio, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay,
                           max_grad_norm=o.max_grad_norm),
@@ -242,12 +264,35 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
     )
 
 
-def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *, check_data: bool = True) -> StepConfig:
-    """Check a run config; raise ConfigError with one line naming the problem. `check_data=False`
-    (the dry run) skips the data paths, which a memory plan does not need."""
-    if cfg.data.source not in ("builtin", "ftrl", "toolhop"):
-        raise ConfigError(f"data.source must be builtin, ftrl or toolhop, got {cfg.data.source!r}")
-    if check_data and cfg.data.source != "builtin" and not cfg.data.path:
+def rollout_config(cfg: mlc.ConfigDict, *, max_turns: int | None = None) -> RolloutConfig:
+    r = cfg.rollout
+    return RolloutConfig(max_turns=max_turns or r.max_turns, max_prompt_tokens=r.max_prompt_tokens,
+                         max_response_tokens=r.max_response_tokens, max_turn_tokens=r.max_turn_tokens,
+                         enable_thinking=r.enable_thinking)
+
+
+def sampling_params(cfg: mlc.ConfigDict) -> SamplingParams:
+    """The rollouts' sampling."""
+    r = cfg.rollout
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+
+
+def eval_sampling(cfg: mlc.ConfigDict, *, greedy: bool = False) -> SamplingParams:
+    """The held-out evaluation's sampling: greedy when eval.temperature is 0 (or `greedy`)."""
+    e = cfg.eval
+    if greedy or e.temperature <= 0:
+        return SamplingParams(greedy=True)
+    return SamplingParams(temperature=e.temperature, top_k=int(e.top_k), top_p=float(e.top_p))
+
+
+def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
+             check_data: bool = True) -> tuple[StepConfig, ResolvedMethod]:
+    """Check a run config; raise ConfigError with one line naming the problem. Returns the step's
+    typed config and the resolved method. `check_data=False` (the dry run) skips the data paths,
+    which a memory plan does not need."""
+    source = get_source(cfg.data.source, key="data.source", trainable=True)
+    get_source(cfg.data.eval_source, key="data.eval_source", trainable=True)
+    if check_data and source.needs_path and not cfg.data.path:
         raise ConfigError(f"data.source={cfg.data.source!r} needs data.path")
     if not cfg.model.preset and not cfg.model.hf_path:
         raise ConfigError("set model.preset or model.hf_path")
@@ -266,8 +311,6 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *, check_data:
             raise ConfigError(
                 f"mesh data={shape[0]} x fsdp={shape[1]} x tensor={shape[2]} does not divide {num_devices} devices"
             )
-    from turnsight_jax.rollout.sampler import SamplingParams
-
     for section in ("rollout", "eval"):  # the evaluation samples only when its temperature is > 0
         c = cfg[section]
         if section == "eval" and c.temperature <= 0:
@@ -278,4 +321,4 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *, check_data:
             raise ConfigError(f"{section}: {e}") from None
     sc = step_config(cfg)
     sc.validate(cfg.train.prompts_per_step * cfg.train.group_size)
-    return sc
+    return sc, resolve_method(sc)

@@ -41,15 +41,21 @@ import numpy as np
 import optax
 from flax import nnx
 
-from turnsight_jax.chat.trajectory import make_batch
+from turnsight_jax import model_setup, sources
 from turnsight_jax.chat.types import Task
+from turnsight_jax.config import load_run_config, rollout_config
 from turnsight_jax.envs.synthetic import generate_tasks, gold_turn_texts, tool_call_text
-from turnsight_jax.models.weights import save_pretrained
-from turnsight_jax.rollout.driver import ReplayPolicy, rollout
+from turnsight_jax.errors import ConfigError
 from turnsight_jax.models.attention import Layout
-from turnsight_jax.logprobs import chunked_logprobs
-from turnsight_jax.teacher import gather_rows
-from turnsight_jax.views import policy_bucket, policy_positions
+from turnsight_jax.models.sharding import make_mesh
+from turnsight_jax.models.weights import save_pretrained
+from turnsight_jax.rl.batch import pad_tokens
+from turnsight_jax.rl.config import OptimConfig
+from turnsight_jax.rl.logprobs import chunked_logprobs, gather_rows
+from turnsight_jax.rl.step import make_optimizer
+from turnsight_jax.rl.views import policy_bucket, policy_positions
+from turnsight_jax.rollout.driver import ReplayPolicy, rollout
+from turnsight_jax.runlog import Progress, log
 
 
 def demonstration_turn_texts(task: Task, rng: np.random.Generator, wrong_call_rate: float,
@@ -75,9 +81,7 @@ def gold_trajectories(tasks: list[Task], tok, cfg: mlc.ConfigDict, env, chunk: i
                       wrong_call_rate: float = 0.0, seed: int = 0):
     """Demonstrations replayed through `env` (observations are the tools' own outputs); with
     `wrong_call_rate` > 0 some are imperfect (see `demonstration_turn_texts`)."""
-    from turnsight_jax import runtime
-
-    rc = runtime.rollout_config(cfg)
+    rc = rollout_config(cfg)
     rng = np.random.default_rng(seed)
     out = []
     for i in range(0, len(tasks), chunk):
@@ -172,33 +176,31 @@ def _sft_step(graphdef, optimizer, params, opt_state, tokens, valid, flat_row, f
     return optax.apply_updates(params, updates), opt_state, loss
 
 
-def _adamw(lr: float, steps: int):
+def _optimizer(lr: float, steps: int):
+    """The trainer's optimizer with SFT's schedule: a short warm-up, cosine decay to lr / 10."""
     warmup = min(10, max(steps // 10, 1))
-    return optax.chain(optax.clip_by_global_norm(1.0),
-                       optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr * 0.1),
-                                   weight_decay=0.0))
+    return make_optimizer(OptimConfig(lr=lr, schedule="cosine", warmup_steps=warmup, total_steps=steps,
+                                      min_lr_ratio=0.1, weight_decay=0.0, b2=0.999, max_grad_norm=1.0))
 
 
 def run_sft(cfg: mlc.ConfigDict, workdir: pathlib.Path, mesh, tok, tokdir: pathlib.Path) -> pathlib.Path:
     """Warm-start the configured model; returns the HF folder (reused if already complete)."""
-    from turnsight_jax import runtime
-
     out = workdir / "sft"
     if (out / "SFT_DONE").is_file():
-        runtime.log(f"sft: reusing {out}")
+        log(f"sft: reusing {out}")
         return out
     t0 = time.perf_counter()
     s = cfg.sft
     tasks = generate_tasks(s.num_tasks, seed=2 * cfg.seed, categories=tuple(cfg.data.categories),
-                           config=runtime.synthetic_config(cfg))
-    with runtime.make_env("builtin") as env:
+                           config=sources.synthetic_config(cfg))
+    with sources.make_env("builtin") as env:
         trajs = gold_trajectories(tasks, tok, cfg, env)
         # Stage 2 imitates the (possibly imperfect) demonstrator; stage 1 always sees the gold chains.
         demos = (gold_trajectories(tasks, tok, cfg, env, wrong_call_rate=s.wrong_call_rate, seed=cfg.seed)
                  if s.wrong_call_rate > 0 else trajs)
-    runtime.log(f"sft: {len(trajs)} gold trajectories in {time.perf_counter() - t0:.1f}s; "
+    log(f"sft: {len(trajs)} gold trajectories in {time.perf_counter() - t0:.1f}s; "
                 f"{s.curriculum_steps} + {s.steps} steps")
-    model = runtime.build_model(cfg, mesh, seed=cfg.seed)
+    model = model_setup.build_model(cfg, mesh, seed=cfg.seed)
     graphdef, params = nnx.split(model)
     rng = np.random.default_rng(cfg.seed)
     bs = min(s.batch_size, len(trajs))
@@ -210,11 +212,11 @@ def run_sft(cfg: mlc.ConfigDict, workdir: pathlib.Path, mesh, tok, tokdir: pathl
         short = [drop_system_block(t.tokens, t.policy_mask.astype(bool), user_start) for t in trajs]
         classes = jnp.asarray(task_vocabulary(trajs))
         width = max(len(ids) for ids, _ in short)
-        optimizer = _adamw(s.curriculum_lr, s.curriculum_steps)
+        optimizer = _optimizer(s.curriculum_lr, s.curriculum_steps)
         opt_state = optimizer.init(params)
-        runtime.log(f"sft stage 1: {s.curriculum_steps} steps on rows without the system block (<= {width} "
+        log(f"sft stage 1: {s.curriculum_steps} steps on rows without the system block (<= {width} "
                     f"tokens), softmax over the {classes.size} task-vocabulary tokens")
-        progress = runtime.Progress(s.curriculum_steps, 0, cfg.log.progress)
+        progress = Progress(s.curriculum_steps, 0, cfg.log.progress)
         for step in range(s.curriculum_steps):
             batch = pad_rows([short[i] for i in rng.choice(len(short), size=bs, replace=False)], width, pol_width)
             with jax.set_mesh(mesh):
@@ -222,22 +224,22 @@ def run_sft(cfg: mlc.ConfigDict, workdir: pathlib.Path, mesh, tok, tokdir: pathl
                                                            *map(jnp.asarray, batch))
             if step % 25 == 0 or step == s.curriculum_steps - 1:
                 progress.update(step, {"sft_task_vocab_loss": float(loss)})
-        runtime.log(f"sft stage 1: done in {time.perf_counter() - t1:.1f}s, loss {float(loss):.3f}")
+        log(f"sft stage 1: done in {time.perf_counter() - t1:.1f}s, loss {float(loss):.3f}")
     if s.steps > 0:
-        optimizer = _adamw(s.lr, s.steps)
+        optimizer = _optimizer(s.lr, s.steps)
         opt_state = optimizer.init(params)
-        progress = runtime.Progress(s.steps, 0, cfg.log.progress)
+        progress = Progress(s.steps, 0, cfg.log.progress)
         # One row width for every step (the longest demonstration); the flattened policy tokens come
         # in multiples of 256, so only a few shapes compile.
-        width = [max(t.length for t in demos)]
+        width = max(t.length for t in demos)
         pol_width = policy_bucket(max(int(t.policy_mask.sum()) for t in demos))
         for step in range(s.steps):
             pick = [demos[i] for i in rng.choice(len(demos), size=bs, replace=False)]
-            tb = make_batch(pick, pad_id=0, buckets=width)
+            tokens, valid = pad_tokens(pick, width)
             flat = flatten_policy(*policy_positions(pick, pol_width))
             with jax.set_mesh(mesh):
-                params, opt_state, loss = _sft_step(graphdef, optimizer, params, opt_state, jnp.asarray(tb.tokens),
-                                                    jnp.asarray(tb.valid_mask), *map(jnp.asarray, flat))
+                params, opt_state, loss = _sft_step(graphdef, optimizer, params, opt_state, jnp.asarray(tokens),
+                                                    jnp.asarray(valid), *map(jnp.asarray, flat))
             if step % 10 == 0 or step == s.steps - 1:
                 progress.update(step, {"sft_loss": float(loss)})
     tmp = workdir / "sft.tmp"
@@ -249,16 +251,11 @@ def run_sft(cfg: mlc.ConfigDict, workdir: pathlib.Path, mesh, tok, tokdir: pathl
                                   f"final_loss={float(loss):.4f}\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    runtime.log(f"sft: done in {time.perf_counter() - t0:.1f}s, final loss {float(loss):.3f} -> {out}")
+    log(f"sft: done in {time.perf_counter() - t0:.1f}s, final loss {float(loss):.3f} -> {out}")
     return out
 
 
 def main(argv=None) -> int:
-    from turnsight_jax import runtime
-    from turnsight_jax.train import load_run_config
-    from turnsight_jax.sharding import make_mesh
-    from turnsight_jax.train_step import ConfigError
-
     ap = argparse.ArgumentParser(prog="python -m turnsight_jax.sft", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=None, help="config file (default: the embedded tiny CPU config)")
     ap.add_argument("--workdir", default=None)
@@ -266,8 +263,8 @@ def main(argv=None) -> int:
     try:
         cfg = load_run_config(args.config, rest)
         mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-        qcfg = runtime.model_config(cfg)
-        tok, tokdir = runtime.setup_tokenizer(cfg, qcfg.vocab_size)
+        qcfg = model_setup.model_config(cfg)
+        tok, tokdir = model_setup.setup_tokenizer(cfg, qcfg.vocab_size)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

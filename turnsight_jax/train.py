@@ -27,22 +27,18 @@ import ml_collections as mlc
 import numpy as np
 from flax import nnx
 
-from turnsight_jax import runtime
-from turnsight_jax.batching import make_train_batch
+from turnsight_jax import model_setup, sources
 from turnsight_jax.checkpointing import Checkpointer, write_run_files
-from turnsight_jax.config import apply_overrides, default_config, load_config_file, validate
+from turnsight_jax.config import load_run_config, rollout_config, sampling_params, validate
+from turnsight_jax.distributed import maybe_initialize_distributed
+from turnsight_jax.errors import ConfigError
+from turnsight_jax.eval.heldout import evaluate_policy
+from turnsight_jax.models.sharding import make_mesh
 from turnsight_jax.models.weights import save_pretrained
-from turnsight_jax.rollout.driver import ModelPolicy, rollout
-from turnsight_jax.sharding import make_mesh, state_shardings
-from turnsight_jax.train_step import ConfigError, make_optimizer, make_train_step, shard_batch
-
-
-def load_run_config(path: str | None, overrides: list[str]) -> mlc.ConfigDict:
-    cfg = load_config_file(path) if path else default_config()
-    bad = [o for o in overrides if not o.startswith("--config.")]
-    if bad:
-        raise ConfigError(f"unknown argument {bad[0]!r} (overrides look like --config.rl.lam=0.3)")
-    return apply_overrides(cfg, [o[len("--config."):] for o in overrides])
+from turnsight_jax.rl.batch import make_train_batch, shard_batch
+from turnsight_jax.rl.methods import RolloutContext
+from turnsight_jax.rl.step import TURNSIGHT_METRICS, make_optimizer, make_train_step
+from turnsight_jax.runlog import MetricsLog, Progress, log, matmul_peak_flops
 
 
 def _z_score(mean: float, se: float) -> float:
@@ -53,14 +49,14 @@ def _z_score(mean: float, se: float) -> float:
 
 
 class _Preemption:
-    """SIGTERM/SIGINT set a flag; the loop checkpoints after the current step and exits."""
+    """SIGTERM sets a flag; the loop checkpoints after the current step and exits."""
 
     def __init__(self):
         self.requested = False
         self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM,)}
 
     def _handle(self, signum, frame):
-        runtime.log(f"received signal {signum}: checkpointing after this step, then exiting")
+        log(f"received signal {signum}: checkpointing after this step, then exiting")
         self.requested = True
 
     def restore(self):
@@ -89,9 +85,9 @@ def _step_flops(qcfg, decoded: float, train_tokens: float, view_tokens: float, p
 
 def _evaluate(graphdef, params, tok, tasks, cfg, env) -> dict:
     """The configured held-out evaluation; when it samples, the greedy one too (under "greedy")."""
-    out = runtime.evaluate_policy(graphdef, params, tok, tasks, cfg, env)
+    out = evaluate_policy(graphdef, params, tok, tasks, cfg, env)
     if out["mode"] != "greedy":
-        greedy = runtime.evaluate_policy(graphdef, params, tok, tasks, cfg, env, greedy=True)
+        greedy = evaluate_policy(graphdef, params, tok, tasks, cfg, env, greedy=True)
         out["greedy"] = {k: v for k, v in greedy.items() if k != "per_task_solve_f1"}
     return out
 
@@ -103,38 +99,21 @@ def _describe(ev: dict) -> str:
     return text
 
 
-def chunked_rollout(graphdef, params, tok, env, tasks, cfg, sampling, rc, *, seed: int):
-    """Rollouts for `tasks` x group_size, `rollout.prompts_per_chunk` prompts at a time (the KV
-    cache holds one chunk's rows); trajectories and stats of all chunks together."""
-    g = cfg.train.group_size
-    per = cfg.rollout.prompts_per_chunk or len(tasks)
-    trajs, stats = [], {}
-    for i in range(0, len(tasks), per):
-        policy = ModelPolicy(graphdef, params, tok, sampling=sampling, config=rc, seed=seed + i,
-                             cache_dtype=runtime.DTYPES[cfg.model.compute_dtype])
-        res = rollout(policy, env, tasks[i:i + per], tokenizer=tok, group_size=g, config=rc, seed=seed, group_offset=i)
-        trajs.extend(res.trajectories)
-        for k, v in res.stats.items():
-            stats[k] = stats.get(k, 0.0) + v if k != "compilations" else v
-    from turnsight_jax.rollout.driver import RolloutResult
-
-    return RolloutResult(trajs, stats)
-
-
 def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
-    step_cfg = validate(cfg, jax.device_count())
+    step_cfg, method = validate(cfg, jax.device_count())
+    log(method.describe())
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    qcfg = runtime.model_config(cfg)
+    qcfg = model_setup.model_config(cfg)
     if not cfg.model.hf_path and not cfg.model.allow_random_init:
         raise ConfigError(f"model.preset={cfg.model.preset!r} would start from random weights: set "
                           f"--config.model.hf_path=/path/to/Qwen3 (a Hugging Face folder)")
     # Everything that can fail on bad input happens before the run folder is touched.
-    tok, tokdir = runtime.setup_tokenizer(cfg, qcfg.vocab_size)
-    train_tasks = runtime.load_tasks(cfg, "train")
-    eval_tasks = runtime.load_tasks(cfg, "eval")
+    tok, tokdir = model_setup.setup_tokenizer(cfg, qcfg.vocab_size)
+    train_tasks = sources.load_tasks(cfg, "train")
+    eval_tasks = sources.load_tasks(cfg, "eval")
     if not train_tasks:
         raise ConfigError("no training tasks")
-    runtime.log(f"{len(train_tasks)} training tasks, {len(eval_tasks)} held-out tasks; mesh {dict(mesh.shape)}; "
+    log(f"{len(train_tasks)} training tasks, {len(eval_tasks)} held-out tasks; mesh {dict(mesh.shape)}; "
                 f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -144,13 +123,13 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
         from turnsight_jax.sft import run_sft
 
         start_path = str(run_sft(cfg, workdir, mesh, tok, tokdir))
-    model = runtime.build_model(cfg, mesh, hf_path=start_path, seed=cfg.seed)
+    model = model_setup.build_model(cfg, mesh, hf_path=start_path, seed=cfg.seed)
     graphdef, params = nnx.split(model)
     # The frozen initial policy: teacher and KL reference (optionally in a narrower dtype).
-    ref_dtype = runtime.DTYPES[cfg.model.ref_dtype]
+    ref_dtype = model_setup.DTYPES[cfg.model.ref_dtype]
     ref_params = jax.tree.map(lambda x: x.astype(ref_dtype) if x.dtype != ref_dtype else jnp.copy(x), params)
     optimizer = make_optimizer(step_cfg.optim)
-    step_fn = make_train_step(graphdef, step_cfg, optimizer)
+    step_fn = make_train_step(graphdef, step_cfg, optimizer, method)
     with jax.set_mesh(mesh):
         opt_state = jax.jit(optimizer.init, out_shardings=None)(params)
 
@@ -160,11 +139,11 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     if latest is not None:
         params, opt_state, meta = ckpt.restore(latest, params, opt_state)
         start = int(meta["next_step"])
-        runtime.log(f"resumed from {workdir}/checkpoints/{latest} (next step {start})")
-    mlog = runtime.MetricsLog(workdir, tensorboard=cfg.log.tensorboard, resume_step=start - 1 if latest is not None else -1)
+        log(f"resumed from {workdir}/checkpoints/{latest} (next step {start})")
+    mlog = MetricsLog(workdir, tensorboard=cfg.log.tensorboard, resume_step=start - 1 if latest is not None else -1)
 
-    env = runtime.make_env(cfg.data.source)
-    eval_env = env if cfg.data.eval_source == cfg.data.source else runtime.make_env(cfg.data.eval_source)
+    env = sources.make_env(cfg.data.source)
+    eval_env = env if cfg.data.eval_source == cfg.data.source else sources.make_env(cfg.data.eval_source)
     summary: dict = {}
     eval_before_path = workdir / "eval_before_rl.json"
     if eval_tasks and not eval_before_path.exists():
@@ -172,7 +151,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
         before = _evaluate(graphdef, ref_params, tok, eval_tasks, cfg, eval_env)
         if jax.process_index() == 0:
             eval_before_path.write_text(json.dumps(before))
-        runtime.log(f"held-out before RL: {_describe(before)} ({time.perf_counter() - t0:.0f}s)")
+        log(f"held-out before RL: {_describe(before)} ({time.perf_counter() - t0:.0f}s)")
 
     import grain
 
@@ -181,10 +160,10 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     epochs = max(1, math.ceil(n_steps * per_step / len(train_tasks)) + 1)
     # The data position is the step index: batch s is ds[s], so resuming needs no iterator state.
     ds = grain.MapDataset.range(len(train_tasks)).shuffle(seed=cfg.seed).repeat(epochs).batch(per_step, drop_remainder=True)
-    sampling = runtime.sampling_params(cfg)
-    rc = runtime.rollout_config(cfg)
-    peak = runtime.matmul_peak_flops() if jax.devices()[0].platform == "cpu" else None
-    progress = runtime.Progress(n_steps, start, cfg.log.progress)
+    sampling = sampling_params(cfg)
+    rc = rollout_config(cfg)
+    peak = matmul_peak_flops() if jax.devices()[0].platform == "cpu" else None
+    progress = Progress(n_steps, start, cfg.log.progress)
     preempt = _Preemption()
     step = start
     shapes: dict[str, int] = {}  # widths only grow: the step compiles a handful of times per run
@@ -192,10 +171,12 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
         for step in range(start, n_steps):
             t_step = time.perf_counter()
             tasks = [train_tasks[int(i)] for i in ds[step]]
-            res = chunked_rollout(graphdef, params, tok, env, tasks, cfg, sampling, rc, seed=cfg.seed * 100_003 + step)
+            ctx = RolloutContext(graphdef, params, tok, env, sampling, rc, cfg.train.group_size,
+                                 cfg.rollout.prompts_per_chunk, model_setup.DTYPES[cfg.model.compute_dtype])
+            res = method.rollout.fn(ctx, tasks, cfg.seed * 100_003 + step)
             t_roll = time.perf_counter() - t_step
-            batch, bstats = make_train_batch(res.trajectories, tok, step_cfg, gold_answers=[
-                t.answer for t in tasks for _ in range(cfg.train.group_size)], min_shapes=shapes)
+            row_tasks = [t for t in tasks for _ in range(cfg.train.group_size)]
+            batch, bstats = make_train_batch(res.trajectories, row_tasks, tok, step_cfg, method, min_shapes=shapes)
             shapes = {k: max(shapes.get(k, 0), int(bstats[k])) for k in ("T", "N", "P", "U") if k in bstats}
             with jax.set_mesh(mesh):
                 params, opt_state, m = step_fn(params, opt_state, ref_params, shard_batch(batch, mesh))
@@ -203,12 +184,9 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             t_total = time.perf_counter() - t_step
             metrics = _rollout_metrics(res.trajectories)
             for k, v in m.items():
-                prefix = "turnsight/" if k in ("agreement_rate", "depth_histogram", "weight_mean", "weight_min",
-                                               "weight_max", "frac_turns_amplified", "frac_turns_damped",
-                                               "delta_mean") else "train/"
-                metrics[prefix + k] = v
+                metrics[("turnsight/" if k in TURNSIGHT_METRICS else "train/") + k] = v
             tokens = res.stats["tokens"] + bstats["trajectory_tokens"] + bstats.get("view_tokens", 0.0)
-            flops = _step_flops(runtime.model_config(cfg), res.stats.get("decoded_tokens", 0.0),
+            flops = _step_flops(qcfg, res.stats.get("decoded_tokens", 0.0),
                                 bstats["trajectory_tokens"], bstats.get("view_tokens", 0.0), bstats["policy_tokens"])
             metrics.update({"perf/step_s": t_total, "perf/rollout_s": t_roll, "perf/update_s": t_total - t_roll,
                             "perf/tool_s": res.stats["tool_s"], "perf/tokens_per_s": tokens / t_total,
@@ -219,7 +197,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             if peak:
                 metrics["perf/mfu_vs_measured_matmul"] = flops / t_total / peak
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < n_steps and eval_tasks:
-                ev = runtime.evaluate_policy(graphdef, params, tok, eval_tasks, cfg, eval_env)
+                ev = evaluate_policy(graphdef, params, tok, eval_tasks, cfg, eval_env)
                 metrics.update({f"eval/{k}": v for k, v in ev.items() if isinstance(v, float)})
             mlog.write(step, metrics)
             progress.update(step, {"reward": metrics["rollout/reward_mean"],
@@ -230,7 +208,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                 ckpt.save(step + 1, params, opt_state, {"next_step": step + 1, "seed": cfg.seed,
                                                         "data_position": step + 1})
             if preempt.requested:
-                runtime.log(f"stopped after step {step + 1}; rerun the same command to resume")
+                log(f"stopped after step {step + 1}; rerun the same command to resume")
                 return {"preempted_at": step + 1}
     finally:
         preempt.restore()
@@ -246,12 +224,12 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             se = float(diff.std(ddof=1) / math.sqrt(len(diff))) if len(diff) > 1 else float("nan")
             summary["improvement"] = {"mean": float(diff.mean()), "paired_se": se,
                                       "z": _z_score(float(diff.mean()), se)}
-            runtime.log(
+            log(
                 f"held-out Solve-F1 ({after['mode']}): after warm-start {before['solve_f1']:.3f} ± "
                 f"{before['solve_f1_se']:.3f} -> after RL {after['solve_f1']:.3f} ± {after['solve_f1_se']:.3f} "
                 f"(paired difference {diff.mean():+.3f} ± {se:.3f}, {_z_score(float(diff.mean()), se):.1f} SE)")
             if "greedy" in before and "greedy" in after:
-                runtime.log(f"held-out Solve-F1 (greedy): after warm-start {before['greedy']['solve_f1']:.3f} -> "
+                log(f"held-out Solve-F1 (greedy): after warm-start {before['greedy']['solve_f1']:.3f} -> "
                             f"after RL {after['greedy']['solve_f1']:.3f}")
         if jax.process_index() == 0:
             (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -271,7 +249,7 @@ def export(graphdef, params, out: pathlib.Path, tokdir: pathlib.Path) -> pathlib
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if (tokdir / name).is_file():
                 shutil.copyfile(tokdir / name, out / name)
-    runtime.log(f"exported Hugging Face folder {out}")
+    log(f"exported Hugging Face folder {out}")
     return out
 
 
@@ -291,14 +269,14 @@ def main(argv=None) -> int:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.fake_devices}")
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    runtime.maybe_initialize_distributed()
+    maybe_initialize_distributed()
     try:
         cfg = load_run_config(args.config, rest)
         if jax.process_index() == 0:
             print(f"# resolved config{' (' + args.config + ')' if args.config else ' (embedded default)'}\n{cfg}",
                   file=sys.stderr)
         if args.dry_run:
-            from turnsight_jax.plan import dry_run
+            from turnsight_jax.rl.plan import dry_run  # compiles for abstract devices only
 
             dry_run(cfg)
             return 0

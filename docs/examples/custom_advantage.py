@@ -6,7 +6,7 @@
 See docs/adding_an_algorithm.md. The script
 
 1. registers `rloo` (REINFORCE leave-one-out: A_i = r_i - mean of the other rewards of i's
-   group) in `turnsight_jax.advantages` with `register_advantage`;
+   group) in `turnsight_jax.rl.advantages` with `register_advantage`;
 2. builds it with `make_advantage_fn`, plain and wrapped by TurnSight, jits both and checks them
    against numpy and TurnSight's guarantees (same sign, |Ã / A| within [1 - λ·ε_w, 1 + λ·ε_w]);
 3. with --train-step: runs one step of the real fused train step (`train_step.make_train_step`)
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from turnsight_jax import advantages as adv_lib
+from turnsight_jax.rl import advantages as adv_lib
 
 
 # ---- 1. the estimator ------------------------------------------------------------------------
@@ -103,13 +103,13 @@ def check_train_step() -> None:
 
     from turnsight_jax import train_step as ts
     from turnsight_jax.assets import default_tokenizer
-    from turnsight_jax.batching import make_train_batch
+    from turnsight_jax.rl.batch import make_train_batch
     from turnsight_jax.envs.ftrl import FTRLEnv
     from turnsight_jax.envs.synthetic import SyntheticConfig, generate_task, gold_turn_texts
     from turnsight_jax.models.config import Qwen3Config
     from turnsight_jax.models.qwen3 import init_model
     from turnsight_jax.rollout.driver import ReplayPolicy, RolloutConfig, rollout
-    from turnsight_jax.teacher import student_logprobs
+    from turnsight_jax.rl.logprobs import student_logprobs
 
     cfg = ts.StepConfig(algo=ts.AlgoConfig(name="turnsight", base="rloo"), group_size=2, max_turns=4,
                         logprob_chunk=256)

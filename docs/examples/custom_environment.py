@@ -17,7 +17,7 @@ import json
 from typing import Sequence
 
 from turnsight_jax.assets import default_tokenizer
-from turnsight_jax.batching import make_train_batch
+from turnsight_jax.rl.batch import make_train_batch
 from turnsight_jax.chat.hindsight import hindsight_ids
 from turnsight_jax.chat.parsing import render_tool_call
 from turnsight_jax.chat.types import Call, CallError, Task, ToolCall

@@ -2,7 +2,7 @@
 
     python docs/examples/hindsight_layout.py
 
-Part 1 builds `turnsight_jax.views.build_views` for one gold trajectory of a built-in multi-hop
+Part 1 builds `turnsight_jax.rl.views.build_views` for one gold trajectory of a built-in multi-hop
 task (2 tool turns + the answer turn) and prints every segment of its packed teacher row: packed
 range, rotary positions, the two context pairs, and which packed index predicts the first policy
 token of each (turn, depth) view. Part 2 measures the cost in tokens on gold trajectories with
@@ -20,7 +20,7 @@ from turnsight_jax.envs.ftrl import FTRLEnv
 from turnsight_jax.envs.synthetic import SyntheticConfig, generate_task, gold_turn_texts
 from turnsight_jax.models.attention import NO_SEGMENT, PAD_SEGMENT
 from turnsight_jax.rollout.driver import ReplayPolicy, RolloutConfig, rollout
-from turnsight_jax.views import ViewOptions, build_views
+from turnsight_jax.rl.views import ViewOptions, build_views
 
 DEPTHS = (1, 2, 3)
 

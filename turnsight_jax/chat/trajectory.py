@@ -9,8 +9,7 @@ A trajectory is ``prompt + turn_0 + obs_0 + turn_1 + obs_1 + ... + turn_{K-1} [+
   assistant header.
 
 Only ``turn_k`` tokens are policy tokens (``policy_mask``; ``turn_ids`` = k there, -1 elsewhere).
-``TrajectoryBatch`` packs trajectories into fixed-shape arrays with bucketed lengths, so the jitted
-train step compiles once per bucket.
+The training batch built from trajectories is turnsight_jax.rl.batch.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-import flax.struct
 import numpy as np
 
 from turnsight_jax.chat.types import Call
@@ -29,7 +27,6 @@ QWEN3_IM_START_ID = 151644
 QWEN3_IM_END_ID = 151645
 
 # multiples of 128 up to 2048 (little padding on short rollouts), then powers of two up to 32768
-DEFAULT_BUCKETS: tuple[int, ...] = tuple(range(128, 2049, 128)) + tuple(4096 * 2**i for i in range(4))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +68,7 @@ class Trajectory:
     tokens: int32 [L]; policy_mask: bool [L]; turn_ids: int32 [L] (turn index on policy tokens,
     -1 elsewhere); old_logprobs: float32 [L] (sampling log-probs on policy tokens, 0 elsewhere);
     prompt_len: number of prompt tokens; turns: K TurnRecords; reward: outcome reward;
-    metrics: free-form (``metrics["turn_rewards"]``, length K, feeds ``TrajectoryBatch.turn_rewards``);
+    metrics: free-form per-episode numbers (the environment's scores, turn statistics);
     truncated / finish_reason: how the rollout ended ("answer", "max_turns", "length", ...).
     """
 
@@ -359,148 +356,3 @@ def check_trajectory(traj: Trajectory, *, segments: Sequence[np.ndarray] | None 
             offset += seg.size
         if offset != L:
             raise AssertionError(f"segments hold {offset} tokens but the trajectory has {L}")
-
-
-@flax.struct.dataclass
-class TrajectoryBatch:
-    """B trajectories right-padded to a bucketed length T (host numpy arrays; device_put as needed).
-
-    tokens: int32 [B, T]; valid_mask: bool [B, T] (False on padding); policy_mask: bool [B, T];
-    turn_ids: int32 [B, T] (-1 off policy tokens); old_logprobs: float32 [B, T];
-    group_ids: int32 [B]; rewards: float32 [B]; num_turns: int32 [B];
-    turn_rewards: float32 [B, K] (``metrics["turn_rewards"]``, zeros when absent or past a
-    trajectory's last turn).
-    """
-
-    tokens: Any
-    valid_mask: Any
-    policy_mask: Any
-    turn_ids: Any
-    old_logprobs: Any
-    group_ids: Any
-    rewards: Any
-    num_turns: Any
-    turn_rewards: Any
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.tokens.shape)
-
-
-def _pick_bucket(length: int, buckets: Sequence[int]) -> int:
-    for b in buckets:
-        if b >= length:
-            return int(b)
-    raise ValueError(
-        f"trajectory of {length} tokens is longer than the largest bucket {buckets[-1]}; "
-        "raise the largest bucket or lower the rollout length limit (trajectories are never truncated here)"
-    )
-
-
-def make_batch(
-    trajectories: Sequence[Trajectory],
-    *,
-    buckets: Sequence[int] = DEFAULT_BUCKETS,
-    pad_id: int,
-    num_turns_bucket: int | None = None,
-) -> TrajectoryBatch:
-    """Right-pad trajectories into a TrajectoryBatch.
-
-    T = the smallest bucket >= the longest trajectory. K = ``num_turns_bucket`` (must be >= every
-    trajectory's turn count), or by default the smallest power of two >= the largest turn count.
-
-    Raises:
-      ValueError: empty input, unsorted buckets, a trajectory longer than every bucket, more turns
-        than K, or ``metrics["turn_rewards"]`` whose length differs from the turn count.
-    """
-    if not trajectories:
-        raise ValueError("make_batch needs at least one trajectory")
-    buckets = [int(b) for b in buckets]
-    if not buckets or any(b <= 0 for b in buckets) or buckets != sorted(set(buckets)):
-        raise ValueError(f"buckets must be positive and strictly increasing, got {buckets}")
-    B = len(trajectories)
-    T = _pick_bucket(max(t.length for t in trajectories), buckets)
-    max_turns = max(t.num_turns for t in trajectories)
-    if num_turns_bucket is None:
-        K = 1
-        while K < max_turns:
-            K *= 2
-    else:
-        K = int(num_turns_bucket)
-        if K < max_turns:
-            raise ValueError(f"a trajectory has {max_turns} turns but num_turns_bucket is {K}")
-    tokens = np.full((B, T), pad_id, np.int32)
-    valid = np.zeros((B, T), np.bool_)
-    policy = np.zeros((B, T), np.bool_)
-    turn_ids = np.full((B, T), -1, np.int32)
-    logprobs = np.zeros((B, T), np.float32)
-    turn_rewards = np.zeros((B, K), np.float32)
-    for i, t in enumerate(trajectories):
-        n = t.length
-        tokens[i, :n] = t.tokens
-        valid[i, :n] = True
-        policy[i, :n] = t.policy_mask
-        turn_ids[i, :n] = t.turn_ids
-        logprobs[i, :n] = t.old_logprobs
-        tr = t.metrics.get("turn_rewards")
-        if tr is not None:
-            tr = np.asarray(tr, np.float32)
-            if tr.shape != (t.num_turns,):
-                raise ValueError(
-                    f"trajectory {i}: metrics['turn_rewards'] has shape {tr.shape}, expected ({t.num_turns},)"
-                )
-            turn_rewards[i, : t.num_turns] = tr
-    return TrajectoryBatch(
-        tokens=tokens,
-        valid_mask=valid,
-        policy_mask=policy,
-        turn_ids=turn_ids,
-        old_logprobs=logprobs,
-        group_ids=np.array([t.group_id for t in trajectories], np.int32),
-        rewards=np.array([t.reward for t in trajectories], np.float32),
-        num_turns=np.array([t.num_turns for t in trajectories], np.int32),
-        turn_rewards=turn_rewards,
-    )
-
-
-def trajectory_arrays(traj: Trajectory) -> dict[str, np.ndarray]:
-    """The per-trajectory arrays a batch row holds (the form ``unbatch`` returns)."""
-    tr = traj.metrics.get("turn_rewards")
-    return {
-        "tokens": traj.tokens,
-        "policy_mask": traj.policy_mask,
-        "turn_ids": traj.turn_ids,
-        "old_logprobs": traj.old_logprobs,
-        "group_id": np.int32(traj.group_id),
-        "reward": np.float32(traj.reward),
-        "num_turns": np.int32(traj.num_turns),
-        "turn_rewards": np.zeros(traj.num_turns, np.float32) if tr is None else np.asarray(tr, np.float32),
-    }
-
-
-def unbatch(batch: TrajectoryBatch) -> list[dict[str, np.ndarray]]:
-    """Split a batch back into per-trajectory arrays with padding removed (see ``trajectory_arrays``).
-
-    Raises:
-      ValueError: a row whose valid_mask is not a prefix (the batch was not right-padded).
-    """
-    valid = np.asarray(batch.valid_mask)
-    rows = []
-    for i in range(valid.shape[0]):
-        n = int(valid[i].sum())
-        if not valid[i, :n].all():
-            raise ValueError(f"row {i}: valid_mask is not a prefix of the row")
-        k = int(np.asarray(batch.num_turns)[i])
-        rows.append(
-            {
-                "tokens": np.asarray(batch.tokens)[i, :n],
-                "policy_mask": np.asarray(batch.policy_mask)[i, :n],
-                "turn_ids": np.asarray(batch.turn_ids)[i, :n],
-                "old_logprobs": np.asarray(batch.old_logprobs)[i, :n],
-                "group_id": np.asarray(batch.group_ids)[i],
-                "reward": np.asarray(batch.rewards)[i],
-                "num_turns": np.asarray(batch.num_turns)[i],
-                "turn_rewards": np.asarray(batch.turn_rewards)[i, :k],
-            }
-        )
-    return rows

@@ -35,10 +35,6 @@ class Qwen3Config:
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 
-    @property
-    def q_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     def num_params(self) -> int:
         """Parameter count (embeddings counted once when tied)."""
         d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
@@ -165,6 +161,13 @@ PRESETS: dict[str, Qwen3Config] = {
                         num_heads=4, num_kv_heads=2, head_dim=32, tie_word_embeddings=True),
     "tiny-untied": Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=192, num_layers=2,
                                num_heads=4, num_kv_heads=1, head_dim=24, tie_word_embeddings=False),
+    # The embedded default's model: the real vocabulary on a tiny trunk; the 151,936 x 64 embedding
+    # is most of its 10M parameters and compute. head_dim 64 (> hidden/heads, as in Qwen3 itself):
+    # q and k are RMS-normalised per head, so an attention logit is at most ~sqrt(head_dim); at 16
+    # that is 4, too flat to single out one entity token among hundreds, and the copy the built-in
+    # tasks need did not form.
+    "tiny-default": Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=256, num_layers=4,
+                                num_heads=4, num_kv_heads=2, head_dim=64, tie_word_embeddings=True),
     # ~100M parameters with the real vocabulary: the CPU benchmark shape.
     "bench-100m": Qwen3Config(vocab_size=151936, hidden_size=512, intermediate_size=1536, num_layers=8,
                               num_heads=8, num_kv_heads=4, head_dim=64, tie_word_embeddings=True),

@@ -20,7 +20,7 @@ from flax import nnx, struct
 
 from turnsight_jax.models.attention import Layout, cache_attention, layout_attention
 from turnsight_jax.models.config import Qwen3Config
-from turnsight_jax.sharding import constrain
+from turnsight_jax.models.sharding import constrain
 
 LAYER_PARAMS = ("attn_norm", "q", "k", "v", "o", "q_norm", "k_norm", "mlp_norm", "gate", "up", "down")
 
@@ -55,13 +55,6 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
-
-    def repeat(self, n: int) -> "KVCache":
-        """Each row repeated n times along the batch ([B] -> [B*n], row-major): shares a prompt's
-        prefill across its n rollouts."""
-        return KVCache(
-            jnp.repeat(self.k, n, axis=1), jnp.repeat(self.v, n, axis=1), jnp.repeat(self.lengths, n)
-        )
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

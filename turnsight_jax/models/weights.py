@@ -22,7 +22,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import LAYER_PARAMS, Qwen3, RuntimeOptions
 from turnsight_jax.models.safetensors_io import SafetensorsFile, write_safetensors
-from turnsight_jax.sharding import leaf_name, param_sharding
+from turnsight_jax.models.sharding import leaf_name, param_sharding
 
 # our layer parameter -> (Hugging Face name inside model.layers.{i}, transposed?)
 _HF_LAYER = {

@@ -29,7 +29,6 @@ from turnsight_jax.chat.trajectory import Trajectory, TrajectoryBuilder
 from turnsight_jax.chat.types import CallError, Task
 from turnsight_jax.envs.base import Environment, VectorEnv
 from turnsight_jax.models.qwen3 import KVCache
-from turnsight_jax.rewards import matchtir_turn_rewards
 from turnsight_jax.rollout.sampler import SamplingParams, append_tokens, decode_turn
 
 log = logging.getLogger(__name__)
@@ -51,7 +50,6 @@ class RolloutConfig:
     max_response_tokens: int = 13_000
     max_turn_tokens: int = 1024
     enable_thinking: bool = False
-    matchtir_method: str = "assignment"
 
     def __post_init__(self):
         for name in ("max_turns", "max_prompt_tokens", "max_response_tokens", "max_turn_tokens"):
@@ -389,16 +387,10 @@ def rollout(
 
     trajectories = []
     for r, b in enumerate(builders):
-        task = row_tasks[r]
         score = scores[r]
         traj = b.build(reward=score.reward, metrics=dict(score.metrics),
                        finish_reason=None if b._truncated else (finish[r] or "max_turns"))
         traj.metrics.update(_turn_metrics(traj))
-        if task.gold_calls is not None:
-            answer = traj.turns[-1].answer if traj.turns else None
-            traj.metrics["turn_rewards"] = matchtir_turn_rewards(
-                [t.calls for t in traj.turns], task.gold_calls, answer, task.answer, method=config.matchtir_method
-            ).tolist()
         trajectories.append(traj)
     elapsed = time.perf_counter() - t_start
     stats = {"rollout_s": elapsed, "tool_s": tool_s,

@@ -1,5 +1,9 @@
 """Log-probs of policy tokens: the student on its own context, the frozen teacher on the packed
-hindsight views. Both are computed only at policy positions, in chunks (turnsight_jax.logprobs).
+hindsight views, both through a chunked log-softmax that never forms a [B, T, V] float32 array.
+
+For each chunk of rows the logits [C, V] are formed in float32, reduced by log-sum-exp and
+gathered at the target, inside a rematerialised `lax.scan` body: the peak extra memory is one
+[C, V] float32 block in the forward and in the backward pass, whatever B * T is.
 """
 
 from __future__ import annotations
@@ -7,10 +11,45 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from turnsight_jax.logprobs import chunked_logprobs
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.qwen3 import Qwen3
-from turnsight_jax.views import PackedViews
+from turnsight_jax.rl.views import PackedViews
+
+
+def chunked_logprobs(
+    hidden: jax.Array,
+    targets: jax.Array,
+    weight: jax.Array,
+    *,
+    chunk: int = 1024,
+    temperature: float = 1.0,
+) -> jax.Array:
+    """log softmax(hidden @ weight / temperature)[target] per row.
+
+    hidden [N, D] (any float dtype); targets [N] int32; weight [D, V]. Returns [N] float32.
+    """
+    n, d = hidden.shape
+    inv_t = 1.0 / float(temperature)
+    w = weight.astype(hidden.dtype)
+
+    def rows(h, t):
+        logits = jnp.einsum("nd,dv->nv", h, w, preferred_element_type=jnp.float32) * inv_t
+        picked = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
+        return picked - jax.nn.logsumexp(logits, axis=-1)
+
+    if n <= chunk:
+        return rows(hidden, targets)
+    num = -(-n // chunk)
+    pad = num * chunk - n
+    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(num, chunk, d)
+    t = jnp.pad(targets, (0, pad)).reshape(num, chunk)
+
+    @jax.checkpoint
+    def body(_, xs):
+        return None, rows(*xs)
+
+    _, out = jax.lax.scan(body, None, (h, t))
+    return out.reshape(-1)[:n]
 
 
 def gather_rows(hidden: jax.Array, index: jax.Array) -> jax.Array:

@@ -67,7 +67,7 @@ def make_mesh(
     return Mesh(np.asarray(devices).reshape(shape), AXES)
 
 
-def _fit(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
+def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
     """Drop mesh axes from dimensions they do not divide (e.g. 2 KV heads over 4 tensor shards),
     so that any model shape runs on any mesh; such a weight is replicated along that axis."""
     out = []
@@ -84,7 +84,7 @@ def _fit(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
 def param_spec(name: str, shape: Sequence[int], mesh: Mesh) -> P:
     if name not in PARAM_SPECS:
         raise KeyError(f"no partition rule for parameter {name!r}")
-    return _fit(PARAM_SPECS[name], shape, mesh)
+    return fit_spec(PARAM_SPECS[name], shape, mesh)
 
 
 def param_sharding(name: str, shape: Sequence[int], mesh: Mesh) -> NamedSharding:
@@ -119,7 +119,7 @@ def constrain(x: jax.Array, kind: str) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(AXES) <= set(mesh.axis_names):
         return x
-    spec = _fit(ACTIVATION_SPECS[kind], x.shape, mesh)
+    spec = fit_spec(ACTIVATION_SPECS[kind], x.shape, mesh)
     return jax.lax.with_sharding_constraint(x, spec)
 
 
@@ -132,6 +132,6 @@ def shard_rows(tree, mesh: Mesh, row_axis_of=lambda path: 0):
         axis = row_axis_of(path)
         spec = [None] * x.ndim
         spec[axis] = BATCH
-        return jax.device_put(x, NamedSharding(mesh, _fit(P(*spec), x.shape, mesh)))
+        return jax.device_put(x, NamedSharding(mesh, fit_spec(P(*spec), x.shape, mesh)))
 
     return jax.tree_util.tree_map_with_path(put, tree)

@@ -1,4 +1,4 @@
-"""Packed hindsight views (SPEC §4) and the compact policy-token index of a training batch.
+"""Packed hindsight views (docs/spec.md §4) and the compact policy-token index of a training batch.
 
 One packed teacher row per trajectory holds:
 
@@ -32,6 +32,7 @@ from flax import struct
 from turnsight_jax.chat.hindsight import HindsightTemplate, hindsight_pieces
 from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.models.attention import NO_SEGMENT, PAD_SEGMENT, Layout
+from turnsight_jax.rl.config import parse_turn_coverage
 
 # multiples of 256 up to 4096 (little padding on short rows), then powers of two up to 131072
 DEFAULT_PACKED_BUCKETS: tuple[int, ...] = tuple(range(256, 4097, 256)) + tuple(8192 * 2**i for i in range(5))
@@ -55,12 +56,9 @@ def policy_bucket(n: int) -> int:
 
 def covered_turns(num_turns: int, turns: str) -> range:
     """Turn indices a coverage spec selects: "all", "first:N" or "last:N"."""
-    if turns == "all":
+    kind, n = parse_turn_coverage(turns)
+    if kind == "all":
         return range(num_turns)
-    kind, _, n = turns.partition(":")
-    if kind not in ("first", "last") or not n.isdigit() or int(n) <= 0:
-        raise ValueError(f"turns must be 'all', 'first:N' or 'last:N' with N > 0, got {turns!r}")
-    n = int(n)
     return range(min(n, num_turns)) if kind == "first" else range(max(0, num_turns - n), num_turns)
 
 
@@ -156,15 +154,17 @@ def build_views(
     buckets: Sequence[int] = DEFAULT_PACKED_BUCKETS,
     with_reference: bool = False,
     min_widths: tuple[int, int] = (0, 0),
+    positions: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[PackedViews, dict[str, float]]:
     """Packed teacher rows for `trajs` (numpy). Returns (views, stats) where stats counts the
     packed tokens against the trajectories' own tokens. `with_reference` adds the student-context
-    row (view D) for a KL term."""
+    row (view D) for a KL term. `positions`: the batch's (pol_pos, pol_valid) when already built
+    (otherwise computed at `policy_width`)."""
     depths = tuple(options.depths)
     if not depths or any(d < 1 for d in depths):
         raise ValueError(f"hindsight depths must be a non-empty tuple of ints >= 1, got {depths}")
     max_depth = max(depths)
-    pol_pos, pol_valid = policy_positions(trajs, policy_width)
+    pol_pos, pol_valid = positions if positions is not None else policy_positions(trajs, policy_width)
     n_pol = pol_pos.shape[1]
     n_views = len(depths) + int(with_reference)
     view_pred = np.zeros((n_views, len(trajs), n_pol), np.int32)

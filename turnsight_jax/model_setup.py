@@ -1,0 +1,73 @@
+"""The run's tokenizer and model from a config: dtypes, runtime options, presets, HF folders."""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import ml_collections as mlc
+from flax import nnx
+
+from turnsight_jax.assets import default_tokenizer_dir
+from turnsight_jax.chat.tokenizer import check_vocab_fits, load_tokenizer
+from turnsight_jax.errors import ConfigError
+from turnsight_jax.models.config import Qwen3Config, get_preset
+from turnsight_jax.models.qwen3 import Qwen3, RuntimeOptions
+from turnsight_jax.models.sharding import state_shardings
+from turnsight_jax.models.weights import load_pretrained
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def runtime_options(cfg: mlc.ConfigDict) -> RuntimeOptions:
+    return RuntimeOptions(compute_dtype=DTYPES[cfg.model.compute_dtype], remat=cfg.model.remat,
+                          attn_q_chunk=cfg.model.attn_q_chunk)
+
+
+def tokenizer_dir(cfg: mlc.ConfigDict) -> pathlib.Path:
+    """tokenizer_path, else the HF folder's own tokenizer, else the bundled Qwen3 tokenizer."""
+    if cfg.tokenizer_path:
+        return pathlib.Path(cfg.tokenizer_path)
+    if cfg.model.hf_path and (pathlib.Path(cfg.model.hf_path) / "tokenizer.json").is_file():
+        return pathlib.Path(cfg.model.hf_path)
+    return default_tokenizer_dir()
+
+
+def model_config(cfg: mlc.ConfigDict) -> Qwen3Config:
+    if cfg.model.hf_path:
+        return Qwen3Config.from_pretrained(cfg.model.hf_path)
+    try:
+        return get_preset(cfg.model.preset)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def build_model(cfg: mlc.ConfigDict, mesh, *, hf_path: str | None = None, seed: int = 0) -> Qwen3:
+    """Load `hf_path` (or cfg.model.hf_path) or initialise the preset, sharded over `mesh`."""
+    dtype = DTYPES[cfg.model.param_dtype]
+    opts = runtime_options(cfg)
+    path = hf_path or cfg.model.hf_path
+    if path:
+        return load_pretrained(path, dtype=dtype, mesh=mesh, options=opts)
+    qcfg = model_config(cfg)
+    abstract = nnx.eval_shape(lambda: Qwen3(qcfg, rngs=nnx.Rngs(seed), param_dtype=dtype, options=opts))
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = state_shardings(abstract_state, mesh)
+    # Initialise directly into the target shardings: no host ever holds the whole model.
+    init = jax.jit(lambda: nnx.split(Qwen3(qcfg, rngs=nnx.Rngs(seed), param_dtype=dtype, options=opts))[1],
+                   out_shardings=shardings)
+    with jax.set_mesh(mesh):
+        state = init()
+    return nnx.merge(graphdef, state)
+
+
+def setup_tokenizer(cfg: mlc.ConfigDict, vocab_size: int):
+    """(tokenizer, its folder); ConfigError when it does not fit the model's vocabulary."""
+    path = tokenizer_dir(cfg)
+    tok = load_tokenizer(path)
+    try:
+        check_vocab_fits(tok, vocab_size)
+    except ValueError as e:
+        raise ConfigError(f"tokenizer {path} does not fit the model: {e}") from None
+    return tok, path

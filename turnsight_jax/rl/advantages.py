@@ -1,0 +1,267 @@
+"""Advantage estimators (GRPO, MatchTIR dual-level), their registry, and the one composition the
+step uses (`make_advantage_fn`). TurnSight is in turnsight_jax.rl.turnsight and registered here.
+
+Everything here is pure `jax.numpy`: no Python loops over tokens, turns or trajectories, no host
+round-trips, so every function can be jitted, vmapped over a leading batch-of-batches axis and
+fused into the train step (docs/spec.md §4). Modes are static keyword-only Python values; numeric knobs
+(`lam`, `eps_w`, `eps`, `gamma`) may be Python floats or traced scalars (sweeps do not recompile).
+
+Shapes (B trajectories, T tokens, K turn slots, D hindsight depths, G groups):
+
+* `policy_mask`  [B, T] bool  -- True on tokens the policy wrote (never on observation tokens).
+* `turn_ids`     [B, T] int32 -- turn index of a policy token, −1 elsewhere.
+* `group_ids`    [B]    int32 -- prompt group of each trajectory, in [0, num_groups).
+  `num_groups=None` means B (every id must then lie in [0, B)). Ids need not be contiguous or
+  sorted: groups are formed with segment sums, so empty groups are harmless. A trajectory whose id
+  lies outside [0, num_groups) belongs to no group: its GRPO/MatchTIR advantage is 0 and, with
+  group_norm=True, its TurnSight δ̂ is 0 (w = 1).
+* `delta`        [D, B, T] float -- δ^{(d)}_{i,t}, teacher minus student token log-prob per depth.
+
+Group statistics are computed on values shifted by the group maximum before accumulation (the
+"shifted data" variance algorithm). This costs one segment_max and makes a group whose values are
+all equal give exactly 0 (rather than float32 round-off divided by eps, which can be O(1)).
+"""
+
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from turnsight_jax.rl.groups import group_normalize
+from turnsight_jax.rl.turnsight import turnsight_advantages
+
+Array = jax.Array
+
+# ----------------------------------------------------------------------------------------------
+# GRPO
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("num_groups",))
+def grpo_advantages(
+    rewards: Array,
+    group_ids: Array,
+    policy_mask: Array,
+    *,
+    eps: float = 1e-6,
+    num_groups: int | None = None,
+) -> Array:
+    """GRPO outcome advantages broadcast over policy tokens.
+
+    rewards [B] float, group_ids [B] int, policy_mask [B, T] bool → [B, T] float32:
+    (r_i − mean_g) / (std_g(ddof=1) + eps) on policy tokens, 0 elsewhere. A group of size 1 has
+    no sample std: its trajectory gets advantage 0. Every trajectory counts in its group's
+    statistics, whether or not it has policy tokens.
+    """
+    chex.assert_rank([rewards, group_ids, policy_mask], [1, 1, 2])
+    b = policy_mask.shape[0]
+    chex.assert_shape([rewards, group_ids], [(b,), (b,)])
+    chex.assert_type([group_ids, policy_mask], [int, bool])
+    adv = group_normalize(rewards, group_ids, num_groups=num_groups, ddof=1, eps=eps)
+    return jnp.where(policy_mask, adv[:, None], 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# MatchTIR
+# ----------------------------------------------------------------------------------------------
+
+
+def discounted_returns(turn_rewards: Array, num_turns: Array, gamma: float = 0.9) -> Array:
+    """G_k = Σ_{j≥k, j<n} γ^{j−k} r_j for k < n, 0 for k ≥ n.
+
+    turn_rewards [B, K] float, num_turns [B] int (clipped to [0, K]) → [B, K] float32.
+    Computed as a masked upper-triangular [K, K] contraction (K is ~10, so O(K²) is nothing) by
+    elementwise multiply-and-sum rather than a matmul, so no TF32/bf16 matmul precision applies.
+    """
+    k = turn_rewards.shape[-1]
+    valid = jnp.arange(k)[None, :] < jnp.clip(num_turns, 0, k)[:, None]
+    r = jnp.where(valid, jnp.asarray(turn_rewards, jnp.float32), 0.0)
+    lag = jnp.arange(k)[None, :] - jnp.arange(k)[:, None]  # [k, j] = j − k
+    disc = jnp.where(lag >= 0, jnp.power(jnp.asarray(gamma, jnp.float32), jnp.maximum(lag, 0)), 0.0)
+    g = jnp.sum(r[:, None, :] * disc[None, :, :], axis=-1)
+    return jnp.where(valid, g, 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("num_groups",))
+def matchtir_advantage_parts(
+    turn_rewards: Array,
+    num_turns: Array,
+    turn_ids: Array,
+    policy_mask: Array,
+    group_ids: Array,
+    *,
+    gamma: float = 0.9,
+    eps: float = 1e-6,
+    num_groups: int | None = None,
+) -> dict[str, Array]:
+    """MatchTIR dual-level advantages with their components.
+
+    turn_rewards [B, K] float32, num_turns [B] int32 (turns 0..num_turns−1 are real; clipped to K),
+    turn_ids [B, T] int32, policy_mask [B, T] bool, group_ids [B] int32.
+    Returns:
+      trajectory_advantages [B]: group-normalised (ddof=1, eps) Σ_k r_k over real turns; 0 for a
+        group of size 1.
+      returns [B, K]: discounted returns G_k (0 beyond num_turns).
+      turn_advantages [B, K]: G_k normalised (mean, ddof=1 std, eps) across the siblings of the
+        group with num_turns > k; 0 where only one sibling reaches turn k, and 0 for k ≥ num_turns.
+      advantages [B, T]: (A_traj + A_turn[k]) / 2 on policy tokens whose turn k is real
+        (0 ≤ k < min(num_turns, K)); 0 on every other token (including policy tokens whose turn id
+        does not name a real turn, which would be an inconsistent batch).
+    """
+    chex.assert_rank([turn_rewards, num_turns, turn_ids, policy_mask, group_ids], [2, 1, 2, 2, 1])
+    b, k = turn_rewards.shape
+    t = policy_mask.shape[1]
+    chex.assert_shape([num_turns, group_ids, turn_ids, policy_mask], [(b,), (b,), (b, t), (b, t)])
+    chex.assert_type([num_turns, turn_ids, group_ids, policy_mask], [int, int, int, bool])
+    n = jnp.clip(num_turns, 0, k)
+    real = jnp.arange(k)[None, :] < n[:, None]  # [B, K]
+    r = jnp.where(real, jnp.asarray(turn_rewards, jnp.float32), 0.0)
+    a_traj = group_normalize(r.sum(-1), group_ids, num_groups=num_groups, ddof=1, eps=eps)
+    g = discounted_returns(r, n, gamma)
+    a_turn = group_normalize(g, group_ids, mask=real, num_groups=num_groups, ddof=1, eps=eps)
+    tok_real = policy_mask & (turn_ids >= 0) & (turn_ids < n[:, None])
+    a_turn_tok = jnp.take_along_axis(a_turn, jnp.clip(turn_ids, 0, k - 1), axis=1)
+    adv = jnp.where(tok_real, 0.5 * (a_traj[:, None] + a_turn_tok), 0.0)
+    return {
+        "advantages": adv,
+        "trajectory_advantages": a_traj,
+        "turn_advantages": a_turn,
+        "returns": g,
+    }
+
+
+@functools.partial(jax.jit, static_argnames=("num_groups",))
+def matchtir_advantages(
+    turn_rewards: Array,
+    num_turns: Array,
+    turn_ids: Array,
+    policy_mask: Array,
+    group_ids: Array,
+    *,
+    gamma: float = 0.9,
+    eps: float = 1e-6,
+    num_groups: int | None = None,
+) -> Array:
+    """[B, T] MatchTIR token advantages; see `matchtir_advantage_parts` for the definition."""
+    return matchtir_advantage_parts(
+        turn_rewards, num_turns, turn_ids, policy_mask, group_ids,
+        gamma=gamma, eps=eps, num_groups=num_groups,
+    )["advantages"]
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Registry and the one composition the step, the docs and the tests use
+# ----------------------------------------------------------------------------------------------
+
+# Knobs an estimator may ask for, and where they come from: the AlgoConfig field of the same name,
+# or the step geometry (num_groups = B / G, max_turns = the rollout's turn budget).
+KNOBS = ("eps", "gamma", "num_groups", "max_turns", "lam", "eps_w", "selection", "aggregation",
+         "group_norm", "turns")
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+    """A registered advantage estimator.
+
+    fn(*arrays[inputs], **knobs) -> [B, N] advantages, or a dict holding "advantages" (and any
+    diagnostics) for estimators that report more. `inputs` name batch arrays (see
+    `rl.batch.advantage_inputs`: rewards, group_ids, policy_mask, turn_ids, turn_rewards,
+    num_turns, delta, base_advantages, and any key a registered reward fills); `knobs` name
+    entries of KNOBS. An estimator that takes "base_advantages" wraps a base estimator; one that
+    takes "delta" needs the frozen teacher's hindsight views.
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    inputs: tuple[str, ...]
+    knobs: tuple[str, ...] = ()
+
+    @property
+    def wraps_base(self) -> bool:
+        return "base_advantages" in self.inputs
+
+    @property
+    def needs_views(self) -> bool:
+        return "delta" in self.inputs
+
+
+ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register_advantage(name: str, inputs: tuple[str, ...], knobs: tuple[str, ...] = ()):
+    """Decorator: register `fn(*batch[inputs], **knobs)` as the advantage estimator `name`."""
+    unknown = [k for k in knobs if k not in KNOBS]
+    if unknown:
+        raise ValueError(f"advantage estimator {name!r}: unknown knobs {unknown}; known: {KNOBS}")
+
+    def deco(fn):
+        if name in ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} already registered")
+        ESTIMATORS[name] = Estimator(name, fn, tuple(inputs), tuple(knobs))
+        return fn
+
+    return deco
+
+
+def get_estimator(name: str) -> Estimator:
+    if name not in ESTIMATORS:
+        raise KeyError(f"unknown advantage estimator {name!r}; known: {sorted(ESTIMATORS)}")
+    return ESTIMATORS[name]
+
+
+register_advantage("grpo", ("rewards", "group_ids", "policy_mask"), ("eps", "num_groups"))(grpo_advantages)
+register_advantage("matchtir", ("turn_rewards", "num_turns", "turn_ids", "policy_mask", "group_ids"),
+                   ("gamma", "eps", "num_groups"))(matchtir_advantages)
+register_advantage(
+    "turnsight", ("delta", "policy_mask", "turn_ids", "group_ids", "base_advantages"),
+    ("lam", "eps_w", "eps", "selection", "aggregation", "group_norm", "turns", "num_groups", "max_turns"),
+)(turnsight_advantages)
+
+
+def _call(est: Estimator, arrays: Mapping[str, Array], knobs: Mapping[str, Any]) -> dict[str, Array]:
+    missing = [k for k in est.inputs if k not in arrays]
+    if missing:
+        raise KeyError(f"advantage estimator {est.name!r} needs batch arrays {missing}")
+    out = est.fn(*(arrays[k] for k in est.inputs), **{k: knobs[k] for k in est.knobs})
+    return dict(out) if isinstance(out, Mapping) else {"advantages": out}
+
+
+def make_advantage_fn(name: str, *, base: str | None = None,
+                      knobs: Mapping[str, Any] | None = None) -> Callable[[Mapping[str, Array]], dict[str, Array]]:
+    """`fn(arrays) -> dict` for the estimator `name` (composed over `base` when it wraps one).
+
+    The dict always has "advantages" (what the surrogate uses) and "base_advantages"; a wrapping
+    estimator adds its own outputs (TurnSight: weights, selected depths, diagnostics). knobs: the
+    values of KNOBS the estimators ask for. Unknown names and missing knobs fail here, at build
+    time, not inside the step.
+    """
+    est = get_estimator(name)
+    base_est = None
+    if est.wraps_base:
+        if base is None:
+            raise KeyError(f"advantage estimator {name!r} wraps a base estimator; none given")
+        base_est = get_estimator(base)
+        if base_est.wraps_base:
+            raise KeyError(f"base estimator {base!r} itself wraps a base; nest at most one level")
+    knobs = dict(knobs or {})
+    needed = set(est.knobs) | set(base_est.knobs if base_est else ())
+    missing = sorted(needed - set(knobs))
+    if missing:
+        raise KeyError(f"advantage estimator {name!r} needs knobs {missing}")
+
+    def fn(arrays: Mapping[str, Array]) -> dict[str, Array]:
+        if base_est is None:
+            out = _call(est, arrays, knobs)
+            return {**out, "base_advantages": out["advantages"]}
+        a_base = _call(base_est, arrays, knobs)["advantages"]
+        out = _call(est, {**arrays, "base_advantages": a_base}, knobs)
+        return {**out, "base_advantages": a_base}
+
+    return fn

@@ -1,0 +1,237 @@
+"""The step's input contract: `TrainBatch`, built from trajectories on the host, and its
+worst-case geometry for the dry-run memory plan. This is the one description of the batch layout.
+
+Compact policy-position layout (B trajectories, T bucketed trajectory width, N bucketed policy
+tokens per row, K = max turns):
+
+  tokens [B, T] int32, valid [B, T] bool   right-padded trajectories (the student's forward)
+  pol_pos [B, N] int32                     position in `tokens` of the row's n-th policy token
+  pol_valid [B, N] bool                    False on padding slots
+  turn_ids [B, N] int32                    turn of each policy token, -1 on padding
+  old_logprobs [B, N] float32              the sampler's log-probs of the policy tokens
+  group_ids [B] int32                      prompt group, renumbered 0 .. B/G-1
+  num_turns [B] int32
+  signals: {name: [B] or [B, K] float32}   what the method's rewards filled ("rewards",
+                                           "turn_rewards", ...; turnsight_jax.rl.methods)
+  views: PackedViews or None               packed hindsight rows of the frozen teacher
+                                           (turnsight_jax.rl.views), when the advantage needs them
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections as mlc
+import numpy as np
+from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from turnsight_jax.chat.trajectory import Trajectory
+from turnsight_jax.chat.types import Task
+from turnsight_jax.errors import ConfigError
+from turnsight_jax.models.attention import Layout
+from turnsight_jax.models.sharding import BATCH, fit_spec, shard_rows
+from turnsight_jax.rl.config import StepConfig
+from turnsight_jax.rl.methods import ResolvedMethod
+from turnsight_jax.rl.views import (DEFAULT_PACKED_BUCKETS, PackedViews, ViewOptions, build_views, pick_bucket,
+                                    policy_bucket, policy_positions)
+
+log = logging.getLogger(__name__)
+
+# Trajectory widths T: multiples of 128 up to 2,048, then 4,096 ... 32,768.
+DEFAULT_BUCKETS: tuple[int, ...] = tuple(range(128, 2049, 128)) + tuple(4096 * 2**i for i in range(4))
+# Leaves whose trajectory axis is 1 ([R, B, N]); every other leaf has it first.
+_VIEW_AXIS_LEAVES = ("view_pred", "slot")
+
+
+@struct.dataclass
+class TrainBatch:
+    """A rollout batch in the compact policy-position layout (shapes in the module docstring)."""
+
+    tokens: Any
+    valid: Any
+    pol_pos: Any
+    pol_valid: Any
+    turn_ids: Any
+    old_logprobs: Any
+    group_ids: Any
+    num_turns: Any
+    signals: dict[str, Any]
+    views: Any = None
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+
+def row_axis(path) -> int:
+    """Axis holding the trajectories in a TrainBatch leaf: 1 for view_pred / slot [R, B, N], else 0."""
+    names = [getattr(k, "name", getattr(k, "key", None)) for k in path]
+    return 1 if names and names[-1] in _VIEW_AXIS_LEAVES else 0
+
+
+def shard_batch(batch: TrainBatch, mesh) -> TrainBatch:
+    """Place a (numpy) TrainBatch on `mesh`, rows split over the data axes."""
+    return shard_rows(batch, mesh, row_axis)
+
+
+def pad_tokens(trajs: Sequence[Trajectory], width: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """tokens [B, width] int32 right-padded with pad_id, valid [B, width] bool."""
+    tokens = np.full((len(trajs), width), pad_id, np.int32)
+    valid = np.zeros((len(trajs), width), bool)
+    for i, t in enumerate(trajs):
+        if t.length > width:
+            raise ValueError(f"trajectory {i} has {t.length} tokens, over the batch width {width}")
+        tokens[i, :t.length] = t.tokens
+        valid[i, :t.length] = True
+    return tokens, valid
+
+
+def group_index(trajs: Sequence[Trajectory], group_size: int) -> np.ndarray:
+    """Group ids renumbered 0..B/G-1 in order of appearance; every group must hold G rows."""
+    index: dict[int, int] = {}
+    ids = np.array([index.setdefault(t.group_id, len(index)) for t in trajs], np.int32)
+    counts = np.bincount(ids)
+    bad = np.flatnonzero(counts != group_size)
+    if bad.size:
+        raise ConfigError(f"group {bad[0]} has {counts[bad[0]]} trajectories, expected group_size={group_size}")
+    return ids
+
+
+def compute_signals(method: ResolvedMethod, trajs: Sequence[Trajectory], tasks: Sequence[Task],
+                    cfg: StepConfig) -> dict[str, np.ndarray]:
+    """Run the method's rewards on the rollout record: {output: [B] or [B, K] float32}."""
+    if len(tasks) != len(trajs):
+        raise ValueError(f"{len(trajs)} trajectories but {len(tasks)} row tasks")
+    out: dict[str, np.ndarray] = {}
+    for reward in method.rewards:
+        lacking = [i for i, task in enumerate(tasks) if any(getattr(task, f, None) is None for f in reward.needs)]
+        if reward.per == "trajectory":
+            arr = np.zeros(len(trajs), np.float32)
+        else:
+            arr = np.zeros((len(trajs), cfg.max_turns), np.float32)
+        for i, (traj, task) in enumerate(zip(trajs, tasks)):
+            if i in lacking:
+                continue
+            value = reward.fn(traj, task, cfg.algo)
+            if reward.per == "trajectory":
+                arr[i] = float(value)
+                continue
+            value = np.asarray(value, np.float32)
+            if value.shape != (traj.num_turns,):
+                raise ValueError(f"reward {reward.name!r}: trajectory {i} has {traj.num_turns} turns but the "
+                                 f"reward returned shape {value.shape}")
+            if traj.num_turns > cfg.max_turns:
+                raise ValueError(f"trajectory {i} has {traj.num_turns} turns, over max_turns {cfg.max_turns}")
+            arr[i, :traj.num_turns] = value
+        if lacking:
+            # Kept loud rather than fatal: FTRL test rows carry no gold calls (see docs/spec.md §3).
+            log.warning("reward %s: %d of %d trajectories' tasks lack %s; their %s stay 0", reward.name,
+                        len(lacking), len(trajs), "/".join(reward.needs), reward.output)
+        out[reward.output] = arr
+    return out
+
+
+def make_train_batch(
+    trajs: Sequence[Trajectory],
+    tasks: Sequence[Task],
+    tokenizer,
+    cfg: StepConfig,
+    method: ResolvedMethod,
+    *,
+    length_buckets: Sequence[int] = DEFAULT_BUCKETS,
+    packed_buckets: Sequence[int] = DEFAULT_PACKED_BUCKETS,
+    pad_id: int = 0,
+    min_shapes: dict[str, int] | None = None,
+) -> tuple[TrainBatch, dict[str, float]]:
+    """Assemble a TrainBatch (numpy arrays) and stats (token counts, view overhead).
+
+    tasks: the task of each row (len(trajs) of them): the rewards and the hindsight source read
+    gold calls and answers from it. min_shapes: floors for the bucketed widths {"T", "N", "P",
+    "U"}; the trainer passes the largest widths seen so far, so shapes only grow and the step
+    compiles a handful of times. The widths used are returned in stats as T/N/P/U."""
+    cfg.validate(len(trajs))
+    floor = {"T": 0, "N": 0, "P": 0, "U": 0, **(min_shapes or {})}
+    longest = max(t.length for t in trajs)
+    buckets = [b for b in length_buckets if b >= max(floor["T"], 1)] or list(length_buckets)
+    width = pick_bucket(longest, buckets if longest <= buckets[-1] else length_buckets, "trajectory")
+    tokens, valid = pad_tokens(trajs, width, pad_id)
+    pol_pos, pol_valid = policy_positions(
+        trajs, max(policy_bucket(max(int(t.policy_mask.sum()) for t in trajs)), floor["N"]))
+    turn_ids = np.full(pol_pos.shape, -1, np.int32)
+    old_lp = np.zeros(pol_pos.shape, np.float32)
+    for i, t in enumerate(trajs):
+        n = int(pol_valid[i].sum())
+        turn_ids[i, :n] = t.turn_ids[pol_pos[i, :n]]
+        old_lp[i, :n] = t.old_logprobs[pol_pos[i, :n]]
+    views = None
+    stats = {"trajectory_tokens": float(sum(t.length for t in trajs)), "policy_tokens": float(pol_valid.sum()),
+             "batch_width": float(width), "policy_width": float(pol_pos.shape[1]),
+             "T": float(width), "N": float(pol_pos.shape[1])}
+    if method.needs_views:
+        a = cfg.algo
+        views, vstats = build_views(
+            trajs, tokenizer,
+            options=ViewOptions(depths=tuple(a.depths), source=a.source, turns=a.turns),
+            gold_answers=[t.answer for t in tasks], buckets=packed_buckets,
+            with_reference=method.needs_ref, min_widths=(floor["P"], floor["U"]), positions=(pol_pos, pol_valid),
+        )
+        stats.update(vstats)
+        stats["P"], stats["U"] = float(views.tokens.shape[1]), float(views.pred.shape[1])
+    batch = TrainBatch(
+        tokens=tokens, valid=valid, pol_pos=pol_pos, pol_valid=pol_valid, turn_ids=turn_ids, old_logprobs=old_lp,
+        group_ids=group_index(trajs, cfg.group_size),
+        num_turns=np.asarray([t.num_turns for t in trajs], np.int32),
+        signals=compute_signals(method, trajs, tasks, cfg),
+        views=views,
+    )
+    return batch, stats
+
+
+# ---- the worst-case geometry, for the dry-run memory plan ----
+
+@dataclasses.dataclass
+class Geometry:
+    batch: int  # trajectories per step (B)
+    length: int  # T: bucketed prompt + response
+    policy: int  # N: policy tokens per row (bucketed response budget)
+    packed: int  # P: packed teacher row
+    distinct: int  # U: distinct teacher predictors per row
+    views: int  # R: teacher views (depths, + reference row with KL)
+    turns: int  # K
+
+
+def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod) -> Geometry:
+    r, t = cfg.rollout, cfg.train
+    length = pick_bucket(r.max_prompt_tokens + r.max_response_tokens, DEFAULT_BUCKETS, "plan: trajectory")
+    policy = policy_bucket(r.max_response_tokens)
+    packed = pick_bucket(int(length * cfg.plan.packed_factor), DEFAULT_PACKED_BUCKETS, "plan: packed row")
+    views = len(cfg.rl.depths) + int(method.needs_ref)
+    distinct = policy_bucket(int(policy * min(views, cfg.plan.distinct_factor)))
+    return Geometry(t.prompts_per_step * t.group_size, length, policy, packed, distinct, views, r.max_turns)
+
+
+def abstract_batch(g: Geometry, mesh, method: ResolvedMethod) -> TrainBatch:
+    """A TrainBatch of ShapeDtypeStructs at geometry `g`, sharded as shard_batch would place it."""
+    def arr(shape, dtype, axis=0):
+        spec = [None] * len(shape)
+        spec[axis] = BATCH
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, fit_spec(P(*spec), shape, mesh)))
+
+    b, i32 = g.batch, jnp.int32
+    views = None
+    if method.needs_views:
+        lay = Layout(*(arr((b, g.packed), i32) for _ in range(6)))
+        views = PackedViews(arr((b, g.packed), i32), lay, arr((g.views, b, g.policy), i32, axis=1),
+                            arr((b, g.distinct), i32), arr((b, g.distinct), i32), arr((g.views, b, g.policy), i32, axis=1))
+    signals = {r.output: arr((b,) if r.per == "trajectory" else (b, g.turns), jnp.float32) for r in method.rewards}
+    return TrainBatch(
+        tokens=arr((b, g.length), i32), valid=arr((b, g.length), bool), pol_pos=arr((b, g.policy), i32),
+        pol_valid=arr((b, g.policy), bool), turn_ids=arr((b, g.policy), i32),
+        old_logprobs=arr((b, g.policy), jnp.float32), group_ids=arr((b,), i32), num_turns=arr((b,), i32),
+        signals=signals, views=views,
+    )

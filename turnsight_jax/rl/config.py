@@ -1,0 +1,156 @@
+"""The typed configs of the RL step: which method, its loss, the optimizer, the batch split.
+
+A leaf module (dataclasses and structural checks only): host code imports these types without
+importing the jitted step. Checks that need the registries (is this method known, does its
+advantage get the inputs it needs) are in turnsight_jax.rl.methods.resolve_method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from turnsight_jax.errors import ConfigError
+
+LOSS_AGGREGATIONS = ("seq_mean_token_mean", "seq_mean_token_sum", "token_mean")
+KL_ESTIMATORS = ("k1", "k3", "low_var_kl")
+HINDSIGHT_SOURCES = ("tool_results", "tool_results_answer", "answer")
+MATCHTIR_MATCHINGS = ("assignment", "transport")
+
+
+def parse_turn_coverage(turns: str) -> tuple[str, int]:
+    """"all" | "first:N" | "last:N" (N >= 1) -> ("all", 0) | ("first", N) | ("last", N)."""
+    if turns == "all":
+        return "all", 0
+    kind, _, num = str(turns).partition(":")
+    if kind in ("first", "last") and num.isdigit() and int(num) >= 1:
+        return kind, int(num)
+    raise ConfigError(f"turns must be 'all', 'first:N' or 'last:N' with N >= 1, got {turns!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgoConfig:
+    """The method (turnsight_jax.rl.methods) and its knobs.
+
+    method: a registered method ("grpo", "matchtir", "turnsight", or one added with
+    rl.methods.register_method). A method whose advantage wraps a base (TurnSight) wraps the
+    method named by `base` (its rewards and its advantage).
+    TurnSight switches (docs/spec.md §1 ablations): lam, eps_w, selection ("vote" | "mean" | depth
+    index), aggregation ("turn" | "token"), group_norm, turns ("all" | "first:N" | "last:N"),
+    depths (the hindsight depth set D_H), source ("tool_results" | "tool_results_answer" |
+    "answer"). matchtir_matching: "assignment" (optimal) or "transport" (Sinkhorn plan) for the
+    MatchTIR turn rewards. args: free-form knobs of plug-in methods, as (key, value) pairs.
+    """
+
+    method: str = "turnsight"
+    base: str = "grpo"
+    gamma: float = 0.9
+    eps: float = 1e-6
+    lam: float = 0.5
+    eps_w: float = 0.5
+    selection: Any = "vote"
+    aggregation: str = "turn"
+    group_norm: bool = True
+    turns: str = "all"
+    depths: tuple[int, ...] = (1, 2, 3)
+    source: str = "tool_results"
+    matchtir_matching: str = "assignment"
+    args: tuple[tuple[str, Any], ...] = ()
+
+    def arg(self, key: str, default: Any = None) -> Any:
+        return dict(self.args).get(key, default)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Clipped surrogate: ratio clipped to [1 - clip_eps, 1 + (clip_eps_high or clip_eps)];
+    optional KL to the reference (kl_coef, kl_estimator, clipped to ±kl_clip for low_var_kl);
+    aggregation (see rl.losses.aggregation_weights); temperature of the log-probs."""
+
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "low_var_kl"
+    kl_clip: float = 10.0
+    aggregation: str = "seq_mean_token_mean"
+    temperature: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6
+    schedule: str = "constant"  # constant | cosine (both after linear warm-up)
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    min_lr_ratio: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    algo: AlgoConfig = AlgoConfig()
+    loss: LossConfig = LossConfig()
+    optim: OptimConfig = OptimConfig()
+    group_size: int = 16
+    micro_batches: int = 1  # gradient accumulation inside one mini-batch
+    mini_batches: int = 1  # optimizer updates per epoch
+    ppo_epochs: int = 1
+    teacher_micro_batches: int = 1
+    logprob_chunk: int = 1024
+    max_turns: int = 10
+
+    def validate(self, batch_size: int | None = None) -> None:
+        """Raise ConfigError (one line) for any structurally invalid value or combination."""
+        algo, loss, opt = self.algo, self.loss, self.optim
+        if not algo.depths:
+            raise ConfigError("rl.depths is empty: TurnSight needs at least one hindsight depth")
+        if any(int(d) < 1 for d in algo.depths):
+            raise ConfigError(f"rl.depths must be >= 1, got {tuple(algo.depths)}")
+        if not 0.0 <= algo.eps_w < 1.0:
+            raise ConfigError(f"rl.eps_w must be in [0, 1) so the weight keeps the advantage's sign, got {algo.eps_w}")
+        if not 0.0 <= algo.lam <= 1.0:
+            raise ConfigError(f"rl.lam must be in [0, 1], got {algo.lam}")
+        if isinstance(algo.selection, bool) or (isinstance(algo.selection, int)
+                                                and not 0 <= algo.selection < len(algo.depths)):
+            raise ConfigError(f"rl.selection={algo.selection} is not an index into depths {tuple(algo.depths)}")
+        if not isinstance(algo.selection, int) and algo.selection not in ("vote", "mean"):
+            raise ConfigError(f"rl.selection must be 'vote', 'mean' or a depth index, got {algo.selection!r}")
+        if algo.aggregation not in ("turn", "token"):
+            raise ConfigError(f"rl.aggregation must be 'turn' or 'token', got {algo.aggregation!r}")
+        if algo.source not in HINDSIGHT_SOURCES:
+            raise ConfigError(f"rl.source must be one of {HINDSIGHT_SOURCES}, got {algo.source!r}")
+        if algo.matchtir_matching not in MATCHTIR_MATCHINGS:
+            raise ConfigError(f"rl.matchtir_matching must be one of {MATCHTIR_MATCHINGS}, got {algo.matchtir_matching!r}")
+        parse_turn_coverage(algo.turns)
+        if loss.aggregation not in LOSS_AGGREGATIONS:
+            raise ConfigError(f"loss.aggregation {loss.aggregation!r} unknown; expected one of {LOSS_AGGREGATIONS}")
+        if loss.kl_estimator not in KL_ESTIMATORS:
+            raise ConfigError(f"loss.kl_estimator {loss.kl_estimator!r} unknown; expected one of {KL_ESTIMATORS}")
+        if loss.clip_eps <= 0 or (loss.clip_eps_high is not None and loss.clip_eps_high <= 0):
+            raise ConfigError("loss.clip_eps (and clip_eps_high) must be > 0")
+        if loss.kl_coef < 0:
+            raise ConfigError(f"loss.kl_coef must be >= 0, got {loss.kl_coef}")
+        if opt.schedule not in ("constant", "cosine"):
+            raise ConfigError(f"optim.schedule must be 'constant' or 'cosine', got {opt.schedule!r}")
+        if not (math.isfinite(opt.lr) and opt.lr > 0):
+            raise ConfigError(f"optim.lr must be finite and > 0, got {opt.lr}")
+        if self.group_size < 1:
+            raise ConfigError(f"group_size must be >= 1, got {self.group_size}")
+        for name in ("micro_batches", "mini_batches", "ppo_epochs", "teacher_micro_batches", "max_turns"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if batch_size is not None:
+            if batch_size % self.group_size:
+                raise ConfigError(f"batch of {batch_size} trajectories is not divisible by group_size {self.group_size}")
+            per_mini = batch_size // self.mini_batches
+            if batch_size % self.mini_batches or per_mini % self.micro_batches:
+                raise ConfigError(
+                    f"batch {batch_size} must split into {self.mini_batches} mini-batches of "
+                    f"{self.micro_batches} equal micro-batches"
+                )
+            if batch_size % self.teacher_micro_batches:
+                raise ConfigError(f"batch {batch_size} is not divisible by teacher_micro_batches {self.teacher_micro_batches}")

@@ -1,0 +1,125 @@
+"""Loss terms of the RL step, registered by name, and how per-token losses are aggregated.
+
+A loss term is a pure function of arrays computed inside the jitted step:
+
+    fn(x: Mapping[str, Array], cfg: LossConfig, algo: AlgoConfig) -> (loss [B, N], metrics)
+
+`x` holds the term's declared `inputs`, each [B, N] in the compact policy-position layout
+(turnsight_jax.rl.batch) unless noted: "logprobs" (the student's, differentiated),
+"old_logprobs", "advantages", "ref_logprobs" (frozen reference on the student's context),
+"pol_valid", "turn_ids"; per-trajectory arrays [B]: "rewards", "group_ids", "num_turns"; and any
+extra batch array a registered reward fills. `loss` is per token and already scaled by the
+term's coefficient; `metrics` maps names to per-token [B, N] values. The step sums the terms,
+weights tokens with `aggregation_weights` (so micro-batch accumulation equals one full pass
+exactly) and reports each metric as the same weighted sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from turnsight_jax.rl.config import AlgoConfig, LossConfig
+
+Array = jax.Array
+
+
+def kl_penalty(logprobs: Array, ref_logprobs: Array, estimator: str, clip: float = 10.0) -> Array:
+    """Per-token KL(π_θ || π_ref) estimate from log-probs of the sampled tokens [B, N]."""
+    log_ratio = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -log_ratio
+    k3 = jnp.exp(log_ratio) - log_ratio - 1.0
+    if estimator == "k3":
+        return k3
+    return jnp.clip(k3, -clip, clip)  # low_var_kl: k3 clipped for stability
+
+
+def clipped_surrogate(logprobs: Array, old_logprobs: Array, advantages: Array, cfg: LossConfig):
+    """PPO's clipped surrogate per token [B, N] and its diagnostics (per token)."""
+    ratio = jnp.exp(logprobs - old_logprobs)
+    high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
+    clipped = jnp.clip(ratio, 1.0 - cfg.clip_eps, 1.0 + high)
+    pg = -jnp.minimum(ratio * advantages, clipped * advantages)
+    is_clipped = (ratio * advantages) > (clipped * advantages)
+    return pg, {"pg_loss": pg, "ratio": ratio, "clip_frac": is_clipped.astype(jnp.float32)}
+
+
+def aggregation_weights(pol_valid: Array, how: str) -> Array:
+    """Per-token weights [B, N] whose weighted sum is the aggregated loss of these rows.
+
+    seq_mean_token_mean: mean over each trajectory's policy tokens, then mean over trajectories
+      that have any; seq_mean_token_sum: sum over each trajectory's tokens, mean over those
+      trajectories; token_mean: mean over all policy tokens of the rows.
+    """
+    m = pol_valid.astype(jnp.float32)
+    per_traj = m.sum(axis=1, keepdims=True)
+    n_traj = jnp.maximum(jnp.sum(per_traj > 0), 1.0)
+    if how == "seq_mean_token_mean":
+        return m / jnp.maximum(per_traj, 1.0) / n_traj
+    if how == "seq_mean_token_sum":
+        return m / n_traj
+    return m / jnp.maximum(m.sum(), 1.0)
+
+
+# ---- the registry ----
+
+LossFn = Callable[[Mapping[str, Array], LossConfig, AlgoConfig], tuple[Array, dict[str, Array]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossTerm:
+    """A registered loss term: `fn` (see the module docstring), the arrays it reads, and the names
+    of the metrics it returns (the step accumulates exactly these)."""
+
+    name: str
+    fn: LossFn
+    inputs: tuple[str, ...]
+    metrics: tuple[str, ...]
+
+
+LOSS_TERMS: dict[str, LossTerm] = {}
+
+
+def register_loss_term(name: str, inputs: tuple[str, ...], metrics: tuple[str, ...]):
+    """Decorator: register `fn(x, loss_cfg, algo_cfg) -> (loss [B, N], {metric: [B, N]})`."""
+
+    def deco(fn: LossFn) -> LossFn:
+        if name in LOSS_TERMS:
+            raise ValueError(f"loss term {name!r} already registered")
+        LOSS_TERMS[name] = LossTerm(name, fn, tuple(inputs), tuple(metrics))
+        return fn
+
+    return deco
+
+
+def get_loss_term(name: str) -> LossTerm:
+    if name not in LOSS_TERMS:
+        raise KeyError(f"unknown loss term {name!r}; known: {sorted(LOSS_TERMS)}")
+    return LOSS_TERMS[name]
+
+
+@register_loss_term("clipped_surrogate", ("logprobs", "old_logprobs", "advantages"),
+                    ("pg_loss", "ratio", "clip_frac"))
+def _surrogate_term(x, cfg: LossConfig, algo: AlgoConfig):
+    return clipped_surrogate(x["logprobs"], x["old_logprobs"], x["advantages"], cfg)
+
+
+@register_loss_term("kl", ("logprobs", "ref_logprobs"), ("kl",))
+def _kl_term(x, cfg: LossConfig, algo: AlgoConfig):
+    kl = kl_penalty(x["logprobs"], x["ref_logprobs"], cfg.kl_estimator, cfg.kl_clip)
+    return cfg.kl_coef * kl, {"kl": kl}
+
+
+def term_losses(terms: tuple[LossTerm, ...], x: Mapping[str, Array], cfg: LossConfig,
+                algo: AlgoConfig) -> tuple[Array, dict[str, Array]]:
+    """Sum of the terms' per-token losses [B, N] and all their per-token metrics."""
+    total, metrics = None, {}
+    for term in terms:
+        loss, parts = term.fn({k: x[k] for k in term.inputs}, cfg, algo)
+        total = loss if total is None else total + loss
+        metrics.update(parts)
+    return total, metrics

@@ -1,0 +1,252 @@
+"""Methods: what a training method is made of, registered by name (docs/adding_an_algorithm.md).
+
+A method names one entry of each of the four pipeline interfaces:
+
+* a **rollout controller** (`register_rollout`): what is sampled; `fn(ctx, tasks, seed) ->
+  RolloutResult` with `len(tasks) * ctx.group_size` trajectories, siblings of task i in rows
+  i*G .. i*G+G-1;
+* **rewards** (`register_reward`): computed on the host from the rollout record, per trajectory,
+  `fn(trajectory, task, algo) -> value`; each fills one batch array (`output`), per trajectory
+  [B] or per turn [B, K];
+* an **advantage estimator** (turnsight_jax.rl.advantages.register_advantage);
+* **loss terms** (turnsight_jax.rl.losses.register_loss_term), summed inside the jitted step.
+
+`rl.method` selects a method; a method whose advantage wraps a base estimator (TurnSight) wraps
+the method `rl.base` names, taking its rewards and its advantage as the base. Every input is
+declared, so `resolve_method` can refuse a combination whose arrays nobody provides before
+anything compiles. The KL term is added when `loss.kl_coef > 0`, whatever the method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from turnsight_jax.chat.trajectory import Trajectory
+from turnsight_jax.chat.types import Task
+from turnsight_jax.errors import ConfigError
+from turnsight_jax.rewards import matchtir_turn_rewards
+from turnsight_jax.rl.advantages import Estimator, get_estimator
+from turnsight_jax.rl.config import AlgoConfig, StepConfig
+from turnsight_jax.rl.losses import LossTerm, get_loss_term
+from turnsight_jax.rollout.driver import ModelPolicy, RolloutConfig, RolloutResult, rollout
+from turnsight_jax.rollout.sampler import SamplingParams
+
+# Arrays every batch has, in the compact layout of turnsight_jax.rl.batch.
+CORE_ARRAYS = ("policy_mask", "turn_ids", "group_ids", "num_turns")
+# What a loss term may read besides the core arrays and the rewards' outputs.
+LOSS_ARRAYS = ("logprobs", "old_logprobs", "advantages", "ref_logprobs", "pol_valid")
+
+
+# ---- rollout controllers ----
+
+@dataclasses.dataclass(frozen=True)
+class RolloutContext:
+    """Everything a rollout controller needs: the current policy and the environment."""
+
+    graphdef: Any
+    params: Any
+    tokenizer: Any
+    env: Any
+    sampling: SamplingParams
+    config: RolloutConfig
+    group_size: int
+    prompts_per_chunk: int = 0  # 0: all prompts at once
+    cache_dtype: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutController:
+    name: str
+    fn: Callable[[RolloutContext, Sequence[Task], int], RolloutResult]
+
+
+ROLLOUTS: dict[str, RolloutController] = {}
+
+
+def register_rollout(name: str):
+    """Decorator: register `fn(ctx: RolloutContext, tasks, seed) -> RolloutResult`."""
+
+    def deco(fn):
+        if name in ROLLOUTS:
+            raise ValueError(f"rollout controller {name!r} already registered")
+        ROLLOUTS[name] = RolloutController(name, fn)
+        return fn
+
+    return deco
+
+
+@register_rollout("sampler")
+def sampler_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
+    """The default: G samples per prompt from the KV-cached sampler, `prompts_per_chunk` prompts
+    at a time (the KV cache holds one chunk's rows); the chunks' trajectories and stats joined."""
+    per = ctx.prompts_per_chunk or len(tasks)
+    trajs, stats = [], {}
+    for i in range(0, len(tasks), per):
+        kwargs = {} if ctx.cache_dtype is None else {"cache_dtype": ctx.cache_dtype}
+        policy = ModelPolicy(ctx.graphdef, ctx.params, ctx.tokenizer, sampling=ctx.sampling, config=ctx.config,
+                             seed=seed + i, **kwargs)
+        res = rollout(policy, ctx.env, tasks[i:i + per], tokenizer=ctx.tokenizer, group_size=ctx.group_size,
+                      config=ctx.config, seed=seed, group_offset=i)
+        trajs.extend(res.trajectories)
+        for k, v in res.stats.items():
+            stats[k] = stats.get(k, 0.0) + v if k != "compilations" else v
+    return RolloutResult(trajs, stats)
+
+
+# ---- rewards ----
+
+@dataclasses.dataclass(frozen=True)
+class Reward:
+    """A registered reward: fills batch array `output`, one value per trajectory (`per="trajectory"`,
+    a float) or per turn (`per="turn"`, [num_turns] floats; the batch pads to [B, K] with 0).
+    `needs`: Task fields that must be set (the batch refuses a task without them)."""
+
+    name: str
+    fn: Callable[[Trajectory, Task, AlgoConfig], Any]
+    output: str
+    per: str = "trajectory"
+    needs: tuple[str, ...] = ()
+
+
+REWARDS: dict[str, Reward] = {}
+
+
+def register_reward(name: str, output: str, *, per: str = "trajectory", needs: tuple[str, ...] = ()):
+    """Decorator: register `fn(trajectory, task, algo_cfg) -> float | [num_turns]` as reward `name`."""
+    if per not in ("trajectory", "turn"):
+        raise ValueError(f"reward {name!r}: per must be 'trajectory' or 'turn', got {per!r}")
+
+    def deco(fn):
+        if name in REWARDS:
+            raise ValueError(f"reward {name!r} already registered")
+        REWARDS[name] = Reward(name, fn, output, per, tuple(needs))
+        return fn
+
+    return deco
+
+
+@register_reward("outcome", "rewards")
+def outcome_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> float:
+    """The environment's own score of the episode (FTRL/built-in: Solve-F1; ToolHop: answer match)."""
+    return float(traj.reward)
+
+
+@register_reward("matchtir_turns", "turn_rewards", per="turn", needs=("gold_calls",))
+def matchtir_turn_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> np.ndarray:
+    """MatchTIR turn rewards (docs/spec.md §1): each tool turn's calls matched to the gold calls,
+    the answer turn scored by token F1 against the gold answer."""
+    answer = traj.turns[-1].answer if traj.turns else None
+    return matchtir_turn_rewards([t.calls for t in traj.turns], task.gold_calls, answer, task.answer,
+                                 method=algo.matchtir_matching)
+
+
+# ---- methods ----
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """A training method: names of a rollout controller, rewards, an advantage and loss terms."""
+
+    name: str
+    advantage: str
+    rewards: tuple[str, ...] = ("outcome",)
+    loss_terms: tuple[str, ...] = ("clipped_surrogate",)
+    rollout: str = "sampler"
+    description: str = ""
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register_method(method: Method) -> Method:
+    if method.name in METHODS:
+        raise ValueError(f"method {method.name!r} already registered")
+    METHODS[method.name] = method
+    return method
+
+
+register_method(Method("grpo", advantage="grpo", description="outcome reward, group-normalised"))
+register_method(Method("matchtir", advantage="matchtir", rewards=("outcome", "matchtir_turns"),
+                       description="turn rewards from matched gold calls, dual-level advantage"))
+register_method(Method("turnsight", advantage="turnsight", rewards=(),
+                       description="turn-level hindsight weighting of the base method's advantage"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedMethod:
+    """A method with every name looked up: what the trainer and the step run."""
+
+    name: str
+    rollout: RolloutController
+    rewards: tuple[Reward, ...]
+    advantage: Estimator
+    base: Estimator | None
+    loss_terms: tuple[LossTerm, ...]
+
+    @property
+    def needs_views(self) -> bool:
+        return self.advantage.needs_views or bool(self.base and self.base.needs_views)
+
+    @property
+    def needs_ref(self) -> bool:
+        return any("ref_logprobs" in t.inputs for t in self.loss_terms)
+
+    def describe(self) -> str:
+        adv = self.advantage.name + (f"({self.base.name})" if self.base else "")
+        return (f"method {self.name}: rollout {self.rollout.name}, rewards [{', '.join(r.name for r in self.rewards)}], "
+                f"advantage {adv}, loss [{', '.join(t.name for t in self.loss_terms)}]")
+
+
+def resolve_method(cfg: StepConfig) -> ResolvedMethod:
+    """Look up `cfg.algo.method` (and its base); ConfigError naming what is unknown or unprovided."""
+    algo = cfg.algo
+
+    def method(name: str, key: str) -> Method:
+        if name not in METHODS:
+            raise ConfigError(f"unknown {key} {name!r}; registered methods: {sorted(METHODS)}")
+        return METHODS[name]
+
+    def lookup(table: Callable[[str], Any], name: str, what: str, owner: str):
+        try:
+            return table(name)
+        except KeyError as e:
+            raise ConfigError(f"method {owner!r}: {e.args[0]}") from None
+
+    m = method(algo.method, "rl.method")
+    advantage = lookup(get_estimator, m.advantage, "advantage", m.name)
+    base, reward_names, rollout_name = None, list(m.rewards), m.rollout
+    if advantage.wraps_base:
+        bm = method(algo.base, "rl.base")
+        base = lookup(get_estimator, bm.advantage, "advantage", bm.name)
+        if base.wraps_base:
+            raise ConfigError(f"rl.base={algo.base!r} itself wraps a base method; choose grpo, matchtir or a "
+                              f"method with its own advantage")
+        reward_names = list(dict.fromkeys([*bm.rewards, *m.rewards]))
+        if rollout_name == "sampler":
+            rollout_name = bm.rollout
+    for name in reward_names:
+        if name not in REWARDS:
+            raise ConfigError(f"method {m.name!r}: unknown reward {name!r}; registered: {sorted(REWARDS)}")
+    if rollout_name not in ROLLOUTS:
+        raise ConfigError(f"method {m.name!r}: unknown rollout controller {rollout_name!r}; registered: {sorted(ROLLOUTS)}")
+    terms = [lookup(get_loss_term, t, "loss term", m.name) for t in m.loss_terms]
+    if cfg.loss.kl_coef > 0 and all(t.name != "kl" for t in terms):
+        terms.append(get_loss_term("kl"))
+    rewards = tuple(REWARDS[n] for n in reward_names)
+    outputs = [r.output for r in rewards]
+    dup = sorted({o for o in outputs if outputs.count(o) > 1})
+    if dup:
+        raise ConfigError(f"method {m.name!r}: several rewards fill {dup}")
+    provided = set(CORE_ARRAYS) | set(outputs) | {"delta", "base_advantages"}
+    for est in (advantage, base):
+        missing = [k for k in (est.inputs if est else ()) if k not in provided]
+        if missing:
+            raise ConfigError(f"method {m.name!r}: advantage {est.name!r} reads {missing}, which no reward of "
+                              f"[{', '.join(reward_names)}] fills")
+    for term in terms:
+        missing = [k for k in term.inputs if k not in provided | set(LOSS_ARRAYS)]
+        if missing:
+            raise ConfigError(f"method {m.name!r}: loss term {term.name!r} reads {missing}, which nothing fills")
+    return ResolvedMethod(m.name, ROLLOUTS[rollout_name], rewards, advantage, base, tuple(terms))

@@ -1,0 +1,216 @@
+"""The fused train step: teacher views, advantages and the update in one jit.
+
+One call of the compiled step, for a rollout batch of B trajectories (B / G prompt groups):
+
+1. frozen teacher on the packed hindsight views (micro-batched, no gradient) -> teacher log-probs
+   of every policy token under each depth [D, B, N], when the method's advantage reads "delta";
+   the reference log-probs on the original context come from the same packed forward when a
+   loss term reads "ref_logprobs";
+2. δ = teacher − student, where the student log-probs are the rollout's own (the sampler's
+   log-probs equal a teacher-forced forward of the rollout parameters, tests/test_sampler.py) ->
+   the method's advantage (`rl.advantages.make_advantage_fn`) on the whole batch, so group
+   statistics see all siblings;
+3. for each PPO epoch and mini-batch: gradients of the method's loss terms (rl.losses) accumulated
+   over micro-batches (normalised by the *mini-batch* token/trajectory counts, so accumulation
+   equals one full pass exactly), global-norm clipping and an optax AdamW update.
+
+All arrays are in the compact policy-position layout of turnsight_jax.rl.batch: [B, N] per policy
+token. Rows of a micro-batch are strided (rows m, m+M, ...), so each micro-batch spreads over all
+data shards.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from turnsight_jax.models.qwen3 import Qwen3
+from turnsight_jax.rl.advantages import make_advantage_fn
+from turnsight_jax.rl.batch import TrainBatch, row_axis
+from turnsight_jax.rl.config import OptimConfig, StepConfig
+from turnsight_jax.rl.logprobs import student_logprobs, teacher_logprobs
+from turnsight_jax.rl.losses import aggregation_weights, term_losses
+from turnsight_jax.rl.methods import ResolvedMethod, resolve_method
+
+# TurnSight diagnostics the step reports (under turnsight/ in the run's metrics).
+TURNSIGHT_METRICS = ("agreement_rate", "depth_histogram", "weight_mean", "weight_min", "weight_max",
+                     "frac_turns_amplified", "frac_turns_damped", "delta_mean")
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    """Global-norm clipping then AdamW, after a linear warm-up; constant or cosine schedule."""
+    if cfg.schedule == "cosine":
+        lr = optax.warmup_cosine_decay_schedule(
+            0.0, cfg.lr, max(cfg.warmup_steps, 0), max(cfg.total_steps, cfg.warmup_steps + 1), cfg.lr * cfg.min_lr_ratio
+        )
+    elif cfg.warmup_steps > 0:
+        lr = optax.join_schedules(
+            [optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps), optax.constant_schedule(cfg.lr)],
+            [cfg.warmup_steps],
+        )
+    else:
+        lr = optax.constant_schedule(cfg.lr)
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.max_grad_norm),
+        optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+    )
+
+
+def advantage_knobs(cfg: StepConfig, batch_size: int) -> dict:
+    """The KNOBS of rl.advantages for this config and batch."""
+    a = cfg.algo
+    return {"eps": a.eps, "gamma": a.gamma, "num_groups": batch_size // cfg.group_size, "max_turns": cfg.max_turns,
+            "lam": a.lam, "eps_w": a.eps_w, "selection": a.selection, "aggregation": a.aggregation,
+            "group_norm": a.group_norm, "turns": a.turns}
+
+
+def advantage_inputs(batch: TrainBatch, teacher_lp) -> dict:
+    """The arrays an estimator may read (rl.advantages.Estimator.inputs)."""
+    arrays = {"group_ids": batch.group_ids, "policy_mask": batch.pol_valid, "turn_ids": batch.turn_ids,
+              "num_turns": batch.num_turns, **batch.signals}
+    if teacher_lp is not None:
+        arrays["delta"] = teacher_lp - batch.old_logprobs[None]
+    return arrays
+
+
+def compute_advantages(batch: TrainBatch, teacher_lp, cfg: StepConfig, method: ResolvedMethod):
+    """Advantages [B, N] of the method over the whole batch, and diagnostics."""
+    fn = make_advantage_fn(method.advantage.name, base=method.base.name if method.base else None,
+                           knobs=advantage_knobs(cfg, batch.pol_valid.shape[0]))
+    out = fn(advantage_inputs(batch, teacher_lp))
+    diag = {k: out[k] for k in TURNSIGHT_METRICS if k in out}
+    if teacher_lp is not None:
+        mask = batch.pol_valid
+        n = jnp.maximum(mask.sum(), 1)
+        diag["delta_mean"] = jnp.sum(jnp.where(mask[None], teacher_lp - batch.old_logprobs[None], 0.0),
+                                     axis=(1, 2)) / n  # per depth
+    return out["advantages"], diag
+
+
+# ---- strided micro-batches ----
+
+def _split(x, m: int, axis: int = 0):
+    """[.., B, ..] -> [m, .., B/m, ..]: micro-batch i holds rows i, i+m, i+2m, ..."""
+    x = jnp.moveaxis(x, axis, 0)
+    b = x.shape[0]
+    x = x.reshape(b // m, m, *x.shape[1:]).swapaxes(0, 1)
+    return jnp.moveaxis(x, 1, axis + 1)
+
+
+def _merge(x, axis: int = 0):
+    """Inverse of _split: [m, .., B/m, ..] -> [.., B, ..]."""
+    x = jnp.moveaxis(x, axis + 1, 1)  # [m, B/m, ...]
+    m, r = x.shape[:2]
+    x = x.swapaxes(0, 1).reshape(m * r, *x.shape[2:])
+    return jnp.moveaxis(x, 0, axis)
+
+
+def split_batch(batch, m: int):
+    """Strided micro-batches of a TrainBatch (views included), stacked on a new leading axis."""
+    def f(path, x):
+        return None if x is None else _split(x, m, axis=row_axis(path))
+
+    return jax.tree_util.tree_map_with_path(f, batch)
+
+
+def teacher_and_ref_logprobs(ref_model: Qwen3, batch: TrainBatch, cfg: StepConfig, method: ResolvedMethod):
+    """(teacher log-probs [D, B, N] or None, reference log-probs [B, N] or None), no gradient.
+
+    With views, one packed forward gives both: the views carry a reference row when a loss term
+    reads the reference (rl.batch.make_train_batch)."""
+    temp, chunk, m = cfg.loss.temperature, cfg.logprob_chunk, cfg.teacher_micro_batches
+    if method.needs_views:
+        def one(v):
+            return teacher_logprobs(ref_model, v, chunk=chunk, temperature=temp)
+
+        out = one(batch.views) if m == 1 else _merge(jax.lax.map(one, split_batch(batch.views, m)), axis=1)
+        depths = len(cfg.algo.depths)
+        return out[:depths], (out[depths] if method.needs_ref else None)
+    if method.needs_ref:
+        def one_ref(args):
+            tok, valid, pos = args
+            return student_logprobs(ref_model, tok, valid, pos, chunk=chunk, temperature=temp)
+
+        args = (batch.tokens, batch.valid, batch.pol_pos)
+        ref = one_ref(args) if m == 1 else _merge(jax.lax.map(one_ref, tuple(_split(a, m) for a in args)))
+        return None, jax.lax.stop_gradient(ref)
+    return None, None
+
+
+def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransformation,
+                    method: ResolvedMethod | None = None):
+    """Returns step(params, opt_state, ref_params, batch) -> (params, opt_state, metrics), jitted
+    with params and opt_state donated. `params`/`ref_params` are nnx.State of the policy and the
+    frozen reference (same graphdef). `method` defaults to resolve_method(cfg)."""
+    method = method or resolve_method(cfg)
+    terms = method.loss_terms
+    metric_names = tuple(dict.fromkeys(k for t in terms for k in t.metrics))
+
+    def loss_fn(params, mb: TrainBatch, adv, ref_lp, weights):
+        model = nnx.merge(graphdef, params)
+        lp = student_logprobs(model, mb.tokens, mb.valid, mb.pol_pos, chunk=cfg.logprob_chunk,
+                              temperature=cfg.loss.temperature)
+        x = {"logprobs": lp, "old_logprobs": mb.old_logprobs, "advantages": adv, "ref_logprobs": ref_lp,
+             "pol_valid": mb.pol_valid, "turn_ids": mb.turn_ids, "policy_mask": mb.pol_valid,
+             "group_ids": mb.group_ids, "num_turns": mb.num_turns, **mb.signals}
+        loss_tok, parts = term_losses(terms, x, cfg.loss, cfg.algo)
+        loss = jnp.sum(loss_tok * weights)
+        sums = {k: jnp.sum(parts[k] * weights) for k in metric_names}
+        return loss, sums
+
+    grad_fn = jax.grad(loss_fn, has_aux=True)
+
+    def minibatch_update(params, opt_state, mb: TrainBatch, adv, ref_lp):
+        """Accumulate gradients over strided micro-batches, then one optimizer update."""
+        m = cfg.micro_batches
+        weights = aggregation_weights(mb.pol_valid, cfg.loss.aggregation)
+        if m == 1:
+            grads, sums = grad_fn(params, mb, adv, ref_lp, weights)
+        else:
+            xs = (split_batch(mb, m), _split(adv, m), None if ref_lp is None else _split(ref_lp, m), _split(weights, m))
+
+            def acc(carry, x):
+                g_acc, s_acc = carry
+                mb_i, adv_i, ref_i, w_i = x
+                g, s = grad_fn(params, mb_i, adv_i, ref_i, w_i)
+                return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, s_acc, s)), None
+
+            zeros_g = jax.tree.map(jnp.zeros_like, params)
+            zeros_s = {k: jnp.zeros((), jnp.float32) for k in metric_names}
+            (grads, sums), _ = jax.lax.scan(acc, (zeros_g, zeros_s), xs)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        sums["grad_norm"] = optax.tree.norm(grads)
+        return params, opt_state, sums
+
+    def step(params, opt_state, ref_params, batch: TrainBatch):
+        ref_model = nnx.merge(graphdef, ref_params)
+        teacher_lp, ref_lp = teacher_and_ref_logprobs(ref_model, batch, cfg, method)
+        adv, diag = compute_advantages(batch, teacher_lp, cfg, method)
+        adv = jax.lax.stop_gradient(adv)
+        nm = cfg.mini_batches
+        if nm == 1:
+            minis = [(batch, adv, ref_lp)]
+        else:
+            sb = split_batch(batch, nm)
+            sa = _split(adv, nm)
+            sr = None if ref_lp is None else _split(ref_lp, nm)
+            minis = [(jax.tree.map(lambda x: x[i], sb), sa[i], None if sr is None else sr[i]) for i in range(nm)]
+        logs = []
+        for _ in range(cfg.ppo_epochs):
+            for mb, a, r in minis:
+                params, opt_state, sums = minibatch_update(params, opt_state, mb, a, r)
+                logs.append(sums)
+        metrics = {k: jnp.mean(jnp.stack([log[k] for log in logs])) for k in logs[0]}
+        valid = batch.pol_valid
+        n = jnp.maximum(valid.sum(), 1)
+        metrics["adv_mean"] = jnp.sum(jnp.where(valid, adv, 0.0)) / n
+        metrics["adv_abs_mean"] = jnp.sum(jnp.where(valid, jnp.abs(adv), 0.0)) / n
+        if "rewards" in batch.signals:
+            metrics["reward_mean"] = jnp.mean(batch.signals["rewards"])
+        metrics.update(diag)
+        return params, opt_state, metrics
+
+    return jax.jit(step, donate_argnums=(0, 1))

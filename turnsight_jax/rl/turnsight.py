@@ -1,0 +1,286 @@
+"""TurnSight: turn-level hindsight weighting of a base advantage (docs/spec.md §1 steps 4-8).
+
+Pure `jax.numpy`, jit- and vmap-able; shapes as in turnsight_jax.rl.advantages:
+delta [D, B, T] (teacher minus student log-prob per hindsight depth), policy_mask / turn_ids [B, T],
+group_ids [B], base advantages [B, T].
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from turnsight_jax.rl.groups import group_gather, pooled_group_stats
+
+Array = jax.Array
+
+_SELECT_VOTE, _SELECT_MEAN, _SELECT_FIXED = 0, 1, 2
+_COVER_ALL, _COVER_FIRST, _COVER_LAST = 0, 1, 2
+
+
+def parse_turns(turns: str) -> tuple[int, int]:
+    """"all" | "first:N" | "last:N" (N ≥ 1) → (coverage code, N)."""
+    if turns == "all":
+        return _COVER_ALL, 0
+    kind, _, num = turns.partition(":")
+    if kind in ("first", "last") and num.isdigit() and int(num) >= 1:
+        return (_COVER_FIRST if kind == "first" else _COVER_LAST), int(num)
+    raise ValueError(f"turns must be 'all', 'first:N' or 'last:N' with N >= 1, got {turns!r}")
+
+
+def _parse_selection(selection: Any, num_depths: int) -> tuple[int, int]:
+    """"vote" | "mean" | int depth index in [0, D) → (selection code, depth index)."""
+    if selection == "vote":
+        return _SELECT_VOTE, 0
+    if selection == "mean":
+        return _SELECT_MEAN, 0
+    if (isinstance(selection, (int, np.integer)) and not isinstance(selection, (bool, np.bool_))
+            and 0 <= selection < num_depths):
+        return _SELECT_FIXED, int(selection)
+    raise ValueError(
+        f"selection must be 'vote', 'mean' or a depth index in [0, {num_depths}), got {selection!r}"
+    )
+
+
+def _select_depth(x: Array, sel_code: Array, fixed_depth: Array) -> tuple[Array, Array, Array]:
+    """Direction-consistent depth selection over axis 0.
+
+    x [D, N] f32, sel_code / fixed_depth int32 scalars → (x_star [N] f32, d_star [N] int32,
+    agree [N] bool).
+    vote: s = +1 if x ≥ 0 else −1; v = majority of s; on a tie (even D only) v = the sign of the
+      depth sum (Σ_d x ≥ 0 → +1), so with D = 2 and opposite signs the larger-magnitude depth wins
+      (and an exact magnitude tie goes to the non-negative one); d* = argmax_{d: s_d = v} |x_d|,
+      equal magnitudes resolved to the lowest depth index. {d: s_d = v} is never empty: a tie
+      with Σ x ≥ 0 has some x_d ≥ 0, and with Σ x < 0 some x_d < 0.
+    mean (fusion): x_star = mean over depths; d_star = −1.
+    fixed: x_star = x[fixed_depth]; d_star = fixed_depth.
+    agree: all depths share one sign (for every mode, as a diagnostic).
+    The three candidates are cheap next to the segment sums, so all are computed and one is picked
+    with `where`: a Python-constant code folds away under an outer jit, and sweeping the selection
+    ablation does not recompile.
+    """
+    s = jnp.where(x >= 0, 1, -1).astype(jnp.int32)
+    agree = jnp.all(s == s[:1], axis=0)
+    votes = jnp.sum(s, axis=0)
+    tie_sign = jnp.where(jnp.sum(x, axis=0) >= 0, 1, -1)
+    v = jnp.where(votes > 0, 1, jnp.where(votes < 0, -1, tie_sign))
+    score = jnp.where(s == v[None], jnp.abs(x), -jnp.inf)
+    d_vote = jnp.argmax(score, axis=0).astype(jnp.int32)  # argmax returns the first maximum
+    x_vote = jnp.take_along_axis(x, d_vote[None], axis=0)[0]
+    x_fixed = jnp.take(x, fixed_depth, axis=0)
+    x_star = jnp.where(
+        sel_code == _SELECT_VOTE, x_vote, jnp.where(sel_code == _SELECT_MEAN, jnp.mean(x, axis=0), x_fixed)
+    )
+    d_star = jnp.where(
+        sel_code == _SELECT_VOTE, d_vote, jnp.where(sel_code == _SELECT_MEAN, -1, fixed_depth)
+    ).astype(jnp.int32)
+    return x_star, d_star, agree
+
+
+def turnsight_advantages(
+    delta: Array,
+    policy_mask: Array,
+    turn_ids: Array,
+    group_ids: Array,
+    base_adv: Array,
+    *,
+    lam: float = 0.5,
+    eps_w: float = 0.5,
+    eps: float = 1e-6,
+    selection: str | int = "vote",
+    aggregation: str = "turn",
+    group_norm: bool = True,
+    turns: str = "all",
+    num_groups: int | None = None,
+    max_turns: int | None = None,
+) -> dict[str, Array]:
+    """TurnSight mixed advantages Ã = A^base · ((1−λ) + λ·w) (SPEC §1 steps 4–8).
+
+    Inputs: delta [D, B, T] float (upcast to float32), policy_mask [B, T] bool, turn_ids [B, T]
+    int32 (−1 off policy), group_ids [B] int32, base_adv [B, T] float. delta and base_adv are
+    wrapped in stop_gradient: advantages are constants of the surrogate (SPEC §1.3).
+    Modes (`selection`, `aggregation`, `group_norm`, `turns`, `num_groups`, `max_turns`) are
+    Python values, validated here; `lam`, `eps_w`, `eps` may be traced. Jit- and vmap-able.
+
+    A policy token is *assigned* when 0 ≤ turn_id < max_turns. Assigned tokens form the
+    (trajectory, turn) segments; unassigned policy tokens (an inconsistent batch) pass through
+    with w = 1, Ã = A^base, and are counted in `num_unassigned_policy_tokens`. Values of delta,
+    turn_ids and base_adv at non-policy positions are ignored entirely (even NaN/inf).
+
+    Steps:
+      aggregation="turn": δ̄^{(d)} = mean of δ^{(d)} over the turn's policy tokens (segment sums).
+      aggregation="token" (w/o-aggregation ablation): every assigned token is its own unit, δ̄ = δ.
+      selection per unit: "vote" (SPEC §1.5; tie rule in `_select_depth`: an even split goes to
+        the sign of the depth sum, ≥ 0 → +1), "mean" (fusion: depth average; d* = −1), or an int
+        depth index i (δ̄* = δ̄^{(i)}, d* = i).
+      group_norm=True: μ_g, σ_g = mean and population std (ddof=0) of δ̄* over every assigned
+        policy token of group g (token-weighted: a turn counts once per token), δ̂ = (δ̄*−μ)/(σ+eps).
+        A group whose δ̄* are all equal gives δ̂ = 0 exactly (shifted accumulation); values equal
+        only up to float32 round-off leave σ ~ 1e-7·|δ̄*|, which eps = 1e-6 need not absorb.
+        group_norm=False: δ̂ = δ̄*.
+      w = 1 + eps_w·tanh(sign(A^base)·δ̂); sign(A^base) = 0 gives w = 1 (tanh 0).
+      turns: "all" | "first:N" (turn id < N) | "last:N" (turn id ≥ n_i − N, n_i = 1 + the largest
+        turn id among trajectory i's assigned policy tokens). Tokens of turns outside get w = 1.
+        Coverage only masks the weight: selection and group statistics still use all turns.
+      Ã = A^base + A^base·λ·(w − 1), algebraically A^base·((1−λ) + λ·w) but exact when λ = 0 or
+        w = 1. With 0 ≤ λ ≤ 1 and eps_w < 1 the factor is > 0, so sign(Ã) = sign(A^base) (for
+        normal floats: XLA flushes float32 subnormals to zero on CPU and GPU).
+      Off policy tokens: advantages 0, weights 1, selected_depth −1, delta_bar = delta_hat = 0.
+
+    max_turns bounds turn ids and sizes the B·max_turns segment sums. None uses T (a turn has ≥ 1
+    token), which is always safe but makes the [B·T, D] segment buffers as large as delta itself
+    instead of [B·K, D]; pass the rollout's max turns when known.
+
+    Returns a dict:
+      advantages [B, T] f32 (Ã); weights [B, T] f32 (w); selected_depth [B, T] int32 (d*, −1 off
+      policy / unassigned / selection="mean"); delta_bar [B, T] (δ̄* per token); delta_hat [B, T]
+      (δ̂ per token); group_mean, group_std [G] (μ_g, σ_g of δ̄*; 0 for empty groups, reported even
+      when group_norm=False); diagnostics (scalars unless noted):
+        agreement_rate: fraction of selection units where all D depths share one sign — units are
+          non-empty turns for aggregation="turn" and assigned policy tokens for "token".
+        depth_histogram [D] int32: count of selection units per selected depth (zeros for "mean").
+        num_units: the denominator of the two above.
+        weight_mean / weight_min / weight_max over all policy tokens (1 if there are none).
+        frac_turns_amplified / frac_turns_damped: fraction of non-empty turns whose token-mean
+          weight is > 1 / < 1 (0 if there are no turns).
+        num_unassigned_policy_tokens: policy tokens whose turn id is outside [0, max_turns).
+    """
+    chex.assert_rank([delta, policy_mask, turn_ids, group_ids, base_adv], [3, 2, 2, 1, 2])
+    num_depths, b, t = delta.shape
+    chex.assert_shape(
+        [policy_mask, turn_ids, group_ids, base_adv], [(b, t), (b, t), (b,), (b, t)]
+    )
+    chex.assert_type([delta, policy_mask, turn_ids, group_ids, base_adv], [float, bool, int, int, float])
+    sel_code, fixed_depth = _parse_selection(selection, num_depths)
+    if aggregation not in ("turn", "token"):
+        raise ValueError(f"aggregation must be 'turn' or 'token', got {aggregation!r}")
+    if not isinstance(group_norm, (bool, np.bool_)):
+        raise ValueError(f"group_norm must be a bool, got {group_norm!r}")
+    cover_code, cover_n = parse_turns(turns)
+    max_turns = t if max_turns is None else int(max_turns)
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    num_groups = b if num_groups is None else int(num_groups)
+    # Only `aggregation` and the segment sizes change the program's structure; the other modes
+    # travel as int32 scalars so an ablation sweep reuses one executable (under an outer jit they
+    # are constants and fold away).
+    modes = np.asarray([sel_code, fixed_depth, int(group_norm), cover_code, cover_n], np.int32)
+    return _turnsight_impl(
+        delta, policy_mask, turn_ids, group_ids, base_adv, modes, lam, eps_w, eps,
+        aggregation=aggregation, num_groups=num_groups, max_turns=max_turns,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("aggregation", "num_groups", "max_turns"))
+def _turnsight_impl(
+    delta, policy_mask, turn_ids, group_ids, base_adv, modes, lam, eps_w, eps,
+    *, aggregation: str, num_groups: int, max_turns: int,
+) -> dict[str, Array]:
+    """Body of `turnsight_advantages`; modes = [sel_code, fixed_depth, group_norm, cover_code, N]."""
+    sel_code, fixed_depth, group_norm, cover_code, cover_n = (modes[i] for i in range(5))
+    num_depths, b, t = delta.shape
+    k = max_turns
+
+    # Sanitise first: nothing outside the assigned policy tokens may reach any arithmetic (0·NaN
+    # is NaN), so non-policy garbage provably changes nothing.
+    assigned = policy_mask & (turn_ids >= 0) & (turn_ids < k)  # [B, T]
+    delta = jax.lax.stop_gradient(jnp.asarray(delta, jnp.float32))
+    delta = jnp.where(assigned[None], delta, 0.0)  # [D, B, T]
+    base = jax.lax.stop_gradient(jnp.where(policy_mask, jnp.asarray(base_adv, jnp.float32), 0.0))
+    tid = jnp.where(assigned, turn_ids, 0)
+
+    # (trajectory, turn) segment ids; unassigned tokens go to a trash segment n_seg.
+    n_seg = b * k
+    seg = jnp.where(assigned, jnp.arange(b, dtype=jnp.int32)[:, None] * k + tid, n_seg)  # [B, T]
+    seg_flat = seg.reshape(-1)
+    tok_count = jax.ops.segment_sum(
+        assigned.reshape(-1).astype(jnp.float32), seg_flat, num_segments=n_seg + 1
+    )[:n_seg]  # [B·K]
+    nonempty = tok_count > 0
+
+    if aggregation == "turn":
+        # Sum δ and a per-depth token count in one scatter. The count is carried as D columns
+        # rather than broadcast from tok_count because XLA rewrites x / broadcast(n) into
+        # x * broadcast(1/n), which is not exact: a constant turn would get a mean 1 ulp off its
+        # value, and a constant group a spurious σ ~ 1e-8 that eps does not fully absorb.
+        flat = delta.reshape(num_depths, -1).T  # [B·T, D]
+        ones = jnp.broadcast_to(assigned.reshape(-1, 1), flat.shape).astype(jnp.float32)
+        acc = jax.ops.segment_sum(
+            jnp.concatenate([flat, ones], axis=1), seg_flat, num_segments=n_seg + 1
+        )[:n_seg]  # [B·K, 2D]
+        turn_mean = acc[:, :num_depths] / jnp.maximum(acc[:, num_depths:], 1.0)  # [B·K, D]
+        x_star_u, d_star_u, agree_u = _select_depth(turn_mean.T, sel_code, fixed_depth)  # [B·K]
+        unit_mask = nonempty
+        # Gather turn values back to tokens; the trash segment reads (0, −1).
+        x_star = jnp.concatenate([x_star_u, jnp.zeros((1,), jnp.float32)])[seg]
+        d_star = jnp.concatenate([d_star_u, jnp.full((1,), -1, jnp.int32)])[seg]
+    else:
+        x_star_u, d_star_u, agree_u = _select_depth(
+            delta.reshape(num_depths, -1), sel_code, fixed_depth
+        )  # [B·T]
+        unit_mask = assigned.reshape(-1)
+        x_star = x_star_u.reshape(b, t)
+        d_star = d_star_u.reshape(b, t)
+    x_star = jnp.where(assigned, x_star, 0.0)
+    d_star = jnp.where(assigned, d_star, -1)
+
+    # Token-weighted group statistics of δ̄* (population std).
+    count_g, mean_g, dev = pooled_group_stats(x_star, assigned, group_ids, num_groups)
+    var_g = jax.ops.segment_sum(jnp.sum(dev * dev, axis=1), group_ids, num_segments=num_groups)
+    std_g = jnp.sqrt(var_g / jnp.maximum(count_g, 1.0))
+    std_b = group_gather(std_g, group_ids, num_groups)[:, None]
+    # dev is 0 for ungrouped trajectories, so their normalised δ̂ is 0 (w = 1).
+    d_hat = jnp.where(group_norm == 1, jnp.where(assigned, dev / (std_b + eps), 0.0), x_star)
+
+    n_turns = jnp.max(jnp.where(assigned, turn_ids, -1), axis=1, keepdims=True) + 1  # [B, 1]
+    in_window = jnp.where(
+        cover_code == _COVER_FIRST,
+        turn_ids < cover_n,
+        jnp.where(cover_code == _COVER_LAST, turn_ids >= n_turns - cover_n, True),
+    )
+    covered = assigned & in_window
+
+    w = jnp.where(covered, 1.0 + eps_w * jnp.tanh(jnp.sign(base) * d_hat), 1.0)
+    adv = jnp.where(policy_mask, base + base * (lam * (w - 1.0)), 0.0)
+
+    # ---- diagnostics ----
+    n_units = jnp.sum(unit_mask)
+    agreement = jnp.sum(agree_u & unit_mask) / jnp.maximum(n_units, 1)
+    hist = jnp.sum(
+        (d_star_u[None, :] == jnp.arange(num_depths, dtype=jnp.int32)[:, None]) & unit_mask[None, :],
+        axis=1,
+    ).astype(jnp.int32)
+    n_pol = jnp.sum(policy_mask)
+    has_pol = n_pol > 0
+    w_mean = jnp.where(has_pol, jnp.sum(jnp.where(policy_mask, w, 0.0)) / jnp.maximum(n_pol, 1), 1.0)
+    w_min = jnp.where(has_pol, jnp.min(jnp.where(policy_mask, w, jnp.inf)), 1.0)
+    w_max = jnp.where(has_pol, jnp.max(jnp.where(policy_mask, w, -jnp.inf)), 1.0)
+    turn_w = jax.ops.segment_sum(
+        jnp.where(assigned, w, 0.0).reshape(-1), seg_flat, num_segments=n_seg + 1
+    )[:n_seg] / jnp.maximum(tok_count, 1.0)
+    n_turns_total = jnp.maximum(jnp.sum(nonempty), 1)
+    return {
+        "advantages": adv,
+        "weights": w,
+        "selected_depth": d_star,
+        "delta_bar": x_star,
+        "delta_hat": d_hat,
+        "group_mean": mean_g,
+        "group_std": std_g,
+        "agreement_rate": agreement,
+        "depth_histogram": hist,
+        "num_units": n_units.astype(jnp.int32),
+        "weight_mean": w_mean,
+        "weight_min": w_min,
+        "weight_max": w_max,
+        "frac_turns_amplified": jnp.sum(nonempty & (turn_w > 1.0)) / n_turns_total,
+        "frac_turns_damped": jnp.sum(nonempty & (turn_w < 1.0)) / n_turns_total,
+        "num_unassigned_policy_tokens": jnp.sum(policy_mask & ~assigned).astype(jnp.int32),
+    }
+
+

@@ -1,0 +1,107 @@
+"""Run output: one-line log messages, the metrics log (JSONL + TensorBoard), progress lines, and
+the measured matmul peak that CPU MFU figures divide by. Only process 0 writes."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def log(msg: str) -> None:
+    if jax.process_index() == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+class MetricsLog:
+    """JSONL (and optionally TensorBoard) metrics, written by process 0 only."""
+
+    def __init__(self, workdir: pathlib.Path, *, tensorboard: bool, resume_step: int | None):
+        self.path = workdir / "metrics.jsonl"
+        self.enabled = jax.process_index() == 0
+        self.tb = None
+        if not self.enabled:
+            return
+        workdir.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            # Resuming: drop records of steps after the restored checkpoint (they will be redone).
+            keep = []
+            for line in self.path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by a kill
+                if resume_step is not None and rec.get("step", 0) <= resume_step:
+                    keep.append(line)
+            self.path.write_text("".join(l + "\n" for l in keep))
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+
+                self.tb = SummaryWriter(str(workdir / "tensorboard"))
+            except ImportError:
+                log("tensorboardX not installed: TensorBoard logging off")
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        rec = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.tb is not None:
+            for k, v in rec.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+    def close(self):
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _jsonable(v):
+    if isinstance(v, (jax.Array, np.ndarray)):
+        v = np.asarray(v)
+        return v.tolist() if v.ndim else float(v)
+    if isinstance(v, (np.floating, np.integer)):
+        return v.item()
+    return v
+
+
+class Progress:
+    """One line per step on stderr: position, key numbers, speed and ETA."""
+
+    def __init__(self, total: int, start: int, enabled: bool = True):
+        self.total, self.start, self.enabled = total, start, enabled and jax.process_index() == 0
+        self.t0 = time.perf_counter()
+
+    def update(self, step: int, fields: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        done = step + 1 - self.start
+        rate = (time.perf_counter() - self.t0) / max(done, 1)
+        eta = rate * (self.total - step - 1)
+        bar_w = 20
+        filled = int(bar_w * (step + 1) / max(self.total, 1))
+        parts = " | ".join(f"{k} {v:.3g}" for k, v in fields.items())
+        print(f"[{'#' * filled}{'.' * (bar_w - filled)}] step {step + 1}/{self.total} | {parts} | "
+              f"{rate:.1f} s/step | ETA {int(eta // 60)}m{int(eta % 60):02d}s", file=sys.stderr, flush=True)
+
+
+def matmul_peak_flops(seconds: float = 0.5) -> float:
+    """Measured float32 matmul throughput of device 0 (FLOP/s): the MFU denominator on CPU."""
+    n = 1024
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        f(a).block_until_ready()
+        reps += 1
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
