@@ -1,7 +1,8 @@
 """Shared test fixtures.
 
-Tests that read `../shared/fixtures` (the Qwen3 tokenizer, FTRL sample rows) skip cleanly when
-that folder is absent, as it is in a user's fresh clone.
+The Qwen3 tokenizer comes from the package (`turnsight_jax.assets`), so a fresh clone runs the
+whole suite; only tests of data that lives solely in `../shared/fixtures` (the FTRL sample rows,
+and the check that the bundled tokenizer equals the fixture's) skip cleanly when it is absent.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ def shared_path(*parts: str) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def qwen3_tokenizer_dir() -> pathlib.Path:
-    return shared_path("qwen3-tokenizer")
+    """The bundled Qwen3 tokenizer folder (tokenizer.json + tokenizer_config.json)."""
+    from turnsight_jax.assets import default_tokenizer_dir
+
+    return default_tokenizer_dir()
 
 
 @pytest.fixture(scope="session")

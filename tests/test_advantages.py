@@ -385,28 +385,36 @@ def test_jit_with_traced_knobs_and_stop_gradient():
 
 
 def test_registry_and_make_advantage_fn():
-    assert {"grpo", "matchtir"} <= set(A.ADVANTAGE_FNS)
+    assert {"grpo", "matchtir", "turnsight"} <= set(A.ESTIMATORS)
+    assert A.get_estimator("turnsight").wraps_base and A.get_estimator("turnsight").needs_views
     rewards = np.array([1, 0, 0, 1], np.float32)
     batch = {"rewards": rewards, "group_ids": GIDS, "policy_mask": POLICY, "turn_ids": TURN_IDS,
              "delta": DELTA}
-    np.testing.assert_array_equal(A.compute_base_advantages("grpo", batch),
-                                  grpo_advantages(rewards, GIDS, POLICY))
-    plain = A.make_advantage_fn("grpo")(batch)
+    knobs = {"eps": 1e-6, "gamma": 0.9, "num_groups": None, "max_turns": None, "lam": 0.25, "eps_w": 0.5,
+             "selection": "mean", "aggregation": "turn", "group_norm": True, "turns": "all"}
+    plain = A.make_advantage_fn("grpo", knobs=knobs)(batch)
+    np.testing.assert_array_equal(plain["advantages"], grpo_advantages(rewards, GIDS, POLICY))
     np.testing.assert_array_equal(plain["advantages"], plain["base_advantages"])
-    fn = A.make_advantage_fn("grpo", turnsight=dict(selection="mean", lam=0.25))
-    out = jax.jit(fn)(batch)
+    out = jax.jit(A.make_advantage_fn("turnsight", base="grpo", knobs=knobs))(batch)
     want = turnsight_advantages(DELTA, POLICY, TURN_IDS, GIDS, grpo_advantages(rewards, GIDS, POLICY),
                                 selection="mean", lam=0.25)
     np.testing.assert_allclose(out["advantages"], want["advantages"], rtol=1e-6)
     np.testing.assert_allclose(out["advantages"], ts(selection="mean", lam=0.25)["advantages"], rtol=1e-5)
-    mt = A.make_advantage_fn("matchtir", base_kwargs=dict(gamma=0.5))
+    np.testing.assert_array_equal(out["base_advantages"], plain["advantages"])
+    mt = A.make_advantage_fn("matchtir", knobs=dict(knobs, gamma=0.5))
     mbatch = dict(batch, turn_rewards=np.ones((4, 2), np.float32), num_turns=np.array([2, 1, 1, 2], np.int32))
     np.testing.assert_array_equal(
         mt(mbatch)["advantages"],
         matchtir_advantages(mbatch["turn_rewards"], mbatch["num_turns"], TURN_IDS, POLICY, GIDS, gamma=0.5))
-    with pytest.raises(KeyError):
-        A.make_advantage_fn("ppo")
-    with pytest.raises(KeyError):
-        A.compute_base_advantages("matchtir", batch)  # no turn_rewards
-    with pytest.raises(ValueError):
+    with pytest.raises(KeyError, match="unknown advantage estimator 'ppo'"):
+        A.make_advantage_fn("ppo", knobs=knobs)
+    with pytest.raises(KeyError, match="wraps a base estimator; none given"):
+        A.make_advantage_fn("turnsight", knobs=knobs)
+    with pytest.raises(KeyError, match=r"needs knobs \['gamma'"):
+        A.make_advantage_fn("matchtir", knobs={"eps": 1e-6})
+    with pytest.raises(KeyError, match=r"needs batch arrays \['turn_rewards', 'num_turns'\]"):
+        A.make_advantage_fn("matchtir", knobs=knobs)(batch)
+    with pytest.raises(ValueError, match="already registered"):
         A.register_advantage("grpo", ("rewards",))(lambda r: r)
+    with pytest.raises(ValueError, match="unknown knobs"):
+        A.register_advantage("bad_knob_test", ("rewards",), ("temperature",))

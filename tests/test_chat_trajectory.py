@@ -1,9 +1,7 @@
-"""Trajectory assembly, masks, turn ids, and fixed-shape batching."""
+"""Trajectory assembly, masks, turn ids (the training batch built from them: tests/test_rl_batch.py)."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -14,12 +12,8 @@ from turnsight_jax.chat.trajectory import (
     QWEN3_IM_END_ID as END,
     QWEN3_IM_START_ID as START,
     Trajectory,
-    TrajectoryBatch,
     TrajectoryBuilder,
     check_trajectory,
-    make_batch,
-    trajectory_arrays,
-    unbatch,
 )
 from turnsight_jax.chat.types import ToolCall
 
@@ -173,56 +167,3 @@ def test_real_rollout_layout(tok, think):
 
 
 # --- batching -----------------------------------------------------------------------------------
-
-
-def _short_trajectory(n_policy: int, group_id: int, reward: float, turn_rewards=None):
-    b = TrajectoryBuilder(PROMPT, group_id, f"g{group_id}")
-    ids = list(range(100, 100 + n_policy - 1)) + [END]
-    b.add_policy_turn(ids, [-0.01 * (i + 1) for i in range(n_policy)], "a", [], answer="a")
-    return b.build(reward=reward, metrics={} if turn_rewards is None else {"turn_rewards": turn_rewards})
-
-
-def test_make_batch_and_unbatch_round_trip():
-    trajs = [
-        _three_turn_trajectory(group_id=0, reward=1.0, turn_rewards=[0.5, 0.0, 1.0]),
-        _short_trajectory(5, group_id=0, reward=-1.0),
-        _short_trajectory(300, group_id=1, reward=0.25, turn_rewards=[0.75]),
-    ]
-    batch = make_batch(trajs, pad_id=151643)
-    assert isinstance(batch, TrajectoryBatch)
-    assert batch.tokens.shape == (3, 384) and batch.tokens.dtype == np.int32  # 308 tokens -> bucket 384
-    assert batch.turn_rewards.shape == (3, 4)  # 3 turns -> power of two 4
-    assert batch.valid_mask.sum(axis=1).tolist() == [30, 13, 308]
-    assert (batch.tokens[1, 13:] == 151643).all() and not batch.policy_mask[1, 13:].any()
-    assert (batch.turn_ids[1, 13:] == -1).all() and (batch.old_logprobs[1, 13:] == 0).all()
-    assert batch.group_ids.tolist() == [0, 0, 1] and batch.num_turns.tolist() == [3, 1, 1]
-    np.testing.assert_array_equal(batch.rewards, np.array([1.0, -1.0, 0.25], np.float32))
-    np.testing.assert_array_equal(batch.turn_rewards, np.array([[0.5, 0, 1, 0], [0, 0, 0, 0], [0.75, 0, 0, 0]], np.float32))
-    rows = unbatch(batch)
-    for row, tr in zip(rows, trajs):
-        expected = trajectory_arrays(tr)
-        assert row.keys() == expected.keys()
-        for key in expected:
-            np.testing.assert_array_equal(row[key], expected[key], err_msg=key)
-            assert np.asarray(row[key]).dtype == np.asarray(expected[key]).dtype, key
-    # A pytree with 9 leaves that goes through jit.
-    assert len(jax.tree_util.tree_leaves(batch)) == 9
-    total = jax.jit(lambda b: jnp.sum(jnp.where(b.policy_mask, b.old_logprobs, 0.0)))(batch)
-    assert np.isclose(float(total), sum(float(t.old_logprobs.sum()) for t in trajs), rtol=1e-5)
-
-
-def test_make_batch_buckets_and_errors():
-    trajs = [_short_trajectory(5, 0, 0.0)]  # 13 tokens
-    assert make_batch(trajs, buckets=(8, 16, 32), pad_id=0).tokens.shape == (1, 16)
-    assert make_batch(trajs, buckets=(13,), pad_id=0).tokens.shape == (1, 13)
-    assert make_batch(trajs, pad_id=0, num_turns_bucket=10).turn_rewards.shape == (1, 10)
-    with pytest.raises(ValueError, match="13 tokens is longer than the largest bucket 12"):
-        make_batch(trajs, buckets=(8, 12), pad_id=0)
-    with pytest.raises(ValueError, match="strictly increasing"):
-        make_batch(trajs, buckets=(16, 8), pad_id=0)
-    with pytest.raises(ValueError, match="3 turns but num_turns_bucket is 2"):
-        make_batch([_three_turn_trajectory()], pad_id=0, num_turns_bucket=2)
-    with pytest.raises(ValueError, match="turn_rewards'\\] has shape \\(2,\\), expected \\(3,\\)"):
-        make_batch([_three_turn_trajectory(turn_rewards=[1.0, 2.0])], pad_id=0)
-    with pytest.raises(ValueError, match="at least one trajectory"):
-        make_batch([], pad_id=0)

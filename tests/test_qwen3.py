@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from _hf import hf_logits, make_hf_checkpoint
-from turnsight_jax.rl.logprobs import chunked_logprobs, sequence_logprobs
+from turnsight_jax.rl.logprobs import chunked_logprobs
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.config import PRESETS, Qwen3Config
 from turnsight_jax.models.qwen3 import KVCache, init_model
@@ -176,7 +176,14 @@ def test_chunked_logprobs_equal_log_softmax_gather():
     np.testing.assert_allclose(g1, g2, atol=1e-5)
 
 
-def test_sequence_logprobs_matches_model_logits():
+def sequence_logprobs(hidden, tokens, weight, *, chunk):
+    """out[:, t] = log p(tokens[:, t] | tokens[:, :t]) through chunked_logprobs; out[:, 0] = 0."""
+    b, t, d = hidden.shape
+    lp = chunked_logprobs(hidden[:, :-1].reshape(-1, d), tokens[:, 1:].reshape(-1), weight, chunk=chunk)
+    return jnp.pad(lp.reshape(b, t - 1), ((0, 0), (1, 0)))
+
+
+def test_chunked_logprobs_of_a_sequence_match_model_logits():
     model = init_model(Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1,
                                    num_heads=2, num_kv_heads=1, head_dim=16))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 9)).astype(np.int32))

@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 from turnsight_jax import config as C
-from turnsight_jax import runtime
+from turnsight_jax import model_setup, sources
+from turnsight_jax.eval import heldout
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import Qwen3
@@ -23,9 +24,9 @@ from turnsight_jax.envs.synthetic import generate_tasks, gold_turn_texts
 @pytest.fixture(scope="module")
 def gold():
     cfg = C.default_config()
-    tok, _ = runtime.setup_tokenizer(cfg, 151936)
-    tasks = generate_tasks(8, seed=3, categories=("single_hop", "multi_hop"), config=runtime.synthetic_config(cfg))
-    with runtime.make_env("builtin") as env:
+    tok, _ = model_setup.setup_tokenizer(cfg, 151936)
+    tasks = generate_tasks(8, seed=3, categories=("single_hop", "multi_hop"), config=sources.synthetic_config(cfg))
+    with sources.make_env("builtin") as env:
         trajs = gold_trajectories(tasks, tok, cfg, env)
     return tok, tasks, trajs
 
@@ -153,7 +154,7 @@ def test_packed_sft_step_equals_the_padded_per_row_loss_and_gradient():
 
 def test_imperfect_demonstrations_add_one_wasted_call_at_the_configured_rate():
     cfg = C.default_config()
-    tasks = generate_tasks(400, seed=5, categories=("single_hop", "multi_hop"), config=runtime.synthetic_config(cfg))
+    tasks = generate_tasks(400, seed=5, categories=("single_hop", "multi_hop"), config=sources.synthetic_config(cfg))
     rng = np.random.default_rng(0)
     for t in tasks[:20]:
         assert demonstration_turn_texts(t, rng, 0.0, 4) == gold_turn_texts(t)
@@ -230,11 +231,11 @@ def test_sampled_evaluation_averages_each_tasks_samples(monkeypatch):
                  for t in tasks for k in range(group_size)]
         return types.SimpleNamespace(trajectories=trajs)
 
-    monkeypatch.setattr(runtime, "rollout", fake_rollout)
-    monkeypatch.setattr(runtime, "ModelPolicy", lambda *a, sampling, seed, **k: types.SimpleNamespace(
+    monkeypatch.setattr(heldout, "rollout", fake_rollout)
+    monkeypatch.setattr(heldout, "ModelPolicy", lambda *a, sampling, seed, **k: types.SimpleNamespace(
         sampling=sampling, seed=seed))
     tasks = list(range(5))  # the fake rollout indexes f1 by task
-    out = runtime.evaluate_policy(None, None, None, tasks, cfg, None)
+    out = heldout.evaluate_policy(None, None, None, tasks, cfg, None)
     assert out["mode"] == "3 samples at temperature 1" and out["n"] == 5
     np.testing.assert_allclose(out["per_task_solve_f1"], f1.mean(1))
     np.testing.assert_allclose(out["solve_f1"], f1.mean())
@@ -244,18 +245,18 @@ def test_sampled_evaluation_averages_each_tasks_samples(monkeypatch):
     assert {c[2].temperature for c in calls} == {1.0} and not calls[0][2].greedy
     first = list(calls)
     calls.clear()
-    runtime.evaluate_policy(None, None, None, tasks, cfg, None)
+    heldout.evaluate_policy(None, None, None, tasks, cfg, None)
     assert [c[3:] for c in calls] == [c[3:] for c in first]  # same seeds on every evaluation
 
     calls.clear()
-    greedy = runtime.evaluate_policy(None, None, None, tasks, cfg, None, greedy=True)
+    greedy = heldout.evaluate_policy(None, None, None, tasks, cfg, None, greedy=True)
     assert greedy["mode"] == "greedy" and {c[1] for c in calls} == {1} and calls[0][2].greedy
     np.testing.assert_allclose(greedy["per_task_solve_f1"], f1[:, 0])
 
     calls.clear()  # the sampling filters reach the sampler and are named in the mode
     cfg.eval.top_k, cfg.eval.top_p = 20, 0.9
-    filtered = runtime.evaluate_policy(None, None, None, tasks, cfg, None)
+    filtered = heldout.evaluate_policy(None, None, None, tasks, cfg, None)
     assert filtered["mode"] == "3 samples at temperature 1, top-k 20, top-p 0.9"
     assert {(c[2].top_k, c[2].top_p) for c in calls} == {(20, 0.9)}
     cfg.eval.temperature = 0.0
-    assert runtime.evaluate_policy(None, None, None, tasks, cfg, None)["mode"] == "greedy"
+    assert heldout.evaluate_policy(None, None, None, tasks, cfg, None)["mode"] == "greedy"
