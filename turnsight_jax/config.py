@@ -69,7 +69,7 @@ def base_config() -> mlc.ConfigDict:
     c.data.hops = 2  # chain length of the multi-hop categories (>= 2)
     c.data.width = 2  # parallel sub-questions of the parallel categories (>= 2)
     c.data.min_distractors = 1  # distractor tools per task: uniform in [min, max]
-    c.data.max_distractors = 2
+    c.data.max_distractors = 2  # (see min_distractors)
     c.data.vocab_size = 64  # distinct entity names
     c.data.entity_style = "cvcv"  # cvcv (made-up four-letter words) | names (single-token first names)
     c.data.num_relations = 16  # relation names (tools) the tasks draw from (at most 16)
@@ -115,8 +115,8 @@ def base_config() -> mlc.ConfigDict:
     c.optim.schedule = "constant"  # constant | cosine
     c.optim.warmup_steps = 0  # linear warm-up steps
     c.optim.min_lr_ratio = 0.0  # cosine: the final lr as a fraction of lr
-    c.optim.b1 = 0.9  # AdamW betas (paper silent)
-    c.optim.b2 = 0.999
+    c.optim.b1 = 0.9  # AdamW first-moment decay (paper silent)
+    c.optim.b2 = 0.999  # AdamW second-moment decay (paper silent)
     c.optim.weight_decay = 0.01  # AdamW weight decay (paper silent)
     c.optim.max_grad_norm = 1.0  # global gradient-norm clip
 
@@ -137,33 +137,33 @@ def base_config() -> mlc.ConfigDict:
     c.eval.temperature = 0.0  # 0: greedy; > 0: the sampled policy's expected Solve-F1 (what RL maximises)
     c.eval.samples = 1  # rollouts per held-out task when sampling (per-task F1 = their mean)
     c.eval.top_k = 0  # sampling filters when eval.temperature > 0 (0 / 1.0: off)
-    c.eval.top_p = 1.0
+    c.eval.top_p = 1.0  # (1.0: off)
 
     c.sft = mlc.ConfigDict()  # supervised warm-start on gold built-in trajectories (see sft.py); the paper has none
     c.sft.curriculum_steps = 0  # stage 1: short rows, softmax over the task vocabulary (0: skipped)
-    c.sft.curriculum_lr = 1e-5
+    c.sft.curriculum_lr = 1e-5  # stage 1's learning rate
     c.sft.steps = 0  # stage 2: full rows, full vocabulary (0: skipped)
-    c.sft.lr = 1e-5
+    c.sft.lr = 1e-5  # stage 2's learning rate
     c.sft.batch_size = 16  # rows per SFT step
     c.sft.num_tasks = 1024  # built-in tasks the demonstrations are drawn from
     c.sft.wrong_call_rate = 0.0  # stage 2: share of demonstrations with one wasted call to a wrong tool
 
-    c.checkpoint = mlc.ConfigDict()
+    c.checkpoint = mlc.ConfigDict()  # <workdir>/checkpoints: resumed from automatically
     c.checkpoint.every = 5  # RL steps between checkpoints (paper: 5); 0: only at the end
     c.checkpoint.keep = 3  # checkpoints kept
     c.checkpoint.export_at_end = True  # write the trained policy as a Hugging Face folder
 
     c.mesh = mlc.ConfigDict()  # device mesh data x fsdp x tensor; -1: the remaining devices
-    c.mesh.data = 1
-    c.mesh.fsdp = -1
-    c.mesh.tensor = 1
+    c.mesh.data = 1  # data-parallel replicas
+    c.mesh.fsdp = -1  # parameter/optimizer sharding (every device by default)
+    c.mesh.tensor = 1  # tensor parallelism
 
     c.plan = mlc.ConfigDict()  # --dry_run: the worst-case geometry and the device budget
     c.plan.packed_factor = 2.0  # packed teacher row length / trajectory length
     c.plan.distinct_factor = 3.0  # distinct teacher predictors / policy tokens
     c.plan.device_memory_gib = 80.0  # per-device memory the plan is checked against (paper: 80 GB GPUs)
 
-    c.log = mlc.ConfigDict()
+    c.log = mlc.ConfigDict()  # run logs (metrics.jsonl is always written)
     c.log.tensorboard = True  # TensorBoard event files next to metrics.jsonl
     c.log.progress = True  # progress lines on stderr
     return c
@@ -341,6 +341,8 @@ def apply_overrides(cfg: mlc.ConfigDict, overrides: Sequence[str]) -> mlc.Config
                 f"--config.{key}={text} conflicts with the model layer {model_layer_name(cfg)}, which fixes "
                 f"{key}={fixed[key]!r}; use a config with that model instead (one layering configs/models/<model>.py)")
         with node.unlocked() if hasattr(node, "unlocked") else _null():
+            if old is not None and not isinstance(value, type(old)) and leaf in node:
+                del node[leaf]  # a key of two types (rl.selection: a mode or a depth index)
             node[leaf] = value
     return cfg
 

@@ -43,6 +43,31 @@ def model_config(cfg: mlc.ConfigDict) -> Qwen3Config:
         raise ConfigError(str(e)) from None
 
 
+# The fields that make two Qwen3 checkpoints different architectures (not rope/eps details).
+ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                       "head_dim", "tie_word_embeddings")
+
+
+def check_architecture(cfg: mlc.ConfigDict, qcfg: Qwen3Config) -> None:
+    """ConfigError when model.hf_path's config.json (`qcfg`) is not model.preset's architecture:
+    the preset (fixed by the config's model layer) sized the config's memory knobs and batch."""
+    if not (cfg.model.hf_path and cfg.model.preset):
+        return
+    try:
+        preset = get_preset(cfg.model.preset)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    diff = [f"{f} {getattr(qcfg, f)} (preset {getattr(preset, f)})" for f in ARCHITECTURE_FIELDS
+            if getattr(qcfg, f) != getattr(preset, f)]
+    if diff:
+        from turnsight_jax.config import model_layer_name  # lazy: turnsight_jax.config imports the RL registries
+
+        layer = model_layer_name(cfg)
+        raise ConfigError(f"model.hf_path={cfg.model.hf_path} is not the architecture of model.preset="
+                          f"{cfg.model.preset!r}{' (model layer ' + layer + ')' if layer else ''}: {', '.join(diff)}; "
+                          f"use a config with that folder's model")
+
+
 def build_model(cfg: mlc.ConfigDict, mesh, *, hf_path: str | None = None, seed: int = 0) -> Qwen3:
     """Load `hf_path` (or cfg.model.hf_path) or initialise the preset, sharded over `mesh`."""
     dtype = DTYPES[cfg.model.param_dtype]
