@@ -265,20 +265,18 @@ def test_layers_guard_their_scope():
         C.layered(model=C.ModelLayer("m.py", {"preset": "qwen3-8b"}), experiment=sets_preset)
 
 
-def test_hf_folder_of_another_architecture_is_refused(tmp_path):
+def test_hf_folder_of_another_architecture_is_named(tmp_path):
     from turnsight_jax import model_setup
 
     folder = tmp_path / "Qwen3-4B"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(PRESETS["qwen3-4b"].to_hf_dict()))
     cfg = C.load_run_config(str(REPO / "configs/qwen3_8b.py"), [f"--config.model.hf_path={folder}"])
-    with pytest.raises(ConfigError) as e:
-        model_setup.check_architecture(cfg, model_setup.model_config(cfg))
-    msg = str(e.value)
-    assert "model.preset='qwen3-8b'" in msg and "hidden_size 2560 (preset 4096)" in msg, msg
-    assert "num_layers" not in msg  # 36 in both
+    msg = model_setup.architecture_mismatch(cfg, model_setup.model_config(cfg))
+    assert "model.preset='qwen3-8b'" in msg and "configs/models/qwen3_8b.py" in msg, msg
+    assert "hidden_size 2560 (preset 4096)" in msg and "num_layers" not in msg, msg  # 36 layers in both
     same = C.load_run_config(str(REPO / "configs/qwen3_4b.py"), [f"--config.model.hf_path={folder}"])
-    model_setup.check_architecture(same, model_setup.model_config(same))  # matches: no error
+    assert model_setup.architecture_mismatch(same, model_setup.model_config(same)) is None
 
 
 # ---- (e) overrides and validation, in process ----

@@ -109,7 +109,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                           f"--config.model.hf_path=/path/to/Qwen3 (a Hugging Face folder)")
     # Everything that can fail on bad input happens before the run folder is touched.
     tok, tokdir = model_setup.setup_tokenizer(cfg, qcfg.vocab_size)
-    model_setup.check_architecture(cfg, qcfg)  # after the tokenizer: its message names a too-small vocabulary
+    if mismatch := model_setup.architecture_mismatch(cfg, qcfg):
+        log(f"warning: {mismatch}")
     train_tasks = sources.load_tasks(cfg, "train")
     eval_tasks = sources.load_tasks(cfg, "eval")
     if not train_tasks:
