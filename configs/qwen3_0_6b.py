@@ -6,14 +6,10 @@
 
 import pathlib
 
-from turnsight_jax.config import load_config_file
+from turnsight_jax.config import layered, load_config_module, model_file
 
 
-def get_config():
-    c = load_config_file(pathlib.Path(__file__).with_name("qwen3_8b.py"))
-    c.name = "qwen3_0_6b_turnsight"
-    c.model.preset = "qwen3-0.6b"
-    c.model.ref_dtype = "bfloat16"
+def smaller_batch(c):
     c.train.prompts_per_step = 8
     c.train.group_size = 8
     c.train.micro_batches = 16
@@ -22,4 +18,10 @@ def get_config():
     c.rollout.max_prompt_tokens = 8192
     c.rollout.max_response_tokens = 8192
     c.optim.lr = 2e-6
+
+
+def get_config():
+    paper = load_config_module(pathlib.Path(__file__).with_name("qwen3_8b.py"))
+    c = layered(model=model_file(__file__, "qwen3_0_6b"), experiment=(paper.experiment, smaller_batch))
+    c.name = "qwen3_0_6b_turnsight"
     return c

@@ -1,12 +1,13 @@
-"""Qwen3-4B with TurnSight on MatchTIR, the paper's setting (SPEC §2); see configs/qwen3_8b.py."""
+"""Qwen3-4B with TurnSight on MatchTIR, the paper's setting (SPEC §2): configs/qwen3_8b.py's
+experiment on the Qwen3-4B model layer."""
 
 import pathlib
 
-from turnsight_jax.config import load_config_file
+from turnsight_jax.config import layered, load_config_module, model_file
 
 
 def get_config():
-    c = load_config_file(pathlib.Path(__file__).with_name("qwen3_8b.py"))
+    paper = load_config_module(pathlib.Path(__file__).with_name("qwen3_8b.py"))
+    c = layered(model=model_file(__file__, "qwen3_4b"), experiment=paper.experiment)
     c.name = "qwen3_4b_turnsight"
-    c.model.preset = "qwen3-4b"
     return c

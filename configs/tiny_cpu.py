@@ -1,6 +1,5 @@
-"""The embedded default (also what `python -m turnsight_jax.train` runs with no --config):
-a tiny Qwen3 with the real Qwen3 tokenizer, supervised warm-start, TurnSight RL on built-in tasks,
-on one CPU in minutes."""
+"""The embedded default (what `python -m turnsight_jax.train` runs with no --config): the tiny CPU
+experiment on the tiny-default model, both defined in turnsight_jax/experiments.py."""
 
 from turnsight_jax.config import default_config
 

@@ -17,7 +17,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # A run small enough for CI: random tiny model (no warm-start), 2 prompts x 2 rollouts, 2 turns.
 FAST = [
-    "--config.model.preset=tiny", "--config.sft.steps=0", "--config.sft.curriculum_steps=0", "--config.data.num_eval=0", "--config.train.steps=6",
+    "--config", str(REPO / "tests/configs/tiny_random.py"), "--config.sft.steps=0", "--config.sft.curriculum_steps=0", "--config.data.num_eval=0", "--config.train.steps=6",
     "--config.train.prompts_per_step=2", "--config.train.group_size=2", "--config.rollout.max_turns=2",
     "--config.rollout.max_turn_tokens=12", "--config.rollout.max_response_tokens=64",
     "--config.checkpoint.every=0", "--config.log.tensorboard=False", "--config.model.attn_q_chunk=128",

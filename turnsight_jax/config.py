@@ -1,19 +1,32 @@
-"""Run configuration: the embedded default, config files, command-line overrides, validation, and
+"""Run configuration: the config layers, config files, command-line overrides, validation, and
 the translation of the ConfigDict into the typed configs each part takes (the one such seam).
 
+A run config is three layers (`layered`):
+
+1. `base_config()`: every key, documented, at the paper's values where the paper has one
+   (docs/spec.md §2) and a neutral value otherwise; no model.
+2. a model layer: a `configs/models/*.py` file whose `get_model()` returns `model.*` keys only
+   (the architecture preset, dtypes, memory knobs). Its `model.preset` is fixed: an override that
+   changes it is refused (use a config with that model instead).
+3. an experiment: a function that sets the run's other values (data, batch, schedule, ...).
+
 A config file is a Python file defining `get_config()` that returns an `ml_collections`
-ConfigDict (see configs/). Overrides use dotted keys: `--config.rl.lam=0.3`. Values are parsed
-as Python literals and must match the type of the key they replace; an unknown key is an error
-that names the closest known keys.
+ConfigDict (see configs/), normally `layered(model=model_file(__file__, "<model>"),
+experiment=...)`. The embedded default (`default_config()`, what runs without --config) is the
+tiny CPU experiment of turnsight_jax/experiments.py. Overrides use dotted keys:
+`--config.rl.lam=0.3`. Values are parsed as Python literals and must match the type of the key
+they replace; an unknown key is an error that names the closest known keys. Keys under `rl.args`
+(plug-in method knobs) are free-form.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
 import importlib.util
 import pathlib
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import ml_collections as mlc
 
@@ -25,149 +38,253 @@ from turnsight_jax.rollout.sampler import SamplingParams
 from turnsight_jax.sources import get_source
 
 
-def default_config() -> mlc.ConfigDict:
-    """The embedded default: a tiny Qwen3 with the real tokenizer on built-in tasks, CPU, minutes."""
+def base_config() -> mlc.ConfigDict:
+    """Every key of a run config at its base value: the paper's training setup (docs/spec.md §2:
+    Qwen3 with thinking on, TurnSight on MatchTIR, FTRL, no SFT) and no model (a model layer sets
+    model.preset). Values the paper does not give are marked "paper silent"."""
     c = mlc.ConfigDict()
-    c.name = "tiny_cpu"
-    c.seed = 0
+    c.name = "turnsight"  # the run's name: the default run folder is runs/<name>
+    c.seed = 0  # model initialisation, built-in task generation, rollout sampling
+    c.tokenizer_path = ""  # "" = the model folder's own tokenizer (model.hf_path), else the bundled Qwen3 one
 
-    c.model = mlc.ConfigDict()
-    c.model.preset = "tiny-default"  # a preset name, or "" when hf_path is set
-    c.model.hf_path = ""  # a Hugging Face Qwen3 folder to start from
-    c.model.param_dtype = "float32"  # the trained policy (and optimizer moments)
+    c.model = mlc.ConfigDict()  # set by a model layer (configs/models/*.py); see turnsight_jax.models.config
+    c.model.preset = ""  # the architecture (a PRESETS name); fixed by the model layer, never overridden
+    c.model.hf_path = ""  # the Hugging Face Qwen3 folder whose weights training starts from (must be the preset's shape)
+    c.model.param_dtype = "float32"  # the trained policy and its optimizer moments (lr 1e-6 updates vanish in bfloat16)
     c.model.ref_dtype = "float32"  # the frozen reference/teacher copy (bfloat16 halves its memory)
-    c.model.allow_random_init = True  # large presets without hf_path are refused unless this is set
-    c.model.compute_dtype = "float32"
-    c.model.remat = False
-    c.model.attn_q_chunk = 128  # small chunks: cheaper on CPU (static causal bounds skip more)
-    c.tokenizer_path = ""  # "" = the bundled Qwen3 tokenizer (or the HF folder's own)
+    c.model.compute_dtype = "float32"  # matmul inputs and activations: float32 | bfloat16
+    c.model.remat = False  # rematerialise each decoder layer in the backward pass
+    c.model.attn_q_chunk = 512  # queries per attention chunk (bounds the [chunk, keys] score block)
+    c.model.allow_random_init = False  # start from random weights when hf_path is "" (the paper starts from Qwen3)
 
-    c.data = mlc.ConfigDict()
-    c.data.source = "builtin"  # builtin | ftrl | toolhop
-    c.data.path = ""
-    c.data.eval_source = "builtin"
-    c.data.eval_path = ""
-    c.data.num_train = 2000  # built-in tasks generated for training
-    c.data.num_eval = 64  # held-out tasks (built-in: a disjoint seed)
-    c.data.categories = ("single_hop", "multi_hop")
-    c.data.hops = 2
-    c.data.width = 2
-    c.data.min_distractors = 1
-    c.data.max_distractors = 1
-    c.data.vocab_size = 10  # entity names
-    c.data.entity_style = "names"  # single-token first names: a tiny model learns to copy them quickly
-    c.data.num_relations = 4  # relation names (tools)
-    c.data.extra_rows = 1
-    c.data.prompt_style = "short"
+    c.data = mlc.ConfigDict()  # the tasks (turnsight_jax.sources)
+    c.data.source = "ftrl"  # training tasks: builtin | ftrl | toolhop (the paper trains on FTRL)
+    c.data.path = ""  # the training file of a file-backed source (required for ftrl / toolhop)
+    c.data.eval_source = "ftrl"  # held-out tasks: builtin | ftrl | toolhop
+    c.data.eval_path = ""  # the held-out file of a file-backed source (required for ftrl / toolhop)
+    c.data.num_train = 2000  # built-in tasks generated for training (file sources use every row)
+    c.data.num_eval = 0  # held-out tasks: built-in tasks generated (a disjoint seed); files: the first N, 0 = all
+    # Built-in task generator (data.source = builtin only; turnsight_jax.envs.synthetic.SyntheticConfig):
+    c.data.categories = ("single_hop", "parallel_single_hop", "multi_hop", "parallel_multi_hop")  # task kinds
+    c.data.hops = 2  # chain length of the multi-hop categories (>= 2)
+    c.data.width = 2  # parallel sub-questions of the parallel categories (>= 2)
+    c.data.min_distractors = 1  # distractor tools per task: uniform in [min, max]
+    c.data.max_distractors = 2  # (see min_distractors)
+    c.data.vocab_size = 64  # distinct entity names
+    c.data.entity_style = "cvcv"  # cvcv (made-up four-letter words) | names (single-token first names)
+    c.data.num_relations = 16  # relation names (tools) the tasks draw from (at most 16)
+    c.data.extra_rows = 2  # table rows per tool beyond those the gold chain needs
+    c.data.prompt_style = "short"  # short (FTRL's first sentence + the question) | ftrl (FTRL's full text)
 
-    c.rollout = mlc.ConfigDict()
-    c.rollout.max_turns = 4
-    c.rollout.max_prompt_tokens = 1024
-    c.rollout.max_response_tokens = 256
-    c.rollout.max_turn_tokens = 48
-    c.rollout.enable_thinking = False
-    c.rollout.temperature = 1.0
-    c.rollout.top_p = 1.0
-    c.rollout.top_k = 20  # Qwen3's recommended top-k; also keeps the 151,936-token tail out of rollouts
-    c.rollout.prompts_per_chunk = 0  # rollouts run this many prompts (x group) at a time; 0 = all
+    c.rollout = mlc.ConfigDict()  # multi-turn generation (turnsight_jax.rollout)
+    c.rollout.max_turns = 10  # assistant turns per trajectory (paper: 10)
+    c.rollout.max_prompt_tokens = 10_000  # the prompt (system + tools + question) (paper: <= 10,000)
+    c.rollout.max_response_tokens = 13_000  # everything after the prompt, tool responses included (paper: <= 13,000)
+    c.rollout.max_turn_tokens = 4096  # tokens one assistant turn may generate (paper silent)
+    c.rollout.enable_thinking = True  # Qwen3's thinking mode (the post-trained Qwen3 the paper's scores fit)
+    c.rollout.temperature = 1.0  # sampling temperature of the rollouts and of the log-probs (paper: 1.0)
+    c.rollout.top_p = 1.0  # nucleus filter (1.0: off)
+    c.rollout.top_k = 0  # top-k filter (0: off; the paper samples the full distribution)
+    c.rollout.prompts_per_chunk = 0  # rollouts run this many prompts (x group) at a time; 0 = all at once
 
     c.rl = mlc.ConfigDict()  # the method and its knobs: turnsight_jax.rl.config.AlgoConfig
-    c.rl.method = "turnsight"  # a registered method (turnsight_jax.rl.methods)
-    c.rl.base = "grpo"
-    c.rl.gamma = 0.9
-    c.rl.lam = 0.5
-    c.rl.eps_w = 0.5
-    c.rl.selection = "vote"
-    c.rl.aggregation = "turn"
-    c.rl.group_norm = True
-    c.rl.turns = "all"
-    c.rl.depths = (1, 2, 3)
-    c.rl.source = "tool_results"
+    c.rl.method = "turnsight"  # a registered method (turnsight_jax.rl.methods): grpo | matchtir | turnsight | ...
+    c.rl.base = "matchtir"  # the method TurnSight wraps (its rewards and advantage); the paper uses MatchTIR
+    c.rl.gamma = 0.9  # MatchTIR's turn-return discount
+    c.rl.lam = 0.5  # lambda: mix of the TurnSight weight into the base advantage (paper: 0.5)
+    c.rl.eps_w = 0.5  # eps_w: the weight's bound, w in [1 - eps_w, 1 + eps_w] (paper: 0.5)
+    c.rl.selection = "vote"  # depth selection: vote (direction-consistent) | mean (fusion) | a depth index
+    c.rl.aggregation = "turn"  # turn (mean gap per turn) | token (no turn aggregation)
+    c.rl.group_norm = True  # normalise the selected gap over the prompt's siblings
+    c.rl.turns = "all"  # turns TurnSight reweights: all | first:N | last:N
+    c.rl.depths = (1, 2, 3)  # hindsight depths D_H (paper: {1, 2, 3})
+    c.rl.source = "tool_results"  # hindsight block: tool_results | tool_results_answer | answer
     c.rl.matchtir_matching = "assignment"  # MatchTIR turn rewards: optimal assignment | transport (Sinkhorn)
+    c.rl.args = mlc.ConfigDict()  # free-form knobs of plug-in methods (--config.rl.args.<key>=<value>)
 
-    c.loss = mlc.ConfigDict()
-    c.loss.clip_eps = 0.2
-    c.loss.clip_eps_high = 0.28
-    c.loss.kl_coef = 0.0
-    c.loss.kl_estimator = "low_var_kl"
+    c.loss = mlc.ConfigDict()  # the clipped surrogate (turnsight_jax.rl.losses)
+    c.loss.clip_eps = 0.2  # ratio clipped below at 1 - clip_eps (paper silent)
+    c.loss.clip_eps_high = 0.28  # ... and above at 1 + clip_eps_high (paper silent)
+    c.loss.kl_coef = 0.0  # KL to the reference (paper: 0)
+    c.loss.kl_estimator = "low_var_kl"  # k1 | k3 | low_var_kl
     c.loss.kl_clip = 10.0  # low_var_kl is clipped to [-kl_clip, kl_clip]
-    c.loss.aggregation = "seq_mean_token_mean"
+    c.loss.aggregation = "seq_mean_token_mean"  # token-mean per trajectory, mean over trajectories (paper)
 
-    c.optim = mlc.ConfigDict()
-    c.optim.lr = 3e-4
-    c.optim.schedule = "constant"
-    c.optim.warmup_steps = 2
-    c.optim.min_lr_ratio = 0.0
-    c.optim.b1 = 0.9
-    c.optim.b2 = 0.99
-    c.optim.weight_decay = 0.0
-    c.optim.max_grad_norm = 1.0
+    c.optim = mlc.ConfigDict()  # AdamW after linear warm-up
+    c.optim.lr = 1e-6  # peak learning rate (paper: 1e-6)
+    c.optim.schedule = "constant"  # constant | cosine
+    c.optim.warmup_steps = 0  # linear warm-up steps
+    c.optim.min_lr_ratio = 0.0  # cosine: the final lr as a fraction of lr
+    c.optim.b1 = 0.9  # AdamW first-moment decay (paper silent)
+    c.optim.b2 = 0.999  # AdamW second-moment decay (paper silent)
+    c.optim.weight_decay = 0.01  # AdamW weight decay (paper silent)
+    c.optim.max_grad_norm = 1.0  # global gradient-norm clip
 
-    c.train = mlc.ConfigDict()
-    c.train.steps = 12
-    c.train.prompts_per_step = 8
-    c.train.group_size = 4
-    c.train.micro_batches = 1
-    c.train.mini_batches = 1
-    c.train.ppo_epochs = 1
-    c.train.teacher_micro_batches = 1
-    c.train.logprob_chunk = 256  # rows per vocabulary-projection chunk (256 is fastest on CPU)
+    c.train = mlc.ConfigDict()  # the RL loop and the split of a step's batch
+    c.train.steps = 208  # RL steps: 3 epochs x ceil(2215 FTRL training tasks / 32) (paper: 3 epochs)
+    c.train.prompts_per_step = 32  # prompts per step (paper: 32)
+    c.train.group_size = 16  # rollouts per prompt, G (paper: 16)
+    c.train.micro_batches = 1  # gradient accumulation inside one mini-batch (memory only)
+    c.train.mini_batches = 1  # optimizer updates per epoch over the step's batch (paper: one mini-batch)
+    c.train.ppo_epochs = 1  # passes over the step's batch
+    c.train.teacher_micro_batches = 1  # micro-batches of the teacher's hindsight forward passes (memory only)
+    c.train.logprob_chunk = 1024  # rows per vocabulary-projection chunk (memory/speed only)
 
-    c.eval = mlc.ConfigDict()
-    c.eval.every = 0  # 0: only before and after RL
-    c.eval.max_turns = 4
+    c.eval = mlc.ConfigDict()  # held-out evaluation (turnsight_jax.eval.heldout)
+    c.eval.every = 5  # RL steps between evaluations (paper: 5); 0: only before and after RL
+    c.eval.max_turns = 10  # assistant turns per held-out task
     c.eval.batch_size = 64  # rollouts per batch
-    c.eval.temperature = 1.0  # 0: greedy; > 0: the sampled policy's expected Solve-F1 (what RL maximises)
-    c.eval.samples = 4  # rollouts per held-out task when sampling (per-task F1 = their mean)
-    c.eval.top_k = 20  # sampling filters of the evaluation (0 / 1.0: off); the same as the rollouts'
-    c.eval.top_p = 1.0
+    c.eval.temperature = 0.0  # 0: greedy; > 0: the sampled policy's expected Solve-F1 (what RL maximises)
+    c.eval.samples = 1  # rollouts per held-out task when sampling (per-task F1 = their mean)
+    c.eval.top_k = 0  # sampling filters when eval.temperature > 0 (0 / 1.0: off)
+    c.eval.top_p = 1.0  # (1.0: off)
 
-    c.sft = mlc.ConfigDict()  # supervised warm-start on gold built-in trajectories (see sft.py)
-    c.sft.curriculum_steps = 250  # stage 1: short rows, softmax over the task vocabulary
-    c.sft.curriculum_lr = 3e-3
-    c.sft.steps = 60  # stage 2: full rows, full vocabulary
-    c.sft.lr = 3e-3
-    c.sft.batch_size = 16
-    c.sft.num_tasks = 1024
-    # Stage 2 imitates an imperfect demonstrator: this fraction of its demonstrations make one wasted
-    # call to a wrong tool before the gold chain. Gold-perfect SFT leaves RL nothing to improve on
-    # the built-in tasks (BENCHMARKS.md); removing the wasted calls is what the default RL learns.
-    c.sft.wrong_call_rate = 0.5
+    c.sft = mlc.ConfigDict()  # supervised warm-start on gold built-in trajectories (see sft.py); the paper has none
+    c.sft.curriculum_steps = 0  # stage 1: short rows, softmax over the task vocabulary (0: skipped)
+    c.sft.curriculum_lr = 1e-5  # stage 1's learning rate
+    c.sft.steps = 0  # stage 2: full rows, full vocabulary (0: skipped)
+    c.sft.lr = 1e-5  # stage 2's learning rate
+    c.sft.batch_size = 16  # rows per SFT step
+    c.sft.num_tasks = 1024  # built-in tasks the demonstrations are drawn from
+    c.sft.wrong_call_rate = 0.0  # stage 2: share of demonstrations with one wasted call to a wrong tool
 
-    c.checkpoint = mlc.ConfigDict()
-    c.checkpoint.every = 10
-    c.checkpoint.keep = 2
-    c.checkpoint.export_at_end = True
+    c.checkpoint = mlc.ConfigDict()  # <workdir>/checkpoints: resumed from automatically
+    c.checkpoint.every = 5  # RL steps between checkpoints (paper: 5); 0: only at the end
+    c.checkpoint.keep = 3  # checkpoints kept
+    c.checkpoint.export_at_end = True  # write the trained policy as a Hugging Face folder
 
-    c.mesh = mlc.ConfigDict()
-    c.mesh.data = 1
-    c.mesh.fsdp = -1
-    c.mesh.tensor = 1
+    c.mesh = mlc.ConfigDict()  # device mesh data x fsdp x tensor; -1: the remaining devices
+    c.mesh.data = 1  # data-parallel replicas
+    c.mesh.fsdp = -1  # parameter/optimizer sharding (every device by default)
+    c.mesh.tensor = 1  # tensor parallelism
 
     c.plan = mlc.ConfigDict()  # --dry_run: the worst-case geometry and the device budget
     c.plan.packed_factor = 2.0  # packed teacher row length / trajectory length
     c.plan.distinct_factor = 3.0  # distinct teacher predictors / policy tokens
-    c.plan.device_memory_gib = 80.0
+    c.plan.device_memory_gib = 80.0  # per-device memory the plan is checked against (paper: 80 GB GPUs)
 
-    c.log = mlc.ConfigDict()
-    c.log.tensorboard = True
-    c.log.progress = True
+    c.log = mlc.ConfigDict()  # run logs (metrics.jsonl is always written)
+    c.log.tensorboard = True  # TensorBoard event files next to metrics.jsonl
+    c.log.progress = True  # progress lines on stderr
     return c
+
+
+# ---- layers ----
+
+# Keys a model layer fixes: the architecture. Everything else a model layer sets (dtypes, remat,
+# attention chunk) is a memory/precision knob and stays overridable.
+ARCHITECTURE_KEYS = ("model.preset",)
+_LAYER_ATTR = "_turnsight_model_layer"  # hidden (not a key): (model layer name, {key: value it fixed})
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelLayer:
+    """A model layer: `model.*` keys (without the prefix) and where they come from."""
+
+    name: str  # for messages: the model file's path, or the embedded layer's name
+    keys: Mapping[str, Any]
+
+
+def model_file(config_file: str | pathlib.Path, model: str) -> ModelLayer:
+    """The model layer `<config_file's folder>/models/<model>.py` (its `get_model()`)."""
+    path = pathlib.Path(config_file).resolve().parent / "models" / f"{model}.py"
+    module = _load_module(path)
+    if not hasattr(module, "get_model"):
+        raise ConfigError(f"model file {path} defines no get_model()")
+    keys = module.get_model()
+    if not isinstance(keys, Mapping):
+        raise ConfigError(f"{path}: get_model() returned {type(keys).__name__}, expected a dict of model keys")
+    return ModelLayer(_display_path(path), dict(keys))
+
+
+def layered(*, model: ModelLayer | None, experiment: Callable[[mlc.ConfigDict], Any] | Sequence | None = None,
+            base: mlc.ConfigDict | None = None) -> mlc.ConfigDict:
+    """base (default `base_config()`) + the model layer (model keys only; its architecture keys
+    are fixed) + the experiment function(s), each applied in place in order."""
+    c = base if base is not None else base_config()
+    if model is not None:
+        for key, value in model.keys.items():
+            if key not in c.model:
+                close = difflib.get_close_matches(key, sorted(c.model.keys()), n=3)
+                hint = f"; did you mean {', '.join(close)}?" if close else ""
+                raise ConfigError(f"model layer {model.name}: {key!r} is not a model.* key{hint}")
+            c.model[key] = value
+        fixed = {k: c.model[k.split(".", 1)[1]] for k in ARCHITECTURE_KEYS}
+        object.__setattr__(c, _LAYER_ATTR, (model.name, fixed))
+    steps = () if experiment is None else (experiment,) if callable(experiment) else tuple(experiment)
+    for step in steps:
+        step(c)
+    for key, value in fixed_keys(c).items():  # an experiment runs any model
+        if _get(c, key) != value:
+            raise ConfigError(f"the experiment changed {key} from the model layer's {value!r} to {_get(c, key)!r}; "
+                              f"an experiment must not set the architecture (layer another model file)")
+    return c
+
+
+def fixed_keys(cfg: mlc.ConfigDict) -> dict[str, Any]:
+    """The keys the config's model layer fixed, with their values ({} without a model layer)."""
+    layer = getattr(cfg, _LAYER_ATTR, None)
+    return dict(layer[1]) if layer else {}
+
+
+def model_layer_name(cfg: mlc.ConfigDict) -> str | None:
+    layer = getattr(cfg, _LAYER_ATTR, None)
+    return layer[0] if layer else None
+
+
+def default_config() -> mlc.ConfigDict:
+    """The embedded default: the tiny CPU experiment (turnsight_jax.experiments) on the
+    tiny-default model: a tiny Qwen3 with the real tokenizer on built-in tasks, CPU, minutes."""
+    from turnsight_jax import experiments
+
+    return layered(model=ModelLayer("tiny_default (turnsight_jax.experiments)", experiments.TINY_DEFAULT_MODEL),
+                   experiment=experiments.tiny_cpu)
+
+
+def _get(cfg: mlc.ConfigDict, key: str) -> Any:
+    node = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def _display_path(path: pathlib.Path) -> str:
+    try:
+        return str(path.relative_to(pathlib.Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _load_module(path: pathlib.Path):
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"turnsight_config_{path.parent.name}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)  # a config file is the user's own Python, like absl's config_flags
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - report any failure of the user's file in one line
+        raise ConfigError(f"config file {path} failed to load: {type(e).__name__}: {e}") from e
+    return module
+
+
+def load_config_module(path: str | pathlib.Path):
+    """A config file as a module (to reuse its experiment function from another config file)."""
+    return _load_module(pathlib.Path(path))
 
 
 def load_config_file(path: str | pathlib.Path) -> mlc.ConfigDict:
     path = pathlib.Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    spec = importlib.util.spec_from_file_location(f"turnsight_config_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)  # a config file is the user's own Python, like absl's config_flags
-    except Exception as e:  # noqa: BLE001 - report any failure of the user's file in one line
-        raise ConfigError(f"config file {path} failed to load: {type(e).__name__}: {e}") from e
+    module = _load_module(path)
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path} defines no get_config()")
-    cfg = module.get_config()
+    try:
+        cfg = module.get_config()
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - report any failure of the user's file in one line
+        raise ConfigError(f"config file {path}: get_config() failed: {type(e).__name__}: {e}") from e
     if not isinstance(cfg, mlc.ConfigDict):
         raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, expected ml_collections.ConfigDict")
     return cfg
@@ -198,22 +315,35 @@ def _parse_value(text: str, old: Any, key: str) -> Any:
 
 
 def apply_overrides(cfg: mlc.ConfigDict, overrides: Sequence[str]) -> mlc.ConfigDict:
-    """Apply `key=value` overrides (dotted keys) in place; unknown keys are errors."""
+    """Apply `key=value` overrides (dotted keys) in place; unknown keys are errors, and so is a
+    change of a key the model layer fixed (the architecture). Keys under `rl.args` are free-form."""
     flat = set(_flat_keys(cfg))
+    fixed = fixed_keys(cfg)
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep:
             raise ConfigError(f"override {item!r} must look like --config.key=value")
-        if key not in flat:
+        free = key.startswith("rl.args.") and len(key) > len("rl.args.") and "rl" in cfg and "args" in cfg.rl
+        if key not in flat and not free:
             close = difflib.get_close_matches(key, sorted(flat), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ConfigError(f"unknown config key {key!r}{hint}")
         *parents, leaf = key.split(".")
         node = cfg
         for p in parents:
+            if free and p not in node:
+                node[p] = mlc.ConfigDict()
             node = node[p]
+        old = node[leaf] if leaf in node else None
+        value = _parse_value(text, old, key)
+        if key in fixed and value != fixed[key]:
+            raise ConfigError(
+                f"--config.{key}={text} conflicts with the model layer {model_layer_name(cfg)}, which fixes "
+                f"{key}={fixed[key]!r}; use a config with that model instead (one layering configs/models/<model>.py)")
         with node.unlocked() if hasattr(node, "unlocked") else _null():
-            node[leaf] = _parse_value(text, node[leaf], key)
+            if old is not None and not isinstance(value, type(old)) and leaf in node:
+                del node[leaf]  # a key of two types (rl.selection: a mode or a depth index)
+            node[leaf] = value
     return cfg
 
 

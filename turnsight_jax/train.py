@@ -29,7 +29,7 @@ from flax import nnx
 
 from turnsight_jax import model_setup, sources
 from turnsight_jax.checkpointing import Checkpointer, write_run_files
-from turnsight_jax.config import load_run_config, rollout_config, sampling_params, validate
+from turnsight_jax.config import load_run_config, model_layer_name, rollout_config, sampling_params, validate
 from turnsight_jax.distributed import maybe_initialize_distributed
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.eval.heldout import evaluate_policy
@@ -109,6 +109,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                           f"--config.model.hf_path=/path/to/Qwen3 (a Hugging Face folder)")
     # Everything that can fail on bad input happens before the run folder is touched.
     tok, tokdir = model_setup.setup_tokenizer(cfg, qcfg.vocab_size)
+    if mismatch := model_setup.architecture_mismatch(cfg, qcfg):
+        log(f"warning: {mismatch}")
     train_tasks = sources.load_tasks(cfg, "train")
     eval_tasks = sources.load_tasks(cfg, "eval")
     if not train_tasks:
@@ -273,8 +275,9 @@ def main(argv=None) -> int:
     try:
         cfg = load_run_config(args.config, rest)
         if jax.process_index() == 0:
-            print(f"# resolved config{' (' + args.config + ')' if args.config else ' (embedded default)'}\n{cfg}",
-                  file=sys.stderr)
+            source = args.config or "embedded default"
+            layer = model_layer_name(cfg)
+            print(f"# resolved config ({source}{'; model layer ' + layer if layer else ''})\n{cfg}", file=sys.stderr)
         if args.dry_run:
             from turnsight_jax.rl.plan import dry_run  # compiles for abstract devices only
 

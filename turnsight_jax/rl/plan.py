@@ -43,6 +43,8 @@ def compile_step(cfg: mlc.ConfigDict):
     step_cfg, method = validate(cfg, jax.device_count(), check_data=False)
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     qcfg = model_setup.model_config(cfg)
+    if mismatch := model_setup.architecture_mismatch(cfg, qcfg):
+        log(f"warning: {mismatch}")
     opts = model_setup.runtime_options(cfg)
     pdtype = model_setup.DTYPES[cfg.model.param_dtype]
     abstract = nnx.eval_shape(lambda: Qwen3(qcfg, rngs=nnx.Rngs(0), param_dtype=pdtype, options=opts))

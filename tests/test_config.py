@@ -1,0 +1,318 @@
+"""Config layers (base, model, experiment), the embedded default, the paper configs, overrides."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from turnsight_jax import config as C
+from turnsight_jax import experiments
+from turnsight_jax.errors import ConfigError
+from turnsight_jax.models.config import PRESETS
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# `default_config().to_dict()` before the config layers (commit d78ba01), value for value: the
+# embedded default must not move when the layering does. (rl.args, the plug-in knobs, is new and empty.)
+TODAY_DEFAULT = {'checkpoint': {'every': 10, 'export_at_end': True, 'keep': 2},
+                 'data': {'categories': ('single_hop', 'multi_hop'),
+                          'entity_style': 'names',
+                          'eval_path': '',
+                          'eval_source': 'builtin',
+                          'extra_rows': 1,
+                          'hops': 2,
+                          'max_distractors': 1,
+                          'min_distractors': 1,
+                          'num_eval': 64,
+                          'num_relations': 4,
+                          'num_train': 2000,
+                          'path': '',
+                          'prompt_style': 'short',
+                          'source': 'builtin',
+                          'vocab_size': 10,
+                          'width': 2},
+                 'eval': {'batch_size': 64,
+                          'every': 0,
+                          'max_turns': 4,
+                          'samples': 4,
+                          'temperature': 1.0,
+                          'top_k': 20,
+                          'top_p': 1.0},
+                 'log': {'progress': True, 'tensorboard': True},
+                 'loss': {'aggregation': 'seq_mean_token_mean',
+                          'clip_eps': 0.2,
+                          'clip_eps_high': 0.28,
+                          'kl_clip': 10.0,
+                          'kl_coef': 0.0,
+                          'kl_estimator': 'low_var_kl'},
+                 'mesh': {'data': 1, 'fsdp': -1, 'tensor': 1},
+                 'model': {'allow_random_init': True,
+                           'attn_q_chunk': 128,
+                           'compute_dtype': 'float32',
+                           'hf_path': '',
+                           'param_dtype': 'float32',
+                           'preset': 'tiny-default',
+                           'ref_dtype': 'float32',
+                           'remat': False},
+                 'name': 'tiny_cpu',
+                 'optim': {'b1': 0.9,
+                           'b2': 0.99,
+                           'lr': 0.0003,
+                           'max_grad_norm': 1.0,
+                           'min_lr_ratio': 0.0,
+                           'schedule': 'constant',
+                           'warmup_steps': 2,
+                           'weight_decay': 0.0},
+                 'plan': {'device_memory_gib': 80.0, 'distinct_factor': 3.0, 'packed_factor': 2.0},
+                 'rl': {'aggregation': 'turn',
+                        'base': 'grpo',
+                        'depths': (1, 2, 3),
+                        'eps_w': 0.5,
+                        'gamma': 0.9,
+                        'group_norm': True,
+                        'lam': 0.5,
+                        'matchtir_matching': 'assignment',
+                        'method': 'turnsight',
+                        'selection': 'vote',
+                        'source': 'tool_results',
+                        'turns': 'all'},
+                 'rollout': {'enable_thinking': False,
+                             'max_prompt_tokens': 1024,
+                             'max_response_tokens': 256,
+                             'max_turn_tokens': 48,
+                             'max_turns': 4,
+                             'prompts_per_chunk': 0,
+                             'temperature': 1.0,
+                             'top_k': 20,
+                             'top_p': 1.0},
+                 'seed': 0,
+                 'sft': {'batch_size': 16,
+                         'curriculum_lr': 0.003,
+                         'curriculum_steps': 250,
+                         'lr': 0.003,
+                         'num_tasks': 1024,
+                         'steps': 60,
+                         'wrong_call_rate': 0.5},
+                 'tokenizer_path': '',
+                 'train': {'group_size': 4,
+                           'logprob_chunk': 256,
+                           'micro_batches': 1,
+                           'mini_batches': 1,
+                           'ppo_epochs': 1,
+                           'prompts_per_step': 8,
+                           'steps': 12,
+                           'teacher_micro_batches': 1}}
+TODAY_DEFAULT["rl"]["args"] = {}
+
+# Keys where configs/qwen3_8b.py's experiment departs from base + its model layer: how the run
+# fits 8 x 80 GB devices and how it evaluates. Anything else would be a value from somewhere else.
+PAPER_EXPERIMENT_KEYS = {"name", "data.num_eval", "eval.max_turns", "rollout.prompts_per_chunk",
+                         "train.micro_batches", "train.teacher_micro_batches", "train.logprob_chunk"}
+SMALLER_BATCH_KEYS = {"train.prompts_per_step", "train.group_size", "train.micro_batches",
+                      "train.teacher_micro_batches", "train.steps", "rollout.max_prompt_tokens",
+                      "rollout.max_response_tokens", "optim.lr"}
+
+
+def flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def cfg_file(name: str):
+    return C.load_config_file(REPO / "configs" / f"{name}.py")
+
+
+def base_plus_model(model: str):
+    return C.layered(model=C.model_file(REPO / "configs" / "x.py", model))
+
+
+# ---- (a) the embedded default ----
+
+def test_embedded_default_is_todays_default():
+    assert C.default_config().to_dict() == TODAY_DEFAULT
+    assert C.load_run_config(None, []).to_dict() == TODAY_DEFAULT
+    assert cfg_file("tiny_cpu").to_dict() == TODAY_DEFAULT
+
+
+def test_embedded_default_layers():
+    base = flat(C.base_config().to_dict())
+    default = flat(C.default_config().to_dict())
+    assert set(base) == set(default)  # a layer sets keys, never adds them
+    assert C.fixed_keys(C.default_config()) == {"model.preset": "tiny-default"}
+    assert C.model_file(REPO / "configs" / "x.py", "tiny_default").keys == experiments.TINY_DEFAULT_MODEL
+    assert C.default_config() is not C.default_config()  # fresh each call: no shared state
+
+
+# ---- the base ----
+
+def test_base_has_no_model_and_requires_data():
+    base = C.base_config()
+    assert base.model.preset == "" and not base.model.allow_random_init
+    assert C.fixed_keys(base) == {}
+    with pytest.raises(ConfigError, match="set model.preset or model.hf_path"):
+        C.validate(base, 1, check_data=False)
+    base.model.preset = "tiny"
+    with pytest.raises(ConfigError, match=r"data.source='ftrl' needs data.path"):
+        C.validate(base, 1)
+
+
+def test_base_documents_every_key():
+    import inspect
+
+    lines = [ln.strip() for ln in inspect.getsource(C.base_config).splitlines() if ln.strip().startswith("c.")]
+    assert lines and all("#" in ln for ln in lines), [ln for ln in lines if "#" not in ln]
+    keys = {ln.split("=")[0].strip()[2:] for ln in lines}
+    assert set(flat(C.base_config().to_dict())) <= keys
+
+
+# ---- (b) the paper configs carry nothing of the tiny experiment ----
+
+@pytest.mark.parametrize("name,model,extra", [
+    ("qwen3_8b", "qwen3_8b", set()),
+    ("qwen3_4b", "qwen3_4b", set()),
+    ("qwen3_0_6b", "qwen3_0_6b", SMALLER_BATCH_KEYS),
+])
+def test_paper_configs_are_base_model_experiment(name, model, extra):
+    resolved = flat(cfg_file(name).to_dict())
+    reference = flat(base_plus_model(model).to_dict())
+    assert set(resolved) == set(reference)
+    differing = {k for k in resolved if resolved[k] != reference[k]}
+    assert differing <= PAPER_EXPERIMENT_KEYS | extra, differing - PAPER_EXPERIMENT_KEYS - extra
+    tiny = flat(C.default_config().to_dict())
+    base = flat(C.base_config().to_dict())
+    from_tiny = {k for k in tiny if k != "model.preset" and tiny[k] != base[k] and resolved[k] == tiny[k]}
+    assert not from_tiny - extra, from_tiny  # no value the tiny experiment set (0.6b's 8 prompts are its own)
+    c = cfg_file(name)
+    assert c.sft.curriculum_steps == 0 and c.sft.steps == 0 and c.sft.wrong_call_rate == 0
+    assert c.eval.temperature == 0.0 and c.eval.samples == 1  # greedy held-out evaluation
+    assert c.rollout.top_k == 0 and c.eval.top_k == 0
+    assert c.model.preset in PRESETS
+    assert C.fixed_keys(c) == {"model.preset": {"qwen3_8b": "qwen3-8b", "qwen3_4b": "qwen3-4b",
+                                                "qwen3_0_6b": "qwen3-0.6b"}[name]}
+    assert "name" not in c.rl  # rl.method replaced rl.name
+
+
+def test_model_files_set_only_model_keys():
+    for path in sorted((REPO / "configs" / "models").glob("*.py")):
+        layer = C.model_file(REPO / "configs" / "x.py", path.stem)
+        assert layer.keys["preset"] in PRESETS, path
+        assert set(layer.keys) <= set(C.base_config().model.keys()), path
+
+
+# ---- (c) SPEC §2 in the resolved Qwen3-8B config ----
+
+def test_qwen3_8b_has_the_papers_values():
+    c = cfg_file("qwen3_8b")
+    assert (c.train.prompts_per_step, c.train.group_size) == (32, 16)
+    assert c.rollout.max_turns == 10
+    assert (c.rollout.max_prompt_tokens, c.rollout.max_response_tokens) == (10_000, 13_000)
+    assert c.optim.lr == 1e-6
+    assert c.train.mini_batches == 1
+    assert c.rollout.temperature == 1.0
+    assert c.loss.kl_coef == 0.0
+    assert c.eval.every == 5 and c.checkpoint.every == 5
+    assert (c.rl.method, c.rl.base) == ("turnsight", "matchtir")
+    assert (c.rl.lam, c.rl.eps_w) == (0.5, 0.5)
+    assert tuple(c.rl.depths) == (1, 2, 3)
+    assert c.rollout.enable_thinking is True
+    assert (c.data.source, c.data.eval_source) == ("ftrl", "ftrl")
+    assert c.model.preset == "qwen3-8b" and not c.model.allow_random_init
+    assert c.train.steps == 208  # 3 epochs x ceil(2215 / 32)
+    step_cfg, method = C.validate(c, 8, check_data=False)
+    assert step_cfg.algo.method == "turnsight" and step_cfg.algo.base == "matchtir"
+    assert method is not None
+
+
+# ---- (d) the model layer's architecture is not overridable ----
+
+def test_architecture_override_is_refused():
+    with pytest.raises(ConfigError) as e:
+        C.load_run_config(str(REPO / "configs/qwen3_8b.py"), ["--config.model.preset=qwen3-4b"])
+    msg = str(e.value)
+    assert "\n" not in msg
+    for part in ("model.preset", "'qwen3-8b'", "qwen3-4b", "configs/models/qwen3_8b.py", "use a config with that model"):
+        assert part in msg, msg
+    with pytest.raises(ConfigError, match="fixes model.preset='tiny-default'"):
+        C.load_run_config(None, ["--config.model.preset=tiny"])
+    with pytest.raises(ConfigError, match="fixes model.preset"):
+        C.load_run_config(str(REPO / "configs/qwen3_8b.py"), ["--config.model.preset="])
+
+
+def test_memory_knobs_and_weights_stay_overridable():
+    c = C.load_run_config(str(REPO / "configs/qwen3_8b.py"), [
+        "--config.model.preset=qwen3-8b",  # the same value: no conflict
+        "--config.model.remat=False", "--config.model.attn_q_chunk=512", "--config.model.compute_dtype=float32",
+        "--config.model.ref_dtype=float32", "--config.model.hf_path=/ckpt/Qwen3-8B"])
+    assert (c.model.remat, c.model.attn_q_chunk, c.model.compute_dtype, c.model.hf_path) == (
+        False, 512, "float32", "/ckpt/Qwen3-8B")
+
+
+def test_layers_guard_their_scope():
+    with pytest.raises(ConfigError, match=r"'lr' is not a model\.\* key"):
+        C.layered(model=C.ModelLayer("m.py", {"preset": "tiny", "lr": 1e-3}))
+
+    def sets_preset(c):
+        c.model.preset = "qwen3-4b"
+
+    with pytest.raises(ConfigError, match="the experiment changed model.preset"):
+        C.layered(model=C.ModelLayer("m.py", {"preset": "qwen3-8b"}), experiment=sets_preset)
+
+
+def test_hf_folder_of_another_architecture_is_named(tmp_path):
+    from turnsight_jax import model_setup
+
+    folder = tmp_path / "Qwen3-4B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(PRESETS["qwen3-4b"].to_hf_dict()))
+    cfg = C.load_run_config(str(REPO / "configs/qwen3_8b.py"), [f"--config.model.hf_path={folder}"])
+    msg = model_setup.architecture_mismatch(cfg, model_setup.model_config(cfg))
+    assert "model.preset='qwen3-8b'" in msg and "configs/models/qwen3_8b.py" in msg, msg
+    assert "hidden_size 2560 (preset 4096)" in msg and "num_layers" not in msg, msg  # 36 layers in both
+    same = C.load_run_config(str(REPO / "configs/qwen3_4b.py"), [f"--config.model.hf_path={folder}"])
+    assert model_setup.architecture_mismatch(same, model_setup.model_config(same)) is None
+
+
+# ---- (e) overrides and validation, in process ----
+
+def test_unknown_key_names_the_closest():
+    with pytest.raises(ConfigError, match=r"unknown config key 'rl.lamda'; did you mean rl.lam"):
+        C.load_run_config(None, ["--config.rl.lamda=0.3"])
+    with pytest.raises(ConfigError, match=r"unknown argument 'rl.lam=0.3'"):
+        C.load_run_config(None, ["rl.lam=0.3"])
+    with pytest.raises(ConfigError, match="must look like --config.key=value"):
+        C.load_run_config(None, ["--config.rl.lam"])
+
+
+def test_bad_type_is_refused():
+    with pytest.raises(ConfigError, match=r"--config.train.steps: expected int, got 'ten'"):
+        C.load_run_config(None, ["--config.train.steps=ten"])
+    with pytest.raises(ConfigError, match=r"--config.model.remat: expected a bool"):
+        C.load_run_config(None, ["--config.model.remat=3"])
+    c = C.load_run_config(None, ["--config.optim.lr=1", "--config.rl.depths=2", "--config.rl.selection=1"])
+    assert c.optim.lr == 1.0 and isinstance(c.optim.lr, float) and tuple(c.rl.depths) == (2,) and c.rl.selection == 1
+
+
+def test_plugin_method_args_are_free_form():
+    c = C.load_run_config(None, ["--config.rl.args.beta=0.25", "--config.rl.args.mode=fast"])
+    step_cfg, _ = C.validate(c, 1)
+    assert step_cfg.algo.arg("beta") == 0.25 and step_cfg.algo.arg("mode") == "fast"
+
+
+def test_validate_returns_step_config_and_method():
+    step_cfg, method = C.validate(C.default_config(), 1)
+    assert step_cfg.algo.method == "turnsight" and step_cfg.algo.base == "grpo"
+    assert step_cfg.group_size == 4 and step_cfg.max_turns == 4
+    assert method is not None
+    with pytest.raises(ConfigError, match="rl.eps_w must be in"):
+        C.validate(C.load_run_config(None, ["--config.rl.eps_w=1.0"]), 1)
+    with pytest.raises(ConfigError, match="does not divide 1 devices"):
+        C.validate(C.load_run_config(None, ["--config.mesh.fsdp=3"]), 1)
+    with pytest.raises(ConfigError, match=r"must split into 1 mini-batches of 3 equal micro-batches"):
+        C.validate(C.load_run_config(None, ["--config.train.micro_batches=3"]), 1)
