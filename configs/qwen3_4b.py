@@ -1,4 +1,4 @@
-"""Qwen3-4B with TurnSight on MatchTIR, the paper's setting (SPEC §2); see configs/qwen3_8b.py."""
+"""Qwen3-4B with TurnSight on MatchTIR, the paper's setting (docs/spec.md §2); see configs/qwen3_8b.py."""
 
 import pathlib
 
