@@ -1,4 +1,4 @@
-"""Qwen3-4B with TurnSight on MatchTIR, the paper's setting (SPEC §2): configs/qwen3_8b.py's
+"""Qwen3-4B with TurnSight on MatchTIR, the paper's setting (docs/spec.md §2): configs/qwen3_8b.py's
 experiment on the Qwen3-4B model layer."""
 
 import pathlib

@@ -1,4 +1,4 @@
-"""Qwen3-8B with TurnSight on MatchTIR, the paper's setting (SPEC §2).
+"""Qwen3-8B with TurnSight on MatchTIR, the paper's setting (docs/spec.md §2).
 
 Layers: `base_config()` (turnsight_jax/config.py) holds the paper's values: 32 prompts x 16
 rollouts per step, max 10 turns, prompt <= 10,000 and response <= 13,000 tokens, lr 1e-6, one PPO

@@ -1,6 +1,6 @@
 """Hand-computed examples for GRPO, MatchTIR and TurnSight, plus guards, registry and edge cases.
 
-Every expected number below is worked out by hand in the comments from SPEC §1; none comes from
+Every expected number below is worked out by hand in the comments from docs/spec.md §1; none comes from
 running the implementation.
 """
 
@@ -378,7 +378,7 @@ def test_jit_with_traced_knobs_and_stop_gradient():
     eager = turnsight_advantages(DELTA, POLICY, TURN_IDS, GIDS, BASE, lam=0.3, eps_w=0.2,
                                  selection=0, turns="last:1")["advantages"]
     np.testing.assert_allclose(f(DELTA, 0.3, 0.2), eager, rtol=1e-6)
-    # δ is outside the gradient (SPEC §1.3).
+    # δ is outside the gradient (docs/spec.md §1.3).
     clean = np.nan_to_num(DELTA)
     grad = jax.grad(lambda d: f(d, 0.5, 0.5).sum())(jnp.asarray(clean))
     assert np.all(np.asarray(grad) == 0)

@@ -1,7 +1,7 @@
 """An independent, loop-based NumPy reference for the advantage estimators, checked against the
 jnp implementation on 200 hypothesis-generated batches per estimator and every TurnSight mode.
 
-The reference is written straight from SPEC §1 and the issue text with plain Python loops over
+The reference is written straight from docs/spec.md §1 and the issue text with plain Python loops over
 trajectories, turns and tokens, in float64; it shares no code with `turnsight_jax.rl.advantages`.
 
 Batches use values on a dyadic grid (multiples of 1/8) so that the discrete decisions (signs,
@@ -162,7 +162,7 @@ def ref_matchtir(turn_rewards, num_turns, turn_ids, policy_mask, group_ids, gamm
 
 
 def _vote(values):
-    """SPEC §1.5 with the documented tie rule (even split → sign of the depth sum, ≥ 0 is +)."""
+    """docs/spec.md §1.5 with the documented tie rule (even split → sign of the depth sum, ≥ 0 is +)."""
     signs = [1 if v >= 0 else -1 for v in values]
     pos, neg = signs.count(1), signs.count(-1)
     if pos != neg:

@@ -1,4 +1,4 @@
-"""Packed attention (SPEC §4): block tokens score exactly as in explicitly built plain sequences.
+"""Packed attention (docs/spec.md §4.2): block tokens score exactly as in explicitly built plain sequences.
 
 A packed row holds an original sequence (segment 0) and blocks. A block is a trunk that reads
 the original up to a prefix limit, and branches that each read the original up to the same

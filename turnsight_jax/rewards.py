@@ -1,7 +1,7 @@
 """Rewards: outcome rewards (Solve-F1, answer token-F1, BFCL pass) and MatchTIR turn rewards.
 
-MatchTIR turn rewards (SPEC §1)
--------------------------------
+MatchTIR turn rewards (docs/spec.md §1.11)
+------------------------------------------
 *What is matched to what:* every predicted tool call of the whole trajectory (all tool turns,
 flattened in turn order) is matched against every gold call of the task (`Task.gold_calls`, all
 turns flattened). Matching is therefore trajectory-level and order-free: a correct call made one

@@ -1,4 +1,4 @@
-"""Hindsight blocks (SPEC §1 steps 1-2), rendered as token pieces that the three depths share.
+"""Hindsight blocks (docs/spec.md §1 steps 1-2), rendered as token pieces that the three depths share.
 
 For turn k of a trajectory with K turns, the block of depth d holds the calls and results of turns
 k .. k̄ with k̄ = min(k+d-1, K-1). The teacher's view is::
@@ -164,7 +164,7 @@ def hindsight_pieces(
     """Tokenised hindsight pieces of turn k (0-based) of ``traj``; each piece is tokenised alone.
 
     Args:
-      source: "tool_results" (default), "tool_results_answer" or "answer" (SPEC §1 ablations).
+      source: "tool_results" (default), "tool_results_answer" or "answer" (docs/spec.md §1.10 ablations).
       gold_answer: required for the sources with the answer.
     """
     open_text, items, close_text, is_empty = hindsight_texts(

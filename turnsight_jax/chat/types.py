@@ -35,7 +35,7 @@ Call = ToolCall | CallError
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """One task in FTRL format (SPEC §3); every source (FTRL, ToolHop, built-in) maps to this.
+    """One task in FTRL format (docs/spec.md §3); every source (FTRL, ToolHop, built-in) maps to this.
 
     messages: chat messages of the prompt (usually one user message).
     tools: OpenAI-style function schemas, [{"type": "function", "function": {...}}].

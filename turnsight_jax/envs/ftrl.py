@@ -1,4 +1,4 @@
-"""FTRL tasks (SPEC §3): loader, FTRL's answer check, Solve-P/R/F1 and the environment.
+"""FTRL tasks (docs/spec.md §3): loader, FTRL's answer check, Solve-P/R/F1 and the environment.
 
 Row layout (jsonl, one object per line, or parquet with the same columns):
   messages      list of {"role", "content"} (one user message); parquet/verl files may call it

@@ -3,7 +3,7 @@
 One kernel serves three callers:
 
 * plain causal batches with right padding (the student forward);
-* packed hindsight sequences (SPEC §4): each token carries a segment id and up to two
+* packed hindsight sequences (docs/spec.md §4.2): each token carries a segment id and up to two
   "context" pairs (segment, end) naming earlier segments it may also read — a block token
   reads the original trajectory (segment 0) up to where its turn begins, and a depth branch
   reads the shared trunk of its block up to where its depth ends;

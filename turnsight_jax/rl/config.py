@@ -36,7 +36,7 @@ class AlgoConfig:
     method: a registered method ("grpo", "matchtir", "turnsight", or one added with
     rl.methods.register_method). A method whose advantage wraps a base (TurnSight) wraps the
     method named by `base` (its rewards and its advantage).
-    TurnSight switches (docs/spec.md §1 ablations): lam, eps_w, selection ("vote" | "mean" | depth
+    TurnSight switches (docs/spec.md §1.10 ablations): lam, eps_w, selection ("vote" | "mean" | depth
     index), aggregation ("turn" | "token"), group_norm, turns ("all" | "first:N" | "last:N"),
     depths (the hindsight depth set D_H), source ("tool_results" | "tool_results_answer" |
     "answer"). matchtir_matching: "assignment" (optimal) or "transport" (Sinkhorn plan) for the

@@ -136,7 +136,7 @@ def outcome_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> float:
 
 @register_reward("matchtir_turns", "turn_rewards", per="turn", needs=("gold_calls",))
 def matchtir_turn_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> np.ndarray:
-    """MatchTIR turn rewards (docs/spec.md §1): each tool turn's calls matched to the gold calls,
+    """MatchTIR turn rewards (docs/spec.md §1.11): each tool turn's calls matched to the gold calls,
     the answer turn scored by token F1 against the gold answer."""
     answer = traj.turns[-1].answer if traj.turns else None
     return matchtir_turn_rewards([t.calls for t in traj.turns], task.gold_calls, answer, task.answer,

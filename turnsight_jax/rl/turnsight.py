@@ -99,11 +99,11 @@ def turnsight_advantages(
     num_groups: int | None = None,
     max_turns: int | None = None,
 ) -> dict[str, Array]:
-    """TurnSight mixed advantages Ã = A^base · ((1−λ) + λ·w) (SPEC §1 steps 4–8).
+    """TurnSight mixed advantages Ã = A^base · ((1−λ) + λ·w) (docs/spec.md §1 steps 4–8).
 
     Inputs: delta [D, B, T] float (upcast to float32), policy_mask [B, T] bool, turn_ids [B, T]
     int32 (−1 off policy), group_ids [B] int32, base_adv [B, T] float. delta and base_adv are
-    wrapped in stop_gradient: advantages are constants of the surrogate (SPEC §1.3).
+    wrapped in stop_gradient: advantages are constants of the surrogate (docs/spec.md §1.3).
     Modes (`selection`, `aggregation`, `group_norm`, `turns`, `num_groups`, `max_turns`) are
     Python values, validated here; `lam`, `eps_w`, `eps` may be traced. Jit- and vmap-able.
 
@@ -115,7 +115,7 @@ def turnsight_advantages(
     Steps:
       aggregation="turn": δ̄^{(d)} = mean of δ^{(d)} over the turn's policy tokens (segment sums).
       aggregation="token" (w/o-aggregation ablation): every assigned token is its own unit, δ̄ = δ.
-      selection per unit: "vote" (SPEC §1.5; tie rule in `_select_depth`: an even split goes to
+      selection per unit: "vote" (docs/spec.md §1.5; tie rule in `_select_depth`: an even split goes to
         the sign of the depth sum, ≥ 0 → +1), "mean" (fusion: depth average; d* = −1), or an int
         depth index i (δ̄* = δ̄^{(i)}, d* = i).
       group_norm=True: μ_g, σ_g = mean and population std (ddof=0) of δ̄* over every assigned

@@ -1,4 +1,4 @@
-"""Packed hindsight views (docs/spec.md §4) and the compact policy-token index of a training batch.
+"""Packed hindsight views (docs/spec.md §4.2) and the compact policy-token index of a training batch.
 
 One packed teacher row per trajectory holds:
 
