@@ -31,8 +31,10 @@ from turnsight_jax.models.config import get_preset  # noqa: E402
 from turnsight_jax.models.qwen3 import Qwen3, RuntimeOptions  # noqa: E402
 from turnsight_jax.rollout.driver import ReplayPolicy, RolloutConfig, rollout  # noqa: E402
 from turnsight_jax.rl.logprobs import student_logprobs, teacher_logprobs  # noqa: E402
-from turnsight_jax.train_step import (AlgoConfig, StepConfig, make_optimizer, make_train_step,  # noqa: E402
-                                      token_losses)
+from turnsight_jax.rl.config import AlgoConfig, StepConfig  # noqa: E402
+from turnsight_jax.rl.losses import clipped_surrogate  # noqa: E402
+from turnsight_jax.rl.methods import resolve_method  # noqa: E402
+from turnsight_jax.rl.step import make_optimizer, make_train_step  # noqa: E402
 
 
 def main():
@@ -65,8 +67,8 @@ def main():
     model = Qwen3(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32, options=opts)
     graphdef, params = nnx.split(model)
     ref = jax.tree.map(lambda x: x.astype(dtype), params)
-    sc = StepConfig(algo=AlgoConfig(name="turnsight"), group_size=args.group, max_turns=6, logprob_chunk=256)
-    batch, stats = make_train_batch(trajs, tok, sc, gold_answers=[t.answer for t in tasks for _ in range(args.group)])
+    sc = StepConfig(algo=AlgoConfig(method="turnsight"), group_size=args.group, max_turns=6, logprob_chunk=256)
+    batch, stats = make_train_batch(trajs, [t for t in tasks for _ in range(args.group)], tok, sc, resolve_method(sc))
     batch = jax.tree.map(jnp.asarray, batch)
     optimizer = make_optimizer(sc.optim)
     opt_state = optimizer.init(params)
@@ -76,7 +78,7 @@ def main():
 
     def student_loss(p, b):
         lp = student_logprobs(nnx.merge(graphdef, p), b.tokens, b.valid, b.pol_pos, chunk=256)
-        loss, _ = token_losses(lp, b.old_logprobs, jnp.ones_like(lp), sc.loss)
+        loss, _ = clipped_surrogate(lp, b.old_logprobs, jnp.ones_like(lp), sc.loss)
         return jnp.sum(loss * b.pol_valid) / jnp.maximum(b.pol_valid.sum(), 1)
 
     student = jax.jit(jax.grad(student_loss))

@@ -206,7 +206,7 @@ def test_model_files_set_only_model_keys():
         assert set(layer.keys) <= set(C.base_config().model.keys()), path
 
 
-# ---- (c) SPEC §2 in the resolved Qwen3-8B config ----
+# ---- (c) docs/spec.md §2 in the resolved Qwen3-8B config ----
 
 def test_qwen3_8b_has_the_papers_values():
     c = cfg_file("qwen3_8b")

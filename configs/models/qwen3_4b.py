@@ -1,4 +1,4 @@
-"""Model layer: Qwen3-4B (the post-trained `Qwen/Qwen3-4B`; SPEC §2) and its precision and memory knobs."""
+"""Model layer: Qwen3-4B (the post-trained `Qwen/Qwen3-4B`; docs/spec.md §2) and its precision and memory knobs."""
 
 
 def get_model():

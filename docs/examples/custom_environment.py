@@ -25,7 +25,8 @@ from turnsight_jax.envs.base import Environment, Episode, EpisodeScore, StepResu
 from turnsight_jax.envs.executor import error_text
 from turnsight_jax.rewards import extract_answer
 from turnsight_jax.rollout.driver import ReplayPolicy, RolloutConfig, rollout
-from turnsight_jax.train_step import AlgoConfig, StepConfig
+from turnsight_jax.rl.config import AlgoConfig, StepConfig
+from turnsight_jax.rl.methods import resolve_method
 
 # ---- the tools: name -> (python function, OpenAI-style schema) ----------------------------------
 
@@ -151,11 +152,13 @@ def main() -> None:
     print("\nhindsight message, turn 0, depth 2:\n" + tok.decode(hindsight_ids(tok, first, 0, 2)))
 
     # The same trajectories as the fixed-shape batch of one TurnSight step.
-    step_cfg = StepConfig(algo=AlgoConfig(name="turnsight", base="grpo"), group_size=group_size,
+    step_cfg = StepConfig(algo=AlgoConfig(method="turnsight", base="grpo"), group_size=group_size,
                           max_turns=config.max_turns)
-    batch, stats = make_train_batch(res.trajectories, tok, step_cfg)
+    row_tasks = [t for t in tasks for _ in range(group_size)]
+    batch, stats = make_train_batch(res.trajectories, row_tasks, tok, step_cfg, resolve_method(step_cfg))
     print("TrainBatch:", {k: tuple(getattr(batch, k).shape) for k in
-                          ("tokens", "pol_pos", "turn_ids", "old_logprobs", "group_ids", "rewards", "turn_rewards")})
+                          ("tokens", "pol_pos", "turn_ids", "old_logprobs", "group_ids")},
+          {k: v.shape for k, v in batch.signals.items()})
     print("packed views:", tuple(batch.views.tokens.shape), f"view_pred {tuple(batch.views.view_pred.shape)}",
           f"overhead {stats['view_overhead']:.2f}x the trajectories' tokens")
     assert batch.views.view_pred.shape[0] == 3  # depths 1, 2, 3
