@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])

@@ -21,7 +21,7 @@ from turnsight_jax.envs.synthetic import (
     gold_tool_calls,
     gold_turn_texts,
 )
-from turnsight_jax.rewards import answer_f1_reward, matchtir_turn_rewards
+from turnsight_jax.rewards import extract_answer, matchtir_turn_rewards, token_f1
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def test_gold_turn_texts_are_qwen3_tool_calls_and_answer():
     # The gold chain is MatchTIR-perfect too.
     r = matchtir_turn_rewards(gold_tool_calls(t) + [[]], t.gold_calls, texts[-1], t.answer)
     np.testing.assert_allclose(r, np.ones(len(texts)))
-    assert answer_f1_reward(texts[-1], t.answer) == 1.0
+    assert token_f1(extract_answer(texts[-1]), t.answer) == 1.0
 
 
 def test_gold_turn_texts_round_trip_through_the_parser():

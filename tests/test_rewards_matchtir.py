@@ -9,15 +9,12 @@ import pytest
 
 from turnsight_jax.chat.types import CallError, ToolCall
 from turnsight_jax.rewards import (
-    answer_f1_reward,
-    bfcl_pass_reward,
     call_similarity,
     extract_answer,
     matched_call_rewards,
     matchtir_turn_rewards,
     optimal_assignment,
     sinkhorn_plan,
-    solve_f1_reward,
     token_f1,
 )
 
@@ -121,6 +118,4 @@ def test_outcome_rewards():
     assert token_f1("x b c", "c d") == pytest.approx(2 * (1 / 3) * (1 / 2) / (1 / 3 + 1 / 2))
     assert extract_answer("<think>x</think> <answer> Rila </answer>") == "Rila"
     assert extract_answer("<think>hm</think>Rila") == "Rila"
-    assert answer_f1_reward("<answer>Rila</answer>", "rila") == 1.0
-    assert solve_f1_reward([("f", "Rila")], {"f": ["rila"]}) == 1.0
-    assert bfcl_pass_reward({"valid": True}) == 1.0 and bfcl_pass_reward({"valid": False}) == 0.0
+    assert token_f1(extract_answer("<answer>Rila</answer>"), "rila") == 1.0

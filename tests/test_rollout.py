@@ -3,7 +3,6 @@ environment, checked token by token against the environment's own record."""
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx

@@ -30,7 +30,6 @@ the answer against the gold answer.
 from __future__ import annotations
 
 import collections
-import json
 import math
 import re
 import string
@@ -84,28 +83,6 @@ def token_f1(prediction: str | None, gold: str | None) -> float:
     precision = same / len(pred_tokens)
     recall = same / len(gold_tokens)
     return 2 * precision * recall / (precision + recall)
-
-
-# ---------------------------------------------------------------------------------------------
-# Outcome rewards
-# ---------------------------------------------------------------------------------------------
-def answer_f1_reward(final_text: str | None, gold_answer: str) -> float:
-    """Token-F1 of the extracted final answer against the gold answer."""
-    return token_f1(extract_answer(final_text), gold_answer)
-
-
-def solve_f1_reward(
-    call_outputs: Sequence[tuple[str, str]], unsolved_set: Mapping[str, Sequence[str]]
-) -> float:
-    """FTRL's Solve-F1 of an episode's (tool name, observation) list."""
-    from turnsight_jax.envs.ftrl import solve_metrics  # local: keeps rewards import-light
-
-    return solve_metrics(call_outputs, unsolved_set)["solve_f1"]
-
-
-def bfcl_pass_reward(checker_result: Mapping[str, Any]) -> float:
-    """1.0 when BFCL's official multi-turn checker accepted the episode, else 0.0."""
-    return 1.0 if checker_result.get("valid") else 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,8 +254,3 @@ def matchtir_turn_rewards(
     if len(pred_turns[-1]) == 0 and answer_pred is not None:
         rewards[-1] = token_f1(extract_answer(answer_pred), answer_gold or "")
     return rewards
-
-
-def gold_call_dicts(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
-    """ToolCalls as {"name", "arguments"} dicts (the `Task.gold_calls` element format)."""
-    return [{"name": c.name, "arguments": json.loads(json.dumps(c.arguments))} for c in calls]
