@@ -7,7 +7,7 @@ One call of the compiled step, for a rollout batch of B trajectories (B / G prom
    the reference log-probs on the original context come from the same packed forward when a
    loss term reads "ref_logprobs";
 2. δ = teacher − student, where the student log-probs are the rollout's own (the sampler's
-   log-probs equal a teacher-forced forward of the rollout parameters, tests/test_sampler.py) ->
+   log-probs equal a teacher-forced forward of the rollout parameters, tests/test_rollout_sampler.py) ->
    the method's advantage (`rl.advantages.make_advantage_fn`) on the whole batch, so group
    statistics see all siblings;
 3. for each PPO epoch and mini-batch: gradients of the method's loss terms (rl.losses) accumulated
