@@ -14,7 +14,8 @@ from turnsight_jax.chat.hindsight import (
     hindsight_texts,
     teacher_view_ids,
 )
-from turnsight_jax.chat.parsing import call_error_text, parse_turn, render_tool_call
+from turnsight_jax.chat.parsing import parse_turn, render_tool_call
+from turnsight_jax.envs.base import malformed_observation
 from turnsight_jax.chat.tokenizer import encode, load_tokenizer, special_ids
 from turnsight_jax.chat.trajectory import TrajectoryBuilder
 from turnsight_jax.chat.types import CallError
@@ -39,7 +40,7 @@ def _rollout(tok, turns, *, think=True):
         b.add_policy_turn(ids, [-0.1] * len(ids), text, parsed.calls, parsed.answer)
         if results is not None:
             if results == "errors":
-                results = [call_error_text(c) if isinstance(c, CallError) else "?" for c in parsed.calls]
+                results = [malformed_observation(c) if isinstance(c, CallError) else "?" for c in parsed.calls]
             s = T.observation_suffix_ids(tok, results, enable_thinking=think)
             b.add_observation(s.ids, results, s.result_spans, s.header_offset)
     return b.build(finish_reason="answer" if turns[-1][1] is None else "max_turns")
@@ -74,7 +75,7 @@ ITEM0 = (
 ITEM1 = '<turn>\n<tool_call>\n{"name": "w", "arguments": {"c": "Oslo"}}\n</tool_call>\n<tool_response>\nSnow\n\n</tool_response>\n</turn>\n'
 ITEM2 = (
     '<turn>\n<tool_call>\n{"name": "w", "arguments": [1]}\n</tool_call>\n'
-    "<tool_response>\nError: could not parse the tool call. tool call 1: arguments must be a JSON object, got list\n</tool_response>\n"
+    "<tool_response>\ntool call 1: arguments must be a JSON object, got list\n</tool_response>\n"
     "</turn>\n"
 )
 OPEN = "<|im_start|>user\n<hindsight>\n"

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turnsight_jax.chat.parsing import ParsedTurn, call_error_text, parse_turn, render_tool_call
+from turnsight_jax.chat.parsing import ParsedTurn, parse_turn, render_tool_call
+from turnsight_jax.envs.base import malformed_observation
 from turnsight_jax.chat.types import CallError, ToolCall
 
 
@@ -110,7 +111,7 @@ def test_malformed_call_messages(body, message):
     assert isinstance(err, CallError)
     assert err.message == message
     assert err.raw == body
-    assert call_error_text(err) == "Error: could not parse the tool call. " + message
+    assert malformed_observation(err) == message  # what the policy is shown
 
 
 def test_tag_structure_errors():

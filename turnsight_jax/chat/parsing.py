@@ -245,8 +245,3 @@ def render_tool_call(name: str, arguments: dict[str, Any]) -> str:
     # only touch string contents.
     body = body.replace(CLOSE_CALL, "\\u003c/tool_call>").replace(OPEN_CALL, "\\u003ctool_call>")
     return f"{OPEN_CALL}\n{body}\n{CLOSE_CALL}"
-
-
-def call_error_text(err: CallError) -> str:
-    """Observation text returned to the policy for a malformed call."""
-    return f"Error: could not parse the tool call. {err.message}"

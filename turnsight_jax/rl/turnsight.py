@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from turnsight_jax.rl.config import parse_turn_coverage
 from turnsight_jax.rl.groups import group_gather, pooled_group_stats
 
 Array = jax.Array
@@ -24,13 +25,10 @@ _COVER_ALL, _COVER_FIRST, _COVER_LAST = 0, 1, 2
 
 
 def parse_turns(turns: str) -> tuple[int, int]:
-    """"all" | "first:N" | "last:N" (N ≥ 1) → (coverage code, N)."""
-    if turns == "all":
-        return _COVER_ALL, 0
-    kind, _, num = turns.partition(":")
-    if kind in ("first", "last") and num.isdigit() and int(num) >= 1:
-        return (_COVER_FIRST if kind == "first" else _COVER_LAST), int(num)
-    raise ValueError(f"turns must be 'all', 'first:N' or 'last:N' with N >= 1, got {turns!r}")
+    """"all" | "first:N" | "last:N" (N ≥ 1) → (coverage code, N); the spec is read by
+    rl.config.parse_turn_coverage, the one parser of it."""
+    kind, n = parse_turn_coverage(turns)
+    return {"all": _COVER_ALL, "first": _COVER_FIRST, "last": _COVER_LAST}[kind], n
 
 
 def _parse_selection(selection: Any, num_depths: int) -> tuple[int, int]:
