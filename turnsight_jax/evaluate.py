@@ -40,10 +40,18 @@ DEFAULTS = dict(max_turns=20, batch_size=32, max_new_tokens=1024, max_prompt_tok
                 max_response_tokens=13_000, builtin_per_category=50, builtin_seed=1000, seed=0)
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None (those flags state their default in their help)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m turnsight_jax.evaluate",
                                 description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                epilog=__doc__.split("\n\n")[2].split(" Prints the sampling mode")[0],
+                                formatter_class=_Formatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="RUN_DIR", help="a turnsight_jax training run folder")
     src.add_argument("--hf", metavar="HF_DIR", help="a Hugging Face Qwen3 folder (config.json + safetensors)")

@@ -141,7 +141,7 @@ def run_suites(source: PolicySource, suites: Sequence[suite_lib.Suite], settings
         t0 = time.monotonic()
         pairs = suite.pairs()
         tasks = [t for _, t in pairs]
-        config = suite.budgets or suite_lib.rollout_config(suite.benchmark, settings, tasks)
+        config = suite_lib.rollout_config(suite.benchmark, settings, tasks)
         progress.label = suite.benchmark
         env = env_factory(suite.benchmark, settings)
         try:

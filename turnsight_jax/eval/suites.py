@@ -93,7 +93,6 @@ class Suite:
     categories: dict[str, list[Task]]
     labels: dict[str, str]
     order: list[tuple[str, Task]] | None = None  # evaluation order; None: category by category
-    budgets: RolloutConfig | None = None  # None: `rollout_config(benchmark, settings, tasks)`
     heldout: bool = False  # a training run's held-out tasks
 
     def pairs(self) -> list[tuple[str, Task]]:
@@ -200,18 +199,17 @@ def load_suite(benchmark: str, settings: EvalSettings, *, ftrl_path: str | None 
 
 def run_heldout_suite(run_cfg, settings: EvalSettings) -> Suite:
     """A training run's held-out built-in tasks (`sources.load_tasks(run_cfg, "eval")`: data.num_eval
-    tasks from the run's held-out seed stream) in the run's order, with the run's budgets
-    (`config.rollout_config(run_cfg, max_turns=eval.max_turns)`). `settings.limit` keeps the first N
-    tasks of every category (and then no longer reproduces the run's batches)."""
+    tasks from the run's held-out seed stream) in the run's order. Its budgets are the settings'
+    (`rollout_config`), which the command line fills from the run's config (rollout.*,
+    eval.max_turns) unless flags say otherwise. `settings.limit` keeps the first N tasks of every
+    category (and then no longer reproduces the run's batches)."""
     from turnsight_jax import sources
-    from turnsight_jax.config import rollout_config as run_rollout_config
 
     tasks = sources.load_tasks(run_cfg, "eval")
     groups, labels = _group(tasks, FTRL_CATEGORIES, settings.limit, "the run's held-out tasks")
     kept = {id(t) for ts in groups.values() for t in ts}
     order = [(t.category or "uncategorised", t) for t in tasks if id(t) in kept]
-    budgets = run_rollout_config(run_cfg, max_turns=run_cfg.eval.max_turns)
-    return Suite("builtin", groups, labels, order=order, budgets=budgets, heldout=True)
+    return Suite("builtin", groups, labels, order=order, heldout=True)
 
 
 def make_env(benchmark: str, settings: EvalSettings) -> Environment:
