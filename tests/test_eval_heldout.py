@@ -148,6 +148,14 @@ def test_cli_reproduces_the_runs_heldout_evaluation_from_the_run_folder(tok, env
     examples = [json.loads(line) for line in (out / "examples.jsonl").read_text().splitlines()]
     assert [e["task_id"] for e in examples] == [t.task_id for t in sources.load_tasks(cfg, "eval")]
     assert all(len(e["samples"]) == 2 for e in examples)
+    # Every sampled trajectory the CLI wrote is the one the training-time loop decodes.
+    rc = rollout_config(cfg, max_turns=cfg.eval.max_turns)
+    sampling = SamplingParams(temperature=1.0, top_k=20)
+    per_task, _ = run_batches(
+        lambda chunk, g, seed: ModelPolicy(graphdef, params, tok, sampling=sampling, config=rc, seed=seed),
+        env, sources.load_tasks(cfg, "eval"), tokenizer=tok, config=rc, group_size=2, batch_size=4, seed=3)
+    assert [[s["text"] for s in e["samples"]] for e in examples] == \
+        [[tok.decode(t.tokens.tolist(), skip_special_tokens=False) for t in group] for group in per_task]
 
     # The greedy figure of the same run (train.py's "greedy" entry) through the same flags' defaults.
     want_greedy = evaluate_policy(graphdef, params, tok, sources.load_tasks(cfg, "eval"), cfg, env, greedy=True)

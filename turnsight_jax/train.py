@@ -84,19 +84,19 @@ def _step_flops(qcfg, decoded: float, train_tokens: float, view_tokens: float, p
             + 3 * train_tokens * per_tok + 3 * policy_tokens * head)
 
 
-def _eval_progress(cfg, n_episodes: int, label: str) -> ProgressLine:
+def _eval_progress(cfg, n_tasks: int, *, greedy: bool = False) -> ProgressLine:
     """The held-out evaluation's throttled stderr line (silent with log.progress=False)."""
-    return ProgressLine(n_episodes, label=label, quiet=not cfg.log.progress or jax.process_index() != 0)
+    samples = 1 if greedy or cfg.eval.temperature <= 0 else int(cfg.eval.samples)
+    return ProgressLine(n_tasks * samples, label="held-out" + (" greedy" if greedy else ""),
+                        quiet=not cfg.log.progress or jax.process_index() != 0)
 
 
 def _evaluate(graphdef, params, tok, tasks, cfg, env) -> dict:
     """The configured held-out evaluation; when it samples, the greedy one too (under "greedy")."""
-    samples = 1 if cfg.eval.temperature <= 0 else int(cfg.eval.samples)
-    out = evaluate_policy(graphdef, params, tok, tasks, cfg, env,
-                          progress=_eval_progress(cfg, len(tasks) * samples, "held-out"))
+    out = evaluate_policy(graphdef, params, tok, tasks, cfg, env, progress=_eval_progress(cfg, len(tasks)))
     if out["mode"] != "greedy":
         greedy = evaluate_policy(graphdef, params, tok, tasks, cfg, env, greedy=True,
-                                 progress=_eval_progress(cfg, len(tasks), "held-out greedy"))
+                                 progress=_eval_progress(cfg, len(tasks), greedy=True))
         out["greedy"] = {k: v for k, v in greedy.items() if k != "per_task_solve_f1"}
     return out
 
@@ -207,7 +207,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             if peak:
                 metrics["perf/mfu_vs_measured_matmul"] = flops / t_total / peak
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < n_steps and eval_tasks:
-                ev = evaluate_policy(graphdef, params, tok, eval_tasks, cfg, eval_env)
+                ev = evaluate_policy(graphdef, params, tok, eval_tasks, cfg, eval_env,
+                                     progress=_eval_progress(cfg, len(eval_tasks)))
                 metrics.update({f"eval/{k}": v for k, v in ev.items() if isinstance(v, float)})
             mlog.write(step, metrics)
             progress.update(step, {"reward": metrics["rollout/reward_mean"],
