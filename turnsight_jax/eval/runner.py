@@ -47,7 +47,8 @@ def run_batches(policy_factory: PolicyFactory, env: Environment, tasks: Sequence
                 progress: ProgressCallback | None = None) -> tuple[list[list[Any]], dict[str, float]]:
     """G = group_size rollouts of every task, in batches of max(1, batch_size // G) tasks.
 
-    Returns (per task, its G trajectories in sample order; summed/last rollout stats)."""
+    Returns (per task in order, its G `Trajectory`s in sample order; rollout stats summed over the
+    batches, `compilations` the process total)."""
     per_task: list[list[Any]] = []
     totals: dict[str, float] = {}
     bs = max(1, batch_size // group_size)
