@@ -3,6 +3,7 @@
 Layout of a run folder (`--workdir`):
 
   checkpoints/<step>/{params,opt_state,meta}   orbax, one folder per step, keep-last-N
+  config.json                                  the resolved run config (ml_collections JSON)
   model/config.json                            the policy architecture (Hugging Face form)
   tokenizer/                                   the tokenizer the run used
   export/                                      Hugging Face export of the trained policy
@@ -91,6 +92,30 @@ def write_run_files(workdir: str | pathlib.Path, model_config: Qwen3Config, toke
     dst = workdir / "tokenizer"
     if not dst.exists():
         shutil.copytree(tokenizer_dir, dst)
+
+
+RUN_CONFIG = "config.json"
+
+
+def write_run_config(workdir: str | pathlib.Path, cfg) -> None:
+    """The resolved run config as `workdir/config.json` (process 0 only); `read_run_config` reads it."""
+    if jax.process_index() == 0:
+        pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
+        (pathlib.Path(workdir) / RUN_CONFIG).write_text(cfg.to_json(indent=2) + "\n")
+
+
+def read_run_config(workdir: str | pathlib.Path):
+    """The run's ml_collections ConfigDict from `workdir/config.json`, or None when the run has none
+    (JSON turns tuples into lists; consumers convert where they need tuples)."""
+    import ml_collections as mlc
+
+    path = pathlib.Path(workdir) / RUN_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        return mlc.ConfigDict(json.loads(path.read_text()))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: not a run config ({e})") from None
 
 
 def load_policy_from_run(

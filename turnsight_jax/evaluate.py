@@ -5,7 +5,16 @@
     python -m turnsight_jax.evaluate --checkpoint RUN_DIR [--step N] --benchmarks builtin
     python -m turnsight_jax.evaluate --replay gold --benchmarks bfcl,builtin      # no model
 
-Greedy decoding, group size 1, rows in batches of --batch-size through one policy. Prints the
+Greedy decoding by default; `--temperature T --samples N [--top-k K] [--top-p P]` samples N
+rollouts per task and averages each task's metrics over them. Rollouts go in batches of
+--batch-size episodes (batch_size // N tasks), the batch starting at task i with a policy seeded
+--seed + i: the seeding of the training-time held-out evaluation. With `--checkpoint RUN` and
+`--benchmarks builtin`, a run folder that has its config.json (written by training) evaluates the
+run's own held-out built-in tasks (data.num_eval tasks of the run's held-out seed stream, in the
+run's order) with the run's budgets (rollout.*, eval.max_turns), batch size (eval.batch_size),
+seed and model runtime options, so that `--temperature 1 --top-k 20 --samples 4` (the run's eval.*
+sampling) reproduces the run's held-out Solve-F1 exactly; giving --builtin-per-category or
+--builtin-seed evaluates the generic built-in suite instead. Prints the sampling mode and the
 tables (Markdown) and writes results.json (scores, settings, timing) and examples.jsonl (one
 line per task: ids, category, decoded trajectory, turns with calls and results, metrics) into
 --out. Input errors (unknown benchmark, missing data, wrong model architecture, tokenizer larger
@@ -24,15 +33,25 @@ from typing import Sequence
 
 from turnsight_jax.eval import suites as suite_lib
 from turnsight_jax.eval.errors import EvalError
-from turnsight_jax.eval.progress import Progress
 
 EXIT_USAGE = 2
+# Flags whose unset value (None) means: the run's value for a run's held-out tasks, else this.
+DEFAULTS = dict(max_turns=20, batch_size=32, max_new_tokens=1024, max_prompt_tokens=10_000,
+                max_response_tokens=13_000, builtin_per_category=50, builtin_seed=1000, seed=0)
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None (those flags state their default in their help)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m turnsight_jax.evaluate",
                                 description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                epilog=__doc__.split("\n\n")[2].split(" Prints the sampling mode")[0],
+                                formatter_class=_Formatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="RUN_DIR", help="a turnsight_jax training run folder")
     src.add_argument("--hf", metavar="HF_DIR", help="a Hugging Face Qwen3 folder (config.json + safetensors)")
@@ -46,50 +65,112 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--toolhop", default=None, help="ToolHop file (.json list or .jsonl)")
     p.add_argument("--bfcl-limit", type=int, default=None, help="first N BFCL entries per category")
     p.add_argument("--limit", type=int, default=None, help="first N tasks per category, every benchmark")
-    p.add_argument("--builtin-per-category", type=int, default=50, help="built-in tasks per category")
-    p.add_argument("--builtin-seed", type=int, default=1000, help="seed of the built-in tasks")
+    p.add_argument("--builtin-per-category", type=int, default=None,
+                   help=f"built-in tasks per category (default {DEFAULTS['builtin_per_category']}; given: the "
+                        "generic built-in suite even for a run folder)")
+    p.add_argument("--builtin-seed", type=int, default=None,
+                   help=f"seed of the built-in tasks (default {DEFAULTS['builtin_seed']}; given: as above)")
     p.add_argument("--out", default=None, help="output folder for results.json and examples.jsonl")
     p.add_argument("--name", default=None, help="model name in the tables")
-    p.add_argument("--max-turns", type=int, default=20, help="policy turns per episode (FTRL's eval limit: 20)")
-    p.add_argument("--batch-size", type=int, default=32, help="episodes decoded together")
-    p.add_argument("--max-new-tokens", type=int, default=1024, help="tokens per policy turn")
-    p.add_argument("--max-prompt-tokens", type=int, default=10_000, help="longer prompts are an error")
-    p.add_argument("--max-response-tokens", type=int, default=13_000,
-                   help="policy + observation tokens per episode (FTRL, ToolHop, built-in)")
+    p.add_argument("--max-turns", type=int, default=None,
+                   help="policy turns per episode (default 20, FTRL's eval limit; a run's held-out tasks: its "
+                        "eval.max_turns)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="episodes decoded together (default 32; a run's held-out tasks: its eval.batch_size)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens per policy turn (default 1024; a run's held-out tasks: its rollout.max_turn_tokens)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longer prompts are an error (default 10000; a run's: rollout.max_prompt_tokens)")
+    p.add_argument("--max-response-tokens", type=int, default=None,
+                   help="policy + observation tokens per episode, FTRL, ToolHop, built-in (default 13000; "
+                        "a run's: rollout.max_response_tokens)")
     p.add_argument("--bfcl-max-response-tokens", type=int, default=32_768,
                    help="policy + observation tokens per BFCL episode")
     p.add_argument("--enable-thinking", action="store_true", help="Qwen3 thinking mode")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and KV cache")
     p.add_argument("--workers", type=int, default=2, help="tool executor worker processes")
-    p.add_argument("--seed", type=int, default=0, help="environment / sampler seed (greedy ignores it)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
+    p.add_argument("--samples", type=int, default=1,
+                   help="rollouts per task when sampling (each task's metrics: their mean)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0: off")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1.0: off")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampler / environment seed (default 0; a run's held-out tasks: the run's seed)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     return p
 
 
-def settings_from_args(args) -> suite_lib.EvalSettings:
+def run_config_for(args, benchmarks: Sequence[str]):
+    """The run's config when `--checkpoint RUN --benchmarks builtin` evaluates the run's held-out
+    tasks (the folder has config.json, its held-out source is builtin, and neither
+    --builtin-per-category nor --builtin-seed is given); else None."""
+    from turnsight_jax.checkpointing import read_run_config
+
+    if not args.checkpoint or "builtin" not in benchmarks:
+        return None
+    if args.builtin_per_category is not None or args.builtin_seed is not None:
+        return None
+    try:
+        cfg = read_run_config(args.checkpoint)
+    except ValueError as e:
+        raise EvalError(str(e)) from None
+    return cfg if cfg is not None and cfg.data.eval_source == "builtin" else None
+
+
+def settings_from_args(args, run_cfg=None) -> suite_lib.EvalSettings:
+    """EvalSettings from the flags; unset flags take the run's values (held-out mode) or DEFAULTS."""
+    from turnsight_jax.rollout.sampler import SamplingParams
+
+    run = {} if run_cfg is None else dict(
+        max_turns=run_cfg.eval.max_turns, batch_size=run_cfg.eval.batch_size,
+        max_new_tokens=run_cfg.rollout.max_turn_tokens, max_prompt_tokens=run_cfg.rollout.max_prompt_tokens,
+        max_response_tokens=run_cfg.rollout.max_response_tokens, seed=run_cfg.seed)
+    values = {k: getattr(args, k) if getattr(args, k) is not None else run.get(k, d) for k, d in DEFAULTS.items()}
     for name in ("max_turns", "batch_size", "max_new_tokens", "max_prompt_tokens", "max_response_tokens",
-                 "bfcl_max_response_tokens", "builtin_per_category", "workers"):
+                 "builtin_per_category", "samples"):
+        value = values.get(name, getattr(args, name, None))
+        if value <= 0:
+            raise EvalError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    for name in ("bfcl_max_response_tokens", "workers"):
         if getattr(args, name) <= 0:
             raise EvalError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ("limit", "bfcl_limit"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise EvalError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.temperature < 0:
+        raise EvalError(f"--temperature must be >= 0, got {args.temperature:g}")
+    if args.temperature > 0:
+        try:
+            SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        except ValueError as e:
+            raise EvalError(f"--temperature/--top-k/--top-p: {e}") from None
+    elif args.samples != 1:
+        raise EvalError(f"--samples {args.samples} needs --temperature > 0 (greedy rollouts are all the same)")
     return suite_lib.EvalSettings(
-        max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-        max_response_tokens=args.max_response_tokens, bfcl_max_response_tokens=args.bfcl_max_response_tokens,
-        enable_thinking=args.enable_thinking, batch_size=args.batch_size, limit=args.limit,
-        bfcl_limit=args.bfcl_limit, builtin_per_category=args.builtin_per_category,
-        builtin_seed=args.builtin_seed, workers=args.workers, seed=args.seed,
+        max_prompt_tokens=values["max_prompt_tokens"], bfcl_max_response_tokens=args.bfcl_max_response_tokens,
+        enable_thinking=args.enable_thinking or bool(run_cfg is not None and run_cfg.rollout.enable_thinking),
+        limit=args.limit, bfcl_limit=args.bfcl_limit, workers=args.workers,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, samples=args.samples,
+        **{k: values[k] for k in ("max_turns", "batch_size", "max_new_tokens", "max_response_tokens",
+                                  "builtin_per_category", "builtin_seed", "seed")},
     )
+
+
+def sampling_mode(settings: suite_lib.EvalSettings) -> str:
+    from turnsight_jax.eval.runner import describe_sampling
+
+    return describe_sampling(settings.temperature, settings.group_size, settings.top_k, settings.top_p)
 
 
 def prepare(args):
     """Every check that needs no weights, then the weights: (source, suites, settings)."""
     from turnsight_jax.eval.policies import ModelSource, ReplaySource, tokenizer_from
     from turnsight_jax.eval.scripts import check_gold_supported
+    from turnsight_jax.rollout.sampler import SamplingParams
 
     benchmarks = suite_lib.parse_benchmarks(args.benchmarks)
-    settings = settings_from_args(args)
+    run_cfg = run_config_for(args, benchmarks)
+    settings = settings_from_args(args, run_cfg)
     if args.step is not None and not args.checkpoint:
         raise EvalError("--step applies to --checkpoint only")
     suite_lib.check_inputs(benchmarks, args.ftrl, args.toolhop)
@@ -105,8 +186,16 @@ def prepare(args):
         kind, path = ("checkpoint", args.checkpoint) if args.checkpoint else ("hf", args.hf)
         spec = ModelSource.inspect(kind, path, step=args.step, tokenizer_dir=args.tokenizer)
         tokenizer = ModelSource.load_tokenizer(spec)
-        source = ModelSource(spec, tokenizer, dtype=args.dtype, seed=args.seed, label=args.name)
-    suites = [suite_lib.load_suite(b, settings, ftrl_path=args.ftrl, toolhop_path=args.toolhop) for b in benchmarks]
+        sampling = SamplingParams(greedy=True) if settings.greedy else SamplingParams(
+            temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
+        options = None
+        if run_cfg is not None:
+            from turnsight_jax.model_setup import runtime_options
+
+            options = runtime_options(run_cfg)
+        source = ModelSource(spec, tokenizer, dtype=args.dtype, sampling=sampling, options=options, label=args.name)
+    suites = [suite_lib.run_heldout_suite(run_cfg, settings) if b == "builtin" and run_cfg is not None else
+              suite_lib.load_suite(b, settings, ftrl_path=args.ftrl, toolhop_path=args.toolhop) for b in benchmarks]
     for suite in suites:
         source.check(suite.benchmark, suite.tasks)
     if isinstance(source, ModelSource):
@@ -126,32 +215,36 @@ def write_outputs(out: pathlib.Path, evaluation: dict) -> None:
 
 def evaluate(args) -> dict:
     """Runs the evaluation described by parsed `args`: {"results", "markdown", "examples"}."""
+    from turnsight_jax.eval.heldout import summarise_tasks
     from turnsight_jax.eval.runner import run_suites
     from turnsight_jax.eval.scoring import markdown, summarise
+    from turnsight_jax.rollout.progress import ProgressLine
 
     t0 = time.monotonic()
     source, suites, settings = prepare(args)
     setup_s = time.monotonic() - t0
-    progress = Progress(sum(len(s) for s in suites), stream=None if not args.quiet else _Null())
+    mode = sampling_mode(settings)
+    progress = ProgressLine(sum(len(s) for s in suites) * settings.group_size, quiet=args.quiet)
     examples, stats = run_suites(source, suites, settings, progress=progress)
     summary = summarise(suites, examples)
+    header = f"Decoding: {mode}.\n"
     results = {
         "model": source.label,
         "source": source.describe(),
-        "settings": {**vars(settings), "benchmarks": [s.benchmark for s in suites], "greedy": True,
-                     "ftrl_path": args.ftrl, "toolhop_path": args.toolhop},
+        "settings": {**vars(settings), "benchmarks": [s.benchmark for s in suites], "greedy": settings.greedy,
+                     "sampling": mode, "ftrl_path": args.ftrl, "toolhop_path": args.toolhop},
         **summary,
         "timing": {"setup_s": setup_s, "total_s": time.monotonic() - t0, "benchmarks": stats},
     }
-    return {"results": results, "markdown": markdown(source.label, summary), "examples": examples}
-
-
-class _Null:
-    def write(self, _):
-        pass
-
-    def flush(self):
-        pass
+    held = [s for s in suites if s.heldout]
+    if held:
+        # The training run's own held-out figure: the mean over tasks (not over categories).
+        ho = summarise_tasks([e.metrics for e in examples if e.benchmark == held[0].benchmark], mode)
+        results["heldout"] = ho
+        header += (f"Run held-out tasks ({ho['n']} built-in tasks of the run's held-out stream): "
+                   f"Solve-F1 {ho.get('solve_f1', float('nan')):.4f} ± {ho.get('solve_f1_se', 0.0):.4f} "
+                   f"(mean over tasks).\n")
+    return {"results": results, "markdown": header + "\n" + markdown(source.label, summary), "examples": examples}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,13 +25,19 @@ def runtime_options(cfg: mlc.ConfigDict) -> RuntimeOptions:
                           attn_q_chunk=cfg.model.attn_q_chunk)
 
 
+def tokenizer_folder(explicit: str | pathlib.Path | None, hf_path: str | pathlib.Path | None) -> pathlib.Path:
+    """`explicit`, else the HF folder's own tokenizer (a tokenizer.json there), else the bundled
+    Qwen3 tokenizer. The one rule for training (`tokenizer_path`, `model.hf_path`) and `--hf`."""
+    if explicit:
+        return pathlib.Path(explicit)
+    if hf_path and (pathlib.Path(hf_path) / "tokenizer.json").is_file():
+        return pathlib.Path(hf_path)
+    return default_tokenizer_dir()
+
+
 def tokenizer_dir(cfg: mlc.ConfigDict) -> pathlib.Path:
     """tokenizer_path, else the HF folder's own tokenizer, else the bundled Qwen3 tokenizer."""
-    if cfg.tokenizer_path:
-        return pathlib.Path(cfg.tokenizer_path)
-    if cfg.model.hf_path and (pathlib.Path(cfg.model.hf_path) / "tokenizer.json").is_file():
-        return pathlib.Path(cfg.model.hf_path)
-    return default_tokenizer_dir()
+    return tokenizer_folder(cfg.tokenizer_path, cfg.model.hf_path)
 
 
 def model_config(cfg: mlc.ConfigDict) -> Qwen3Config:

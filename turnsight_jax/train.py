@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from turnsight_jax import model_setup, sources
-from turnsight_jax.checkpointing import Checkpointer, write_run_files
+from turnsight_jax.checkpointing import Checkpointer, write_run_config, write_run_files
 from turnsight_jax.config import load_run_config, model_layer_name, rollout_config, sampling_params, validate
 from turnsight_jax.distributed import maybe_initialize_distributed
 from turnsight_jax.errors import ConfigError
@@ -38,6 +38,7 @@ from turnsight_jax.models.weights import save_pretrained
 from turnsight_jax.rl.batch import make_train_batch, shard_batch
 from turnsight_jax.rl.methods import RolloutContext
 from turnsight_jax.rl.step import TURNSIGHT_METRICS, make_optimizer, make_train_step
+from turnsight_jax.rollout.progress import ProgressLine
 from turnsight_jax.runlog import MetricsLog, Progress, log, matmul_peak_flops
 
 
@@ -83,11 +84,19 @@ def _step_flops(qcfg, decoded: float, train_tokens: float, view_tokens: float, p
             + 3 * train_tokens * per_tok + 3 * policy_tokens * head)
 
 
+def _eval_progress(cfg, n_tasks: int, *, greedy: bool = False) -> ProgressLine:
+    """The held-out evaluation's throttled stderr line (silent with log.progress=False)."""
+    samples = 1 if greedy or cfg.eval.temperature <= 0 else int(cfg.eval.samples)
+    return ProgressLine(n_tasks * samples, label="held-out" + (" greedy" if greedy else ""),
+                        quiet=not cfg.log.progress or jax.process_index() != 0)
+
+
 def _evaluate(graphdef, params, tok, tasks, cfg, env) -> dict:
     """The configured held-out evaluation; when it samples, the greedy one too (under "greedy")."""
-    out = evaluate_policy(graphdef, params, tok, tasks, cfg, env)
+    out = evaluate_policy(graphdef, params, tok, tasks, cfg, env, progress=_eval_progress(cfg, len(tasks)))
     if out["mode"] != "greedy":
-        greedy = evaluate_policy(graphdef, params, tok, tasks, cfg, env, greedy=True)
+        greedy = evaluate_policy(graphdef, params, tok, tasks, cfg, env, greedy=True,
+                                 progress=_eval_progress(cfg, len(tasks), greedy=True))
         out["greedy"] = {k: v for k, v in greedy.items() if k != "per_task_solve_f1"}
     return out
 
@@ -120,6 +129,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
 
     workdir.mkdir(parents=True, exist_ok=True)
     write_run_files(workdir, qcfg, tokdir)
+    write_run_config(workdir, cfg)  # `python -m turnsight_jax.evaluate --checkpoint` reads it back
     start_path = cfg.model.hf_path or None
     if (cfg.sft.steps > 0 or cfg.sft.curriculum_steps > 0) and cfg.data.source == "builtin" and not cfg.model.hf_path:
         from turnsight_jax.sft import run_sft
@@ -199,7 +209,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             if peak:
                 metrics["perf/mfu_vs_measured_matmul"] = flops / t_total / peak
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < n_steps and eval_tasks:
-                ev = evaluate_policy(graphdef, params, tok, eval_tasks, cfg, eval_env)
+                ev = evaluate_policy(graphdef, params, tok, eval_tasks, cfg, eval_env,
+                                     progress=_eval_progress(cfg, len(eval_tasks)))
                 metrics.update({f"eval/{k}": v for k, v in ev.items() if isinstance(v, float)})
             mlog.write(step, metrics)
             progress.update(step, {"reward": metrics["rollout/reward_mean"],

@@ -2,10 +2,12 @@
 
 - `suites`: benchmark names, categories (Table 1 order), task loading, environments, budgets.
 - `scripts`: replay scripts (ground truth or a file).
-- `policies`: `PolicySource`: `ModelSource` (run folder / HF folder, greedy) and `ReplaySource`.
-- `runner`: the batched loop through the rollout driver; `Example` records.
+- `policies`: `PolicySource`: `ModelSource` (run folder / HF folder, greedy or sampled) and `ReplaySource`.
+- `runner`: the batched loop through the rollout driver (samples per task, the held-out seeding); `Example` records.
+- `heldout`: the training-time held-out evaluation, a layer over the runner.
 - `scoring`: per-category and average scores, Markdown tables.
-- `progress`: the stderr progress line.
+
+The progress line is `turnsight_jax.rollout.progress.ProgressLine` (shared with training).
 
 The command line is `python -m turnsight_jax.evaluate` (see docs/evaluation.md).
 """

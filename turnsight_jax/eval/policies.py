@@ -2,8 +2,9 @@
 
 Everything after the policy is shared: the evaluation loop asks a `PolicySource` for the
 `TurnPolicy` of one batch of tasks and hands it to the same rollout driver, environments,
-scoring and tables. `ModelSource` returns one greedy `ModelPolicy` per rollout budget (reused
-across batches); `ReplaySource` a `ReplayPolicy` over the batch's scripts.
+scoring and tables. `ModelSource` returns a `ModelPolicy` per batch (greedy or sampled, seeded
+as the runner says); `ReplaySource` a `ReplayPolicy` over the batch's scripts (each repeated
+group-size times).
 
 Model loading is split in two: `ModelSource.inspect` reads only config.json and the tokenizer
 (architecture and vocabulary checks, fast, before any heavy work), `ModelSource.load` then reads
@@ -33,8 +34,9 @@ class PolicySource(Protocol):
     def check(self, benchmark: str, tasks: Sequence[Task]) -> None:
         """Raise EvalError when the source cannot serve these tasks (before any rollout)."""
 
-    def policy_for(self, benchmark: str, tasks: Sequence[Task], config: RolloutConfig) -> TurnPolicy:
-        """The policy for one batch of tasks (group size 1)."""
+    def policy_for(self, benchmark: str, tasks: Sequence[Task], config: RolloutConfig, *,
+                   group_size: int, seed: int) -> TurnPolicy:
+        """The policy for one batch of tasks, `group_size` rollouts each, seeded `seed`."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,8 +76,8 @@ class ReplaySource:
             return True
         return False
 
-    def policy_for(self, benchmark, tasks, config):
-        return ReplayPolicy(self.tokenizer, [self.script(benchmark, t) for t in tasks])
+    def policy_for(self, benchmark, tasks, config, *, group_size, seed):
+        return ReplayPolicy(self.tokenizer, [self.script(benchmark, t) for t in tasks for _ in range(group_size)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,10 +93,6 @@ def tokenizer_from(folder) -> Any:
     return load_tokenizer(folder)
 
 
-def _has_tokenizer(folder: pathlib.Path) -> bool:
-    return (folder / "tokenizer.json").is_file() and (folder / "tokenizer_config.json").is_file()
-
-
 @dataclasses.dataclass
 class ModelSpec:
     """What `inspect` found: the model folder, its config, the tokenizer folder."""
@@ -107,23 +105,25 @@ class ModelSpec:
 
 
 class ModelSource:
-    """Greedy decoding with a Qwen3 from a training run (`--checkpoint`) or an HF folder (`--hf`)."""
+    """A Qwen3 from a training run (`--checkpoint`) or an HF folder (`--hf`), decoding with
+    `sampling` (greedy by default). `options`: the model's runtime options (a run's own, so its
+    numerics match the training-time evaluation)."""
 
-    def __init__(self, spec: ModelSpec, tokenizer, *, dtype: str = "float32", seed: int = 0,
-                 label: str | None = None):
+    def __init__(self, spec: ModelSpec, tokenizer, *, dtype: str = "float32",
+                 sampling: SamplingParams = SamplingParams(greedy=True), options=None, label: str | None = None):
         self.spec = spec
         self.tokenizer = tokenizer
         self.dtype = dtype
-        self.seed = seed
+        self.sampling = sampling
+        self.options = options
         self._named = label is not None
         self.label = label or spec.path.name
         self.graphdef = self.state = None
-        self._policies: dict[RolloutConfig, ModelPolicy] = {}
 
     @staticmethod
     def inspect(kind: str, path: str, *, step: int | None = None, tokenizer_dir: str | None = None) -> "ModelSpec":
         """Architecture and tokenizer checks from config.json alone; raises EvalError."""
-        from turnsight_jax.assets import default_tokenizer_dir
+        from turnsight_jax.model_setup import tokenizer_folder
         from turnsight_jax.models.config import Qwen3Config
 
         folder = pathlib.Path(path)
@@ -139,7 +139,7 @@ class ModelSource:
             model_dir = folder
             if not (model_dir / "config.json").is_file():
                 raise EvalError(f"{flag} {folder}: no config.json (expected a Hugging Face Qwen3 model folder)")
-            default_tok = folder if _has_tokenizer(folder) else default_tokenizer_dir()
+            default_tok = tokenizer_folder(None, folder)  # the folder's own, else the bundled one
         try:
             cfg = Qwen3Config.from_pretrained(model_dir)
         except (ValueError, FileNotFoundError) as e:
@@ -161,15 +161,18 @@ class ModelSource:
 
     def load(self) -> None:
         """Reads the weights (the heavy part)."""
-        import jax.numpy as jnp
         from flax import nnx
 
-        dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[self.dtype]
+        from turnsight_jax.model_setup import DTYPES
+        from turnsight_jax.models.qwen3 import RuntimeOptions
+
+        dtype = DTYPES[self.dtype]
+        options = self.options or RuntimeOptions()
         try:
             if self.spec.kind == "checkpoint":
                 from turnsight_jax.checkpointing import load_policy_from_run
 
-                model, _, step = load_policy_from_run(self.spec.path, step=self.spec.step)
+                model, _, step = load_policy_from_run(self.spec.path, step=self.spec.step, options=options)
                 self.spec.step = step
                 if not self._named:
                     self.label = f"{self.spec.path.name}@{step}"
@@ -178,7 +181,7 @@ class ModelSource:
             else:
                 from turnsight_jax.models.weights import load_pretrained
 
-                model = load_pretrained(self.spec.path, dtype=dtype)
+                model = load_pretrained(self.spec.path, dtype=dtype, options=options)
         except (ValueError, FileNotFoundError) as e:
             raise EvalError(str(e)) from None
         self.graphdef, self.state = nnx.split(model)
@@ -191,15 +194,11 @@ class ModelSource:
     def check(self, benchmark, tasks):
         pass
 
-    def policy_for(self, benchmark, tasks, config):
+    def policy_for(self, benchmark, tasks, config, *, group_size, seed):
         if self.graphdef is None:
             raise RuntimeError("ModelSource.load() must run before policy_for()")
-        policy = self._policies.get(config)
-        if policy is None:
-            policy = ModelPolicy(self.graphdef, self.state, self.tokenizer, sampling=SamplingParams(greedy=True),
-                                 config=config, seed=self.seed, cache_dtype=self._cache_dtype)
-            self._policies[config] = policy
-        return policy
+        return ModelPolicy(self.graphdef, self.state, self.tokenizer, sampling=self.sampling, config=config,
+                           seed=seed, cache_dtype=self._cache_dtype)
 
 
 def _cast(split: tuple, dtype) -> tuple:

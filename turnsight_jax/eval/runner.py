@@ -1,24 +1,68 @@
-"""The evaluation loop: every suite's tasks in batches through the rollout driver.
+"""The evaluation loop: tasks in batches through the rollout driver, greedy or sampled.
 
-The same loop serves every `PolicySource` (model or replay): per batch it asks the source for a
-policy, runs `rollout(policy, env, batch, group_size=1)` with the benchmark's budgets, and turns
-each trajectory into an `Example` record (decoded text, turns, calls, results, metrics).
+One loop serves the command line (every `PolicySource`, model or replay) and the training-time
+held-out evaluation (`eval.heldout`). `run_batches` is the seeding contract both share: with G
+rollouts per task (1 greedy, `samples` sampled), tasks go in batches of max(1, batch_size // G)
+in the given order; the batch starting at task index i gets a policy seeded `seed + i` and runs
+`rollout(policy, env, batch, group_size=G, seed=seed)`. `run_suites` turns each task's G
+trajectories into an `Example` record (metrics averaged over the samples).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from turnsight_jax.chat.types import CallError, ToolCall
+import numpy as np
+
+from turnsight_jax.chat.types import CallError, Task, ToolCall
+from turnsight_jax.envs.base import Environment
 from turnsight_jax.eval import suites as suite_lib
 from turnsight_jax.eval.policies import PolicySource
-from turnsight_jax.eval.progress import Progress
-from turnsight_jax.rollout.driver import rollout
+from turnsight_jax.rollout.driver import ProgressCallback, RolloutConfig, TurnPolicy, rollout
+from turnsight_jax.rollout.progress import ProgressLine
+
+# policy_factory(tasks, group_size, seed) -> the policy of one batch
+PolicyFactory = Callable[[Sequence[Task], int, int], TurnPolicy]
 
 
-_PER_ROLLOUT = ("rollout_s", "tool_s", "tokens")
+def describe_sampling(temperature: float, samples: int, top_k: int = 0, top_p: float = 1.0) -> str:
+    """"greedy" or e.g. "4 samples at temperature 1, top-k 20" (the held-out `mode` string)."""
+    if temperature <= 0:
+        return "greedy"
+    return (f"{samples} samples at temperature {temperature:g}" + (f", top-k {top_k}" if top_k else "")
+            + (f", top-p {top_p:g}" if top_p < 1 else ""))
+
+
+def mean_metrics(trajectories: Sequence) -> dict[str, float]:
+    """One task's metrics: each numeric metric's mean over its rollouts (float64 -> float)."""
+    group = [t.metrics for t in trajectories]
+    return {k: float(np.mean([m[k] for m in group])) for k in group[0]
+            if all(isinstance(m.get(k), (int, float)) for m in group)}
+
+
+def run_batches(policy_factory: PolicyFactory, env: Environment, tasks: Sequence[Task], *, tokenizer,
+                config: RolloutConfig, group_size: int, batch_size: int, seed: int,
+                progress: ProgressCallback | None = None) -> tuple[list[list[Any]], dict[str, float]]:
+    """G = group_size rollouts of every task, in batches of max(1, batch_size // G) tasks.
+
+    Returns (per task in order, its G `Trajectory`s in sample order; rollout stats summed over the
+    batches, `compilations` the process total)."""
+    per_task: list[list[Any]] = []
+    totals: dict[str, float] = {}
+    bs = max(1, batch_size // group_size)
+    for i in range(0, len(tasks), bs):
+        chunk = list(tasks[i:i + bs])
+        policy = policy_factory(chunk, group_size, seed + i)
+        res = rollout(policy, env, chunk, tokenizer=tokenizer, group_size=group_size, config=config, seed=seed,
+                      progress=progress)
+        for j in range(len(chunk)):
+            per_task.append(res.trajectories[j * group_size:(j + 1) * group_size])
+        for k, v in res.stats.items():
+            # Every batch has its own policy, so its figures add up; compilations is a process total.
+            totals[k] = float(v) if k == "compilations" else totals.get(k, 0.0) + float(v)
+    return per_task, totals
 
 
 @dataclasses.dataclass
@@ -31,10 +75,11 @@ class Example:
     metrics: dict[str, Any]
     reward: float
     finish_reason: str
-    truncated: bool
-    num_turns: int
+    truncated: bool | float  # G > 1: the fraction of truncated rollouts
+    num_turns: int | float  # G > 1: the mean
     text: str
     turns: list[dict]
+    samples: list[dict] = dataclasses.field(default_factory=list)  # G > 1: every rollout's record
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -59,53 +104,56 @@ def _plain(value):
     return value
 
 
-def to_example(benchmark: str, category: str, traj, tokenizer) -> Example:
+def _record(traj, tokenizer) -> dict:
     turns = [
         {"text": t.text, "calls": [_call_json(c) for c in t.calls], "results": list(t.results), "answer": t.answer}
         for t in traj.turns
     ]
+    return dict(metrics=_plain(dict(traj.metrics)), reward=float(traj.reward), finish_reason=traj.finish_reason,
+                truncated=bool(traj.truncated), num_turns=traj.num_turns,
+                text=tokenizer.decode(traj.tokens.tolist(), skip_special_tokens=False), turns=turns)
+
+
+def to_example(benchmark: str, category: str, trajectories: Sequence, tokenizer) -> Example:
+    """One task's record. With one rollout, that rollout; with G > 1 the metrics, reward,
+    truncation rate and turn count are means over the rollouts, text/turns/finish_reason are the
+    first rollout's, and `samples` holds every rollout's own record."""
+    records = [_record(t, tokenizer) for t in trajectories]
+    first = records[0]
+    if len(records) == 1:
+        return Example(benchmark=benchmark, category=category, task_id=str(trajectories[0].task_id), **first)
     return Example(
-        benchmark=benchmark,
-        category=category,
-        task_id=str(traj.task_id),
-        metrics=_plain(dict(traj.metrics)),
-        reward=float(traj.reward),
-        finish_reason=traj.finish_reason,
-        truncated=bool(traj.truncated),
-        num_turns=traj.num_turns,
-        text=tokenizer.decode(traj.tokens.tolist(), skip_special_tokens=False),
-        turns=turns,
+        benchmark=benchmark, category=category, task_id=str(trajectories[0].task_id),
+        metrics=mean_metrics(trajectories), reward=float(np.mean([r["reward"] for r in records])),
+        finish_reason=first["finish_reason"], truncated=float(np.mean([r["truncated"] for r in records])),
+        num_turns=float(np.mean([r["num_turns"] for r in records])), text=first["text"], turns=first["turns"],
+        samples=records,
     )
 
 
 def run_suites(source: PolicySource, suites: Sequence[suite_lib.Suite], settings: suite_lib.EvalSettings,
-               *, progress: Progress | None = None, env_factory=suite_lib.make_env) -> tuple[list[Example], dict]:
-    """Evaluates every suite; returns (examples in suite/category/task order, timing stats)."""
-    progress = progress or Progress(sum(len(s) for s in suites))
+               *, progress: ProgressLine | None = None, env_factory=suite_lib.make_env) -> tuple[list[Example], dict]:
+    """Evaluates every suite; returns (examples in suite evaluation order, timing stats)."""
+    group = settings.group_size
+    progress = progress or ProgressLine(sum(len(s) for s in suites) * group)
     examples: list[Example] = []
     stats: dict[str, dict[str, float]] = {}
     for suite in suites:
         t0 = time.monotonic()
-        pairs = [(cat, task) for cat, tasks in suite.categories.items() for task in tasks]
-        config = suite_lib.rollout_config(suite.benchmark, settings, [t for _, t in pairs])
+        pairs = suite.pairs()
+        tasks = [t for _, t in pairs]
+        config = suite_lib.rollout_config(suite.benchmark, settings, tasks)
+        progress.label = suite.benchmark
         env = env_factory(suite.benchmark, settings)
-        totals: dict[str, float] = {}
         try:
-            for start in range(0, len(pairs), settings.batch_size):
-                batch = pairs[start:start + settings.batch_size]
-                tasks = [t for _, t in batch]
-                policy = source.policy_for(suite.benchmark, tasks, config)
-                result = rollout(policy, env, tasks, tokenizer=source.tokenizer, group_size=1, config=config,
-                                 seed=settings.seed, group_offset=start)
-                for (cat, _), traj in zip(batch, result.trajectories):
-                    examples.append(to_example(suite.benchmark, cat, traj, source.tokenizer))
-                for k, v in result.stats.items():
-                    # Per-rollout figures add up; the policy's own counters (prefill/decode
-                    # seconds, decoded tokens, compilations) are cumulative already.
-                    totals[k] = totals.get(k, 0.0) + float(v) if k in _PER_ROLLOUT else float(v)
-                progress.update(len(batch), f"[{suite.benchmark}]")
+            per_task, totals = run_batches(
+                lambda chunk, g, seed: source.policy_for(suite.benchmark, chunk, config, group_size=g, seed=seed),
+                env, tasks, tokenizer=source.tokenizer, config=config, group_size=group,
+                batch_size=settings.batch_size, seed=settings.seed, progress=progress)
         finally:
             env.close()
+        for (cat, _), trajs in zip(pairs, per_task):
+            examples.append(to_example(suite.benchmark, cat, trajs, source.tokenizer))
         totals["wall_s"] = time.monotonic() - t0
         stats[suite.benchmark] = totals
     return examples, stats

@@ -8,7 +8,9 @@ A *suite* is one benchmark's tasks grouped by category in the order of the paper
   builtin  the four FTRL categories on seeded synthetic tasks               (Solve-P/R/F1)
 
 `check_inputs` validates names and paths without loading anything; `load_suite` loads the tasks;
-`make_env` builds the environment; `rollout_config` the driver's budgets for the benchmark.
+`run_heldout_suite` is a training run's own held-out built-in tasks (in the run's order, with the
+run's budgets); `make_env` builds the environment; `rollout_config` the driver's budgets. Tasks and
+environments come from the task-source registry `turnsight_jax.sources`, shared with training.
 """
 
 from __future__ import annotations
@@ -68,6 +70,19 @@ class EvalSettings:
     workers: int = 2
     tool_timeout_s: float = 10.0
     seed: int = 0
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    samples: int = 1  # rollouts per task when sampling (per-task metrics = their mean)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    @property
+    def group_size(self) -> int:
+        """Rollouts per task: `samples` when sampling, 1 when greedy."""
+        return 1 if self.greedy else self.samples
 
 
 @dataclasses.dataclass
@@ -77,6 +92,14 @@ class Suite:
     benchmark: str
     categories: dict[str, list[Task]]
     labels: dict[str, str]
+    order: list[tuple[str, Task]] | None = None  # evaluation order; None: category by category
+    heldout: bool = False  # a training run's held-out tasks
+
+    def pairs(self) -> list[tuple[str, Task]]:
+        """(category, task) in evaluation (= batching) order."""
+        if self.order is not None:
+            return list(self.order)
+        return [(cat, t) for cat, ts in self.categories.items() for t in ts]
 
     @property
     def tasks(self) -> list[Task]:
@@ -137,26 +160,24 @@ def _group(tasks: Sequence[Task], known: Sequence[tuple[str, str]], limit: int |
     return groups, {k: labels[k] for k in groups}
 
 
+def _load_file(benchmark: str, path: str) -> list[Task]:
+    from turnsight_jax import sources
+
+    try:
+        return sources.get_source(benchmark).load(pathlib.Path(path))
+    except (OSError, ValueError) as e:
+        raise EvalError(f"--{benchmark}: {e}") from None
+
+
 def load_suite(benchmark: str, settings: EvalSettings, *, ftrl_path: str | None = None,
                toolhop_path: str | None = None) -> Suite:
     """Loads one benchmark's tasks (limits applied per category)."""
     limit = settings.limit
     if benchmark == "ftrl":
-        from turnsight_jax.envs import ftrl
-
-        try:
-            tasks = ftrl.load_tasks(pathlib.Path(ftrl_path))
-        except (OSError, ValueError) as e:
-            raise EvalError(f"--ftrl: {e}") from None
-        groups, labels = _group(tasks, FTRL_CATEGORIES, limit, f"--ftrl {ftrl_path}")
+        groups, labels = _group(_load_file("ftrl", ftrl_path), FTRL_CATEGORIES, limit, f"--ftrl {ftrl_path}")
     elif benchmark == "toolhop":
-        from turnsight_jax.envs import toolhop
-
-        try:
-            tasks = toolhop.load_tasks(pathlib.Path(toolhop_path))
-        except (OSError, ValueError) as e:
-            raise EvalError(f"--toolhop: {e}") from None
-        groups, labels = _group(tasks, TOOLHOP_CATEGORIES, limit, f"--toolhop {toolhop_path}")
+        groups, labels = _group(_load_file("toolhop", toolhop_path), TOOLHOP_CATEGORIES, limit,
+                                f"--toolhop {toolhop_path}")
     elif benchmark == "bfcl":
         from turnsight_jax.envs import bfcl
 
@@ -176,21 +197,26 @@ def load_suite(benchmark: str, settings: EvalSettings, *, ftrl_path: str | None 
     return Suite(benchmark, groups, labels)
 
 
+def run_heldout_suite(run_cfg, settings: EvalSettings) -> Suite:
+    """A training run's held-out built-in tasks (`sources.load_tasks(run_cfg, "eval")`: data.num_eval
+    tasks from the run's held-out seed stream) in the run's order. Its budgets are the settings'
+    (`rollout_config`), which the command line fills from the run's config (rollout.*,
+    eval.max_turns) unless flags say otherwise. `settings.limit` keeps the first N tasks of every
+    category (and then no longer reproduces the run's batches)."""
+    from turnsight_jax import sources
+
+    tasks = sources.load_tasks(run_cfg, "eval")
+    groups, labels = _group(tasks, FTRL_CATEGORIES, settings.limit, "the run's held-out tasks")
+    kept = {id(t) for ts in groups.values() for t in ts}
+    order = [(t.category or "uncategorised", t) for t in tasks if id(t) in kept]
+    return Suite("builtin", groups, labels, order=order, heldout=True)
+
+
 def make_env(benchmark: str, settings: EvalSettings) -> Environment:
-    """The benchmark's environment (the caller closes it)."""
-    if benchmark in ("ftrl", "builtin"):
-        from turnsight_jax.envs.ftrl import FTRLEnv
+    """The benchmark's environment from the task-source registry (the caller closes it)."""
+    from turnsight_jax import sources
 
-        return FTRLEnv(num_workers=settings.workers, timeout_s=settings.tool_timeout_s)
-    if benchmark == "toolhop":
-        from turnsight_jax.envs.toolhop import ToolHopEnv
-
-        return ToolHopEnv(num_workers=settings.workers, timeout_s=settings.tool_timeout_s)
-    if benchmark == "bfcl":
-        from turnsight_jax.envs.bfcl import BFCLEnv
-
-        return BFCLEnv()
-    raise EvalError(f"unknown benchmark {benchmark!r}")
+    return sources.make_env(benchmark, num_workers=settings.workers, timeout_s=settings.tool_timeout_s)
 
 
 def rollout_config(benchmark: str, settings: EvalSettings, tasks: Sequence[Task]) -> RolloutConfig:

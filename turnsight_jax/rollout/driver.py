@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -269,6 +269,25 @@ def user_suffix(tokenizer, results: Sequence[str], user_message: str | None, *, 
     return ids, spans, header
 
 
+@dataclasses.dataclass(frozen=True)
+class RolloutProgress:
+    """Where a running `rollout` stands, reported after every policy turn and once at the end.
+
+    finished/total: episodes ended / len(tasks) * group_size. turn: policy turns run so far.
+    tokens: policy tokens generated so far. elapsed_s: seconds since the rollout started.
+    done: the final report of this rollout (finished == total)."""
+
+    finished: int
+    total: int
+    turn: int
+    tokens: int
+    elapsed_s: float
+    done: bool = False
+
+
+ProgressCallback = Callable[[RolloutProgress], None]
+
+
 @dataclasses.dataclass
 class RolloutResult:
     trajectories: list[Trajectory]
@@ -299,9 +318,11 @@ def rollout(
     config: RolloutConfig,
     seed: int = 0,
     group_offset: int = 0,
+    progress: ProgressCallback | None = None,
 ) -> RolloutResult:
     """Run len(tasks) * group_size episodes to the end. Trajectory r belongs to group
-    group_offset + r // group_size."""
+    group_offset + r // group_size. `progress` (optional) receives a `RolloutProgress` after
+    every policy turn and a final one with done=True (it throttles its own output)."""
     t_start = time.perf_counter()
     ids = tok_lib.special_ids(tokenizer)
     prompts = []
@@ -330,7 +351,9 @@ def rollout(
         used = np.zeros(n, np.int64)
         final_text: list[str | None] = [None] * n
         finish: list[str | None] = [None] * n
+        generated = turns_run = 0
         for turn in range(config.max_turns):
+            turns_run = turn + 1
             budgets = np.maximum(config.max_response_tokens - used, 0)
             outs = policy.generate(active, budgets)
             calls_per_row: list = [None] * n
@@ -344,6 +367,7 @@ def rollout(
                 parsed = parse_turn(out.text)
                 builders[r].add_policy_turn(out.ids, out.logprobs, out.text, parsed.calls, parsed.answer)
                 used[r] += len(out.ids)
+                generated += len(out.ids)
                 final_text[r] = out.text
                 if not out.stopped:
                     builders[r].mark_truncated("length")
@@ -379,6 +403,9 @@ def rollout(
                 used[r] += len(sid)
                 suffixes[r] = sid
             policy.append(suffixes)
+            if progress is not None:
+                progress(RolloutProgress(int(n - active.sum()), n, turns_run, generated,
+                                         time.perf_counter() - t_start))
             if not active.any():
                 break
         scores = vec.score(final_text)
@@ -393,6 +420,8 @@ def rollout(
         traj.metrics.update(_turn_metrics(traj))
         trajectories.append(traj)
     elapsed = time.perf_counter() - t_start
+    if progress is not None:
+        progress(RolloutProgress(n, n, turns_run, generated, elapsed, done=True))
     stats = {"rollout_s": elapsed, "tool_s": tool_s,
              "tokens": float(sum(t.length - t.prompt_len for t in trajectories))}
     for k, v in getattr(policy, "timings", {}).items():
