@@ -207,6 +207,23 @@ def test_turnsight_over_the_new_method_resolves(example):
         resolve_method(_step_config("turnsight", base="rloo_effcient"))
 
 
+def test_a_loss_term_reading_advantage_only_arrays_is_refused():
+    """delta / base_advantages exist only inside the advantage computation: the step never hands
+    them to a loss term, so resolve_method refuses a term that reads one (before compiling)."""
+    from turnsight_jax.errors import ConfigError
+    from turnsight_jax.rl.losses import LOSS_TERMS, register_loss_term
+    from turnsight_jax.rl.methods import METHODS, Method, register_method, resolve_method
+
+    register_loss_term("_reads_delta", ("delta",), ())(lambda x, cfg, algo: (x["delta"][0], {}))
+    register_method(Method("_reads_delta", advantage="turnsight", loss_terms=("_reads_delta",)))
+    try:
+        with pytest.raises(ConfigError, match="loss term '_reads_delta' reads \\['delta'\\]"):
+            resolve_method(_step_config("_reads_delta"))
+    finally:
+        LOSS_TERMS.pop("_reads_delta")
+        METHODS.pop("_reads_delta")
+
+
 def test_turnsight_over_the_new_method_trains_a_step(trained, tmp_path):
     from turnsight_jax import train
 
