@@ -245,8 +245,11 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
         if missing:
             raise ConfigError(f"method {m.name!r}: advantage {est.name!r} reads {missing}, which no reward of "
                               f"[{', '.join(reward_names)}] fills")
+    # The step hands a loss term the core arrays, the rewards' outputs and LOSS_ARRAYS only (not
+    # delta / base_advantages, which exist only inside the advantage computation).
+    term_provided = set(CORE_ARRAYS) | set(outputs) | set(LOSS_ARRAYS)
     for term in terms:
-        missing = [k for k in term.inputs if k not in provided | set(LOSS_ARRAYS)]
+        missing = [k for k in term.inputs if k not in term_provided]
         if missing:
             raise ConfigError(f"method {m.name!r}: loss term {term.name!r} reads {missing}, which nothing fills")
     return ResolvedMethod(m.name, ROLLOUTS[rollout_name], rewards, advantage, base, tuple(terms))
