@@ -11,7 +11,6 @@ from flax import nnx
 
 from turnsight_jax import config as C
 from turnsight_jax import model_setup, sources
-from turnsight_jax.eval import heldout
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import Qwen3
@@ -209,54 +208,3 @@ def test_restricted_gradient_matches_autodiff_of_the_reference():
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5)
     assert max(float(jnp.abs(w).max()) for w in jax.tree.leaves(want)) > 1e-3
-
-
-
-def test_sampled_evaluation_averages_each_tasks_samples(monkeypatch):
-    """evaluate_policy at temperature > 0: `samples` rollouts per task (in task-major groups, as
-    the rollout driver returns them), per-task metrics = the mean over that task's samples, the
-    same seed for every call (before/after evaluations share random numbers)."""
-    import types
-
-    cfg = C.default_config()
-    cfg.eval.samples = 3
-    cfg.eval.batch_size = 6  # two tasks per rollout call
-    cfg.eval.top_k = 0  # unfiltered first (the default's top-k 20 is checked below)
-    f1 = np.array([[1.0, 0.0, 0.5], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.25, 0.5, 0.0], [1.0, 0.0, 0.0]])
-    calls = []
-
-    def fake_rollout(policy, env, tasks, *, tokenizer, group_size, config, seed):
-        calls.append((tuple(t for t in tasks), group_size, policy.sampling, policy.seed, seed))
-        trajs = [types.SimpleNamespace(metrics={"solve_f1": f1[t][k], "num_turns": 1.0 + k, "note": "x"})
-                 for t in tasks for k in range(group_size)]
-        return types.SimpleNamespace(trajectories=trajs)
-
-    monkeypatch.setattr(heldout, "rollout", fake_rollout)
-    monkeypatch.setattr(heldout, "ModelPolicy", lambda *a, sampling, seed, **k: types.SimpleNamespace(
-        sampling=sampling, seed=seed))
-    tasks = list(range(5))  # the fake rollout indexes f1 by task
-    out = heldout.evaluate_policy(None, None, None, tasks, cfg, None)
-    assert out["mode"] == "3 samples at temperature 1" and out["n"] == 5
-    np.testing.assert_allclose(out["per_task_solve_f1"], f1.mean(1))
-    np.testing.assert_allclose(out["solve_f1"], f1.mean())
-    np.testing.assert_allclose(out["solve_f1_se"], f1.mean(1).std(ddof=1) / np.sqrt(5))
-    np.testing.assert_allclose(out["num_turns"], 2.0)  # mean of 1, 2, 3
-    assert [c[0] for c in calls] == [(0, 1), (2, 3), (4,)] and {c[1] for c in calls} == {3}
-    assert {c[2].temperature for c in calls} == {1.0} and not calls[0][2].greedy
-    first = list(calls)
-    calls.clear()
-    heldout.evaluate_policy(None, None, None, tasks, cfg, None)
-    assert [c[3:] for c in calls] == [c[3:] for c in first]  # same seeds on every evaluation
-
-    calls.clear()
-    greedy = heldout.evaluate_policy(None, None, None, tasks, cfg, None, greedy=True)
-    assert greedy["mode"] == "greedy" and {c[1] for c in calls} == {1} and calls[0][2].greedy
-    np.testing.assert_allclose(greedy["per_task_solve_f1"], f1[:, 0])
-
-    calls.clear()  # the sampling filters reach the sampler and are named in the mode
-    cfg.eval.top_k, cfg.eval.top_p = 20, 0.9
-    filtered = heldout.evaluate_policy(None, None, None, tasks, cfg, None)
-    assert filtered["mode"] == "3 samples at temperature 1, top-k 20, top-p 0.9"
-    assert {(c[2].top_k, c[2].top_p) for c in calls} == {(20, 0.9)}
-    cfg.eval.temperature = 0.0
-    assert heldout.evaluate_policy(None, None, None, tasks, cfg, None)["mode"] == "greedy"
