@@ -77,7 +77,7 @@ def pytest_make_collect_report(collector):
 
 
 @pytest.fixture(scope="session")
-def bundled_tokenizer():
+def tok():
     """The Qwen3 tokenizer the package ships (the same files as ../shared/fixtures/qwen3-tokenizer)."""
     from turnsight_jax.assets import default_tokenizer
 

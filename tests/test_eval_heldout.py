@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from turnsight_jax import evaluate, sources
-from turnsight_jax.assets import default_tokenizer, default_tokenizer_dir
+from turnsight_jax.assets import default_tokenizer_dir
 from turnsight_jax.config import apply_overrides, default_config, rollout_config
 from turnsight_jax.envs.ftrl import FTRLEnv
 from turnsight_jax.envs.synthetic import generate_tasks, gold_turn_texts
@@ -70,11 +70,6 @@ def _reference(graphdef, state, tok, tasks, cfg, env, *, greedy):
             out[key + "_se"] = float(vals.std(ddof=1) / math.sqrt(vals.size)) if vals.size > 1 else 0.0
     out["per_task_solve_f1"] = [float(m.get("solve_f1", 0.0)) for m in per_task]
     return out, trajs
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return default_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +192,20 @@ def test_progress_line_prints_at_most_every_few_seconds_and_at_the_end():
     assert len(lines) == 3  # t=0.5 (first), t=6 (5 s later), t=8 (the last episode)
     assert lines[0].startswith("[builtin] 1/6 episodes (16.7%), turn 1, 80 decode tok/s")
     assert lines[-1].startswith("[builtin] 6/6 episodes (100.0%), turn 2, 18 decode tok/s, elapsed 0:08, ETA 0:00")
+    # patient (training rollouts): nothing before every_s, no final line; a short rollout is silent
+    stream = io.StringIO()
+    now[0] = 0.0
+    line = ProgressLine(4, stream=stream, every_s=5.0, patient=True, clock_fn=lambda: now[0])
+    for t, p in [(1.0, RolloutProgress(1, 4, 1, 40, 1.0)), (4.0, RolloutProgress(4, 4, 2, 80, 4.0, done=True))]:
+        now[0] = t
+        line(p)
+    assert stream.getvalue() == ""
+    now[0] = 0.0
+    line = ProgressLine(4, stream=stream, every_s=5.0, patient=True, clock_fn=lambda: now[0])
+    for t, p in [(6.0, RolloutProgress(1, 4, 1, 40, 6.0)), (7.0, RolloutProgress(4, 4, 2, 80, 7.0, done=True))]:
+        now[0] = t
+        line(p)
+    assert stream.getvalue().splitlines() == ["1/4 episodes (25.0%), turn 1, 7 decode tok/s, elapsed 0:06, ETA 0:18"]
 
 
 def test_sampled_evaluation_averages_each_tasks_samples(monkeypatch):

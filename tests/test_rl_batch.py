@@ -46,11 +46,11 @@ if "turn_index_test" not in REWARDS:  # a per-turn reward whose values are easy 
     register_method(Method("turn_index_test", advantage="grpo", rewards=("outcome", "turn_index_test")))
 
 
-def test_compact_layout_gathers_policy_tokens_and_fills_signals(bundled_tokenizer):
+def test_compact_layout_gathers_policy_tokens_and_fills_signals(tok):
     trajs = [_traj(3, 7, 1.0), _traj(1, 7, 0.0, n_policy=5), _traj(2, 3, 0.5), _traj(1, 3, 0.25)]
     tasks = [_task(i) for i in (7, 7, 3, 3)]
     cfg = _cfg("turn_index_test")
-    batch, stats = make_train_batch(trajs, tasks, bundled_tokenizer, cfg, resolve_method(cfg))
+    batch, stats = make_train_batch(trajs, tasks, tok, cfg, resolve_method(cfg))
     assert batch.tokens.shape == (4, 128) and batch.tokens.dtype == np.int32  # longest 34 -> bucket 128
     assert batch.valid.sum(axis=1).tolist() == [t.length for t in trajs]
     assert batch.pol_pos.shape == (4, 32)  # policy widths: multiples of 32
@@ -73,25 +73,25 @@ def test_compact_layout_gathers_policy_tokens_and_fills_signals(bundled_tokenize
     assert np.isclose(float(total), sum(float(t.old_logprobs.sum()) for t in trajs), rtol=1e-5)
 
 
-def test_shapes_only_grow_with_min_shapes(bundled_tokenizer):
+def test_shapes_only_grow_with_min_shapes(tok):
     trajs, tasks = [_traj(1, 0, 0.0), _traj(1, 0, 1.0)], [_task(0)] * 2
     cfg = _cfg()
-    batch, stats = make_train_batch(trajs, tasks, bundled_tokenizer, cfg, resolve_method(cfg),
+    batch, stats = make_train_batch(trajs, tasks, tok, cfg, resolve_method(cfg),
                                     min_shapes={"T": 300, "N": 64})
     assert batch.tokens.shape[1] == 384 and batch.pol_pos.shape[1] == 64
     assert (stats["T"], stats["N"]) == (384, 64)
 
 
-def test_row_axis_is_one_only_for_view_leaves(bundled_tokenizer):
+def test_row_axis_is_one_only_for_view_leaves(tok):
     trajs, tasks = [_traj(2, 0, 0.0), _traj(2, 0, 1.0)], [_task(0)] * 2
     cfg = _cfg("turnsight")
-    batch, _ = make_train_batch(trajs, tasks, bundled_tokenizer, cfg, resolve_method(cfg))
+    batch, _ = make_train_batch(trajs, tasks, tok, cfg, resolve_method(cfg))
     axes = {jax.tree_util.keystr(p): row_axis(p) for p, _ in jax.tree_util.tree_flatten_with_path(batch)[0]}
     assert {k for k, a in axes.items() if a == 1} == {".views.view_pred", ".views.slot"}
     assert all(x.shape[row_axis(p)] == 2 for p, x in jax.tree_util.tree_flatten_with_path(batch)[0])
 
 
-def test_errors_name_the_problem(bundled_tokenizer):
+def test_errors_name_the_problem(tok):
     trajs = [_traj(1, 0, 0.0), _traj(1, 1, 1.0)]
     with pytest.raises(ConfigError, match="group 0 has 1 trajectories, expected group_size=2"):
         group_index(trajs, 2)
@@ -106,7 +106,7 @@ def test_errors_name_the_problem(bundled_tokenizer):
         compute_signals(method, long, [_task(0)] * 2, dataclasses.replace(_cfg("turn_index_test"), max_turns=2))
 
 
-def test_matchtir_turn_rewards_come_from_the_record_and_warn_without_gold(bundled_tokenizer, caplog):
+def test_matchtir_turn_rewards_come_from_the_record_and_warn_without_gold(tok, caplog):
     """The rollout driver computes no rewards: MatchTIR's turn rewards are the reward stage's, and a
     task without gold calls is said out loud (its turn rewards stay 0)."""
     gold = (({"name": "f", "arguments": {"x": 0}},),)

@@ -12,7 +12,6 @@ import pytest
 from flax import nnx
 
 from turnsight_jax.rl import advantages as adv_lib
-from turnsight_jax.assets import default_tokenizer
 from turnsight_jax.rl.batch import make_train_batch
 from turnsight_jax.chat.hindsight import teacher_view_ids
 from turnsight_jax.envs.ftrl import FTRLEnv
@@ -32,11 +31,6 @@ from turnsight_jax.rl.step import make_train_step
 CFG = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, tie_word_embeddings=False)
 G = 2
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return default_tokenizer()
 
 
 @pytest.fixture(scope="module")

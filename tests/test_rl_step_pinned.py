@@ -52,8 +52,7 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def setup(bundled_tokenizer):
-    tok = bundled_tokenizer
+def setup(tok):
     tasks = [generate_task(c, s, SyntheticConfig(hops=2)) for s, c in
              enumerate(["multi_hop", "single_hop", "parallel_single_hop", "multi_hop"])]
     scripts = []

@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from turnsight_jax.assets import default_tokenizer
 from turnsight_jax.chat.hindsight import teacher_view_ids
 from turnsight_jax.envs.ftrl import FTRLEnv
 from turnsight_jax.envs.synthetic import SyntheticConfig, generate_task, gold_turn_texts
@@ -21,11 +20,6 @@ from turnsight_jax.rl.views import ViewOptions, build_views, covered_turns
 
 CFG = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, tie_word_embeddings=False)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return default_tokenizer()
 
 
 @pytest.fixture(scope="module")

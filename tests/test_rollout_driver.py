@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from turnsight_jax.assets import default_tokenizer
 from turnsight_jax.chat import template as tmpl
 from turnsight_jax.chat.types import ToolCall
 from turnsight_jax.envs.ftrl import FTRLEnv
@@ -19,11 +18,6 @@ from turnsight_jax.rollout.sampler import SamplingParams
 
 TINY = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                    num_kv_heads=1, head_dim=16)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return default_tokenizer()
 
 
 @pytest.fixture(scope="module")

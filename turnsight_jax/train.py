@@ -183,8 +183,11 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
         for step in range(start, n_steps):
             t_step = time.perf_counter()
             tasks = [train_tasks[int(i)] for i in ds[step]]
+            # Paper-scale rollouts take minutes: a line every 30 s (none for a short step).
+            line = ProgressLine(len(tasks) * cfg.train.group_size, label=f"step {step + 1} rollouts", every_s=30.0,
+                                patient=True, quiet=not cfg.log.progress or jax.process_index() != 0)
             ctx = RolloutContext(graphdef, params, tok, env, sampling, rc, cfg.train.group_size,
-                                 cfg.rollout.prompts_per_chunk, model_setup.DTYPES[cfg.model.compute_dtype])
+                                 cfg.rollout.prompts_per_chunk, model_setup.DTYPES[cfg.model.compute_dtype], line)
             res = method.rollout.fn(ctx, tasks, cfg.seed * 100_003 + step)
             t_roll = time.perf_counter() - t_step
             row_tasks = [t for t in tasks for _ in range(cfg.train.group_size)]

@@ -55,6 +55,7 @@ class RolloutContext:
     group_size: int
     prompts_per_chunk: int = 0  # 0: all prompts at once
     cache_dtype: Any = None
+    progress: Callable[[Any], None] | None = None  # rollout.driver.ProgressCallback, e.g. a ProgressLine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +90,7 @@ def sampler_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> Ro
         policy = ModelPolicy(ctx.graphdef, ctx.params, ctx.tokenizer, sampling=ctx.sampling, config=ctx.config,
                              seed=seed + i, **kwargs)
         res = rollout(policy, ctx.env, tasks[i:i + per], tokenizer=ctx.tokenizer, group_size=ctx.group_size,
-                      config=ctx.config, seed=seed, group_offset=i)
+                      config=ctx.config, seed=seed, group_offset=i, progress=ctx.progress)
         trajs.extend(res.trajectories)
         for k, v in res.stats.items():
             stats[k] = stats.get(k, 0.0) + v if k != "compilations" else v

@@ -28,10 +28,12 @@ class ProgressLine:
     """Episodes finished of `total` across rollouts, current turn, decode tokens/s, elapsed, ETA.
 
     `label` may be changed between rollouts (e.g. the benchmark). `stream=None` writes to stderr;
-    `quiet=True` prints nothing (the counts are still kept)."""
+    `quiet=True` prints nothing (the counts are still kept). `patient=True` (training rollouts,
+    which a per-step line follows anyway) waits `every_s` before the first line and prints no
+    final one, so short rollouts stay silent."""
 
     def __init__(self, total: int, *, label: str = "", stream: TextIO | None = None, every_s: float = 5.0,
-                 quiet: bool = False, clock_fn: Callable[[], float] = time.monotonic):
+                 quiet: bool = False, patient: bool = False, clock_fn: Callable[[], float] = time.monotonic):
         self.total = max(int(total), 0)
         self.label = label
         self.stream = stream
@@ -39,7 +41,8 @@ class ProgressLine:
         self.quiet = quiet
         self._clock = clock_fn
         self.start = clock_fn()
-        self._last = float("-inf")
+        self.patient = patient
+        self._last = self.start if patient else float("-inf")
         self._base_done = self._base_tokens = 0  # from the rollouts already finished
         self.done = self.tokens = 0
         self.lines = 0
@@ -50,7 +53,7 @@ class ProgressLine:
         if p.done:
             self._base_done, self._base_tokens = self.done, self.tokens
         now = self._clock()
-        last = p.done and self.done >= self.total
+        last = p.done and self.done >= self.total and not self.patient
         if last or now - self._last >= self.every_s:
             self._last = now
             self._print(self.line(p.turn, now - self.start))
