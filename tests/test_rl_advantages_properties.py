@@ -12,7 +12,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from test_advantages_reference import ALL_MODES, G, MAX_TURNS, matchtir_batches, trajectory_batches
+from test_rl_turnsight_reference import ALL_MODES, G, MAX_TURNS, matchtir_batches, trajectory_batches
 from turnsight_jax.rl.advantages import (
     grpo_advantages,
     matchtir_advantage_parts,
