@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import pathlib
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from flax import nnx
 
 from turnsight_jax import evaluate, sources
 from turnsight_jax.assets import default_tokenizer_dir
-from turnsight_jax.config import apply_overrides, default_config, rollout_config
+from turnsight_jax.config import apply_overrides, default_config, load_config_file, rollout_config
 from turnsight_jax.envs.ftrl import FTRLEnv
 from turnsight_jax.envs.synthetic import generate_tasks, gold_turn_texts
 from turnsight_jax.eval import heldout
@@ -32,12 +33,13 @@ from turnsight_jax.rollout.driver import ModelPolicy, ReplayPolicy, RolloutConfi
 from turnsight_jax.rollout.progress import ProgressLine
 from turnsight_jax.rollout.sampler import SamplingParams
 
-SMALL = ["model.preset=tiny", "rollout.max_turns=2", "eval.max_turns=2", "rollout.max_turn_tokens=12",
+TINY_RANDOM = pathlib.Path(__file__).parent / "configs" / "tiny_random.py"  # the tiny experiment on `tiny`
+SMALL = ["rollout.max_turns=2", "eval.max_turns=2", "rollout.max_turn_tokens=12",
          "rollout.max_response_tokens=96", "rollout.max_prompt_tokens=1024", "eval.batch_size=2"]
 
 
 def _cfg(*extra):
-    return apply_overrides(default_config(), SMALL + list(extra))
+    return apply_overrides(load_config_file(TINY_RANDOM), SMALL + list(extra))
 
 
 def _reference(graphdef, state, tok, tasks, cfg, env, *, greedy):

@@ -85,9 +85,11 @@ def test_quickstart_notebook_runs(tmp_path, tmp_path_factory, monkeypatch):
     assert (run_dir / "export" / "config.json").is_file() and (run_dir / "checkpoints").is_dir()
 
     results = json.loads((run_dir / "eval" / "results.json").read_text())
+    # --checkpoint RUN --benchmarks builtin scores the run's own held-out tasks (data.num_eval=2 of the
+    # run's categories), the tasks its training-time evaluation scored
     cats = results["benchmarks"]["builtin"]["categories"]
-    assert len(cats) == 4 and all(c["n"] == 2 for c in cats.values()), cats
-    assert (run_dir / "eval" / "examples.jsonl").read_text().count("\n") == 8
+    assert set(cats) <= {"single_hop", "multi_hop"} and sum(c["n"] for c in cats.values()) == 2, cats
+    assert (run_dir / "eval" / "examples.jsonl").read_text().count("\n") == 2
 
     pngs = sorted(p.name for p in (run_dir / "report").glob("*.png"))
     assert {"reward.png", "turnsight_weights.png", "depth_histogram.png"} <= set(pngs), pngs
