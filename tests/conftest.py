@@ -14,6 +14,17 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pathlib
+import shutil
+import tempfile
+
+# One persistent JAX compilation cache for the whole test run: both xdist workers and every
+# subprocess they start (the CLI, documented commands, the notebook's kernel) inherit it, so a
+# program compiled by one test is loaded, not recompiled, by the next. Fresh per run (the xdist
+# run id), removed at the end.
+_RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+JAX_CACHE = pathlib.Path(tempfile.gettempdir()) / f"turnsight-jax-test-cache-{_RUN_ID}"
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(JAX_CACHE))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import pytest
 
@@ -82,3 +93,8 @@ def tok():
     from turnsight_jax.assets import default_tokenizer
 
     return default_tokenizer()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist)
+        shutil.rmtree(JAX_CACHE, ignore_errors=True)

@@ -223,10 +223,9 @@ def workspace(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def compile_cache(tmp_path_factory) -> pathlib.Path:
-    """One persistent JAX compilation cache for every subprocess of the session (the notebook
-    test uses the same folder)."""
-    path = tmp_path_factory.getbasetemp() / "jax_compilation_cache"
-    path.mkdir(exist_ok=True)
+    """The test run's persistent JAX compilation cache (tests/conftest.py), for every subprocess."""
+    path = pathlib.Path(os.environ["JAX_COMPILATION_CACHE_DIR"])  # the run's cache (tests/conftest.py)
+    path.mkdir(parents=True, exist_ok=True)
     return path
 
 

@@ -12,6 +12,7 @@ short run uses the same settings as the notebook's QUICK run.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import sys
 
@@ -56,8 +57,8 @@ def test_committed_notebook_has_no_outputs():
 
 def test_quickstart_notebook_runs(tmp_path, tmp_path_factory, monkeypatch):
     run_dir = tmp_path / "quickstart_run"
-    cache = tmp_path_factory.getbasetemp() / "jax_compilation_cache"
-    cache.mkdir(exist_ok=True)
+    cache = pathlib.Path(os.environ["JAX_COMPILATION_CACHE_DIR"])  # the run's cache (tests/conftest.py)
+    cache.mkdir(parents=True, exist_ok=True)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.setenv("TURNSIGHT_QUICKSTART_DIR", str(run_dir))
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(cache))

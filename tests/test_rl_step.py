@@ -196,7 +196,7 @@ def test_micro_batched_equals_full_batch(setup, tok):
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 fake devices (tests/conftest.py)")
-@pytest.mark.parametrize("fsdp,tensor", [(2, 4), (4, 2)])
+@pytest.mark.parametrize("fsdp,tensor", [(2, 4)])  # both axes split; (4, 2) adds nothing new
 def test_sharded_step_equals_unsharded(setup, tok, fsdp, tensor):
     trajs, row_tasks, policy, ref = setup
     cfg = _cfg(method="turnsight")
