@@ -1,4 +1,5 @@
-"""Training checkpoints with orbax: parameters, optimizer state, step, RNG and data state.
+"""Training checkpoints with orbax: parameters, optimizer state, and meta (the next step, the seed,
+the data position). No RNG state is stored: every random stream is re-derived from seed and step.
 
 Layout of a run folder (`--workdir`):
 
