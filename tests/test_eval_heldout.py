@@ -194,6 +194,14 @@ def test_progress_line_prints_at_most_every_few_seconds_and_at_the_end():
     assert len(lines) == 3  # t=0.5 (first), t=6 (5 s later), t=8 (the last episode)
     assert lines[0].startswith("[builtin] 1/6 episodes (16.7%), turn 1, 80 decode tok/s")
     assert lines[-1].startswith("[builtin] 6/6 episodes (100.0%), turn 2, 18 decode tok/s, elapsed 0:08, ETA 0:00")
+    # the final line is not repeated when the throttled update has just printed the same count
+    stream = io.StringIO()
+    now[0] = 0.0
+    line = ProgressLine(2, stream=stream, every_s=5.0, clock_fn=lambda: now[0])
+    for t, p in [(1.0, RolloutProgress(2, 2, 3, 30, 1.0)), (1.5, RolloutProgress(2, 2, 3, 30, 1.5, done=True))]:
+        now[0] = t
+        line(p)
+    assert len(stream.getvalue().splitlines()) == 1
     # patient (training rollouts): nothing before every_s, no final line; a short rollout is silent
     stream = io.StringIO()
     now[0] = 0.0

@@ -45,6 +45,7 @@ class ProgressLine:
         self._last = self.start if patient else float("-inf")
         self._base_done = self._base_tokens = 0  # from the rollouts already finished
         self.done = self.tokens = 0
+        self._printed = -1  # the episode count of the last line printed
         self.lines = 0
 
     def __call__(self, p: RolloutProgress) -> None:
@@ -53,9 +54,11 @@ class ProgressLine:
         if p.done:
             self._base_done, self._base_tokens = self.done, self.tokens
         now = self._clock()
-        last = p.done and self.done >= self.total and not self.patient
+        # the final line, unless the same count was just printed by the throttled update
+        last = p.done and self.done >= self.total and not self.patient and self._printed != self.done
         if last or now - self._last >= self.every_s:
             self._last = now
+            self._printed = self.done
             self._print(self.line(p.turn, now - self.start))
 
     def line(self, turn: int, elapsed: float) -> str:
