@@ -45,8 +45,7 @@ def trajectories(tok):
 @pytest.mark.parametrize("options", [
     ViewOptions(),
     ViewOptions(source="tool_results_answer", turns="last:2"),
-    ViewOptions(source="answer", depths=(1, 2)),
-    ViewOptions(depths=(2,), turns="first:1"),
+    ViewOptions(source="answer", depths=(2,), turns="first:1"),  # answer-only source, one depth, first turn
 ])
 def test_packed_views_equal_plain_sequences(tok, trajectories, options):
     tasks, trajs = trajectories

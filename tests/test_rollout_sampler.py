@@ -55,7 +55,10 @@ def test_greedy_equals_stepwise_argmax_across_observation_append():
             if phase == 1:
                 seq += observations[i]
             for _ in range(n):
-                lp = np.asarray(fwd(jnp.asarray([seq], jnp.int32)))[0, -1]
+                # right-padded to one width (one compile): causal, so padding after the last
+                # token cannot change its logits
+                padded = seq + [0] * (32 - len(seq))
+                lp = np.asarray(fwd(jnp.asarray([padded], jnp.int32)))[0, len(seq) - 1]
                 t = int(np.argmax(lp))
                 want_tok.append(t)
                 want_lp.append(lp[t])

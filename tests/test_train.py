@@ -121,7 +121,7 @@ def test_sigterm_then_resume_matches_uninterrupted(uninterrupted, tmp_path):
     proc = _run(FAST, workdir)
     _, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
-    assert f"resumed from" in err
+    assert "resumed from" in err
     full, resumed = _records(uninterrupted), _records(workdir)
     assert sorted(resumed) == list(range(6))
     for step in range(3, 6):
