@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,9 @@ from turnsight_jax.rl.losses import aggregation_weights, clipped_surrogate, kl_p
 from turnsight_jax.rl.methods import resolve_method
 from turnsight_jax.rl.step import make_train_step
 
-CFG = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+from _vocab import SMALL_VOCAB, fold, fold_batch
+
+CFG = Qwen3Config(vocab_size=SMALL_VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, tie_word_embeddings=False)
 G = 2
 
@@ -49,17 +52,19 @@ def setup(tok):
     policy = init_model(CFG, seed=0)
     ref = init_model(CFG, seed=1)  # a different reference so δ is not ~0
     rng = np.random.default_rng(0)
-    for t in trajs:  # old log-probs: the policy's own, perturbed so some ratios clip
-        lp = np.asarray(jax.nn.log_softmax(policy(jnp.asarray(t.tokens[None])), -1))[0]
-        own = np.concatenate([[0.0], lp[np.arange(t.length - 1), t.tokens[1:]]])
-        t.old_logprobs = np.where(t.policy_mask, own + rng.normal(0, 0.3, t.length), 0).astype(np.float32)
+    graphdef, params = nnx.split(policy)
+    own = plain_logprobs(graphdef, params, [t.tokens for t in trajs], [np.arange(t.length - 1) for t in trajs],
+                         [t.tokens[1:] for t in trajs], width=2048)
+    for t, lp in zip(trajs, own):  # old log-probs: the policy's own, perturbed so some ratios clip
+        lp = np.concatenate([[0.0], np.asarray(lp)])
+        t.old_logprobs = np.where(t.policy_mask, lp + rng.normal(0, 0.3, t.length), 0).astype(np.float32)
     row_tasks = [tasks[i // G] for i in range(len(trajs))]
     return trajs, row_tasks, policy, ref
 
 
 def _batch(trajs, row_tasks, tok, cfg):
     batch, _ = make_train_batch(trajs, row_tasks, tok, cfg, resolve_method(cfg))
-    return batch
+    return fold_batch(batch)
 
 
 def _cfg(**algo):
@@ -90,6 +95,38 @@ def _sgd_step(cfg, policy, ref, batch, mesh=None):
     return grads, metrics
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _score(graphdef, params, x, m, pred, target):
+    """x, m [R, W]; pred, target [R, P] -> [R, P] log-probs: an explicit log_softmax of the logits
+    at the positions that predict the targets, on right-padded causal rows."""
+    model = nnx.merge(graphdef, params)
+    h = model.hidden_states(x, Layout.causal(m))
+    logits = model.logits(jnp.take_along_axis(h, pred[..., None], axis=1))
+    return jnp.take_along_axis(jax.nn.log_softmax(logits, -1), target[..., None], -1)[..., 0]
+
+
+def plain_logprobs(graphdef, params, seqs, preds, targets, width=1024, rows=None, most=None):
+    """seqs: token lists; preds/targets: index lists per sequence -> list of log-prob arrays.
+
+    Each sequence is its own right-padded row (ids folded, tests/_vocab.py), padded to `rows`
+    rows of `most` scored positions: one compiled program per shape, not op-by-op dispatch."""
+    rows = rows or len(seqs)
+    most = most or max(len(p) for p in preds)
+    x = np.zeros((rows, width), np.int32)
+    m = np.zeros((rows, width), bool)
+    pred = np.zeros((rows, most), np.int32)
+    target = np.zeros((rows, most), np.int32)
+    for r, sq in enumerate(seqs):
+        x[r, : len(sq)] = fold(sq)
+        m[r, : len(sq)] = True
+        pred[r, : len(preds[r])] = preds[r]
+        target[r, : len(preds[r])] = fold(targets[r])
+    out = _score(graphdef, params, x, m, pred, target)
+    if not isinstance(out, jax.core.Tracer):  # concrete: slice on the host, not op by op
+        out = np.asarray(out)
+    return [out[r, : len(preds[r])] for r in range(len(seqs))]
+
+
 def _reference_grads(cfg, policy, ref, trajs, answers, tok):
     """Teacher on explicit plain views, advantages and the loss in plain code (no packing).
 
@@ -108,23 +145,10 @@ def _reference_grads(cfg, policy, ref, trajs, answers, tok):
         turn_ids[i, :c] = t.turn_ids[pol[i]]
         old[i, :c] = t.old_logprobs[pol[i]]
 
-    def plain_logprobs(model, seqs, preds, targets, width=1024):
-        """seqs: token lists; preds/targets: index lists per sequence -> list of log-prob arrays."""
-        x = np.zeros((len(seqs), width), np.int32)
-        m = np.zeros((len(seqs), width), bool)
-        for r, sq in enumerate(seqs):
-            x[r, : len(sq)] = sq
-            m[r, : len(sq)] = True
-        h = model.hidden_states(jnp.asarray(x), Layout.causal(jnp.asarray(m)))
-        out = []
-        for r in range(len(seqs)):
-            logits = model.logits(h[r, np.asarray(preds[r])])
-            out.append(jnp.take_along_axis(jax.nn.log_softmax(logits, -1), jnp.asarray(targets[r])[:, None], -1)[:, 0])
-        return out
-
     # reference log-probs on the student's context (for the KL term)
     ref_lp = np.zeros((b, n), np.float32)
-    for i, lp in enumerate(plain_logprobs(ref, [t.tokens for t in trajs], [p - 1 for p in pol],
+    ref_graphdef, ref_params = nnx.split(ref)
+    for i, lp in enumerate(plain_logprobs(ref_graphdef, ref_params, [t.tokens for t in trajs], [p - 1 for p in pol],
                                           [t.tokens[p] for t, p in zip(trajs, pol)])):
         ref_lp[i, : len(pol[i])] = np.asarray(lp)
     # teacher on every (turn, depth) view built explicitly
@@ -135,29 +159,30 @@ def _reference_grads(cfg, policy, ref, trajs, answers, tok):
             for di, d in enumerate(a.depths):
                 seq = teacher_view_ids(tok, t, k, d, max_depth=max(a.depths), source=a.source, gold_answer=answers[i])
                 cases.append((i, turn, di, seq))
+    most = max(turn.policy_end - turn.policy_start for _, turn, _, _ in cases)
     for c0 in range(0, len(cases), 16):
         chunk = cases[c0:c0 + 16]
         ms = [turn.policy_end - turn.policy_start for _, turn, _, _ in chunk]
-        lps = plain_logprobs(ref, [c[3] for c in chunk],
+        lps = plain_logprobs(ref_graphdef, ref_params, [c[3] for c in chunk],
                              [np.arange(len(c[3]) - m - 1, len(c[3]) - 1) for c, m in zip(chunk, ms)],
-                             [np.asarray(c[3][len(c[3]) - m:]) for c, m in zip(chunk, ms)])
+                             [np.asarray(c[3][len(c[3]) - m:]) for c, m in zip(chunk, ms)], rows=16, most=most)
         for (i, turn, di, _), lp in zip(chunk, lps):
             j = np.searchsorted(pol[i], np.arange(turn.policy_start, turn.policy_end))
             teacher[di, i, j] = np.asarray(lp)
 
     group_ids = np.repeat(np.arange(b // G), G).astype(np.int32)
     rewards = np.array([t.reward for t in trajs], np.float32)
-    base = adv_lib.grpo_advantages(rewards, group_ids, mask, num_groups=b // G)
+    base = jax.jit(adv_lib.grpo_advantages, static_argnames="num_groups")(rewards, group_ids, mask, num_groups=b // G)
     adv = base
     if a.method == "turnsight":
-        adv = adv_lib.turnsight_advantages(teacher - old[None], mask, turn_ids, group_ids, base, lam=a.lam,
-                                           eps_w=a.eps_w, num_groups=b // G, max_turns=cfg.max_turns)["advantages"]
+        adv = jax.jit(adv_lib.turnsight_advantages, static_argnames=("lam", "eps_w", "num_groups", "max_turns"))(
+            teacher - old[None], mask, turn_ids, group_ids, base, lam=a.lam, eps_w=a.eps_w, num_groups=b // G,
+            max_turns=cfg.max_turns)["advantages"]
     weights = aggregation_weights(jnp.asarray(mask), cfg.loss.aggregation)
     graphdef, params = nnx.split(policy)
 
     def loss(params):
-        model = nnx.merge(graphdef, params)
-        lps = plain_logprobs(model, [t.tokens for t in trajs], [p - 1 for p in pol],
+        lps = plain_logprobs(graphdef, params, [t.tokens for t in trajs], [p - 1 for p in pol],
                              [t.tokens[p] for t, p in zip(trajs, pol)])
         total = 0.0
         for i, lp in enumerate(lps):
@@ -167,7 +192,7 @@ def _reference_grads(cfg, policy, ref, trajs, answers, tok):
             total = total + jnp.sum(tl * weights[i])
         return total
 
-    return jax.grad(loss)(params)
+    return jax.jit(jax.grad(loss))(params)
 
 
 def _max_diff(a, b):
