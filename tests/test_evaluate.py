@@ -184,7 +184,7 @@ def test_ftrl_scripted_replay_matches_hand_computed_table(ftrl_sample_path, tmp_
     assert "error" in by_id[ids[5]]["turns"][0]["calls"][1]  # the malformed call, recorded as such
 
 
-def test_toolhop_scripted_replay_answer_accuracy(tmp_path, capsys):
+def _toolhop_file(tmp_path):
     tool = {"name": "director_of", "description": "Director of a film.",
             "parameters": {"type": "object", "properties": {"film": {"type": "string"}}, "required": ["film"]}}
     rows = [{"id": f"th{i}", "question": f"Who directed {film}?", "answer": who, "tools": [tool],
@@ -192,6 +192,11 @@ def test_toolhop_scripted_replay_answer_accuracy(tmp_path, capsys):
             for i, (film, who) in enumerate([("X", "Jane Doe"), ("Y", "John Roe"), ("Z", "Ann Poe")])]
     data = tmp_path / "toolhop.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return data
+
+
+def test_toolhop_scripted_replay_answer_accuracy(tmp_path, capsys):
+    data = _toolhop_file(tmp_path)
     scripts = [
         {"task_id": "th0", "turns": [_call("director_of", film="X"), "<answer>Jane Doe</answer>"]},  # correct
         {"task_id": "th1", "benchmark": "toolhop", "turns": ["<answer>Someone</answer>"]},  # wrong
@@ -201,13 +206,52 @@ def test_toolhop_scripted_replay_answer_accuracy(tmp_path, capsys):
     script_file = tmp_path / "s.jsonl"
     script_file.write_text("".join(json.dumps(s) + "\n" for s in scripts))
     code, out, err = run_cli(["--replay", script_file, "--benchmarks", "toolhop", "--toolhop", data, "--out",
-                              tmp_path / "out"], capsys)
+                              tmp_path / "out", "--toolhop-scenario", "mandatory"], capsys)
     assert code == 0, err
     results, examples = read_results(tmp_path / "out")
     cat = results["benchmarks"]["toolhop"]["categories"]["toolhop"]
     assert (cat["n"], cat["accuracy"]) == (3, pytest.approx(2 / 3))
     assert [e["metrics"]["answer_correct"] for e in examples] == [1.0, 0.0, 1.0]
     assert "| replay: s.jsonl | 66.67 |" in out
+    assert "Turns: ToolHop 9 (mandatory scenario)." in out
+    assert "you must call the tool at every step" in examples[0]["text"]
+
+
+@pytest.mark.parametrize("scenario", ["direct", "free"])
+def test_toolhop_direct_and_free_scenarios(tmp_path, capsys, scenario):
+    """direct (the default): no tools in the prompt, one generation, so th2's call is never run and
+    its answer turn never comes; free: the tools, the prompt without the must-call sentences."""
+    data = _toolhop_file(tmp_path)
+    scripts = [
+        {"task_id": "th0", "turns": ["<answer>Jane Doe</answer>"]},  # correct in both
+        {"task_id": "th1", "turns": ["<answer>Someone</answer>"]},  # wrong in both
+        # free: the call's observation holds "Ann Poe" -> correct; direct: 1 turn, no answer -> wrong
+        {"task_id": "th2", "turns": [_call("director_of", film="Z"), "<answer>not sure</answer>"]},
+    ]
+    script_file = tmp_path / "s.jsonl"
+    script_file.write_text("".join(json.dumps(s) + "\n" for s in scripts))
+    argv = ["--replay", script_file, "--benchmarks", "toolhop", "--toolhop", data, "--out", tmp_path / "out"]
+    code, out, err = run_cli(argv + ([] if scenario == "direct" else ["--toolhop-scenario", scenario]), capsys)
+    assert code == 0, err
+    _, examples = read_results(tmp_path / "out")
+    prompt = examples[0]["text"].split("<|im_start|>assistant")[0]
+    if scenario == "direct":
+        assert "Turns: ToolHop 1 (direct scenario)." in out
+        assert [e["metrics"]["answer_correct"] for e in examples] == [1.0, 0.0, 0.0]
+        assert "<tools>" not in prompt and prompt.count("You will be asked a question, and should provide") == 1
+        assert examples[2]["num_turns"] == 1 and examples[2]["turns"][0]["results"] == []
+    else:
+        assert "Turns: ToolHop 9 (free scenario)." in out
+        assert [e["metrics"]["answer_correct"] for e in examples] == [1.0, 0.0, 1.0]
+        assert "<tools>" in prompt and "must call" not in prompt and "with some tools" in prompt
+
+
+def test_header_states_the_released_defaults(tmp_path, capsys):
+    """No flags: greedy, FTRL/built-in 10 turns, no per-turn cap, thinking off for a replay."""
+    code, out, err = run_cli(["--replay", "gold", "--benchmarks", "builtin", "--builtin-per-category", 1], capsys)
+    assert code == 0, err
+    assert out.startswith("Decoding: greedy.\nTurns: Built-in 10.\nToken budget: 13000 response tokens per "
+                          "episode, per-turn cap off, prompts up to 10000.\nThinking: off (replay).\n")
 
 
 def test_replay_file_without_a_script_for_a_task_is_an_error(ftrl_sample_path, tmp_path, capsys):
@@ -343,3 +387,24 @@ def test_tokenizer_larger_than_model_vocabulary(tmp_path, capsys):
     line = _error_line(err)
     assert line.startswith(f"error: {tmp_path}: tokenizer has 151669 tokens but the model's embedding has only "
                            "1000 rows")
+
+
+def test_thinking_default_rule(tmp_path):
+    """HF folder: on for a post-trained Qwen3 (template with the switch, name without -Base), off
+    for "-Base" folders or templates without the switch; replay: off; flags win (main's parser)."""
+    import types
+
+    from turnsight_jax.assets import default_tokenizer
+    from turnsight_jax.evaluate import build_parser, thinking_default
+
+    tok = default_tokenizer()
+    hf = lambda name: types.SimpleNamespace(checkpoint=None, hf=str(tmp_path / name))  # noqa: E731
+    assert thinking_default(hf("Qwen3-8B"), None, tok) == (True, "a post-trained Qwen3")
+    assert thinking_default(hf("Qwen3-8B-Base"), None, tok) == (False, "a pre-trained Qwen3 (Qwen3-8B-Base)")
+    no_switch = types.SimpleNamespace(chat_template="{{ messages }}")
+    assert thinking_default(hf("Qwen3-8B"), None, no_switch) == (False, "its chat template has no thinking switch")
+    assert thinking_default(types.SimpleNamespace(checkpoint=None, hf=None), None, tok) == (False, "replay")
+    parse = build_parser().parse_args
+    assert parse(["--replay", "gold"]).enable_thinking is None
+    assert parse(["--replay", "gold", "--enable-thinking"]).enable_thinking is True
+    assert parse(["--replay", "gold", "--no-thinking"]).enable_thinking is False
