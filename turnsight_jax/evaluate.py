@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "a run's: rollout.max_response_tokens)")
     p.add_argument("--bfcl-max-response-tokens", type=int, default=32_768,
                    help="policy + observation tokens per BFCL episode")
+    p.add_argument("--bfcl-memory-embedding-model", metavar="DIR", default=None,
+                   help="local sentence-transformers model folder (BFCL uses all-MiniLM-L6-v2): runs the vector "
+                        "Memory backend (needs sentence-transformers, faiss-cpu); default: that backend is not run")
+    p.add_argument("--bfcl-search-backend", metavar="NAME", default=None,
+                   help="registered Web Search backend (turnsight_jax/eval/web_search.py); default: Web Search is "
+                        "not run")
     think = p.add_mutually_exclusive_group()
     think.add_argument("--enable-thinking", action="store_true", default=None,
                        help="Qwen3 thinking mode on (default: on for a post-trained Qwen3, see docs/evaluation.md)")
@@ -163,7 +169,8 @@ def settings_from_args(args, run_cfg=None) -> suite_lib.EvalSettings:
         raise EvalError(f"--samples {args.samples} needs --temperature > 0 (greedy rollouts are all the same)")
     return suite_lib.EvalSettings(
         max_prompt_tokens=values["max_prompt_tokens"], bfcl_max_response_tokens=args.bfcl_max_response_tokens,
-        enable_thinking=bool(args.enable_thinking), toolhop_scenario=args.toolhop_scenario, limit=args.limit, bfcl_limit=args.bfcl_limit, workers=args.workers,
+        enable_thinking=bool(args.enable_thinking), toolhop_scenario=args.toolhop_scenario, limit=args.limit,
+        bfcl_memory_embedding_model=args.bfcl_memory_embedding_model, bfcl_search_backend=args.bfcl_search_backend, bfcl_limit=args.bfcl_limit, workers=args.workers,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, samples=args.samples,
         **{k: values[k] for k in ("max_turns", "batch_size", "max_new_tokens", "max_response_tokens",
                                   "builtin_per_category", "builtin_seed", "seed")},
@@ -241,6 +248,8 @@ def prepare(args):
     if args.step is not None and not args.checkpoint:
         raise EvalError("--step applies to --checkpoint only")
     suite_lib.check_inputs(benchmarks, args.ftrl, args.toolhop)
+    if "bfcl" in benchmarks:
+        suite_lib.check_bfcl_options(settings)
     if args.replay == "gold":
         check_gold_supported(benchmarks)
     if args.replay:

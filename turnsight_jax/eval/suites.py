@@ -3,7 +3,8 @@
 A *suite* is one benchmark's tasks grouped by category in the order of the paper's Table 1:
 
   ftrl     Single-Hop, Parallel Single-Hop, Multi-Hop, Parallel Multi-Hop  (Solve-P/R/F1)
-  bfcl     Base, Missing Function, Missing Parameter, Long Context         (checker accuracy)
+  bfcl     Base, Missing Function, Missing Parameter, Long Context, Memory,
+           Web Search (the paper's six BFCL subsets)                       (checker accuracy)
   toolhop  ToolHop                                                          (answer accuracy)
   builtin  the four FTRL categories on seeded synthetic tasks               (Solve-P/R/F1)
 
@@ -38,13 +39,16 @@ BFCL_CATEGORIES: tuple[tuple[str, str], ...] = (
     ("multi_turn_miss_func", "Missing Function"),
     ("multi_turn_miss_param", "Missing Parameter"),
     ("multi_turn_long_context", "Long Context"),
+    ("memory", "Memory"),
+    ("web_search", "Web Search"),
 )
+# The paper's BFCL average covers these six subsets (Memory: its backends' questions together).
 TOOLHOP_CATEGORIES: tuple[tuple[str, str], ...] = (("toolhop", "ToolHop"),)
 
 # What each benchmark reports per category: FTRL-style Solve-P/R/F1 or a pass rate.
 SOLVE_METRICS = ("solve_p", "solve_r", "solve_f1")
 KIND = {"ftrl": "solve", "builtin": "solve", "bfcl": "accuracy", "toolhop": "accuracy"}
-TITLES = {"ftrl": "FTRL", "bfcl": "BFCL v4 multi-turn", "toolhop": "ToolHop", "builtin": "Built-in"}
+TITLES = {"ftrl": "FTRL", "bfcl": "BFCL v4", "toolhop": "ToolHop", "builtin": "Built-in"}
 
 # BFCL ends a user turn after 20 steps (its MAXIMUM_STEP_LIMIT, enforced by the environment,
 # which force-quits the episode); a user turn needs at most that many call steps plus the
@@ -87,6 +91,8 @@ class EvalSettings:
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
     samples: int = 1  # rollouts per task when sampling (per-task metrics = their mean)
+    bfcl_memory_embedding_model: str | None = None  # local sentence-transformers folder: runs memory_vector
+    bfcl_search_backend: str | None = None  # Web Search backend name (eval.web_search); None: not run
     toolhop_scenario: str = "direct"  # envs.toolhop.SCENARIOS; the released evaluation's default
     thinking_rule: str = ""  # why enable_thinking is what it is (the evaluate CLI's header)
 
@@ -119,6 +125,8 @@ class Suite:
     labels: dict[str, str]
     order: list[tuple[str, Task]] | None = None  # evaluation order; None: category by category
     heldout: bool = False  # a training run's held-out tasks
+    prerequisites: list[Task] = dataclasses.field(default_factory=list)  # BFCL Memory: run first, unscored
+    not_run: dict[str, str] = dataclasses.field(default_factory=dict)  # subset label -> why it was not run
 
     def pairs(self) -> list[tuple[str, Task]]:
         """(category, task) in evaluation (= batching) order."""
@@ -168,6 +176,24 @@ def check_inputs(benchmarks: Sequence[str], ftrl_path: str | None, toolhop_path:
             raise EvalError(str(e)) from None
 
 
+def check_bfcl_options(settings: EvalSettings) -> None:
+    """The vector Memory backend's model folder and the Web Search backend name, before any run."""
+    if settings.bfcl_memory_embedding_model is not None:
+        from turnsight_jax.envs.bfcl import use_embedding_model
+
+        try:
+            use_embedding_model(settings.bfcl_memory_embedding_model)
+        except (ImportError, OSError, ValueError) as e:
+            raise EvalError(f"--bfcl-memory-embedding-model {settings.bfcl_memory_embedding_model}: {e}") from None
+    if settings.bfcl_search_backend is not None:
+        from turnsight_jax.eval.web_search import get_backend
+
+        try:
+            get_backend(settings.bfcl_search_backend)
+        except KeyError as e:
+            raise EvalError(f"--bfcl-search-backend: {e.args[0]}") from None
+
+
 def _group(tasks: Sequence[Task], known: Sequence[tuple[str, str]], limit: int | None,
            where: str) -> tuple[dict[str, list[Task]], dict[str, str]]:
     """Tasks by category: the known categories first (in table order), then any others."""
@@ -210,8 +236,21 @@ def load_suite(benchmark: str, settings: EvalSettings, *, ftrl_path: str | None 
 
         per_cat = [x for x in (settings.bfcl_limit, limit) if x is not None]
         n = min(per_cat) if per_cat else None
-        tasks = [t for key, _ in BFCL_CATEGORIES for t in bfcl.load_tasks(key, limit=n)]
+        tasks = [t for key in bfcl.BFCL_CATEGORIES for t in bfcl.load_tasks(key, limit=n)]
+        prereqs, backends, not_run = [], [], {}
+        for backend in bfcl.MEMORY_BACKENDS:
+            if backend == "vector" and not settings.bfcl_memory_embedding_model:
+                not_run["Memory (vector)"] = "needs a local embedding model: --bfcl-memory-embedding-model DIR"
+                continue
+            pre, questions = bfcl.load_memory_tasks(backend, limit=n)
+            prereqs += pre
+            tasks += questions
+            backends.append(backend)
+        if settings.bfcl_search_backend is None:
+            not_run["Web Search"] = "needs a search backend: --bfcl-search-backend NAME"
         groups, labels = _group(tasks, BFCL_CATEGORIES, None, "bfcl")
+        labels["memory"] = f"Memory ({', '.join(backends)})"
+        return Suite(benchmark, groups, labels, prerequisites=prereqs, not_run=not_run)
     elif benchmark == "builtin":
         from turnsight_jax.envs import synthetic
 
