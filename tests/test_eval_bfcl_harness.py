@@ -87,10 +87,13 @@ def _play(task, replies, oracle=None, *, enable_thinking=True):
     """Plays `replies` through a Conversation; with `oracle`, checks every prompt and parse."""
     env = bfcl.BFCLEnv()
     conv = H.Conversation(task, env.start(task), enable_thinking=enable_thinking)
+    tok = default_tokenizer() if oracle is not None else None
     for reply in replies:
         if not conv.active:
             break
         if oracle is not None:
+            # the incremental ids equal a full encode of the prompt
+            assert conv.prompt_ids(tok) == tok(conv.prompt(), add_special_tokens=False)["input_ids"]
             expected = oracle.render(conv.messages, conv.functions)
             if not enable_thinking:
                 expected += "<think>\n\n</think>\n\n"

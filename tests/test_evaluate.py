@@ -49,15 +49,23 @@ def test_bfcl_gold_replay_scores_100_percent(tmp_path, capsys):
     assert code == 0, err
     results, examples = read_results(tmp_path)
     bfcl = results["benchmarks"]["bfcl"]
-    assert list(bfcl["categories"]) == [key for key, _ in BFCL_CATEGORIES]
+    # Web Search has no backend here: not run, and not a column.
+    assert list(bfcl["categories"]) == [key for key, _ in BFCL_CATEGORIES if key != "web_search"]
     for key, cat in bfcl["categories"].items():
-        assert (cat["n"], cat["accuracy"]) == (10, 1.0), key
+        # Memory: the first 10 questions of each offline backend (kv, rec_sum).
+        assert (cat["n"], cat["accuracy"]) == (20 if key == "memory" else 10, 1.0), key
     assert bfcl["score"] == 1.0 and results["overall"] == 1.0
-    assert len(examples) == 40
+    assert len(examples) == 60
     assert all(e["metrics"]["bfcl_pass"] == 1.0 and e["finish_reason"] == "answer" for e in examples)
-    # The Table 1 row as printed.
-    assert "| replay: gold | 100.00 | 100.00 | 100.00 | 100.00 | 100.00 |" in out
-    assert "| Model | Base | Missing Function | Missing Parameter | Long Context | Avg |" in out
+    # The Table 1 row as printed, and which subsets the average covers.
+    assert "| replay: gold | 100.00 | 100.00 | 100.00 | 100.00 | 100.00 | 100.00 |" in out
+    assert ("| Model | Base | Missing Function | Missing Parameter | Long Context | Memory (kv, rec_sum) | Avg |"
+            in out)
+    assert ("Avg over: Base, Missing Function, Missing Parameter, Long Context, Memory (kv, rec_sum). Not run: "
+            "Memory (vector) (needs a local embedding model: --bfcl-memory-embedding-model DIR); Web Search "
+            "(needs a search backend: --bfcl-search-backend NAME)." in out)
+    assert bfcl["not_run"] == {"Memory (vector)": "needs a local embedding model: --bfcl-memory-embedding-model DIR",
+                               "Web Search": "needs a search backend: --bfcl-search-backend NAME"}
     # Each example carries the decoded conversation and the executed calls with their results.
     first = examples[0]
     assert first["task_id"] == "multi_turn_base_0" and first["category"] == "multi_turn_base"
@@ -71,14 +79,16 @@ def test_bfcl_gold_replay_scores_100_percent(tmp_path, capsys):
 @needs_bfcl
 @pytest.mark.slow
 def test_bfcl_gold_replay_all_800_entries(tmp_path, capsys):
-    # 32 long-context gold conversations need more than the default 32,768 response tokens
-    # (up to 67,482); with room for them every entry of every category passes.
+    # Some long-context gold conversations need more than the default 32,768 tokens of context
+    # after the first prompt; with room for them every entry of every category passes (and the
+    # 310 offline Memory questions).
     code, _, err = run_cli(["--replay", "gold", "--benchmarks", "bfcl", "--bfcl-max-response-tokens", 70_000,
                             "--batch-size", 200, "--quiet", "--out", tmp_path], capsys)
     assert code == 0, err
     results, _ = read_results(tmp_path)
     cats = results["benchmarks"]["bfcl"]["categories"]
-    assert {k: (c["n"], c["accuracy"]) for k, c in cats.items()} == {k: (200, 1.0) for k, _ in BFCL_CATEGORIES}
+    assert {k: (c["n"], c["accuracy"]) for k, c in cats.items()} == {
+        **{k: (200, 1.0) for k, _ in BFCL_CATEGORIES[:4]}, "memory": (310, 1.0)}
 
 
 # ---------------------------------------------------------------------------------------------

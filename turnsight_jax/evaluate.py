@@ -1,4 +1,4 @@
-"""Evaluate a policy on FTRL, BFCL v4 multi-turn, ToolHop and the built-in tasks.
+"""Evaluate a policy on FTRL, BFCL v4 (multi-turn, Memory), ToolHop and the built-in tasks.
 
     python -m turnsight_jax.evaluate --hf HF_DIR --benchmarks ftrl,bfcl,toolhop,builtin \\
         --ftrl ftrl_test.jsonl --toolhop toolhop.json --out results/qwen3-8b

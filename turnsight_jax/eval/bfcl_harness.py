@@ -205,6 +205,7 @@ class Conversation:
         self.tokens = 0  # policy tokens generated
         self.error: str | None = None  # "length" (out of context) or a render error
         self.finished = False
+        self._last: tuple[str, list[int]] | None = None  # the last prompt and its ids
 
     @property
     def active(self) -> bool:
@@ -212,6 +213,24 @@ class Conversation:
 
     def prompt(self) -> str:
         return render_prompt(self.messages, self.functions, enable_thinking=self.enable_thinking)
+
+    def prompt_ids(self, tokenizer) -> list[int]:
+        """Token ids of `prompt()`. Special tokens are split off before BPE, so the ids of the text
+        before the last prompt's final <|im_start|> do not depend on what follows: when the new
+        prompt extends that text, only the rest is tokenised (the same ids as a full encode)."""
+        text = self.prompt()
+        if self._last is not None:
+            old_text, old_ids = self._last
+            cut = old_text.rfind(IM_START)
+            start_id = tok_lib.im_start_id(tokenizer)
+            cut_tok = len(old_ids) - 1 - old_ids[::-1].index(start_id) if start_id in old_ids else -1
+            if cut > 0 and cut_tok > 0 and text.startswith(old_text[:cut]):
+                ids = old_ids[:cut_tok] + tok_lib.encode(tokenizer, text[cut:])
+                self._last = (text, ids)
+                return ids
+        ids = tok_lib.encode(tokenizer, text)
+        self._last = (text, ids)
+        return ids
 
     def feed(self, raw: str) -> None:
         """Applies the model's reply of one step."""
@@ -324,7 +343,7 @@ def run_conversations(completer, conversations: Sequence[Conversation], keys: Se
         for i in live:
             c = conversations[i]
             try:
-                ids = tok_lib.encode(tokenizer, c.prompt())
+                ids = c.prompt_ids(tokenizer)
             except RenderError as e:
                 c.error = f"BFCL's handler cannot render the history: {e}"
                 continue
