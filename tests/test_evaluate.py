@@ -324,8 +324,10 @@ def test_run_folder_checkpoint_gives_the_same_tables_as_the_hf_folder(tiny_hf_di
     ckpt = Checkpointer(run)
     ckpt.save(3, nnx.state(model), {"count": jnp.zeros((), jnp.int32)}, {"next_step": 3})
     ckpt.close()
+    # --no-thinking: the thinking defaults differ (a run folder without config.json: off; an HF
+    # folder of a post-trained Qwen3: on), the tables must not.
     common = ["--benchmarks", "builtin", "--builtin-per-category", 1, "--max-turns", 2, "--max-new-tokens", 16,
-              "--batch-size", 4, "--workers", 1, "--quiet"]
+              "--batch-size", 4, "--workers", 1, "--quiet", "--no-thinking"]
     code, _, err = run_cli(["--checkpoint", run, "--out", tmp_path / "ckpt"] + common, capsys)
     assert code == 0, err
     code, _, err = run_cli(["--hf", tiny_hf_dir, "--out", tmp_path / "hf"] + common, capsys)
@@ -418,3 +420,19 @@ def test_thinking_default_rule(tmp_path):
     assert parse(["--replay", "gold"]).enable_thinking is None
     assert parse(["--replay", "gold", "--enable-thinking"]).enable_thinking is True
     assert parse(["--replay", "gold", "--no-thinking"]).enable_thinking is False
+
+
+def test_rollout_budgets_per_benchmark():
+    """Per-turn cap off by default (= the response budget), given: that cap; BFCL: its 4096 per
+    step; turns: FTRL 10, ToolHop 9 (direct 1), or --max-turns for all."""
+    from turnsight_jax.eval.suites import EvalSettings, rollout_config
+
+    default = EvalSettings()
+    ftrl = rollout_config("ftrl", default, [])
+    assert (ftrl.max_turns, ftrl.max_turn_tokens, ftrl.max_response_tokens) == (10, 13_000, 13_000)
+    assert rollout_config("toolhop", default, []).max_turns == 1
+    assert rollout_config("toolhop", EvalSettings(toolhop_scenario="free"), []).max_turns == 9
+    capped = EvalSettings(max_new_tokens=64, max_turns=3)
+    assert (rollout_config("builtin", capped, []).max_turn_tokens, rollout_config("toolhop", capped, []).max_turns) \
+        == (64, 3)
+    assert default.turns_for("builtin") == 10
