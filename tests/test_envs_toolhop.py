@@ -92,3 +92,22 @@ def test_episode_runs_tools_isolated_and_scores_answers(path):
         ep3 = env.start(task)
         ep3.step([ToolCall("birth_year", {"person": "Michael Mann"})])
         assert ep3.score("1943").reward == 0.0
+
+
+def test_scenarios_change_prompt_and_tools(path):
+    """direct: no tools/code, the direct prompt; free: tools, no must-call sentence; mandatory:
+    the loaded task itself; an unknown scenario or a task already converted is an error."""
+    from turnsight_jax.envs.toolhop import scenario_task
+
+    task = load_tasks(path)[1]  # row 1 has no own messages
+    direct, free = scenario_task(task, "direct"), scenario_task(task, "free")
+    assert scenario_task(task, "mandatory") is task
+    assert (direct.tools, direct.codes) == ((), {}) and free.tools == task.tools and free.codes == task.codes
+    assert direct.messages[0]["content"].startswith("You will be asked a question, and should provide a short answer.")
+    assert "you must call the tool" in task.messages[0]["content"]
+    assert "must call" not in free.messages[0]["content"] and "with some tools" in free.messages[0]["content"]
+    assert all(t.messages[0]["content"].endswith("Question: " + task.extra["question"]) for t in (direct, free, task))
+    with pytest.raises(ValueError, match="unknown ToolHop scenario 'open'; expected one of direct, mandatory, free"):
+        scenario_task(task, "open")
+    with pytest.raises(ValueError, match="expects a freshly loaded"):
+        scenario_task(direct, "free")

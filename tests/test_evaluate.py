@@ -49,15 +49,23 @@ def test_bfcl_gold_replay_scores_100_percent(tmp_path, capsys):
     assert code == 0, err
     results, examples = read_results(tmp_path)
     bfcl = results["benchmarks"]["bfcl"]
-    assert list(bfcl["categories"]) == [key for key, _ in BFCL_CATEGORIES]
+    # Web Search has no backend here: not run, and not a column.
+    assert list(bfcl["categories"]) == [key for key, _ in BFCL_CATEGORIES if key != "web_search"]
     for key, cat in bfcl["categories"].items():
-        assert (cat["n"], cat["accuracy"]) == (10, 1.0), key
+        # Memory: the first 10 questions of each offline backend (kv, rec_sum).
+        assert (cat["n"], cat["accuracy"]) == (20 if key == "memory" else 10, 1.0), key
     assert bfcl["score"] == 1.0 and results["overall"] == 1.0
-    assert len(examples) == 40
+    assert len(examples) == 60
     assert all(e["metrics"]["bfcl_pass"] == 1.0 and e["finish_reason"] == "answer" for e in examples)
-    # The Table 1 row as printed.
-    assert "| replay: gold | 100.00 | 100.00 | 100.00 | 100.00 | 100.00 |" in out
-    assert "| Model | Base | Missing Function | Missing Parameter | Long Context | Avg |" in out
+    # The Table 1 row as printed, and which subsets the average covers.
+    assert "| replay: gold | 100.00 | 100.00 | 100.00 | 100.00 | 100.00 | 100.00 |" in out
+    assert ("| Model | Base | Missing Function | Missing Parameter | Long Context | Memory (kv, rec_sum) | Avg |"
+            in out)
+    assert ("Avg over: Base, Missing Function, Missing Parameter, Long Context, Memory (kv, rec_sum). Not run: "
+            "Memory (vector) (needs a local embedding model: --bfcl-memory-embedding-model DIR); Web Search "
+            "(needs a search backend: --bfcl-search-backend NAME)." in out)
+    assert bfcl["not_run"] == {"Memory (vector)": "needs a local embedding model: --bfcl-memory-embedding-model DIR",
+                               "Web Search": "needs a search backend: --bfcl-search-backend NAME"}
     # Each example carries the decoded conversation and the executed calls with their results.
     first = examples[0]
     assert first["task_id"] == "multi_turn_base_0" and first["category"] == "multi_turn_base"
@@ -71,14 +79,16 @@ def test_bfcl_gold_replay_scores_100_percent(tmp_path, capsys):
 @needs_bfcl
 @pytest.mark.slow
 def test_bfcl_gold_replay_all_800_entries(tmp_path, capsys):
-    # 32 long-context gold conversations need more than the default 32,768 response tokens
-    # (up to 67,482); with room for them every entry of every category passes.
+    # Some long-context gold conversations need more than the default 32,768 tokens of context
+    # after the first prompt; with room for them every entry of every category passes (and the
+    # 310 offline Memory questions).
     code, _, err = run_cli(["--replay", "gold", "--benchmarks", "bfcl", "--bfcl-max-response-tokens", 70_000,
                             "--batch-size", 200, "--quiet", "--out", tmp_path], capsys)
     assert code == 0, err
     results, _ = read_results(tmp_path)
     cats = results["benchmarks"]["bfcl"]["categories"]
-    assert {k: (c["n"], c["accuracy"]) for k, c in cats.items()} == {k: (200, 1.0) for k, _ in BFCL_CATEGORIES}
+    assert {k: (c["n"], c["accuracy"]) for k, c in cats.items()} == {
+        **{k: (200, 1.0) for k, _ in BFCL_CATEGORIES[:4]}, "memory": (310, 1.0)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,7 +194,7 @@ def test_ftrl_scripted_replay_matches_hand_computed_table(ftrl_sample_path, tmp_
     assert "error" in by_id[ids[5]]["turns"][0]["calls"][1]  # the malformed call, recorded as such
 
 
-def test_toolhop_scripted_replay_answer_accuracy(tmp_path, capsys):
+def _toolhop_file(tmp_path):
     tool = {"name": "director_of", "description": "Director of a film.",
             "parameters": {"type": "object", "properties": {"film": {"type": "string"}}, "required": ["film"]}}
     rows = [{"id": f"th{i}", "question": f"Who directed {film}?", "answer": who, "tools": [tool],
@@ -192,6 +202,11 @@ def test_toolhop_scripted_replay_answer_accuracy(tmp_path, capsys):
             for i, (film, who) in enumerate([("X", "Jane Doe"), ("Y", "John Roe"), ("Z", "Ann Poe")])]
     data = tmp_path / "toolhop.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return data
+
+
+def test_toolhop_scripted_replay_answer_accuracy(tmp_path, capsys):
+    data = _toolhop_file(tmp_path)
     scripts = [
         {"task_id": "th0", "turns": [_call("director_of", film="X"), "<answer>Jane Doe</answer>"]},  # correct
         {"task_id": "th1", "benchmark": "toolhop", "turns": ["<answer>Someone</answer>"]},  # wrong
@@ -201,13 +216,52 @@ def test_toolhop_scripted_replay_answer_accuracy(tmp_path, capsys):
     script_file = tmp_path / "s.jsonl"
     script_file.write_text("".join(json.dumps(s) + "\n" for s in scripts))
     code, out, err = run_cli(["--replay", script_file, "--benchmarks", "toolhop", "--toolhop", data, "--out",
-                              tmp_path / "out"], capsys)
+                              tmp_path / "out", "--toolhop-scenario", "mandatory"], capsys)
     assert code == 0, err
     results, examples = read_results(tmp_path / "out")
     cat = results["benchmarks"]["toolhop"]["categories"]["toolhop"]
     assert (cat["n"], cat["accuracy"]) == (3, pytest.approx(2 / 3))
     assert [e["metrics"]["answer_correct"] for e in examples] == [1.0, 0.0, 1.0]
     assert "| replay: s.jsonl | 66.67 |" in out
+    assert "Turns: ToolHop 9 (mandatory scenario)." in out
+    assert "you must call the tool at every step" in examples[0]["text"]
+
+
+@pytest.mark.parametrize("scenario", ["direct", "free"])
+def test_toolhop_direct_and_free_scenarios(tmp_path, capsys, scenario):
+    """direct (the default): no tools in the prompt, one generation, so th2's call is never run and
+    its answer turn never comes; free: the tools, the prompt without the must-call sentences."""
+    data = _toolhop_file(tmp_path)
+    scripts = [
+        {"task_id": "th0", "turns": ["<answer>Jane Doe</answer>"]},  # correct in both
+        {"task_id": "th1", "turns": ["<answer>Someone</answer>"]},  # wrong in both
+        # free: the call's observation holds "Ann Poe" -> correct; direct: 1 turn, no answer -> wrong
+        {"task_id": "th2", "turns": [_call("director_of", film="Z"), "<answer>not sure</answer>"]},
+    ]
+    script_file = tmp_path / "s.jsonl"
+    script_file.write_text("".join(json.dumps(s) + "\n" for s in scripts))
+    argv = ["--replay", script_file, "--benchmarks", "toolhop", "--toolhop", data, "--out", tmp_path / "out"]
+    code, out, err = run_cli(argv + ([] if scenario == "direct" else ["--toolhop-scenario", scenario]), capsys)
+    assert code == 0, err
+    _, examples = read_results(tmp_path / "out")
+    prompt = examples[0]["text"].split("<|im_start|>assistant")[0]
+    if scenario == "direct":
+        assert "Turns: ToolHop 1 (direct scenario)." in out
+        assert [e["metrics"]["answer_correct"] for e in examples] == [1.0, 0.0, 0.0]
+        assert "<tools>" not in prompt and prompt.count("You will be asked a question, and should provide") == 1
+        assert examples[2]["num_turns"] == 1 and examples[2]["turns"][0]["results"] == []
+    else:
+        assert "Turns: ToolHop 9 (free scenario)." in out
+        assert [e["metrics"]["answer_correct"] for e in examples] == [1.0, 0.0, 1.0]
+        assert "<tools>" in prompt and "must call" not in prompt and "with some tools" in prompt
+
+
+def test_header_states_the_released_defaults(tmp_path, capsys):
+    """No flags: greedy, FTRL/built-in 10 turns, no per-turn cap, thinking off for a replay."""
+    code, out, err = run_cli(["--replay", "gold", "--benchmarks", "builtin", "--builtin-per-category", 1], capsys)
+    assert code == 0, err
+    assert out.startswith("Decoding: greedy.\nTurns: Built-in 10.\nToken budget: 13000 response tokens per "
+                          "episode, per-turn cap off, prompts up to 10000.\nThinking: off (replay).\n")
 
 
 def test_replay_file_without_a_script_for_a_task_is_an_error(ftrl_sample_path, tmp_path, capsys):
@@ -270,8 +324,10 @@ def test_run_folder_checkpoint_gives_the_same_tables_as_the_hf_folder(tiny_hf_di
     ckpt = Checkpointer(run)
     ckpt.save(3, nnx.state(model), {"count": jnp.zeros((), jnp.int32)}, {"next_step": 3})
     ckpt.close()
+    # --no-thinking: the thinking defaults differ (a run folder without config.json: off; an HF
+    # folder of a post-trained Qwen3: on), the tables must not.
     common = ["--benchmarks", "builtin", "--builtin-per-category", 1, "--max-turns", 2, "--max-new-tokens", 16,
-              "--batch-size", 4, "--workers", 1, "--quiet"]
+              "--batch-size", 4, "--workers", 1, "--quiet", "--no-thinking"]
     code, _, err = run_cli(["--checkpoint", run, "--out", tmp_path / "ckpt"] + common, capsys)
     assert code == 0, err
     code, _, err = run_cli(["--hf", tiny_hf_dir, "--out", tmp_path / "hf"] + common, capsys)
@@ -343,3 +399,40 @@ def test_tokenizer_larger_than_model_vocabulary(tmp_path, capsys):
     line = _error_line(err)
     assert line.startswith(f"error: {tmp_path}: tokenizer has 151669 tokens but the model's embedding has only "
                            "1000 rows")
+
+
+def test_thinking_default_rule(tmp_path):
+    """HF folder: on for a post-trained Qwen3 (template with the switch, name without -Base), off
+    for "-Base" folders or templates without the switch; replay: off; flags win (main's parser)."""
+    import types
+
+    from turnsight_jax.assets import default_tokenizer
+    from turnsight_jax.evaluate import build_parser, thinking_default
+
+    tok = default_tokenizer()
+    hf = lambda name: types.SimpleNamespace(checkpoint=None, hf=str(tmp_path / name))  # noqa: E731
+    assert thinking_default(hf("Qwen3-8B"), None, tok) == (True, "a post-trained Qwen3")
+    assert thinking_default(hf("Qwen3-8B-Base"), None, tok) == (False, "a pre-trained Qwen3 (Qwen3-8B-Base)")
+    no_switch = types.SimpleNamespace(chat_template="{{ messages }}")
+    assert thinking_default(hf("Qwen3-8B"), None, no_switch) == (False, "its chat template has no thinking switch")
+    assert thinking_default(types.SimpleNamespace(checkpoint=None, hf=None), None, tok) == (False, "replay")
+    parse = build_parser().parse_args
+    assert parse(["--replay", "gold"]).enable_thinking is None
+    assert parse(["--replay", "gold", "--enable-thinking"]).enable_thinking is True
+    assert parse(["--replay", "gold", "--no-thinking"]).enable_thinking is False
+
+
+def test_rollout_budgets_per_benchmark():
+    """Per-turn cap off by default (= the response budget), given: that cap; BFCL: its 4096 per
+    step; turns: FTRL 10, ToolHop 9 (direct 1), or --max-turns for all."""
+    from turnsight_jax.eval.suites import EvalSettings, rollout_config
+
+    default = EvalSettings()
+    ftrl = rollout_config("ftrl", default, [])
+    assert (ftrl.max_turns, ftrl.max_turn_tokens, ftrl.max_response_tokens) == (10, 13_000, 13_000)
+    assert rollout_config("toolhop", default, []).max_turns == 1
+    assert rollout_config("toolhop", EvalSettings(toolhop_scenario="free"), []).max_turns == 9
+    capped = EvalSettings(max_new_tokens=64, max_turns=3)
+    assert (rollout_config("builtin", capped, []).max_turn_tokens, rollout_config("toolhop", capped, []).max_turns) \
+        == (64, 3)
+    assert default.turns_for("builtin") == 10

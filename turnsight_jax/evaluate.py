@@ -1,11 +1,14 @@
-"""Evaluate a policy on FTRL, BFCL v4 multi-turn, ToolHop and the built-in tasks.
+"""Evaluate a policy on FTRL, BFCL v4 (multi-turn, Memory), ToolHop and the built-in tasks.
 
     python -m turnsight_jax.evaluate --hf HF_DIR --benchmarks ftrl,bfcl,toolhop,builtin \\
         --ftrl ftrl_test.jsonl --toolhop toolhop.json --out results/qwen3-8b
     python -m turnsight_jax.evaluate --checkpoint RUN_DIR [--step N] --benchmarks builtin
     python -m turnsight_jax.evaluate --replay gold --benchmarks bfcl,builtin      # no model
 
-Greedy decoding by default; `--temperature T --samples N [--top-k K] [--top-p P]` samples N
+Defaults are the released MatchTIR evaluation's: greedy decoding, 10 policy turns for FTRL, 9
+for ToolHop (its tool scenarios; the default `--toolhop-scenario direct` is one generation), no
+per-turn token cap (only the response budget), Qwen3 thinking on for a post-trained Qwen3 (see
+`thinking_default`); the printed header states each. `--temperature T --samples N [--top-k K] [--top-p P]` samples N
 rollouts per task and averages each task's metrics over them. Rollouts go in batches of
 --batch-size episodes (batch_size // N tasks), the batch starting at task i with a policy seeded
 --seed + i: the seeding of the training-time held-out evaluation. With `--checkpoint RUN` and
@@ -25,6 +28,7 @@ weights load. See docs/evaluation.md for the metric definitions.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -36,7 +40,9 @@ from turnsight_jax.eval.errors import EvalError
 
 EXIT_USAGE = 2
 # Flags whose unset value (None) means: the run's value for a run's held-out tasks, else this.
-DEFAULTS = dict(max_turns=20, batch_size=32, max_new_tokens=1024, max_prompt_tokens=10_000,
+# max_turns None: each benchmark's default (eval/suites.py DEFAULT_MAX_TURNS, ToolHop per scenario);
+# max_new_tokens None: no per-turn cap (the response budget alone; BFCL: its 4096 per step).
+DEFAULTS = dict(max_turns=None, batch_size=32, max_new_tokens=None, max_prompt_tokens=10_000,
                 max_response_tokens=13_000, builtin_per_category=50, builtin_seed=1000, seed=0)
 
 
@@ -73,12 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output folder for results.json and examples.jsonl")
     p.add_argument("--name", default=None, help="model name in the tables")
     p.add_argument("--max-turns", type=int, default=None,
-                   help="policy turns per episode (default 20, FTRL's eval limit; a run's held-out tasks: its "
-                        "eval.max_turns)")
+                   help="policy turns per episode, every benchmark but BFCL (default: the released evaluation's, "
+                        "FTRL and built-in 10, ToolHop 9 or 1 for --toolhop-scenario direct; a run's held-out "
+                        "tasks: its eval.max_turns)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="episodes decoded together (default 32; a run's held-out tasks: its eval.batch_size)")
     p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="tokens per policy turn (default 1024; a run's held-out tasks: its rollout.max_turn_tokens)")
+                   help="per-turn token cap (default: off, only the response budget applies; BFCL: its own 4096 "
+                        "per step; a run's held-out tasks: its rollout.max_turn_tokens)")
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="longer prompts are an error (default 10000; a run's: rollout.max_prompt_tokens)")
     p.add_argument("--max-response-tokens", type=int, default=None,
@@ -86,7 +94,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "a run's: rollout.max_response_tokens)")
     p.add_argument("--bfcl-max-response-tokens", type=int, default=32_768,
                    help="policy + observation tokens per BFCL episode")
-    p.add_argument("--enable-thinking", action="store_true", help="Qwen3 thinking mode")
+    p.add_argument("--bfcl-memory-embedding-model", metavar="DIR", default=None,
+                   help="local sentence-transformers model folder (BFCL uses all-MiniLM-L6-v2): runs the vector "
+                        "Memory backend (needs sentence-transformers, faiss-cpu); default: that backend is not run")
+    p.add_argument("--bfcl-search-backend", metavar="NAME", default=None,
+                   help="registered Web Search backend (turnsight_jax/eval/web_search.py); default: Web Search is "
+                        "not run")
+    think = p.add_mutually_exclusive_group()
+    think.add_argument("--enable-thinking", action="store_true", default=None,
+                       help="Qwen3 thinking mode on (default: on for a post-trained Qwen3, see docs/evaluation.md)")
+    think.add_argument("--no-thinking", dest="enable_thinking", action="store_false",
+                       help="Qwen3 thinking mode off (an empty think block opens every turn)")
+    p.add_argument("--toolhop-scenario", choices=("direct", "mandatory", "free"), default="direct",
+                   help="ToolHop paper's scenario: direct (no tools, one generation: the released evaluation's "
+                        "default), mandatory (tools, must call them), free (tools, may call them)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and KV cache")
     p.add_argument("--workers", type=int, default=2, help="tool executor worker processes")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
@@ -129,7 +150,7 @@ def settings_from_args(args, run_cfg=None) -> suite_lib.EvalSettings:
     for name in ("max_turns", "batch_size", "max_new_tokens", "max_prompt_tokens", "max_response_tokens",
                  "builtin_per_category", "samples"):
         value = values.get(name, getattr(args, name, None))
-        if value <= 0:
+        if value is not None and value <= 0:
             raise EvalError(f"--{name.replace('_', '-')} must be positive, got {value}")
     for name in ("bfcl_max_response_tokens", "workers"):
         if getattr(args, name) <= 0:
@@ -148,12 +169,65 @@ def settings_from_args(args, run_cfg=None) -> suite_lib.EvalSettings:
         raise EvalError(f"--samples {args.samples} needs --temperature > 0 (greedy rollouts are all the same)")
     return suite_lib.EvalSettings(
         max_prompt_tokens=values["max_prompt_tokens"], bfcl_max_response_tokens=args.bfcl_max_response_tokens,
-        enable_thinking=args.enable_thinking or bool(run_cfg is not None and run_cfg.rollout.enable_thinking),
-        limit=args.limit, bfcl_limit=args.bfcl_limit, workers=args.workers,
+        enable_thinking=bool(args.enable_thinking), toolhop_scenario=args.toolhop_scenario, limit=args.limit,
+        bfcl_memory_embedding_model=args.bfcl_memory_embedding_model, bfcl_search_backend=args.bfcl_search_backend, bfcl_limit=args.bfcl_limit, workers=args.workers,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, samples=args.samples,
         **{k: values[k] for k in ("max_turns", "batch_size", "max_new_tokens", "max_response_tokens",
                                   "builtin_per_category", "builtin_seed", "seed")},
     )
+
+
+def thinking_default(args, run_cfg=None, tokenizer=None) -> tuple[bool, str]:
+    """(thinking on?, why) when neither --enable-thinking nor --no-thinking is given.
+
+    The rule: a training run's folder: the run's rollout.enable_thinking (how it was trained and
+    evaluated); an HF folder: on for a post-trained Qwen3 (the paper configs' starting point),
+    i.e. unless the folder's name ends in "-Base" (Qwen's name for the pre-trained checkpoints)
+    or its tokenizer's chat template has no `enable_thinking` switch; a replay: off (no model).
+    """
+    if run_cfg is not None or args.checkpoint:
+        on = bool(run_cfg.rollout.enable_thinking) if run_cfg is not None else _run_thinking(args.checkpoint)
+        return on, "the run's rollout.enable_thinking"
+    if args.hf:
+        name = pathlib.Path(args.hf).resolve().name
+        if name.lower().endswith("-base"):
+            return False, f"a pre-trained Qwen3 ({name})"
+        template = getattr(tokenizer, "chat_template", None) or ""
+        if tokenizer is not None and "enable_thinking" not in template:
+            return False, "its chat template has no thinking switch"
+        return True, "a post-trained Qwen3"
+    return False, "replay"
+
+
+def _run_thinking(run_dir) -> bool:
+    from turnsight_jax.checkpointing import read_run_config
+
+    try:
+        cfg = read_run_config(run_dir)
+    except ValueError:
+        return False
+    return bool(cfg is not None and cfg.rollout.enable_thinking)
+
+
+def describe_settings(settings: suite_lib.EvalSettings, benchmarks: Sequence[str]) -> str:
+    """The header lines: decoding, turns, token budgets, thinking (what the tables were run with)."""
+    turns = []
+    for b in benchmarks:
+        if b == "bfcl":
+            turns.append("BFCL up to 20 steps per user turn (its force-quit limit)")
+        elif b == "toolhop":
+            turns.append(f"ToolHop {settings.turns_for(b)} ({settings.toolhop_scenario} scenario)")
+        else:
+            turns.append(f"{suite_lib.TITLES[b]} {settings.turns_for(b)}")
+    per_turn = "off" if settings.max_new_tokens is None else str(settings.max_new_tokens)
+    budget = (f"{settings.max_response_tokens} response tokens per episode"
+              + (f" (BFCL {settings.bfcl_max_response_tokens})" if "bfcl" in benchmarks else "")
+              + f", per-turn cap {per_turn}"
+              + (f" (BFCL {settings.max_new_tokens or suite_lib.BFCL_STEP_TOKENS} per step)" if "bfcl" in benchmarks
+                 else "")
+              + f", prompts up to {settings.max_prompt_tokens}")
+    return (f"Decoding: {sampling_mode(settings)}.\nTurns: {'; '.join(turns)}.\nToken budget: {budget}.\n"
+            f"Thinking: {'on' if settings.enable_thinking else 'off'} ({settings.thinking_rule}).\n")
 
 
 def sampling_mode(settings: suite_lib.EvalSettings) -> str:
@@ -174,6 +248,8 @@ def prepare(args):
     if args.step is not None and not args.checkpoint:
         raise EvalError("--step applies to --checkpoint only")
     suite_lib.check_inputs(benchmarks, args.ftrl, args.toolhop)
+    if "bfcl" in benchmarks:
+        suite_lib.check_bfcl_options(settings)
     if args.replay == "gold":
         check_gold_supported(benchmarks)
     if args.replay:
@@ -194,6 +270,11 @@ def prepare(args):
 
             options = runtime_options(run_cfg)
         source = ModelSource(spec, tokenizer, dtype=args.dtype, sampling=sampling, options=options, label=args.name)
+    if args.enable_thinking is None:
+        on, why = thinking_default(args, run_cfg, tokenizer)
+    else:
+        on, why = bool(args.enable_thinking), ("--enable-thinking" if args.enable_thinking else "--no-thinking")
+    settings = dataclasses.replace(settings, enable_thinking=on, thinking_rule=why)
     suites = [suite_lib.run_heldout_suite(run_cfg, settings) if b == "builtin" and run_cfg is not None else
               suite_lib.load_suite(b, settings, ftrl_path=args.ftrl, toolhop_path=args.toolhop) for b in benchmarks]
     for suite in suites:
@@ -227,7 +308,7 @@ def evaluate(args) -> dict:
     progress = ProgressLine(sum(len(s) for s in suites) * settings.group_size, quiet=args.quiet)
     examples, stats = run_suites(source, suites, settings, progress=progress)
     summary = summarise(suites, examples)
-    header = f"Decoding: {mode}.\n"
+    header = describe_settings(settings, [s.benchmark for s in suites])
     results = {
         "model": source.label,
         "source": source.describe(),

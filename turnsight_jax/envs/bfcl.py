@@ -1,11 +1,12 @@
-"""BFCL v4 multi-turn (base, miss_func, miss_param, long_context) on the `bfcl-eval` package.
+"""BFCL v4 multi-turn (base, miss_func, miss_param, long_context) and Memory on `bfcl-eval`.
 
 Install without the package's 6 GB of unrelated dependencies::
 
-    pip install --no-deps bfcl-eval==2026.3.23 && pip install filelock mpmath
+    pip install --no-deps bfcl-eval==2026.3.23 && pip install filelock mpmath overrides rank-bm25
 
-(`filelock` for its data loader, `mpmath` for MathAPI: the only third-party modules the
-multi-turn path imports). `import_bfcl()` points `BFCL_PROJECT_ROOT` at a scratch folder before
+(`filelock` for its data loader, `mpmath` for MathAPI, `overrides` and `rank-bm25` for the
+Memory backends: the only third-party modules these paths import; the vector Memory backend
+also needs sentence-transformers + faiss and a local embedding model, see `memory_vector_module`). `import_bfcl()` points `BFCL_PROJECT_ROOT` at a scratch folder before
 the first import, because the package creates result/score/lock folders at import time.
 
 What the environment does, and what it never does
@@ -22,7 +23,14 @@ What the environment does, and what it never does
   the next user message follows; a held-out-function turn of miss_func is the message
   `"{functions}\\nI have updated some more functions you can choose from. What about now?"`;
   miss_param's clarification turn is simply its next user message. More than 20 steps in one
-  user turn force-quits the episode (BFCL's MAXIMUM_STEP_LIMIT), which then fails.
+  user turn force-quits the episode (BFCL's MAXIMUM_STEP_LIMIT); as in BFCL's eval runner, a
+  force-quit fails the entry only when it leaves fewer user turns than the ground truth (a
+  force-quit in the last user turn is still scored by the checker).
+* Memory (`load_memory_tasks`): the backends' prerequisite conversations write a memory
+  snapshot (`finish()` flushes it, as BFCL's loop does after a prereq entry) into the episode's
+  `memory_dir`; the questions load the scenario's final snapshot and get BFCL's memory system
+  prompt (`first_turn_messages`); they are scored by BFCL's `agentic_checker` on the last
+  non-call message (`check_agentic`). Memory methods go through the same whitelist.
 * Scoring is the package's own `multi_turn_checker`. It needs each executed call as a call
   string; we build it from the parsed name and arguments as `name(k=repr(v),...)` — the format
   of BFCL's `convert_to_function_call` — i.e. text generated from JSON data, validated to be a
@@ -88,6 +96,7 @@ def import_bfcl() -> dict[str, Any]:
             )
             backend = importlib.import_module("bfcl_eval.constants.executable_backend_config")
             prompts = importlib.import_module("bfcl_eval.constants.default_prompts")
+            agentic = importlib.import_module("bfcl_eval.eval_checker.agentic_eval.agentic_checker")
         except ImportError as e:
             raise ImportError(
                 f"BFCL needs the bfcl-eval package: pip install --no-deps "
@@ -102,6 +111,10 @@ def import_bfcl() -> dict[str, Any]:
         "STATELESS_CLASSES": frozenset(backend.STATELESS_CLASSES),
         "ADDITIONAL_FUNCTION_PROMPT": prompts.DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING,
         "MAXIMUM_STEP_LIMIT": prompts.MAXIMUM_STEP_LIMIT,
+        "MEMORY_AGENT_SETTINGS": prompts.MEMORY_AGENT_SETTINGS,
+        "MEMORY_INSTRUCTION_CORE_ARCHIVAL": prompts.MEMORY_BACKEND_INSTRUCTION_CORE_ARCHIVAL,
+        "MEMORY_INSTRUCTION_UNIFIED": prompts.MEMORY_BACKEND_INSTRUCTION_UNIFIED,
+        "agentic_checker": agentic.agentic_checker,
     }
 
 
@@ -115,15 +128,77 @@ def _full_category(category: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # Backend instances and the call whitelist
 # ---------------------------------------------------------------------------------------------
-def make_instances(entry: Mapping[str, Any]) -> dict[str, Any]:
-    """Fresh class instances of an entry, loaded from its initial config (BFCL's loader logic)."""
+MEMORY_BACKENDS = ("kv", "rec_sum", "vector")
+# Backends that run offline; "vector" needs an embedding model (`memory_vector_module`).
+OFFLINE_MEMORY_BACKENDS = ("kv", "rec_sum")
+
+
+def is_memory_entry(entry_id: str) -> bool:
+    return entry_id.startswith("memory_")
+
+
+def is_memory_prereq(entry_id: str) -> bool:
+    return is_memory_entry(entry_id) and "_prereq" in entry_id
+
+
+_embedding_model_path: list[str] = []
+
+
+def use_embedding_model(path: str) -> None:
+    """Loads the vector Memory backend with the sentence-transformers model in folder `path`.
+
+    BFCL's memory_vector module builds its encoder at import time from the hub name
+    "all-MiniLM-L6-v2" (a download); here that name resolves to the user's local folder instead,
+    the only model this process then uses. Needs sentence-transformers and faiss."""
+    import pathlib
+
+    folder = pathlib.Path(path)
+    if not folder.is_dir():
+        raise OSError("no such folder (a local sentence-transformers model, e.g. all-MiniLM-L6-v2)")
+    if _embedding_model_path:
+        if _embedding_model_path[0] != str(folder.resolve()):
+            raise ValueError(f"the vector backend already uses {_embedding_model_path[0]}")
+        return
+    try:
+        import faiss  # noqa: F401
+        import sentence_transformers
+    except ImportError as e:
+        raise ImportError(f"the vector Memory backend needs sentence-transformers and faiss-cpu ({e})") from None
+    model = sentence_transformers.SentenceTransformer(str(folder), device="cpu")
+    original = sentence_transformers.SentenceTransformer
+    sentence_transformers.SentenceTransformer = lambda *a, **k: model  # the import-time encoder
+    try:
+        import_bfcl()
+        importlib.import_module(f"{import_bfcl()['CLASS_FILE_PATH_MAPPING']['MemoryAPI_vector']}")
+    finally:
+        sentence_transformers.SentenceTransformer = original
+    _embedding_model_path.append(str(folder.resolve()))
+
+
+def _memory_config(entry: Mapping[str, Any], memory_dir) -> dict:
+    """BFCL's initial config of a Memory class (`populate_initial_settings_for_memory_test_cases`)."""
+    import pathlib
+
+    if memory_dir is None:
+        raise ValueError(f"{entry['id']}: a Memory entry needs a memory_dir for its snapshots")
+    return {"model_result_dir": pathlib.Path(memory_dir), "scenario": entry["scenario"], "test_id": entry["id"],
+            "test_category": entry["id"].rsplit("_", 1)[0]}  # BFCL's extract_test_category_from_id
+
+
+def make_instances(entry: Mapping[str, Any], memory_dir=None) -> dict[str, Any]:
+    """Fresh class instances of an entry, loaded from its initial config (BFCL's loader logic).
+
+    Memory classes load the snapshot of their scenario under `memory_dir` (a folder per
+    evaluation chain: prereq conversations write it, questions read it)."""
     bfcl = import_bfcl()
     long_context = "long_context" in entry["id"]
     instances = {}
     for class_name in entry["involved_classes"]:
         module = importlib.import_module(bfcl["CLASS_FILE_PATH_MAPPING"][class_name])
         instance = getattr(module, class_name)()
-        if class_name not in bfcl["STATELESS_CLASSES"]:
+        if class_name.startswith("MemoryAPI"):
+            instance._load_scenario(_memory_config(entry, memory_dir), long_context=long_context)
+        elif class_name not in bfcl["STATELESS_CLASSES"]:
             config = entry.get("initial_config", {}).get(class_name, {})
             instance._load_scenario(copy.deepcopy(config), long_context=long_context)
         instances[class_name] = instance
@@ -304,22 +379,85 @@ def load_tasks(category: str, *, limit: int | None = None) -> list[Task]:
     return tasks
 
 
+def memory_entry_to_task(entry: Mapping[str, Any], answers: Sequence[str] | None) -> Task:
+    """A Memory entry (question or prerequisite conversation) -> `Task`; `answers`: the accepted
+    answers of a question (BFCL's possible answers), None for a prerequisite conversation."""
+    category = entry["id"].rsplit("_", 1)[0]
+    return Task(
+        task_id=entry["id"],
+        messages=tuple(dict(m) for m in entry["question"][0]),
+        tools=tuple({"type": "function", "function": dict(doc)} for doc in entry["function"]),
+        codes={}, unsolved_set={}, answer=answers[0] if answers else "",
+        data_source=f"bfcl/{category}", category="memory",
+        extra={"bfcl_entry": entry, "bfcl_answers": None if answers is None else list(answers),
+               "memory_backend": category.replace("_prereq", "")[len("memory_"):]},
+    )
+
+
+def load_memory_tasks(backend: str, *, limit: int | None = None) -> tuple[list[Task], list[Task]]:
+    """(prerequisite conversations, questions) of one Memory backend ("kv", "rec_sum", "vector").
+
+    The 155 questions of a backend (465 over the three) in BFCL's order, the first `limit`; the
+    prerequisites are every conversation those questions depend on, in BFCL's order (within a
+    scenario each conversation continues the previous one's snapshot)."""
+    if backend not in MEMORY_BACKENDS:
+        raise ValueError(f"unknown BFCL memory backend {backend!r}; expected one of {MEMORY_BACKENDS}")
+    bfcl = import_bfcl()
+    category = f"memory_{backend}"
+    entries = bfcl["load_dataset_entry"](category)
+    answers = {row["id"].replace("memory", category, 1): row["ground_truth"]
+               for row in bfcl["load_ground_truth_entry"](category)}
+    questions = [e for e in entries if not is_memory_prereq(e["id"])]
+    if limit is not None:
+        questions = questions[:limit]
+    missing = [e["id"] for e in questions if e["id"] not in answers]
+    if missing:
+        raise ValueError(f"BFCL {category}: no possible answer for {missing[0]!r}")
+    needed = {d for e in questions for d in e.get("depends_on", ())}
+    prereqs = [memory_entry_to_task(e, None) for e in entries if e["id"] in needed]
+    return prereqs, [memory_entry_to_task(e, answers[e["id"]]) for e in questions]
+
+
+def memory_system_prompt(entry: Mapping[str, Any], instance) -> str:
+    """BFCL's memory instruction (`add_memory_instruction_system_prompt`): the scenario's agent
+    setting and the backend's current core memory, in the template of its backend."""
+    bfcl = import_bfcl()
+    template = bfcl["MEMORY_INSTRUCTION_UNIFIED"] if "rec_sum" in entry["id"] else \
+        bfcl["MEMORY_INSTRUCTION_CORE_ARCHIVAL"]
+    return template.format(scenario_setting=bfcl["MEMORY_AGENT_SETTINGS"][entry["scenario"]],
+                           memory_content=instance._dump_core_memory_to_context())
+
+
+def check_agentic(step_texts: Sequence[str], answers: Sequence[str], decodes: Sequence[bool]) -> dict:
+    """BFCL's agentic verdict (`_evaluate_single_agentic_entry`): the last step whose text did not
+    decode to calls must contain one of `answers` (`agentic_checker`). `decodes[i]`: step i decoded
+    to at least one call."""
+    last = None
+    for text, is_call in zip(step_texts, decodes):
+        if not is_call:
+            last = text
+    if not last:
+        return {"valid": False, "error_type": "agentic:no_last_message",
+                "error_message": "Cannot find the last chat message that is not a function call."}
+    return import_bfcl()["agentic_checker"](last, list(answers))
+
+
 # ---------------------------------------------------------------------------------------------
 # Episode
 # ---------------------------------------------------------------------------------------------
 class BFCLEpisode(Episode):
     """One BFCL multi-turn conversation against a fresh backend (see the module docstring)."""
 
-    def __init__(self, task: Task):
+    def __init__(self, task: Task, memory_dir=None):
         bfcl = import_bfcl()
         self.task = task
         self._entry = task.extra["bfcl_entry"]
-        self._ground_truth = task.extra["ground_truth"]
+        self._ground_truth = task.extra.get("ground_truth")  # None for Memory entries (answers instead)
         self._questions = self._entry["question"]
         self._holdout = self._entry.get("missed_function", {})
         self._additional_prompt = bfcl["ADDITIONAL_FUNCTION_PROMPT"]
         self._step_limit = bfcl["MAXIMUM_STEP_LIMIT"]
-        self.instances = make_instances(self._entry)
+        self.instances = make_instances(self._entry, memory_dir)
         self._methods = public_methods(self.instances)
         # Whitelist: every function the entry documents, held-out ones included. BFCL's own
         # executor runs any method of the involved classes by name, so a held-out function
@@ -338,6 +476,29 @@ class BFCLEpisode(Episode):
     @property
     def done(self) -> bool:
         return self._done
+
+    def turn_messages(self, index: int) -> list[dict]:
+        """The messages that open user turn `index`, as BFCL's loop adds them: the entry's
+        messages of that turn (turn 0 with the memory instruction for Memory entries), or
+        miss_func's announcement of its held-out functions."""
+        key = str(index)
+        if key in self._holdout:
+            return [{"role": "user", "content": self._additional_prompt.format(functions=self._holdout[key])}]
+        messages = [dict(m) for m in self._questions[index]]
+        if index == 0 and is_memory_entry(self._entry["id"]):
+            (instance,) = self.instances.values()
+            prompt = memory_system_prompt(self._entry, instance)
+            if messages and messages[0]["role"] == "system":
+                messages[0]["content"] = prompt + "\n\n" + messages[0]["content"]
+            else:
+                messages.insert(0, {"role": "system", "content": prompt})
+        return messages
+
+    def finish(self) -> None:
+        """End of the conversation: a Memory prerequisite writes its snapshot (BFCL flushes it)."""
+        if is_memory_prereq(self._entry["id"]):
+            (instance,) = self.instances.values()
+            instance._flush_memory_to_local_file()
 
     def _execute(self, call: ToolCall) -> str:
         name = call.name
@@ -367,11 +528,8 @@ class BFCLEpisode(Episode):
         added: tuple[dict, ...] = ()
         key = str(self.turn_index)
         if key in self._holdout:
-            docs = self._holdout[key]
-            added = tuple({"type": "function", "function": dict(doc)} for doc in docs)
-            message = self._additional_prompt.format(functions=docs)
-        else:
-            message = "\n".join(m["content"] for m in self._questions[self.turn_index])
+            added = tuple({"type": "function", "function": dict(doc)} for doc in self._holdout[key])
+        message = "\n".join(m["content"] for m in self.turn_messages(self.turn_index))
         return StepResult(observations=(), done=False, user_message=message, added_tools=added)
 
     def step(self, calls: Sequence[Call]) -> StepResult:
@@ -424,8 +582,15 @@ def check_episode(episode: BFCLEpisode) -> dict:
     """
     bfcl = import_bfcl()
     ground_truth = episode._ground_truth
-    turns = episode.call_strings[: episode.turn_index] if episode.done else episode.call_strings
-    if episode.force_quit or len(turns) != len(ground_truth):
+    # BFCL's loop records the force-quit turn, then stops: turns 0..turn_index. A finished episode
+    # has all its turns; an unfinished one (cut by a budget) those begun so far.
+    if episode.force_quit:
+        turns = episode.call_strings[: episode.turn_index + 1]
+    else:
+        turns = episode.call_strings[: episode.turn_index] if episode.done else episode.call_strings
+    # BFCL's eval runner fails an entry only when its turn count differs from the ground truth's,
+    # so a force-quit in the last user turn is still scored by the checker.
+    if len(turns) != len(ground_truth):
         return {
             "valid": False,
             "error_type": "multi_turn:force_terminated",
@@ -462,8 +627,8 @@ class BFCLEnv(Environment):
     def __init__(self):
         import_bfcl()
 
-    def start(self, task: Task, *, seed: int = 0) -> BFCLEpisode:
+    def start(self, task: Task, *, seed: int = 0, memory_dir=None) -> BFCLEpisode:
         # BFCL backends are deterministic given the entry; `seed` is accepted for the protocol.
         if "bfcl_entry" not in task.extra:
             raise ValueError(f"task {task.task_id} is not a BFCL task (no extra['bfcl_entry'])")
-        return BFCLEpisode(task)
+        return BFCLEpisode(task, memory_dir=memory_dir)

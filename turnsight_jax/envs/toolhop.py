@@ -10,15 +10,23 @@ or JSON lines, one object per query with
              name of each source's top-level function, found by parsing, not running, it)
   optional: messages (used as the prompt instead of the template), id.
 
-The prompt (when the row has no `messages`) is the "mandatory" template of FTRL/MatchTIR's
-ToolHop evaluation. Tools run in the isolated executor exactly like FTRL's. Scoring follows
-that evaluation's `_answer_correct`: correct when FTRL's `answer_verify` finds the gold answer
-in the final answer turn, or in the last tool observation right before it.
+Scenarios (the ToolHop paper's three, as MatchTIR's released `evaluation_toolhop.py` builds them;
+`scenario_task` applies one to a loaded task):
+  direct     no tools; the "direct" prompt asks for the answer from the model's own knowledge; one
+             generation (the released default: `eval_toolhop.sh` sets scenario="Direct")
+  mandatory  the tools; the prompt says to call a tool at every step and take the final answer
+             from a tool (what `load_tasks` builds, and what training on ToolHop uses)
+  free       the tools; the same prompt without the must-call sentences
+A row with its own `messages` keeps them in every scenario (the released code does the same).
+Tools run in the isolated executor exactly like FTRL's. Scoring follows that evaluation's
+`_answer_correct`: correct when FTRL's `answer_verify` finds the gold answer in the final answer
+turn, or (tool scenarios) in the last tool observation right before it.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import pathlib
@@ -30,6 +38,32 @@ from turnsight_jax.envs.code_tools import CodeToolEnvironment, CodeToolEpisode
 from turnsight_jax.envs.ftrl import answer_verify
 from turnsight_jax.rewards import extract_answer, token_f1
 
+SCENARIOS = ("direct", "mandatory", "free")
+# The released evaluation's default scenario (Scripts/eval_toolhop.sh: scenario="Direct").
+DEFAULT_SCENARIO = "direct"
+# Policy turns per scenario in the released evaluation: one generation for direct, --max_turns 9
+# (its argparse default) for the tool scenarios.
+SCENARIO_MAX_TURNS = {"direct": 1, "mandatory": 9, "free": 9}
+
+DIRECT_PROMPT = (
+    "You will be asked a question, and should provide a short answer.\n"
+    "If the answer is a date, format is as follows: YYYY-MM-DD (ISO standard)\n"
+    "If the answer is a name, format it as follows: Firstname Lastname\n"
+    "If the answer contains any number, format it as a number, not a word, and only output that number. "
+    "Do not include leading 0s.\n\n"
+    "Please provide the answer in the following format: <answer>your answer here</answer>\n"
+    "Answer as short as possible.\nQuestion: {question}"
+)
+# The "free" prompt is the mandatory one without its must-call sentences (typo "nswer" as released).
+FREE_PROMPT = (
+    "You will be asked a question with some tools, and should provide a short final answer.\n"
+    "If the final answer is a date, format is as follows: YYYY-MM-DD (ISO standard)\n"
+    "If the final nswer is a name, format it as follows: Firstname Lastname\n"
+    "If the final answer contains any number, format it as a number, not a word, and only "
+    "output that number. Do not include leading 0s.\n\n"
+    "Please provide the final answer in the following format: <answer>final answer here</answer>\n"
+    "Answer as short as possible.\nQuestion: {question}"
+)
 MANDATORY_PROMPT = (
     "You will be asked a question with some tools, and should provide a short final answer.\n"
     "Please note that you must call the tool at every step, you must not use your own knowledge. "
@@ -122,8 +156,29 @@ def row_to_task(row: Any, *, where: str, default_id: str) -> Task:
         answer=str(answer),
         data_source="toolhop",
         category="toolhop",
-        extra={"question": question},
+        extra={"question": question, "own_messages": bool(row.get("messages")), "scenario": "mandatory"},
     )
+
+
+def scenario_task(task: Task, scenario: str) -> Task:
+    """`task` (as `row_to_task` built it: the mandatory scenario) in another ToolHop scenario.
+
+    direct: no tools and no tool code, the direct prompt; mandatory: unchanged; free: the tools
+    with the free prompt. A row's own `messages` are kept in every scenario.
+    """
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown ToolHop scenario {scenario!r}; expected one of {', '.join(SCENARIOS)}")
+    if task.extra.get("scenario") != "mandatory":
+        raise ValueError(f"task {task.task_id}: scenario_task expects a freshly loaded (mandatory) ToolHop task")
+    if scenario == "mandatory":
+        return task
+    messages = task.messages
+    if not task.extra.get("own_messages"):
+        template = DIRECT_PROMPT if scenario == "direct" else FREE_PROMPT
+        messages = ({"role": "user", "content": template.format(question=task.extra["question"])},)
+    tools, codes = (task.tools, task.codes) if scenario == "free" else ((), {})
+    return dataclasses.replace(task, messages=messages, tools=tools, codes=codes,
+                               extra={**task.extra, "scenario": scenario})
 
 
 def load_tasks(path: str | os.PathLike) -> list[Task]:
@@ -155,7 +210,10 @@ class ToolHopEpisode(CodeToolEpisode):
 
     def score(self, final_text: str | None = None) -> EpisodeScore:
         correct = False
-        if self.done and final_text:
+        if self.task.extra.get("scenario") == "direct":
+            # One generation, no tools: the released rule checks the assistant message alone.
+            correct = bool(final_text) and answer_verify(final_text, self.task.answer)
+        elif self.done and final_text:
             if answer_verify(final_text, self.task.answer):
                 correct = True
             elif self.turns and self.turns[-1] and answer_verify(self.turns[-1][-1][1], self.task.answer):

@@ -1,9 +1,11 @@
-"""Evaluation on FTRL, BFCL v4 multi-turn, ToolHop and the built-in tasks.
+"""Evaluation on FTRL, BFCL v4 (multi-turn, Memory, Web Search), ToolHop and the built-in tasks.
 
 - `suites`: benchmark names, categories (Table 1 order), task loading, environments, budgets.
 - `scripts`: replay scripts (ground truth or a file).
 - `policies`: `PolicySource`: `ModelSource` (run folder / HF folder, greedy or sampled) and `ReplaySource`.
 - `runner`: the batched loop through the rollout driver (samples per task, the held-out seeding); `Example` records.
+- `bfcl_harness`: BFCL's own loop for a Qwen3 (the Qwen FC handler's prompting path), Memory chains.
+- `web_search`: the search backend interface of BFCL's Web Search subset.
 - `heldout`: the training-time held-out evaluation, a layer over the runner.
 - `scoring`: per-category and average scores, Markdown tables.
 

@@ -38,6 +38,9 @@ class PolicySource(Protocol):
                    group_size: int, seed: int) -> TurnPolicy:
         """The policy for one batch of tasks, `group_size` rollouts each, seeded `seed`."""
 
+    def completer_for(self, benchmark: str, step_tokens: int, *, seed: int):
+        """Replies for BFCL's own loop (`eval.bfcl_harness`): a completer keyed by (task, sample)."""
+
 
 # ---------------------------------------------------------------------------------------------
 # Replay
@@ -78,6 +81,17 @@ class ReplaySource:
 
     def policy_for(self, benchmark, tasks, config, *, group_size, seed):
         return ReplayPolicy(self.tokenizer, [self.script(benchmark, t) for t in tasks for _ in range(group_size)])
+
+    def completer_for(self, benchmark, step_tokens, *, seed):
+        from turnsight_jax.eval.bfcl_harness import ScriptCompleter
+
+        def script_of(key):
+            task, _ = key
+            if task.extra.get("bfcl_answers", ()) is None and self._missing(benchmark, task):
+                return []  # a Memory prerequisite without a script: every user turn ends at once
+            return self.script(benchmark, task)
+
+        return ScriptCompleter(script_of, self.tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,6 +213,17 @@ class ModelSource:
             raise RuntimeError("ModelSource.load() must run before policy_for()")
         return ModelPolicy(self.graphdef, self.state, self.tokenizer, sampling=self.sampling, config=config,
                            seed=seed, cache_dtype=self._cache_dtype)
+
+    def completer_for(self, benchmark, step_tokens, *, seed):
+        from turnsight_jax.eval.bfcl_harness import ModelCompleter
+
+        if self.graphdef is None:
+            raise RuntimeError("ModelSource.load() must run before completer_for()")
+        # Each step prefills its prompt anew: the cache needs the prompt plus one step's tokens.
+        config = RolloutConfig(max_turns=1, max_response_tokens=step_tokens, max_turn_tokens=step_tokens)
+        return ModelCompleter(lambda: ModelPolicy(self.graphdef, self.state, self.tokenizer, sampling=self.sampling,
+                                                  config=config, seed=seed, cache_dtype=self._cache_dtype),
+                              self.tokenizer)
 
 
 def _cast(split: tuple, dtype) -> tuple:

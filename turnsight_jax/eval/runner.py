@@ -131,6 +131,98 @@ def to_example(benchmark: str, category: str, trajectories: Sequence, tokenizer)
     )
 
 
+def _conversation_record(conv) -> dict:
+    """One BFCL conversation as an Example's fields (the harness's steps as turns)."""
+    verdict = conv.verdict()
+    passed = 1.0 if verdict.get("valid") else 0.0
+    steps = [st for turn in conv.turns for st in turn]
+    turns = [{"text": st.raw, "calls": [_call_json(c) for c in (st.calls or [])], "results": list(st.results),
+              "answer": None} for st in steps]
+    metrics = {"bfcl_pass": passed, "num_user_turns_done": float(len(conv.turns) if conv.finished else len(conv.turns) - 1),
+               "num_calls": float(sum(len(st.calls or []) for st in steps)), "num_turns": float(len(steps)),
+               "force_quit": float(bool(getattr(conv.episode, "force_quit", False))), "policy_tokens": float(conv.tokens)}
+    finish = "length" if conv.error == "length" else ("error" if conv.error else
+                                                      ("env_done" if metrics["force_quit"] else "answer"))
+    try:
+        text = conv.prompt()
+    except ValueError:
+        text = ""
+    return dict(metrics=metrics, reward=passed, finish_reason=finish, truncated=conv.error == "length",
+                num_turns=len(steps), text=text, turns=turns, verdict=verdict)
+
+
+def _bfcl_example(category: str, convs: Sequence) -> Example:
+    records = [_conversation_record(c) for c in convs]
+    for r in records:
+        r["metrics"]["error_type"] = r.pop("verdict").get("error_type", "")
+    first = records[0]
+    task_id = convs[0].task.task_id
+    if len(records) == 1:
+        return Example(benchmark="bfcl", category=category, task_id=task_id, **first)
+    numeric = [k for k, v in first["metrics"].items() if isinstance(v, float)]
+    return Example(benchmark="bfcl", category=category, task_id=task_id,
+                   metrics={k: float(np.mean([r["metrics"][k] for r in records])) for k in numeric},
+                   reward=float(np.mean([r["reward"] for r in records])), finish_reason=first["finish_reason"],
+                   truncated=float(np.mean([r["truncated"] for r in records])),
+                   num_turns=float(np.mean([r["num_turns"] for r in records])), text=first["text"],
+                   turns=first["turns"], samples=records)
+
+
+def run_bfcl_suite(source: PolicySource, suite: suite_lib.Suite, settings: suite_lib.EvalSettings,
+                   progress: ProgressLine) -> tuple[list[Example], dict]:
+    """BFCL through its own loop (`eval.bfcl_harness`): Memory prerequisites first (chain by
+    chain, unscored), then every task, G rollouts each, in batches of max(1, batch_size // G)
+    tasks; the batch starting at task index i is seeded seed + i (as `run_batches`)."""
+    from turnsight_jax.envs.bfcl import BFCLEnv
+    from turnsight_jax.eval import bfcl_harness as H
+    from turnsight_jax.rollout.driver import RolloutProgress
+
+    group = settings.group_size
+    cfg = H.HarnessConfig(step_tokens=settings.max_new_tokens or H.STEP_TOKENS,
+                          max_context_tokens=settings.bfcl_max_response_tokens,
+                          max_prompt_tokens=settings.max_prompt_tokens, enable_thinking=settings.enable_thinking)
+    env = BFCLEnv()
+    memory_root = H.new_memory_root()
+    t0 = time.monotonic()
+    totals: dict[str, float] = {}
+
+    def play(tasks: Sequence[Task], seed: int, report: bool):
+        convs, keys = [], []
+        for task in tasks:
+            for g in range(group):
+                memory_dir = memory_root / f"sample{g}"
+                convs.append(H.Conversation(task, env.start(task, memory_dir=memory_dir),
+                                            enable_thinking=settings.enable_thinking))
+                keys.append((task, g))
+        completer = source.completer_for(suite.benchmark, cfg.step_tokens, seed=seed)
+
+        def tick(finished, total, rounds):
+            if report:  # per batch, as the driver reports a rollout (the line adds the batches up)
+                progress(RolloutProgress(finished, total, rounds, int(sum(c.tokens for c in convs)),
+                                         time.monotonic() - t0, done=finished == total))
+        stats = H.run_conversations(completer, convs, keys, source.tokenizer, cfg, progress=tick)
+        for k, v in {**stats, **{f"{k}_s": v for k, v in completer.timings.items()}}.items():
+            totals[k] = totals.get(k, 0.0) + float(v)
+        return convs
+
+    examples: list[Example] = []
+    # Memory prerequisites: each (backend, scenario) chain in order, the k-th of every chain together.
+    chains: dict[tuple, list[Task]] = {}
+    for task in suite.prerequisites:
+        chains.setdefault((task.extra["memory_backend"], task.extra["bfcl_entry"]["scenario"]), []).append(task)
+    for k in range(max((len(c) for c in chains.values()), default=0)):
+        play([c[k] for c in chains.values() if k < len(c)], settings.seed, report=False)
+    pairs = suite.pairs()
+    bs = max(1, settings.batch_size // group)
+    for i in range(0, len(pairs), bs):
+        chunk = pairs[i:i + bs]
+        convs = play([t for _, t in chunk], settings.seed + i, report=True)
+        for j, (cat, _) in enumerate(chunk):
+            examples.append(_bfcl_example(cat, convs[j * group:(j + 1) * group]))
+    totals["wall_s"] = time.monotonic() - t0
+    return examples, totals
+
+
 def run_suites(source: PolicySource, suites: Sequence[suite_lib.Suite], settings: suite_lib.EvalSettings,
                *, progress: ProgressLine | None = None, env_factory=suite_lib.make_env) -> tuple[list[Example], dict]:
     """Evaluates every suite; returns (examples in suite evaluation order, timing stats)."""
@@ -139,6 +231,11 @@ def run_suites(source: PolicySource, suites: Sequence[suite_lib.Suite], settings
     examples: list[Example] = []
     stats: dict[str, dict[str, float]] = {}
     for suite in suites:
+        if suite.benchmark == "bfcl":
+            progress.label = suite.benchmark
+            bfcl_examples, stats[suite.benchmark] = run_bfcl_suite(source, suite, settings, progress)
+            examples += bfcl_examples
+            continue
         t0 = time.monotonic()
         pairs = suite.pairs()
         tasks = [t for _, t in pairs]

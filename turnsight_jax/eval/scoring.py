@@ -6,8 +6,9 @@ Markdown tables.
 * FTRL / built-in: per category, the mean over its tasks of each task's Solve-P, Solve-R and
   Solve-F1; "Avg P/R/F1" is the mean over the categories present; the benchmark's headline
   "Avg" is the mean of those three (= the mean of all category x metric cells).
-* BFCL: per category, the fraction of tasks the official checker passes; headline = the mean
-  over the categories present.
+* BFCL: per subset (the four multi-turn categories, Memory, Web Search), the fraction of tasks
+  BFCL's checker passes (multi-turn: `multi_turn_checker`; Memory: `agentic_checker`); headline =
+  the mean over the subsets run (`averaged` lists them, `not_run` says which were not and why).
 * ToolHop: the fraction of tasks answered correctly (headline).
 * Overall: the mean of the headlines of the benchmarks evaluated.
 """
@@ -64,6 +65,7 @@ def summarise(suites: Sequence[suite_lib.Suite], examples: Sequence[Example]) ->
         out["benchmarks"][suite.benchmark] = {
             "title": suite_lib.TITLES[suite.benchmark], "kind": kind, "n": sum(c["n"] for c in cats.values()),
             "categories": cats, "average": average, "score": score,
+            "averaged": [c["label"] for c in cats.values()], "not_run": dict(suite.not_run),
         }
     out["overall"] = _mean([b["score"] for b in out["benchmarks"].values()])
     return out
@@ -111,7 +113,11 @@ def markdown(model: str, summary: Mapping) -> str:
         counts = ", ".join(f"{c['label']} {c['n']}" for c in bench["categories"].values())
         table = _solve_table(model, bench) if bench["kind"] == "solve" else _accuracy_table(model, bench)
         metric = "Solve-P/R/F1 (%)" if bench["kind"] == "solve" else "accuracy (%)"
-        parts.append(f"### {bench['title']} — {metric}\n\n{table}\n\nTasks per category: {counts}.")
+        note = f"Tasks per category: {counts}."
+        if bench.get("not_run"):
+            note += (f"\nAvg over: {', '.join(bench['averaged'])}. Not run: "
+                     + "; ".join(f"{k} ({why})" for k, why in bench["not_run"].items()) + ".")
+        parts.append(f"### {bench['title']} — {metric}\n\n{table}\n\n{note}")
     header = ["Model"] + [b["title"] for b in summary["benchmarks"].values()] + ["Overall"]
     row = [model] + [_pct(b["score"]) for b in summary["benchmarks"].values()] + [_pct(summary["overall"])]
     parts.append("### Overall (benchmark headline scores, %)\n\n" + _table(header, [row]))

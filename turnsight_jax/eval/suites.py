@@ -3,7 +3,8 @@
 A *suite* is one benchmark's tasks grouped by category in the order of the paper's Table 1:
 
   ftrl     Single-Hop, Parallel Single-Hop, Multi-Hop, Parallel Multi-Hop  (Solve-P/R/F1)
-  bfcl     Base, Missing Function, Missing Parameter, Long Context         (checker accuracy)
+  bfcl     Base, Missing Function, Missing Parameter, Long Context, Memory,
+           Web Search (the paper's six BFCL subsets)                       (checker accuracy)
   toolhop  ToolHop                                                          (answer accuracy)
   builtin  the four FTRL categories on seeded synthetic tasks               (Solve-P/R/F1)
 
@@ -38,13 +39,16 @@ BFCL_CATEGORIES: tuple[tuple[str, str], ...] = (
     ("multi_turn_miss_func", "Missing Function"),
     ("multi_turn_miss_param", "Missing Parameter"),
     ("multi_turn_long_context", "Long Context"),
+    ("memory", "Memory"),
+    ("web_search", "Web Search"),
 )
+# The paper's BFCL average covers these six subsets (Memory: its backends' questions together).
 TOOLHOP_CATEGORIES: tuple[tuple[str, str], ...] = (("toolhop", "ToolHop"),)
 
 # What each benchmark reports per category: FTRL-style Solve-P/R/F1 or a pass rate.
 SOLVE_METRICS = ("solve_p", "solve_r", "solve_f1")
 KIND = {"ftrl": "solve", "builtin": "solve", "bfcl": "accuracy", "toolhop": "accuracy"}
-TITLES = {"ftrl": "FTRL", "bfcl": "BFCL v4 multi-turn", "toolhop": "ToolHop", "builtin": "Built-in"}
+TITLES = {"ftrl": "FTRL", "bfcl": "BFCL v4", "toolhop": "ToolHop", "builtin": "Built-in"}
 
 # BFCL ends a user turn after 20 steps (its MAXIMUM_STEP_LIMIT, enforced by the environment,
 # which force-quits the episode); a user turn needs at most that many call steps plus the
@@ -52,12 +56,25 @@ TITLES = {"ftrl": "FTRL", "bfcl": "BFCL v4 multi-turn", "toolhop": "ToolHop", "b
 BFCL_POLICY_TURNS_PER_USER_TURN = 20 + 2
 
 
+# Policy turns per episode when --max-turns is not given: the released MatchTIR evaluation's
+# (verl's multi-turn rollout default max_turns=10 for FTRL; evaluation_toolhop.py --max_turns 9,
+# one generation in the direct scenario). Built-in tasks are FTRL-format: FTRL's limit.
+DEFAULT_MAX_TURNS = {"ftrl": 10, "builtin": 10}
+# BFCL's per-step generation cap (its OSS handler asks for min(4096, context left) tokens).
+BFCL_STEP_TOKENS = 4096
+
+
 @dataclasses.dataclass(frozen=True)
 class EvalSettings:
-    """Options shared by every benchmark (see `python -m turnsight_jax.evaluate --help`)."""
+    """Options shared by every benchmark (see `python -m turnsight_jax.evaluate --help`).
 
-    max_turns: int = 20
-    max_new_tokens: int = 1024
+    max_turns: None: each benchmark's default (`DEFAULT_MAX_TURNS`, ToolHop's per scenario).
+    max_new_tokens: per-turn decode cap; None: off (only the episode's response budget applies;
+    BFCL: its own 4096 per step).
+    """
+
+    max_turns: int | None = None
+    max_new_tokens: int | None = None
     max_prompt_tokens: int = 10_000
     max_response_tokens: int = 13_000
     bfcl_max_response_tokens: int = 32_768
@@ -74,6 +91,20 @@ class EvalSettings:
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
     samples: int = 1  # rollouts per task when sampling (per-task metrics = their mean)
+    bfcl_memory_embedding_model: str | None = None  # local sentence-transformers folder: runs memory_vector
+    bfcl_search_backend: str | None = None  # Web Search backend name (eval.web_search); None: not run
+    toolhop_scenario: str = "direct"  # envs.toolhop.SCENARIOS; the released evaluation's default
+    thinking_rule: str = ""  # why enable_thinking is what it is (the evaluate CLI's header)
+
+    def turns_for(self, benchmark: str) -> int:
+        """Policy turns per episode of a non-BFCL benchmark (the flag, else the benchmark's default)."""
+        if self.max_turns is not None:
+            return self.max_turns
+        if benchmark == "toolhop":
+            from turnsight_jax.envs.toolhop import SCENARIO_MAX_TURNS
+
+            return SCENARIO_MAX_TURNS[self.toolhop_scenario]
+        return DEFAULT_MAX_TURNS[benchmark]
 
     @property
     def greedy(self) -> bool:
@@ -94,6 +125,8 @@ class Suite:
     labels: dict[str, str]
     order: list[tuple[str, Task]] | None = None  # evaluation order; None: category by category
     heldout: bool = False  # a training run's held-out tasks
+    prerequisites: list[Task] = dataclasses.field(default_factory=list)  # BFCL Memory: run first, unscored
+    not_run: dict[str, str] = dataclasses.field(default_factory=dict)  # subset label -> why it was not run
 
     def pairs(self) -> list[tuple[str, Task]]:
         """(category, task) in evaluation (= batching) order."""
@@ -143,6 +176,24 @@ def check_inputs(benchmarks: Sequence[str], ftrl_path: str | None, toolhop_path:
             raise EvalError(str(e)) from None
 
 
+def check_bfcl_options(settings: EvalSettings) -> None:
+    """The vector Memory backend's model folder and the Web Search backend name, before any run."""
+    if settings.bfcl_memory_embedding_model is not None:
+        from turnsight_jax.envs.bfcl import use_embedding_model
+
+        try:
+            use_embedding_model(settings.bfcl_memory_embedding_model)
+        except (ImportError, OSError, ValueError) as e:
+            raise EvalError(f"--bfcl-memory-embedding-model {settings.bfcl_memory_embedding_model}: {e}") from None
+    if settings.bfcl_search_backend is not None:
+        from turnsight_jax.eval.web_search import get_backend
+
+        try:
+            get_backend(settings.bfcl_search_backend)
+        except KeyError as e:
+            raise EvalError(f"--bfcl-search-backend: {e.args[0]}") from None
+
+
 def _group(tasks: Sequence[Task], known: Sequence[tuple[str, str]], limit: int | None,
            where: str) -> tuple[dict[str, list[Task]], dict[str, str]]:
     """Tasks by category: the known categories first (in table order), then any others."""
@@ -176,15 +227,30 @@ def load_suite(benchmark: str, settings: EvalSettings, *, ftrl_path: str | None 
     if benchmark == "ftrl":
         groups, labels = _group(_load_file("ftrl", ftrl_path), FTRL_CATEGORIES, limit, f"--ftrl {ftrl_path}")
     elif benchmark == "toolhop":
-        groups, labels = _group(_load_file("toolhop", toolhop_path), TOOLHOP_CATEGORIES, limit,
-                                f"--toolhop {toolhop_path}")
+        from turnsight_jax.envs.toolhop import scenario_task
+
+        tasks = [scenario_task(t, settings.toolhop_scenario) for t in _load_file("toolhop", toolhop_path)]
+        groups, labels = _group(tasks, TOOLHOP_CATEGORIES, limit, f"--toolhop {toolhop_path}")
     elif benchmark == "bfcl":
         from turnsight_jax.envs import bfcl
 
         per_cat = [x for x in (settings.bfcl_limit, limit) if x is not None]
         n = min(per_cat) if per_cat else None
-        tasks = [t for key, _ in BFCL_CATEGORIES for t in bfcl.load_tasks(key, limit=n)]
+        tasks = [t for key in bfcl.BFCL_CATEGORIES for t in bfcl.load_tasks(key, limit=n)]
+        prereqs, backends, not_run = [], [], {}
+        for backend in bfcl.MEMORY_BACKENDS:
+            if backend == "vector" and not settings.bfcl_memory_embedding_model:
+                not_run["Memory (vector)"] = "needs a local embedding model: --bfcl-memory-embedding-model DIR"
+                continue
+            pre, questions = bfcl.load_memory_tasks(backend, limit=n)
+            prereqs += pre
+            tasks += questions
+            backends.append(backend)
+        if settings.bfcl_search_backend is None:
+            not_run["Web Search"] = "needs a search backend: --bfcl-search-backend NAME"
         groups, labels = _group(tasks, BFCL_CATEGORIES, None, "bfcl")
+        labels["memory"] = f"Memory ({', '.join(backends)})"
+        return Suite(benchmark, groups, labels, prerequisites=prereqs, not_run=not_run)
     elif benchmark == "builtin":
         from turnsight_jax.envs import synthetic
 
@@ -222,15 +288,21 @@ def make_env(benchmark: str, settings: EvalSettings) -> Environment:
 def rollout_config(benchmark: str, settings: EvalSettings, tasks: Sequence[Task]) -> RolloutConfig:
     """The driver's budgets for a benchmark.
 
-    FTRL, ToolHop, built-in: `max_turns` policy turns (FTRL's evaluation uses 20) and
-    `max_response_tokens`. BFCL: its own per-user-turn step limit applies (the environment
-    force-quits after 20 steps in one user turn, as BFCL's harness does), so the driver's cap is
-    set above it, (#user turns) x 22; the response budget is `bfcl_max_response_tokens`.
+    FTRL, ToolHop, built-in: `settings.turns_for(benchmark)` policy turns (released defaults: FTRL
+    10, ToolHop 9, direct 1) and `max_response_tokens`; the per-turn cap is `max_new_tokens`, or
+    the response budget itself when None (off: a turn may use all that is left). BFCL: its own
+    per-user-turn step limit applies (the environment force-quits after 20 steps in one user turn,
+    as BFCL's harness does), so the driver's cap is set above it, (#user turns) x 22; the response
+    budget is `bfcl_max_response_tokens`, the per-step cap BFCL's 4096 unless `max_new_tokens`.
     """
-    common = dict(max_prompt_tokens=settings.max_prompt_tokens, max_turn_tokens=settings.max_new_tokens,
-                  enable_thinking=settings.enable_thinking)
+    common = dict(max_prompt_tokens=settings.max_prompt_tokens, enable_thinking=settings.enable_thinking)
     if benchmark == "bfcl":
         user_turns = max((len(t.extra["bfcl_entry"]["question"]) for t in tasks), default=1)
-        return RolloutConfig(max_turns=user_turns * BFCL_POLICY_TURNS_PER_USER_TURN,
-                             max_response_tokens=settings.bfcl_max_response_tokens, **common)
-    return RolloutConfig(max_turns=settings.max_turns, max_response_tokens=settings.max_response_tokens, **common)
+        budget = settings.bfcl_max_response_tokens
+        step = settings.max_new_tokens if settings.max_new_tokens is not None else BFCL_STEP_TOKENS
+        return RolloutConfig(max_turns=user_turns * BFCL_POLICY_TURNS_PER_USER_TURN, max_response_tokens=budget,
+                             max_turn_tokens=step, **common)
+    budget = settings.max_response_tokens
+    per_turn = budget if settings.max_new_tokens is None else settings.max_new_tokens
+    return RolloutConfig(max_turns=settings.turns_for(benchmark), max_response_tokens=budget,
+                         max_turn_tokens=per_turn, **common)
