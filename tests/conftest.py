@@ -95,6 +95,15 @@ def tok():
     return default_tokenizer()
 
 
+@pytest.fixture(scope="session")
+def hf_tok(qwen3_tokenizer_dir):
+    """The same folder loaded by `transformers` (the package's loader does not use it): the
+    official chat template (`apply_chat_template`) that our renderer is compared against."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen3_tokenizer_dir)
+
+
 def pytest_sessionfinish(session, exitstatus):
     if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist)
         shutil.rmtree(JAX_CACHE, ignore_errors=True)

@@ -356,13 +356,13 @@ def test_at_least_twenty_equivalence_cases():
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_piecewise_rendering_equals_official_template(tok, name):
+def test_piecewise_rendering_equals_official_template(tok, hf_tok, name):
     case = CASES[name]
     text, ids, conversation, gen_prompt = _build(tok, case)
     kwargs = dict(tools=case["tools"], add_generation_prompt=gen_prompt, enable_thinking=case["enable_thinking"])
-    expected_text = tok.apply_chat_template(conversation, tokenize=False, **kwargs)
+    expected_text = hf_tok.apply_chat_template(conversation, tokenize=False, **kwargs)
     assert text == expected_text
-    expected_ids = tok.apply_chat_template(conversation, tokenize=True, **kwargs)["input_ids"]
+    expected_ids = hf_tok.apply_chat_template(conversation, tokenize=True, **kwargs)["input_ids"]
     assert ids == list(expected_ids)
     # Our full-conversation renderer agrees too.
     assert T.render_messages(conversation, case["tools"], add_generation_prompt=gen_prompt, enable_thinking=case["enable_thinking"]) == expected_text
@@ -370,20 +370,20 @@ def test_piecewise_rendering_equals_official_template(tok, name):
 
 @pytest.mark.parametrize("name", sorted(HISTORY_CASES))
 @pytest.mark.parametrize("gen_prompt", [True, False])
-def test_history_rendering_equals_official_template(tok, name, gen_prompt):
+def test_history_rendering_equals_official_template(tok, hf_tok, name, gen_prompt):
     messages, tools, think = HISTORY_CASES[name]
-    expected = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen_prompt, enable_thinking=think)
+    expected = hf_tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen_prompt, enable_thinking=think)
     assert T.render_messages(messages, tools, add_generation_prompt=gen_prompt, enable_thinking=think) == expected
     if gen_prompt:
-        expected_ids = tok.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True, enable_thinking=think)["input_ids"]
+        expected_ids = hf_tok.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True, enable_thinking=think)["input_ids"]
         assert T.prompt_ids(tok, messages, tools, enable_thinking=think) == list(expected_ids)
 
 
-def test_policy_text_starting_with_newline_is_the_only_id_boundary(tok):
+def test_policy_text_starting_with_newline_is_the_only_id_boundary(tok, hf_tok):
     text, ids, conversation, gen_prompt = _build(tok, BOUNDARY_CASE)
     kwargs = dict(tools=TOOLS, add_generation_prompt=gen_prompt, enable_thinking=False)
-    assert text == tok.apply_chat_template(conversation, tokenize=False, **kwargs)
-    expected = list(tok.apply_chat_template(conversation, tokenize=True, **kwargs)["input_ids"])
+    assert text == hf_tok.apply_chat_template(conversation, tokenize=False, **kwargs)
+    expected = list(hf_tok.apply_chat_template(conversation, tokenize=True, **kwargs)["input_ids"])
     nl2, nl3 = encode(tok, "\n\n"), encode(tok, "\n\n\n")
     assert len(nl2) == 1 and len(nl3) == 1
     # Exactly one place differs: our [.., "\n\n", "\n", <tool_call>] vs the template's [.., "\n\n\n", <tool_call>].
@@ -444,7 +444,7 @@ def test_render_messages_rejects_unknown_role_and_empty():
         T.render_messages([])
 
 
-def test_ftrl_rows_render_like_official_template(tok, ftrl_sample_path):
+def test_ftrl_rows_render_like_official_template(tok, hf_tok, ftrl_sample_path):
     rows = [json.loads(line) for line in ftrl_sample_path.read_text().splitlines() if line.strip()]
     assert len(rows) == 12
     counts = []
@@ -453,11 +453,11 @@ def test_ftrl_rows_render_like_official_template(tok, ftrl_sample_path):
         assert isinstance(tools, list) and tools and all(t["type"] == "function" for t in tools)
         for think in (True, False):
             text = T.render_prompt(row["messages"], tools, enable_thinking=think)
-            expected = tok.apply_chat_template(row["messages"], tools=tools, tokenize=False, add_generation_prompt=True, enable_thinking=think)
+            expected = hf_tok.apply_chat_template(row["messages"], tools=tools, tokenize=False, add_generation_prompt=True, enable_thinking=think)
             assert text == expected, f"row {i}"
             ids = T.prompt_ids(tok, row["messages"], tools, enable_thinking=think)
             assert len(ids) == len(tok(text, add_special_tokens=False)["input_ids"])
-            assert ids == list(tok.apply_chat_template(row["messages"], tools=tools, tokenize=True, add_generation_prompt=True, enable_thinking=think)["input_ids"])
+            assert ids == list(hf_tok.apply_chat_template(row["messages"], tools=tools, tokenize=True, add_generation_prompt=True, enable_thinking=think)["input_ids"])
             if think:
                 counts.append(len(ids))
     for i, (row, n) in enumerate(zip(rows, counts)):

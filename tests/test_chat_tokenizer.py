@@ -59,3 +59,45 @@ def test_offsets_and_char_span_to_token_span(tok):
     i, j = tl.char_span_to_token_span(offsets, 0, 2)
     assert tok.decode(ids[i:j]) == "ab"
     assert tl.char_span_to_token_span(offsets, 3, 3)[0] == tl.char_span_to_token_span(offsets, 3, 3)[1]
+
+
+# Texts of every kind the package encodes or decodes: chat control tokens, tool-call JSON, think
+# blocks, tool results with unicode, whitespace runs, digits, code, and added tokens adjacent to text.
+CORPUS = [
+    "",
+    "<|im_start|>user\nWho directed Heat?<|im_end|>\n<|im_start|>assistant\n",
+    '<think>\nI should call the tool.\n</think>\n\n<tool_call>\n{"name": "director_of", "arguments": {"movie": "Heat"}}\n</tool_call>',
+    "<tool_response>\n{'director': 'Michael Mann', 'year': 1995}\n</tool_response>",
+    "  leading spaces,\ttabs\t and trailing   \n\n\n",
+    "晴天 🌞 Ünïcödé — naïve café; 中文分词测试 😀👍🏽",
+    "12345678901234567890 3.14159 -0.5e-10 0x1F",
+    "def f(x):\n    return {'a': [1, 2, 3]}  # comment\n",
+    "<|endoftext|><|im_end|>text<|im_start|>",
+    "<answer>Michael Mann</answer>",
+    "\u0000\u200b zero\u00a0width and nbsp",
+]
+
+
+def test_package_tokenizer_equals_transformers(tok, qwen3_tokenizer_dir):
+    """`load_tokenizer` (the `tokenizers` library, no transformers import) gives the same ids,
+    offsets and text as the transformers fast tokenizer of the same folder."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir)
+    assert isinstance(tok, tl.FastTokenizer) and len(tok) == len(hf) == 151669
+    for text in CORPUS:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert ids == list(hf.encode(text, add_special_tokens=False)), text
+        ours, theirs = tok(text, return_offsets_mapping=True), hf(text, add_special_tokens=False,
+                                                                  return_offsets_mapping=True)
+        assert ours["input_ids"] == list(theirs["input_ids"])
+        assert [tuple(o) for o in ours["offset_mapping"]] == [tuple(o) for o in theirs["offset_mapping"]], text
+        for skip in (False, True):
+            assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip), text
+    rng = __import__("numpy").random.default_rng(0)
+    some = [int(i) for i in rng.integers(0, len(tok), 400)] + list(range(151640, 151669))
+    assert tok.decode(some) == hf.decode(some)  # arbitrary id sequences, incl. partial UTF-8 bytes
+    for i in some[:50] + list(range(151640, 151669)):
+        assert tok.convert_ids_to_tokens(i) == hf.convert_ids_to_tokens(i)
+        assert tok.convert_tokens_to_ids(tok.convert_ids_to_tokens(i)) == i
+    assert tok.convert_tokens_to_ids("not-a-token-at-all") is None

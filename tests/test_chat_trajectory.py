@@ -125,7 +125,7 @@ def tok(qwen3_tokenizer_dir):
 
 
 @pytest.mark.parametrize("think", [True, False])
-def test_real_rollout_layout(tok, think):
+def test_real_rollout_layout(tok, hf_tok, think):
     sp = special_ids(tok)
     messages = [{"role": "user", "content": "Weather in Paris and Rome?"}]
     tools = [{"type": "function", "function": {"name": "w", "parameters": {"type": "object", "properties": {"c": {"type": "string"}}}}}]
@@ -162,7 +162,7 @@ def test_real_rollout_layout(tok, think):
             {"role": "tool", "content": results[0]},
             {"role": "tool", "content": results[1]},
         ]
-        expected = tok.apply_chat_template(conv, tools=tools, tokenize=False, add_generation_prompt=True, enable_thinking=True)
+        expected = hf_tok.apply_chat_template(conv, tools=tools, tokenize=False, add_generation_prompt=True, enable_thinking=True)
         assert tok.decode(tr.tokens[: t0.obs_end].tolist()) == expected
 
 

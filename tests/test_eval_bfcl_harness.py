@@ -134,17 +134,16 @@ def test_rendering_and_parsing_equal_bfcls_qwen_fc_handler(oracle, thinking):
             and "{not json}" not in prompt)
 
 
-def test_tokens_of_a_prompt_equal_the_official_template_when_it_applies(oracle):
+def test_tokens_of_a_prompt_equal_the_official_template_when_it_applies(oracle, hf_tok):
     """BFCL's rendering differs from the official Qwen3 template only in the tool lines (raw
     docs, ASCII JSON): with OpenAI-wrapped ASCII tools both give the same ids."""
-    tok = default_tokenizer()
     tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}]
     messages = [{"role": "user", "content": "hi"},
                 {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {"x": 1}}],
                  "reasoning_content": "think"},
                 {"role": "tool", "content": "r"}]
     ours = H.render_prompt(messages, tools)
-    official = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    official = hf_tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     assert ours == official == oracle.render(messages, tools)
 
 

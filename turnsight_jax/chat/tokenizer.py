@@ -18,15 +18,67 @@ ENDOFTEXT = "<|endoftext|>"
 _REQUIRED_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+class FastTokenizer:
+    """A Hugging Face ``tokenizer.json`` run by the ``tokenizers`` library, without ``transformers``.
+
+    Importing ``transformers`` costs seconds (it imports torch when torch is installed), and every
+    CLI start paid it for the handful of calls the package makes. This class offers exactly those,
+    with the semantics of the ``transformers`` fast tokenizer built from the same folder (tested
+    token for token in tests/test_chat_tokenizer.py): ``encode``/``decode``/``__call__`` with
+    ``add_special_tokens``/``skip_special_tokens``, the token/id lookups and ``len`` (the
+    vocabulary with added tokens). No BOS/EOS is ever added by Qwen3's ``tokenizer.json``, and its
+    config sets ``clean_up_tokenization_spaces`` false, so decoding is the library's decode.
+    """
+
+    is_fast = True
+
+    def __init__(self, folder: str | os.PathLike[str]):
+        import json
+
+        from tokenizers import Tokenizer
+
+        self.name_or_path = os.fspath(folder)
+        self._tk = Tokenizer.from_file(os.path.join(self.name_or_path, "tokenizer.json"))
+        with open(os.path.join(self.name_or_path, "tokenizer_config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        if config.get("clean_up_tokenization_spaces"):
+            raise ValueError(f"tokenizer in {self.name_or_path!r} sets clean_up_tokenization_spaces, "
+                             "which this loader does not implement")
+        self.chat_template = config.get("chat_template")
+        self.eos_token = config.get("eos_token")
+        self.pad_token = config.get("pad_token")
+
+    def __len__(self) -> int:
+        return self._tk.get_vocab_size(with_added_tokens=True)
+
+    def __repr__(self) -> str:
+        return f"FastTokenizer({self.name_or_path!r}, {len(self)} tokens)"
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def __call__(self, text: str, add_special_tokens: bool = False, return_offsets_mapping: bool = False):
+        enc = self._tk.encode(text, add_special_tokens=add_special_tokens)
+        out = {"input_ids": enc.ids, "attention_mask": enc.attention_mask}
+        if return_offsets_mapping:
+            out["offset_mapping"] = enc.offsets
+        return out
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def convert_tokens_to_ids(self, token: str) -> int | None:
+        return self._tk.token_to_id(token)
+
+    def convert_ids_to_tokens(self, tid: int) -> str | None:
+        return self._tk.id_to_token(int(tid))
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> FastTokenizer:
     """Load a Hugging Face fast tokenizer from a folder.
 
     The folder must hold ``tokenizer.json`` (the vocabulary, merges and added tokens) and
     ``tokenizer_config.json`` (special-token roles and the chat template).
-
-    Returns:
-      a ``transformers`` fast tokenizer (a ``PreTrainedTokenizerFast`` / ``TokenizersBackend``
-      subclass such as ``Qwen2Tokenizer``).
 
     Raises:
       FileNotFoundError: naming the folder and the missing file(s).
@@ -40,13 +92,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
             f"tokenizer folder {folder!r} is missing {', '.join(missing)} "
             f"(need {' and '.join(_REQUIRED_FILES)})"
         )
-    # Imported lazily: transformers takes seconds to import and most of this package never needs it.
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    if not getattr(tokenizer, "is_fast", False):
-        raise TypeError(f"tokenizer in {folder!r} loaded as a slow tokenizer ({type(tokenizer).__name__})")
-    return tokenizer
+    return FastTokenizer(folder)
 
 
 def check_vocab_fits(tokenizer: Any, vocab_size: int) -> None:
