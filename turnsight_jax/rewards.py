@@ -68,10 +68,7 @@ from scipy.optimize import linear_sum_assignment
 from scipy.special import logsumexp
 
 from turnsight_jax.chat.types import Call, CallError, ToolCall
-
-# The public names of the MatchTIR switches (rl/config.py validates rl.* against these).
-MATCHTIR_MATCHINGS = ("greedy", "assignment", "transport")
-MATCHTIR_SEMANTICS = ("clean", "released")
+from turnsight_jax.rl.config import MATCHTIR_MATCHINGS, MATCHTIR_SEMANTICS  # the switches' values
 
 # ---------------------------------------------------------------------------------------------
 # Answers

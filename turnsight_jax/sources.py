@@ -118,10 +118,9 @@ def check_provides(source: TaskSource, needs: tuple[str, ...], who: str) -> None
 
 def training_needs(cfg: mlc.ConfigDict) -> tuple[str, ...]:
     """The Task fields the rewards of the run's method (rl.method, over rl.base) read."""
-    from turnsight_jax.config import step_config  # config imports this module
-    from turnsight_jax.rl.methods import resolve_method
+    from turnsight_jax.rl.methods import task_needs  # imports the rollout stack: only when training
 
-    return resolve_method(step_config(cfg)).task_needs
+    return task_needs(cfg.rl.method, cfg.rl.base)
 
 
 def synthetic_config(cfg: mlc.ConfigDict) -> SyntheticConfig:

@@ -12,11 +12,14 @@ import math
 from typing import Any
 
 from turnsight_jax.errors import ConfigError
-from turnsight_jax.rewards import MATCHTIR_MATCHINGS, MATCHTIR_SEMANTICS
 
 LOSS_AGGREGATIONS = ("seq_mean_token_mean", "seq_mean_token_sum", "token_mean")
 KL_ESTIMATORS = ("k1", "k3", "low_var_kl")
 HINDSIGHT_SOURCES = ("tool_results", "tool_results_answer", "answer")
+# MatchTIR turn rewards (turnsight_jax.rewards): how predicted calls are matched to gold calls, and
+# whose conventions (similarity, transport normalisation, answer F1) apply.
+MATCHTIR_MATCHINGS = ("greedy", "assignment", "transport")
+MATCHTIR_SEMANTICS = ("clean", "released")
 # MatchTIR advantage, a (group) or (group, turn) pool of one trajectory: "zero" gives it advantage
 # 0 (no sibling to compare with); "raw" normalises it with mean 0, std 1 (the released code).
 MATCHTIR_SINGLETONS = ("zero", "raw")

@@ -226,6 +226,12 @@ class ResolvedMethod:
                 f"advantage {adv}, loss [{', '.join(t.name for t in self.loss_terms)}]")
 
 
+def task_needs(method: str, base: str) -> tuple[str, ...]:
+    """The Task fields the rewards of rl.method=`method` (over rl.base=`base`) read, as
+    `resolve_method` resolves them (ResolvedMethod.task_needs)."""
+    return resolve_method(StepConfig(algo=AlgoConfig(method=method, base=base))).task_needs
+
+
 def resolve_method(cfg: StepConfig) -> ResolvedMethod:
     """Look up `cfg.algo.method` (and its base); ConfigError naming what is unknown or unprovided."""
     algo = cfg.algo
