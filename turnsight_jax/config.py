@@ -102,7 +102,7 @@ def base_config() -> mlc.ConfigDict:
     c.rl.matchtir_matching = "assignment"  # MatchTIR call matching: greedy (the released code's) | assignment (optimal) | transport (Sinkhorn)
     c.rl.matchtir_semantics = "clean"  # MatchTIR reward conventions: clean | released (quchangle1/MatchTIR's code; turnsight_jax/rewards.py)
     c.rl.matchtir_singleton = "zero"  # MatchTIR advantage of a group / (group, turn) of one: zero | raw (mean 0, std 1: the released code)
-    c.rl.toolrl_format = True  # ToolRL reward R_format + R_correct (METHODS.md); False: R_correct only (the released compute_toolrl)
+    c.rl.toolrl_format = True  # ToolRL reward R_format + R_correct (docs/spec.md §1.12); False: R_correct only (the released compute_toolrl)
     c.rl.args = mlc.ConfigDict()  # free-form knobs of plug-in methods (--config.rl.args.<key>=<value>)
 
     c.loss = mlc.ConfigDict()  # the clipped surrogate (turnsight_jax.rl.losses)

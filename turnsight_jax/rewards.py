@@ -48,11 +48,11 @@ Two sets of conventions (`semantics`), both one switch (`rl.matchtir_semantics`)
 *Turn reward:* a tool turn gets the mean reward of its calls (0 for a turn without calls); the
 answer turn (the last turn, when it has no calls and an answer is given) gets the answer reward.
 
-ToolRL reward (docs/spec.md §1.12; /work METHODS.md §A)
--------------------------------------------------------
+ToolRL reward (docs/spec.md §1.12)
+------------------------------------
 R = R_format + R_correct (`toolrl_reward`). R_correct ∈ [−3, 3] is the released MatchTIR code's
 `compute_toolrl` (`toolrl_correctness`); R_format ∈ {0, 1} (`toolrl_format`) is ToolRL's format
-term in this project's chat format, dropped with `format_weight=0` (the released code has none).
+term in this project's chat format, dropped with `with_format=False` (the released code has none).
 """
 
 from __future__ import annotations

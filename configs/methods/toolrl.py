@@ -1,4 +1,4 @@
-"""ToolRL (/work METHODS.md §A; docs/spec.md §1.12) on the tiny CPU experiment: the embedded
+"""ToolRL (docs/spec.md §1.12) on the tiny CPU experiment: the embedded
 default's model, built-in tasks and warm-start, with the method switched to `toolrl` (reward
 R_format + R_correct from the trajectory's calls against the task's gold calls, GRPO advantage,
 clipped surrogate).
