@@ -188,7 +188,6 @@ def _matchtir_estimator(turn_rewards, num_turns, turn_ids, policy_mask, group_id
                                num_groups=num_groups, singleton=matchtir_singleton)
 
 
-
 # ----------------------------------------------------------------------------------------------
 # Registry and the one composition the step, the docs and the tests use
 # ----------------------------------------------------------------------------------------------

@@ -214,6 +214,7 @@ class ResolvedMethod:
         return tuple(dict.fromkeys(f for r in self.rewards for f in r.needs))
 
     def rewards_needing(self, field: str) -> tuple[str, ...]:
+        """The names of the method's rewards that read Task field `field` (for messages)."""
         return tuple(r.name for r in self.rewards if field in r.needs)
 
     @property
