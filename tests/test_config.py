@@ -74,9 +74,12 @@ TODAY_DEFAULT = {'checkpoint': {'every': 10, 'export_at_end': True, 'keep': 2},
                         'group_norm': True,
                         'lam': 0.5,
                         'matchtir_matching': 'assignment',
+                        'matchtir_semantics': 'clean',
+                        'matchtir_singleton': 'zero',
                         'method': 'turnsight',
                         'selection': 'vote',
                         'source': 'tool_results',
+                        'toolrl_format': True,
                         'turns': 'all'},
                  'rollout': {'enable_thinking': False,
                              'max_prompt_tokens': 1024,
@@ -316,3 +319,52 @@ def test_validate_returns_step_config_and_method():
         C.validate(C.load_run_config(None, ["--config.mesh.fsdp=3"]), 1)
     with pytest.raises(ConfigError, match=r"must split into 1 mini-batches of 3 equal micro-batches"):
         C.validate(C.load_run_config(None, ["--config.train.micro_batches=3"]), 1)
+
+
+def test_matchtir_and_toolrl_keys_are_validated():
+    c = C.load_run_config(None, ["--config.rl.matchtir_matching=greedy", "--config.rl.matchtir_semantics=released",
+                                 "--config.rl.matchtir_singleton=raw", "--config.rl.toolrl_format=False"])
+    algo = C.validate(c, 1)[0].algo
+    assert (algo.matchtir_matching, algo.matchtir_semantics, algo.matchtir_singleton, algo.toolrl_format) == (
+        "greedy", "released", "raw", False)
+    for key, value, allowed in (("matchtir_matching", "hungarian", r"\('greedy', 'assignment', 'transport'\)"),
+                                ("matchtir_semantics", "paper", r"\('clean', 'released'\)"),
+                                ("matchtir_singleton", "one", r"\('zero', 'raw'\)")):
+        with pytest.raises(ConfigError, match=rf"rl.{key} must be one of {allowed}, got '{value}'"):
+            C.validate(C.load_run_config(None, [f"--config.rl.{key}={value}"]), 1)
+
+
+def test_reward_inputs_must_come_from_the_training_source():
+    def cfg(method, base, source):
+        return C.load_run_config(None, [f"--config.rl.method={method}", f"--config.rl.base={base}",
+                                        f"--config.data.source={source}", "--config.data.path=/data/train.json"])
+
+    with pytest.raises(ConfigError, match=r"rl.method='matchtir': reward matchtir_turns needs Task.gold_calls, "
+                                          r"which data.source='toolhop' does not provide \(sources that do: "
+                                          r"builtin, ftrl\)"):
+        C.validate(cfg("matchtir", "grpo", "toolhop"), 1)
+    with pytest.raises(ConfigError, match=r"rl.method='turnsight' over rl.base='matchtir': reward matchtir_turns"):
+        C.validate(cfg("turnsight", "matchtir", "toolhop"), 1)
+    with pytest.raises(ConfigError, match=r"rl.method='toolrl': reward toolrl needs Task.gold_calls"):
+        C.validate(cfg("toolrl", "grpo", "toolhop"), 1)
+    # BFCL cannot be trained on at all (its own error, first).
+    with pytest.raises(ConfigError, match=r"data.source must be one of builtin, ftrl, toolhop, got 'bfcl'"):
+        C.validate(cfg("matchtir", "grpo", "bfcl"), 1)
+    # Sources that provide gold calls, and methods that need none, pass.
+    for method, base, source in (("matchtir", "grpo", "ftrl"), ("turnsight", "matchtir", "builtin"),
+                                 ("toolrl", "grpo", "ftrl"), ("grpo", "grpo", "toolhop"),
+                                 ("turnsight", "grpo", "toolhop")):
+        C.validate(cfg(method, base, source), 1)
+
+
+def test_toolrl_config_resolves_and_validates():
+    c = cfg_file("methods/toolrl")
+    step_cfg, method = C.validate(c, 1)
+    assert method.name == "toolrl" and [r.name for r in method.rewards] == ["toolrl"]
+    assert method.advantage.name == "grpo" and method.base is None
+    assert [t.name for t in method.loss_terms] == ["clipped_surrogate"]
+    assert step_cfg.algo.toolrl_format is True
+    # The tiny CPU experiment otherwise: same model layer, data and warm-start, a shorter schedule.
+    diff = {k for k, v in flat(c.to_dict()).items() if flat(C.default_config().to_dict())[k] != v}
+    assert diff == {"name", "rl.method", "train.steps", "data.num_eval"}
+    assert (c.data.source, c.train.steps, c.data.num_eval) == ("builtin", 8, 32)

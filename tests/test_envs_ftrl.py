@@ -7,9 +7,13 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
+from _ftrl_rows import GT_CALLS, GT_GOLD, gt_row, gt_rows
+from turnsight_jax.chat.parsing import parse_turn
 from turnsight_jax.chat.types import CallError, ToolCall
+from turnsight_jax.rewards import matchtir_turn_rewards
 from turnsight_jax.envs.ftrl import (
     FTRLEnv,
     FTRLFormatError,
@@ -104,11 +108,12 @@ def test_loader_errors_name_file_row_and_key(tmp_path, ftrl_sample_path):
     rows[1]["codes"] = json.dumps(["not", "a", "dict"])
     bad = tmp_path / "bad.jsonl"
     bad.write_text("\n".join(json.dumps(r) for r in rows))
-    with pytest.raises(FTRLFormatError, match=r"bad.jsonl: row 1: key 'codes': expected dict, got list"):
+    # JSONL rows are named by their 1-based line number.
+    with pytest.raises(FTRLFormatError, match=r"bad.jsonl: line 2: key 'codes': expected dict, got list"):
         load_tasks(bad)
     del rows[1]["answer"]
     bad.write_text("\n".join(json.dumps(r) for r in rows))
-    with pytest.raises(FTRLFormatError, match=r"row 1: missing key 'answer'"):
+    with pytest.raises(FTRLFormatError, match=r"line 2: missing key 'answer'"):
         load_tasks(bad)
 
 
@@ -124,6 +129,66 @@ def test_parquet_layout_round_trip(tmp_path, ftrl_sample_path):
     for a, b in zip(from_parquet, from_jsonl):
         assert (a.messages, a.tools, a.codes, a.unsolved_set, a.answer, a.category) == (
             b.messages, b.tools, b.codes, b.unsolved_set, b.answer, b.category)
+
+
+# ------------------------------------------------------------------ ground_truth -> gold_calls
+def test_ground_truth_loads_as_gold_calls_jsonl_and_parquet(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in gt_rows()))
+    tasks = load_tasks(path)
+    assert [t.gold_calls for t in tasks] == GT_GOLD  # one call per gold turn, in the file's order
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rows = gt_rows()
+    rows[1]["ground_truth"] = json.dumps(GT_CALLS[1])  # parquet: JSON text (see the module docstring)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    assert [t.gold_calls for t in load_tasks(tmp_path / "train.parquet")] == GT_GOLD
+    # Rows without the column load with gold_calls None (FTRL's test rows).
+    (tmp_path / "test.jsonl").write_text(json.dumps(gt_row(2, None)) + "\n")
+    assert load_tasks(tmp_path / "test.jsonl")[0].gold_calls is None
+
+
+@pytest.mark.parametrize("semantics,method", [("clean", "assignment"), ("clean", "greedy"),
+                                              ("released", "greedy"), ("released", "assignment")])
+def test_replayed_gold_trajectory_earns_full_turn_rewards(tmp_path, semantics, method):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in gt_rows()))
+    for task in load_tasks(path):
+        # Each tool turn makes exactly the gold calls (as the policy would write them), then the
+        # answer turn states the gold answer.
+        texts = ["".join(f'<tool_call>\n{json.dumps(c)}\n</tool_call>' for c in turn) for turn in task.gold_calls]
+        texts.append(f"<answer>{task.answer}</answer>")
+        parsed = [parse_turn(t) for t in texts]
+        answer = texts[-1] if semantics == "released" else parsed[-1].answer
+        r = matchtir_turn_rewards([p.calls for p in parsed], task.gold_calls, answer, task.answer,
+                                  method=method, semantics=semantics)
+        np.testing.assert_array_equal(r, [1.0, 1.0, 1.0])  # two tool turns, the answer turn
+
+
+@pytest.mark.parametrize("value,message", [
+    ({"name": "f"}, r"line 1: key 'ground_truth': expected list, got dict"),
+    ("[{", r"line 1: key 'ground_truth': expected a JSON list, got unparseable text"),
+    ([], r"line 1: key 'ground_truth': expected a non-empty list of calls, got \[\]"),
+    (["director_of"], r"line 1: key 'ground_truth'\[0\]: expected \{'name', 'parameters'\}, got str"),
+    ([{"parameters": {}}], r"line 1: key 'ground_truth'\[0\]: 'name' must be a non-empty string, got None"),
+    ([{"name": "f", "params": {}}], r"line 1: key 'ground_truth'\[0\]: missing 'parameters' \(or 'arguments'\); "
+                                    r"got keys \['name', 'params'\]"),
+    ([{"name": "f", "parameters": [1]}], r"line 1: key 'ground_truth\[0\].parameters': expected dict, got list"),
+])
+def test_malformed_ground_truth_names_file_line_and_column(tmp_path, value, message):
+    path = tmp_path / "gt.jsonl"
+    path.write_text(json.dumps(gt_row(0, value)) + "\n")
+    with pytest.raises(FTRLFormatError, match=r"gt.jsonl: " + message):
+        load_tasks(path)
+
+
+def test_required_gold_calls_name_the_row(tmp_path):
+    rows = gt_rows() + [gt_row(2, None)]
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert len(load_tasks(path)) == 3  # not required: loads
+    with pytest.raises(FTRLFormatError, match=r"train.jsonl: line 3: key 'ground_truth' is missing"):
+        load_tasks(path, require=("gold_calls",))
 
 
 # ------------------------------------------------------------------ differential vs. FTRL exec

@@ -106,6 +106,44 @@ def test_matchtir_hand_example():
         np.asarray(matchtir_advantages(r, n, tid, pm, gids, num_groups=2)), out["advantages"])
 
 
+def test_matchtir_singleton_pools_zero_and_raw():
+    # Group 0 = rows 0, 1; group 1 = row 2 alone. γ = 0.9.
+    #   row 0: r = (1, 0.5), 2 turns -> total 1.5, G = (1 + 0.9 * 0.5, 0.5) = (1.45, 0.5)
+    #   row 1: r = (0.5, ·), 1 turn  -> total 0.5, G = (0.5, 0)
+    #   row 2: r = (0.8, 0.2), 2 turns -> total 1.0, G = (0.8 + 0.9 * 0.2, 0.2) = (0.98, 0.2)
+    # Pools of one: group 1 (trajectory level), (g0, turn 1) reached by row 0 only, (g1, turn 0)
+    # and (g1, turn 1). "zero": advantage 0; "raw": mean 0, std 1 -> value / (1 + eps).
+    # Pools of two are the same for both: group 0 totals (1.5, 0.5) -> ±0.5 / (sqrt(0.5) + eps);
+    # (g0, turn 0) returns (1.45, 0.5) -> ±0.475 / (0.95 / sqrt(2) + eps).
+    r = np.array([[1, 0.5], [0.5, 0.9], [0.8, 0.2]], np.float32)  # row 1's 0.9 lies beyond its turn
+    n = np.array([2, 1, 2], np.int32)
+    gids = np.array([0, 0, 1], np.int32)
+    tid = np.array([[0, 1, -1], [0, -1, -1], [0, 0, 1]], np.int32)
+    pm = tid >= 0
+    a = 0.5 / (math.sqrt(0.5) + EPS)
+    t = 0.475 / (0.95 / math.sqrt(2) + EPS)
+    zero = jax.device_get(matchtir_advantage_parts(r, n, tid, pm, gids, num_groups=2))
+    raw = jax.device_get(matchtir_advantage_parts(r, n, tid, pm, gids, num_groups=2, singleton="raw"))
+    np.testing.assert_allclose(zero["trajectory_advantages"], [a, -a, 0.0], rtol=1e-5)
+    np.testing.assert_allclose(raw["trajectory_advantages"], [a, -a, 1.0 / (1 + EPS)], rtol=1e-5)
+    np.testing.assert_allclose(zero["turn_advantages"], [[t, 0.0], [-t, 0.0], [0.0, 0.0]], rtol=1e-5)
+    np.testing.assert_allclose(raw["turn_advantages"],
+                               [[t, 0.5 / (1 + EPS)], [-t, 0.0], [0.98 / (1 + EPS), 0.2 / (1 + EPS)]], rtol=1e-5)
+    # Tokens: (A_traj + A_turn[k]) / 2 on real turns.
+    np.testing.assert_allclose(zero["advantages"], [[(a + t) / 2, a / 2, 0], [(-a - t) / 2, 0, 0], [0, 0, 0]],
+                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(raw["advantages"], [[(a + t) / 2, (a + 0.5) / 2, 0], [(-a - t) / 2, 0, 0],
+                                                   [(1 + 0.98) / 2, (1 + 0.98) / 2, (1 + 0.2) / 2]],
+                               rtol=1e-5, atol=1e-7)
+    # Through the registry, as the step calls it (the knob is the AlgoConfig field's name).
+    knobs = {"eps": EPS, "gamma": 0.9, "num_groups": 2, "matchtir_singleton": "raw"}
+    out = A.make_advantage_fn("matchtir", knobs=knobs)({"turn_rewards": r, "num_turns": n, "turn_ids": tid,
+                                                       "policy_mask": pm, "group_ids": gids})
+    np.testing.assert_array_equal(out["advantages"], raw["advantages"])
+    with pytest.raises(ValueError, match=r"singleton must be one of \('zero', 'raw'\), got 'one'"):
+        matchtir_advantage_parts(r, n, tid, pm, gids, num_groups=2, singleton="one")
+
+
 def test_matchtir_gamma_is_a_knob():
     r = np.array([[1, 1, 1]], np.float32)
     g = A.discounted_returns(r, np.array([3], np.int32), gamma=0.5)
@@ -391,7 +429,8 @@ def test_registry_and_make_advantage_fn():
     batch = {"rewards": rewards, "group_ids": GIDS, "policy_mask": POLICY, "turn_ids": TURN_IDS,
              "delta": DELTA}
     knobs = {"eps": 1e-6, "gamma": 0.9, "num_groups": None, "max_turns": None, "lam": 0.25, "eps_w": 0.5,
-             "selection": "mean", "aggregation": "turn", "group_norm": True, "turns": "all"}
+             "selection": "mean", "aggregation": "turn", "group_norm": True, "turns": "all",
+             "matchtir_singleton": "zero"}
     plain = A.make_advantage_fn("grpo", knobs=knobs)(batch)
     np.testing.assert_array_equal(plain["advantages"], grpo_advantages(rewards, GIDS, POLICY))
     np.testing.assert_array_equal(plain["advantages"], plain["base_advantages"])

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from _ftrl_rows import GT_GOLD, gt_row, gt_rows
 from turnsight_jax import sources
 from turnsight_jax.config import default_config
 from turnsight_jax.errors import ConfigError
@@ -48,6 +49,53 @@ def test_file_sources_need_a_path_and_cap_heldout_tasks(tmp_path):
     path.write_text("".join(json.dumps(row) + "\n" for _ in range(5)))
     cfg.data.eval_source, cfg.data.eval_path, cfg.data.num_eval = "ftrl", str(path), 3
     assert len(sources.load_tasks(cfg, "eval")) == 3
+
+
+def test_sources_declare_the_task_fields_they_provide():
+    assert sources.get_source("builtin").provides == ("gold_calls",)
+    assert sources.get_source("ftrl").provides == ("gold_calls",)
+    assert sources.get_source("toolhop").provides == ()
+    assert sources.providers("gold_calls") == ["builtin", "ftrl"]  # trainable ones only
+    cfg = default_config()
+    assert sources.training_needs(cfg) == ()  # turnsight over grpo: the outcome reward only
+    cfg.rl.base = "matchtir"
+    assert sources.training_needs(cfg) == ("gold_calls",)
+    cfg.rl.method = "toolrl"
+    assert sources.training_needs(cfg) == ("gold_calls",)
+
+
+def _ftrl_train_cfg(path, method="matchtir", base="grpo"):
+    cfg = default_config()
+    cfg.data.source, cfg.data.path = "ftrl", str(path)
+    cfg.rl.method, cfg.rl.base = method, base
+    return cfg
+
+
+def test_training_rows_without_ground_truth_are_refused(tmp_path):
+    rows = gt_rows() + [gt_row(2, None)]
+    jsonl = tmp_path / "train.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # A method whose rewards read gold calls: the row is named by file, line (1-based) and column.
+    for method, base in (("matchtir", "grpo"), ("turnsight", "matchtir"), ("toolrl", "grpo")):
+        with pytest.raises(ValueError, match=r"train.jsonl: line 3: key 'ground_truth' is missing: the training"):
+            sources.load_tasks(_ftrl_train_cfg(jsonl, method, base), "train")
+    # Methods that do not read them load every row; so does the held-out split under matchtir.
+    tasks = sources.load_tasks(_ftrl_train_cfg(jsonl, "grpo"), "train")
+    assert [t.gold_calls for t in tasks] == [*GT_GOLD, None]
+    cfg = _ftrl_train_cfg(jsonl)
+    cfg.data.eval_source, cfg.data.eval_path = "ftrl", str(jsonl)
+    assert len(sources.load_tasks(cfg, "eval")) == 3
+    # Rows that all carry ground_truth load under matchtir with their gold calls.
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in gt_rows()))
+    assert [t.gold_calls for t in sources.load_tasks(_ftrl_train_cfg(jsonl), "train")] == GT_GOLD
+    # Parquet: the row index (0-based) and a null value.
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    table_rows = gt_rows()  # row 0: JSON text
+    table_rows[1]["ground_truth"] = None
+    pq.write_table(pa.Table.from_pylist(table_rows), tmp_path / "train.parquet")
+    with pytest.raises(ValueError, match=r"train.parquet: row 1: key 'ground_truth' is null"):
+        sources.load_tasks(_ftrl_train_cfg(tmp_path / "train.parquet"), "train")
 
 
 def test_environments_come_from_the_registry():

@@ -35,7 +35,7 @@ from turnsight_jax.rl.config import AlgoConfig, LossConfig, OptimConfig, StepCon
 from turnsight_jax.rl.methods import ResolvedMethod, resolve_method
 from turnsight_jax.rollout.driver import RolloutConfig
 from turnsight_jax.rollout.sampler import SamplingParams
-from turnsight_jax.sources import get_source
+from turnsight_jax.sources import check_provides, get_source
 
 
 def base_config() -> mlc.ConfigDict:
@@ -99,7 +99,10 @@ def base_config() -> mlc.ConfigDict:
     c.rl.turns = "all"  # turns TurnSight reweights: all | first:N | last:N
     c.rl.depths = (1, 2, 3)  # hindsight depths D_H (paper: {1, 2, 3})
     c.rl.source = "tool_results"  # hindsight block: tool_results | tool_results_answer | answer
-    c.rl.matchtir_matching = "assignment"  # MatchTIR turn rewards: optimal assignment | transport (Sinkhorn)
+    c.rl.matchtir_matching = "assignment"  # MatchTIR call matching: greedy (the released code's) | assignment (optimal) | transport (Sinkhorn)
+    c.rl.matchtir_semantics = "clean"  # MatchTIR reward conventions: clean | released (quchangle1/MatchTIR's code; turnsight_jax/rewards.py)
+    c.rl.matchtir_singleton = "zero"  # MatchTIR advantage of a group / (group, turn) of one: zero | raw (mean 0, std 1: the released code)
+    c.rl.toolrl_format = True  # ToolRL reward R_format + R_correct (docs/spec.md §1.12); False: R_correct only (the released compute_toolrl)
     c.rl.args = mlc.ConfigDict()  # free-form knobs of plug-in methods (--config.rl.args.<key>=<value>)
 
     c.loss = mlc.ConfigDict()  # the clipped surrogate (turnsight_jax.rl.losses)
@@ -382,7 +385,8 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
         algo=AlgoConfig(method=r.method, base=r.base, gamma=r.gamma, lam=r.lam, eps_w=r.eps_w, selection=r.selection,
                         aggregation=r.aggregation, group_norm=r.group_norm, turns=r.turns,
                         depths=tuple(int(d) for d in r.depths), source=r.source,
-                        matchtir_matching=r.matchtir_matching, args=args),
+                        matchtir_matching=r.matchtir_matching, matchtir_semantics=r.matchtir_semantics,
+                        matchtir_singleton=r.matchtir_singleton, toolrl_format=r.toolrl_format, args=args),
         loss=LossConfig(clip_eps=l.clip_eps, clip_eps_high=l.clip_eps_high, kl_coef=l.kl_coef,
                         kl_estimator=l.kl_estimator, kl_clip=l.kl_clip, aggregation=l.aggregation,
                         temperature=cfg.rollout.temperature),
@@ -451,4 +455,9 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
             raise ConfigError(f"{section}: {e}") from None
     sc = step_config(cfg)
     sc.validate(cfg.train.prompts_per_step * cfg.train.group_size)
-    return sc, resolve_method(sc)
+    method = resolve_method(sc)
+    # The rewards' inputs must exist for the training tasks (e.g. MatchTIR's gold calls).
+    who = f"rl.method={sc.algo.method!r}" + (f" over rl.base={sc.algo.base!r}" if method.base else "")
+    for field in method.task_needs:
+        check_provides(source, (field,), f"{who}: reward {', '.join(method.rewards_needing(field))}")
+    return sc, method

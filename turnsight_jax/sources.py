@@ -3,6 +3,12 @@
 Training (`data.source`, `data.eval_source`), the SFT warm-start and the evaluation CLI
 (`--benchmarks`) all look sources up here, so a new source is added in one place
 (docs/adding_an_environment.md).
+
+Capabilities: a source declares the optional Task fields it can fill (`TaskSource.provides`);
+a reward declares the ones it reads (`rl.methods.Reward.needs`). `config.validate` refuses a
+training source that cannot provide what the method's rewards read, and `load_tasks(cfg,
+"train")` refuses a training row that lacks it (FTRL rows without `ground_truth`), naming the
+file and the row, before any model is built.
 """
 
 from __future__ import annotations
@@ -21,13 +27,16 @@ from turnsight_jax.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class TaskSource:
-    """load(path) -> tasks (None for generated sources); make_env(num_workers, timeout_s) -> a
-    fresh environment (the caller closes it). trainable: usable as data.source."""
+    """load(path, needs=()) -> tasks (None for generated sources; `needs`: the Task fields every
+    task must carry, a row without one is an error naming it); make_env(num_workers, timeout_s) ->
+    a fresh environment (the caller closes it). trainable: usable as data.source. provides: the
+    optional Task fields (e.g. "gold_calls") its tasks can carry."""
 
     name: str
     make_env: Callable[[int, float], Environment]
-    load: Callable[[pathlib.Path], list[Task]] | None = None
+    load: Callable[..., list[Task]] | None = None
     trainable: bool = True
+    provides: tuple[str, ...] = ()
 
     @property
     def needs_path(self) -> bool:
@@ -57,10 +66,10 @@ def _ftrl_env(num_workers: int, timeout_s: float) -> Environment:
     return FTRLEnv(num_workers=num_workers, timeout_s=timeout_s)
 
 
-def _ftrl_load(path: pathlib.Path) -> list[Task]:
+def _ftrl_load(path: pathlib.Path, needs: tuple[str, ...] = ()) -> list[Task]:
     from turnsight_jax.envs import ftrl
 
-    return ftrl.load_tasks(path)
+    return ftrl.load_tasks(path, require=needs)
 
 
 def _toolhop_env(num_workers: int, timeout_s: float) -> Environment:
@@ -69,9 +78,11 @@ def _toolhop_env(num_workers: int, timeout_s: float) -> Environment:
     return ToolHopEnv(num_workers=num_workers, timeout_s=timeout_s)
 
 
-def _toolhop_load(path: pathlib.Path) -> list[Task]:
+def _toolhop_load(path: pathlib.Path, needs: tuple[str, ...] = ()) -> list[Task]:
     from turnsight_jax.envs import toolhop
 
+    if needs:  # config.validate refuses this first; kept for direct callers
+        raise ConfigError(f"ToolHop tasks cannot provide {list(needs)}")
     return toolhop.load_tasks(path)
 
 
@@ -81,10 +92,35 @@ def _bfcl_env(num_workers: int, timeout_s: float) -> Environment:
     return BFCLEnv()
 
 
-register_source(TaskSource("builtin", _ftrl_env))  # generated FTRL-format tasks, the FTRL environment
-register_source(TaskSource("ftrl", _ftrl_env, _ftrl_load))
-register_source(TaskSource("toolhop", _toolhop_env, _toolhop_load))
-register_source(TaskSource("bfcl", _bfcl_env, trainable=False))  # tasks come from bfcl-eval (eval only)
+# generated FTRL-format tasks with their gold chains, the FTRL environment
+register_source(TaskSource("builtin", _ftrl_env, provides=("gold_calls",)))
+# gold_calls from the rows' `ground_truth` column (MatchTIR's training rows; FTRL's test rows lack it)
+register_source(TaskSource("ftrl", _ftrl_env, _ftrl_load, provides=("gold_calls",)))
+register_source(TaskSource("toolhop", _toolhop_env, _toolhop_load))  # no gold call chains
+# tasks come from bfcl-eval (eval only); they carry BFCL's ground-truth calls
+register_source(TaskSource("bfcl", _bfcl_env, trainable=False, provides=("gold_calls",)))
+
+
+def providers(field: str) -> list[str]:
+    """The trainable sources that can provide Task field `field`."""
+    return sorted(n for n, s in SOURCES.items() if s.trainable and field in s.provides)
+
+
+def check_provides(source: TaskSource, needs: tuple[str, ...], who: str) -> None:
+    """ConfigError (one line) when `source` cannot provide a Task field of `needs`; `who` says
+    what needs it (for the message)."""
+    for field in needs:
+        if field not in source.provides:
+            have = ", ".join(providers(field)) or "none"
+            raise ConfigError(f"{who} needs Task.{field}, which data.source={source.name!r} does not provide "
+                              f"(sources that do: {have})")
+
+
+def training_needs(cfg: mlc.ConfigDict) -> tuple[str, ...]:
+    """The Task fields the rewards of the run's method (rl.method, over rl.base) read."""
+    from turnsight_jax.rl.methods import task_needs  # imports the rollout stack: only when training
+
+    return task_needs(cfg.rl.method, cfg.rl.base)
 
 
 def synthetic_config(cfg: mlc.ConfigDict) -> SyntheticConfig:
@@ -97,7 +133,9 @@ def synthetic_config(cfg: mlc.ConfigDict) -> SyntheticConfig:
 
 def load_tasks(cfg: mlc.ConfigDict, split: str) -> list[Task]:
     """Training (`split="train"`) or held-out tasks of the run. Built-in held-out tasks use a
-    seed stream disjoint from the training tasks'."""
+    seed stream disjoint from the training tasks'. Training tasks must carry every Task field the
+    method's rewards read (`training_needs`): a file row without one raises (ValueError naming the
+    file, the row and the column)."""
     key = "data.source" if split == "train" else "data.eval_source"
     name = cfg.data.source if split == "train" else cfg.data.eval_source
     path = cfg.data.path if split == "train" else cfg.data.eval_path
@@ -108,7 +146,9 @@ def load_tasks(cfg: mlc.ConfigDict, split: str) -> list[Task]:
         return generate_tasks(n, seed=seed, categories=tuple(cfg.data.categories), config=synthetic_config(cfg))
     if not path:
         raise ConfigError(f"data.{'path' if split == 'train' else 'eval_path'} is required for source {name!r}")
-    tasks = source.load(pathlib.Path(path))
+    needs = training_needs(cfg) if split == "train" else ()
+    check_provides(source, needs, f"rl.method={cfg.rl.method!r}")
+    tasks = source.load(pathlib.Path(path), needs) if needs else source.load(pathlib.Path(path))
     if split == "eval" and cfg.data.num_eval:
         tasks = tasks[: cfg.data.num_eval]
     return tasks

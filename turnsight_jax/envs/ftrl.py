@@ -8,7 +8,18 @@ Row layout (jsonl, one object per line, or parquet with the same columns):
   unsolved_set  JSON string (or decoded dict): tool name -> list of gold intermediate answers
   answer        gold final answer (string)
   data_source   e.g. "self/multi_hop"; the part after "/" becomes `Task.category`
+  ground_truth  optional (MatchTIR's training rows have it): JSON text (or a decoded list) of the
+                gold call chain, a flat ordered list of {"name": str, "parameters": {...}}
+                ("arguments" is accepted for "parameters"; its value may be JSON text of an
+                object). It becomes `Task.gold_calls`, one call per gold turn (the flat chain does
+                not say which calls were parallel; MatchTIR's matching is order-free, and a
+                replayed gold trajectory then makes one call per turn). Absent or null: None.
+                In parquet, store it as JSON text: a struct column merges the parameter names
+                of all rows (missing ones become null).
   optional: solve_rate, split, id (kept in `Task.extra` / used as task id)
+
+Errors name the file, the row (`line N`, 1-based, for JSONL; `row i`, the 0-based row index, for
+parquet) and the key/column, with what was expected and what was found.
 
 Metric semantics follow FTRL's evaluation code exactly (`Code/evaluation/evaluation_self.py`,
 `Code/utils/utils.py: answer_verify`): see `answer_verify` and `solve_metrics`.
@@ -127,10 +138,44 @@ def _decode(value: Any, where: str, key: str, expected: type) -> Any:
     return value
 
 
-def row_to_task(row: Mapping[str, Any], *, where: str, default_id: str) -> Task:
-    """Validates one FTRL row and converts it to a `Task`; errors name `where` and the key."""
+def gold_calls_from_ground_truth(value: Any, where: str) -> tuple[tuple[dict[str, Any], ...], ...] | None:
+    """The `ground_truth` column (see the module docstring) as `Task.gold_calls`: one
+    ({"name", "arguments"},) per gold call, in order; None for an absent (None) value."""
+    if value is None:
+        return None
+    calls = _decode(value, where, "ground_truth", list)
+    if not calls:
+        raise FTRLFormatError(f"{where}: key 'ground_truth': expected a non-empty list of calls, got []")
+    turns = []
+    for i, call in enumerate(calls):
+        if not isinstance(call, Mapping):
+            raise FTRLFormatError(f"{where}: key 'ground_truth'[{i}]: expected {{'name', 'parameters'}}, "
+                                  f"got {type(call).__name__}")
+        name = call.get("name")
+        if not isinstance(name, str) or not name:
+            raise FTRLFormatError(f"{where}: key 'ground_truth'[{i}]: 'name' must be a non-empty string, "
+                                  f"got {name!r:.80}")
+        key = "parameters" if "parameters" in call else "arguments" if "arguments" in call else None
+        if key is None:
+            raise FTRLFormatError(f"{where}: key 'ground_truth'[{i}]: missing 'parameters' (or 'arguments'); "
+                                  f"got keys {sorted(call)}")
+        args = _decode(call[key], where, f"ground_truth[{i}].{key}", dict)
+        turns.append(({"name": name, "arguments": dict(args)},))
+    return tuple(turns)
+
+
+def row_to_task(row: Mapping[str, Any], *, where: str, default_id: str,
+                require: Sequence[str] = ()) -> Task:
+    """Validates one FTRL row and converts it to a `Task`; errors name `where` and the key.
+
+    require: Task fields the row must provide (only "gold_calls" is optional in FTRL rows):
+    a row without `ground_truth` then raises instead of loading with gold_calls None.
+    """
     if not isinstance(row, Mapping):
         raise FTRLFormatError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    unknown = [f for f in require if f != "gold_calls"]
+    if unknown:
+        raise ValueError(f"FTRL rows cannot provide Task fields {unknown} (only gold_calls, from 'ground_truth')")
     key_messages = "messages" if "messages" in row else "prompt"
     for key in (key_messages, "tools", "codes", "unsolved_set", "answer"):
         if key not in row:
@@ -138,6 +183,12 @@ def row_to_task(row: Mapping[str, Any], *, where: str, default_id: str) -> Task:
                 f"{where}: missing key {key!r} (expected keys messages, tools, codes, "
                 f"unsolved_set, answer; got {sorted(row)})"
             )
+    gold_calls = gold_calls_from_ground_truth(row.get("ground_truth"), where)
+    if gold_calls is None and "gold_calls" in require:
+        raise FTRLFormatError(
+            f"{where}: key 'ground_truth' is {'null' if 'ground_truth' in row else 'missing'}: the training "
+            f"method's rewards need every row's gold tool calls (a list of {{'name', 'parameters'}})"
+        )
     messages = _decode(row[key_messages], where, key_messages, list)
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
@@ -187,22 +238,26 @@ def row_to_task(row: Mapping[str, Any], *, where: str, default_id: str) -> Task:
         answer=answer,
         data_source=data_source,
         category=data_source.rsplit("/", 1)[-1],
+        gold_calls=gold_calls,
         extra=extra,
     )
 
 
-def _iter_jsonl(path: pathlib.Path) -> Iterable[tuple[int, Any]]:
+def _iter_jsonl(path: pathlib.Path) -> Iterable[tuple[str, int, Any]]:
+    """(where, 0-based row number, decoded row) per non-blank line; where = "path: line N" (1-based)."""
     with open(path, encoding="utf-8") as f:
         for index, line in enumerate(f):
             if not line.strip():
                 continue
+            where = f"{path}: line {index + 1}"
             try:
-                yield index, json.loads(line)
+                yield where, index, json.loads(line)
             except json.JSONDecodeError as e:
-                raise FTRLFormatError(f"{path}: row {index}: invalid JSON ({e})") from None
+                raise FTRLFormatError(f"{where}: invalid JSON ({e})") from None
 
 
-def _iter_parquet(path: pathlib.Path) -> Iterable[tuple[int, Any]]:
+def _iter_parquet(path: pathlib.Path) -> Iterable[tuple[str, int, Any]]:
+    """(where, row index, row) per row; where = "path: row i" (0-based row index)."""
     try:
         import pyarrow.parquet as pq
     except ImportError as e:  # pragma: no cover - depends on the install
@@ -211,21 +266,22 @@ def _iter_parquet(path: pathlib.Path) -> Iterable[tuple[int, Any]]:
         ) from e
     table = pq.read_table(path)
     for index, row in enumerate(table.to_pylist()):
-        yield index, row
+        yield f"{path}: row {index}", index, row
 
 
-def load_tasks(path: str | os.PathLike) -> list[Task]:
+def load_tasks(path: str | os.PathLike, *, require: Sequence[str] = ()) -> list[Task]:
     """Loads FTRL tasks from a .jsonl file, a .parquet file, or a folder of .parquet files.
 
-    Every error names the file, the row index (0-based line/row) and the key, with the
-    expected and actual types.
+    require: Task fields every row must provide (`row_to_task`); training under a reward that reads
+    gold calls passes ("gold_calls",). Every error names the file, the row (see the module
+    docstring) and the key, with the expected and actual types.
     """
     path = pathlib.Path(path)
     if path.is_dir():
         files = sorted(path.glob("*.parquet")) + sorted(path.glob("*.jsonl"))
         if not files:
             raise FileNotFoundError(f"{path}: no .parquet or .jsonl files in this folder")
-        return [t for f in files for t in load_tasks(f)]
+        return [t for f in files for t in load_tasks(f, require=require)]
     if not path.exists():
         raise FileNotFoundError(f"FTRL file not found: {path}")
     if path.suffix == ".parquet":
@@ -235,8 +291,8 @@ def load_tasks(path: str | os.PathLike) -> list[Task]:
     else:
         raise ValueError(f"{path}: unknown FTRL file type {path.suffix!r} (.jsonl or .parquet)")
     return [
-        row_to_task(row, where=f"{path}: row {index}", default_id=f"{path.stem}:{index}")
-        for index, row in rows
+        row_to_task(row, where=where, default_id=f"{path.stem}:{index}", require=require)
+        for where, index, row in rows
     ]
 
 

@@ -33,7 +33,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from turnsight_jax.rl.groups import group_normalize
+from turnsight_jax.rl.config import MATCHTIR_SINGLETONS
+from turnsight_jax.rl.groups import group_gather, group_normalize
 from turnsight_jax.rl.turnsight import turnsight_advantages
 
 Array = jax.Array
@@ -88,7 +89,17 @@ def discounted_returns(turn_rewards: Array, num_turns: Array, gamma: float = 0.9
     return jnp.where(valid, g, 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("num_groups",))
+def _singleton_raw(values: Array, normalised: Array, group_ids: Array, mask: Array, num_groups: int,
+                   eps: float) -> Array:
+    """`normalised` with every entry that is alone in its pool (the only masked member of its group,
+    per trailing position) replaced by (value − 0) / (1 + eps): the released code's mean 0, std 1 for
+    a pool of one. values / normalised / mask: [B] or [B, K]; group_ids [B]."""
+    count = jax.ops.segment_sum(mask.astype(jnp.float32), group_ids, num_segments=num_groups)
+    alone = mask & (group_gather(count, group_ids, num_groups) == 1)  # 0 for ungrouped rows
+    return jnp.where(alone, jnp.asarray(values, jnp.float32) / (1.0 + eps), normalised)
+
+
+@functools.partial(jax.jit, static_argnames=("num_groups", "singleton"))
 def matchtir_advantage_parts(
     turn_rewards: Array,
     num_turns: Array,
@@ -99,32 +110,45 @@ def matchtir_advantage_parts(
     gamma: float = 0.9,
     eps: float = 1e-6,
     num_groups: int | None = None,
+    singleton: str = "zero",
 ) -> dict[str, Array]:
     """MatchTIR dual-level advantages with their components.
 
     turn_rewards [B, K] float32, num_turns [B] int32 (turns 0..num_turns−1 are real; clipped to K),
     turn_ids [B, T] int32, policy_mask [B, T] bool, group_ids [B] int32.
+    singleton (static): what a pool of one gets, a group of one trajectory (trajectory level) or
+      a (group, turn k) that only one sibling reaches (turn level): "zero" (default) advantage 0,
+      no sibling to compare with; "raw" normalisation with mean 0, std 1, i.e. value / (1 + eps),
+      the released MatchTIR code (rl.config.MATCHTIR_SINGLETONS; config key rl.matchtir_singleton).
     Returns:
-      trajectory_advantages [B]: group-normalised (ddof=1, eps) Σ_k r_k over real turns; 0 for a
-        group of size 1.
+      trajectory_advantages [B]: group-normalised (ddof=1, eps) Σ_k r_k over real turns; a group
+        of size 1 per `singleton`.
       returns [B, K]: discounted returns G_k (0 beyond num_turns).
       turn_advantages [B, K]: G_k normalised (mean, ddof=1 std, eps) across the siblings of the
-        group with num_turns > k; 0 where only one sibling reaches turn k, and 0 for k ≥ num_turns.
+        group with num_turns > k; where only one sibling reaches turn k, per `singleton`; 0 for
+        k ≥ num_turns.
       advantages [B, T]: (A_traj + A_turn[k]) / 2 on policy tokens whose turn k is real
         (0 ≤ k < min(num_turns, K)); 0 on every other token (including policy tokens whose turn id
         does not name a real turn, which would be an inconsistent batch).
     """
+    if singleton not in MATCHTIR_SINGLETONS:
+        raise ValueError(f"singleton must be one of {MATCHTIR_SINGLETONS}, got {singleton!r}")
     chex.assert_rank([turn_rewards, num_turns, turn_ids, policy_mask, group_ids], [2, 1, 2, 2, 1])
     b, k = turn_rewards.shape
     t = policy_mask.shape[1]
     chex.assert_shape([num_turns, group_ids, turn_ids, policy_mask], [(b,), (b,), (b, t), (b, t)])
     chex.assert_type([num_turns, turn_ids, group_ids, policy_mask], [int, int, int, bool])
+    groups = b if num_groups is None else num_groups
     n = jnp.clip(num_turns, 0, k)
     real = jnp.arange(k)[None, :] < n[:, None]  # [B, K]
     r = jnp.where(real, jnp.asarray(turn_rewards, jnp.float32), 0.0)
-    a_traj = group_normalize(r.sum(-1), group_ids, num_groups=num_groups, ddof=1, eps=eps)
+    total = r.sum(-1)
+    a_traj = group_normalize(total, group_ids, num_groups=groups, ddof=1, eps=eps)
     g = discounted_returns(r, n, gamma)
-    a_turn = group_normalize(g, group_ids, mask=real, num_groups=num_groups, ddof=1, eps=eps)
+    a_turn = group_normalize(g, group_ids, mask=real, num_groups=groups, ddof=1, eps=eps)
+    if singleton == "raw":
+        a_traj = _singleton_raw(total, a_traj, group_ids, jnp.ones((b,), bool), groups, eps)
+        a_turn = _singleton_raw(g, a_turn, group_ids, real, groups, eps)
     tok_real = policy_mask & (turn_ids >= 0) & (turn_ids < n[:, None])
     a_turn_tok = jnp.take_along_axis(a_turn, jnp.clip(turn_ids, 0, k - 1), axis=1)
     adv = jnp.where(tok_real, 0.5 * (a_traj[:, None] + a_turn_tok), 0.0)
@@ -136,7 +160,7 @@ def matchtir_advantage_parts(
     }
 
 
-@functools.partial(jax.jit, static_argnames=("num_groups",))
+@functools.partial(jax.jit, static_argnames=("num_groups", "singleton"))
 def matchtir_advantages(
     turn_rewards: Array,
     num_turns: Array,
@@ -147,13 +171,21 @@ def matchtir_advantages(
     gamma: float = 0.9,
     eps: float = 1e-6,
     num_groups: int | None = None,
+    singleton: str = "zero",
 ) -> Array:
     """[B, T] MatchTIR token advantages; see `matchtir_advantage_parts` for the definition."""
     return matchtir_advantage_parts(
         turn_rewards, num_turns, turn_ids, policy_mask, group_ids,
-        gamma=gamma, eps=eps, num_groups=num_groups,
+        gamma=gamma, eps=eps, num_groups=num_groups, singleton=singleton,
     )["advantages"]
 
+
+def _matchtir_estimator(turn_rewards, num_turns, turn_ids, policy_mask, group_ids, *, gamma, eps, num_groups,
+                        matchtir_singleton):
+    """The registered "matchtir" estimator: the knob `matchtir_singleton` (AlgoConfig field) is
+    `matchtir_advantages`'s `singleton`."""
+    return matchtir_advantages(turn_rewards, num_turns, turn_ids, policy_mask, group_ids, gamma=gamma, eps=eps,
+                               num_groups=num_groups, singleton=matchtir_singleton)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -163,7 +195,7 @@ def matchtir_advantages(
 # Knobs an estimator may ask for, and where they come from: the AlgoConfig field of the same name,
 # or the step geometry (num_groups = B / G, max_turns = the rollout's turn budget).
 KNOBS = ("eps", "gamma", "num_groups", "max_turns", "lam", "eps_w", "selection", "aggregation",
-         "group_norm", "turns")
+         "group_norm", "turns", "matchtir_singleton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +250,7 @@ def get_estimator(name: str) -> Estimator:
 
 register_advantage("grpo", ("rewards", "group_ids", "policy_mask"), ("eps", "num_groups"))(grpo_advantages)
 register_advantage("matchtir", ("turn_rewards", "num_turns", "turn_ids", "policy_mask", "group_ids"),
-                   ("gamma", "eps", "num_groups"))(matchtir_advantages)
+                   ("gamma", "eps", "num_groups", "matchtir_singleton"))(_matchtir_estimator)
 register_advantage(
     "turnsight", ("delta", "policy_mask", "turn_ids", "group_ids", "base_advantages"),
     ("lam", "eps_w", "eps", "selection", "aggregation", "group_norm", "turns", "num_groups", "max_turns"),

@@ -16,7 +16,13 @@ from turnsight_jax.errors import ConfigError
 LOSS_AGGREGATIONS = ("seq_mean_token_mean", "seq_mean_token_sum", "token_mean")
 KL_ESTIMATORS = ("k1", "k3", "low_var_kl")
 HINDSIGHT_SOURCES = ("tool_results", "tool_results_answer", "answer")
-MATCHTIR_MATCHINGS = ("assignment", "transport")
+# MatchTIR turn rewards (turnsight_jax.rewards): how predicted calls are matched to gold calls, and
+# whose conventions (similarity, transport normalisation, answer F1) apply.
+MATCHTIR_MATCHINGS = ("greedy", "assignment", "transport")
+MATCHTIR_SEMANTICS = ("clean", "released")
+# MatchTIR advantage, a (group) or (group, turn) pool of one trajectory: "zero" gives it advantage
+# 0 (no sibling to compare with); "raw" normalises it with mean 0, std 1 (the released code).
+MATCHTIR_SINGLETONS = ("zero", "raw")
 
 
 def parse_turn_coverage(turns: str) -> tuple[str, int]:
@@ -39,8 +45,11 @@ class AlgoConfig:
     TurnSight switches (docs/spec.md §1.10 ablations): lam, eps_w, selection ("vote" | "mean" | depth
     index), aggregation ("turn" | "token"), group_norm, turns ("all" | "first:N" | "last:N"),
     depths (the hindsight depth set D_H), source ("tool_results" | "tool_results_answer" |
-    "answer"). matchtir_matching: "assignment" (optimal) or "transport" (Sinkhorn plan) for the
-    MatchTIR turn rewards. args: free-form knobs of plug-in methods, as (key, value) pairs.
+    "answer"). MatchTIR: matchtir_matching ("greedy" | "assignment" | "transport") and
+    matchtir_semantics ("clean" | "released") of the turn rewards (turnsight_jax.rewards),
+    matchtir_singleton ("zero" | "raw") of the advantage (rl.advantages.matchtir_advantage_parts).
+    toolrl_format: the ToolRL reward adds its format term (rewards.toolrl_reward).
+    args: free-form knobs of plug-in methods, as (key, value) pairs.
     """
 
     method: str = "turnsight"
@@ -56,6 +65,9 @@ class AlgoConfig:
     depths: tuple[int, ...] = (1, 2, 3)
     source: str = "tool_results"
     matchtir_matching: str = "assignment"
+    matchtir_semantics: str = "clean"
+    matchtir_singleton: str = "zero"
+    toolrl_format: bool = True
     args: tuple[tuple[str, Any], ...] = ()
 
     def arg(self, key: str, default: Any = None) -> Any:
@@ -125,6 +137,14 @@ class StepConfig:
             raise ConfigError(f"rl.source must be one of {HINDSIGHT_SOURCES}, got {algo.source!r}")
         if algo.matchtir_matching not in MATCHTIR_MATCHINGS:
             raise ConfigError(f"rl.matchtir_matching must be one of {MATCHTIR_MATCHINGS}, got {algo.matchtir_matching!r}")
+        if algo.matchtir_semantics not in MATCHTIR_SEMANTICS:
+            raise ConfigError(f"rl.matchtir_semantics must be one of {MATCHTIR_SEMANTICS}, "
+                              f"got {algo.matchtir_semantics!r}")
+        if algo.matchtir_singleton not in MATCHTIR_SINGLETONS:
+            raise ConfigError(f"rl.matchtir_singleton must be one of {MATCHTIR_SINGLETONS}, "
+                              f"got {algo.matchtir_singleton!r}")
+        if not isinstance(algo.toolrl_format, bool):
+            raise ConfigError(f"rl.toolrl_format must be True or False, got {algo.toolrl_format!r}")
         parse_turn_coverage(algo.turns)
         if loss.aggregation not in LOSS_AGGREGATIONS:
             raise ConfigError(f"loss.aggregation {loss.aggregation!r} unknown; expected one of {LOSS_AGGREGATIONS}")

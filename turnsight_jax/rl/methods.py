@@ -27,7 +27,7 @@ import numpy as np
 from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
-from turnsight_jax.rewards import matchtir_turn_rewards
+from turnsight_jax.rewards import matchtir_turn_rewards, toolrl_reward
 from turnsight_jax.rl.advantages import Estimator, get_estimator
 from turnsight_jax.rl.config import AlgoConfig, StepConfig
 from turnsight_jax.rl.losses import LossTerm, get_loss_term
@@ -103,7 +103,9 @@ def sampler_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> Ro
 class Reward:
     """A registered reward: fills batch array `output`, one value per trajectory (`per="trajectory"`,
     a float) or per turn (`per="turn"`, [num_turns] floats; the batch pads to [B, K] with 0).
-    `needs`: Task fields that must be set (the batch refuses a task without them)."""
+    `needs`: Task fields the reward reads. `config.validate` refuses a `data.source` whose
+    `TaskSource.provides` lacks one, and `sources.load_tasks(cfg, "train")` a training row without
+    one (rl.batch.compute_signals, called on tasks from elsewhere, leaves such a row's output 0)."""
 
     name: str
     fn: Callable[[Trajectory, Task, AlgoConfig], Any]
@@ -137,11 +139,25 @@ def outcome_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> float:
 
 @register_reward("matchtir_turns", "turn_rewards", per="turn", needs=("gold_calls",))
 def matchtir_turn_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> np.ndarray:
-    """MatchTIR turn rewards (docs/spec.md §1.11): each tool turn's calls matched to the gold calls,
-    the answer turn scored by token F1 against the gold answer."""
-    answer = traj.turns[-1].answer if traj.turns else None
+    """MatchTIR turn rewards (docs/spec.md §1.11): each tool turn's calls matched to the gold calls
+    (`rl.matchtir_matching`), the answer turn scored against the gold answer, with the conventions
+    of `rl.matchtir_semantics` (the released ones read the answer from the turn's raw text, which
+    must hold <answer> tags; the clean ones from the parsed answer)."""
+    last = traj.turns[-1] if traj.turns else None
+    if last is None:
+        answer = None
+    else:
+        answer = last.text if algo.matchtir_semantics == "released" else last.answer
     return matchtir_turn_rewards([t.calls for t in traj.turns], task.gold_calls, answer, task.answer,
-                                 method=algo.matchtir_matching)
+                                 method=algo.matchtir_matching, semantics=algo.matchtir_semantics)
+
+
+@register_reward("toolrl", "rewards", needs=("gold_calls",))
+def toolrl_trajectory_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> float:
+    """ToolRL's R_format + R_correct of the whole trajectory (rewards.toolrl_reward; R_correct
+    alone when rl.toolrl_format is False)."""
+    last_text = traj.turns[-1].text if traj.turns else None
+    return toolrl_reward([t.calls for t in traj.turns], last_text, task.gold_calls, with_format=algo.toolrl_format)
 
 
 # ---- methods ----
@@ -171,6 +187,8 @@ def register_method(method: Method) -> Method:
 register_method(Method("grpo", advantage="grpo", description="outcome reward, group-normalised"))
 register_method(Method("matchtir", advantage="matchtir", rewards=("outcome", "matchtir_turns"),
                        description="turn rewards from matched gold calls, dual-level advantage"))
+register_method(Method("toolrl", advantage="grpo", rewards=("toolrl",),
+                       description="ToolRL's format + call-match reward, group-normalised"))
 register_method(Method("turnsight", advantage="turnsight", rewards=(),
                        description="turn-level hindsight weighting of the base method's advantage"))
 
@@ -191,6 +209,15 @@ class ResolvedMethod:
         return self.advantage.needs_views or bool(self.base and self.base.needs_views)
 
     @property
+    def task_needs(self) -> tuple[str, ...]:
+        """The Task fields the method's rewards read (`Reward.needs`), each once, in order."""
+        return tuple(dict.fromkeys(f for r in self.rewards for f in r.needs))
+
+    def rewards_needing(self, field: str) -> tuple[str, ...]:
+        """The names of the method's rewards that read Task field `field` (for messages)."""
+        return tuple(r.name for r in self.rewards if field in r.needs)
+
+    @property
     def needs_ref(self) -> bool:
         return any("ref_logprobs" in t.inputs for t in self.loss_terms)
 
@@ -198,6 +225,12 @@ class ResolvedMethod:
         adv = self.advantage.name + (f"({self.base.name})" if self.base else "")
         return (f"method {self.name}: rollout {self.rollout.name}, rewards [{', '.join(r.name for r in self.rewards)}], "
                 f"advantage {adv}, loss [{', '.join(t.name for t in self.loss_terms)}]")
+
+
+def task_needs(method: str, base: str) -> tuple[str, ...]:
+    """The Task fields the rewards of rl.method=`method` (over rl.base=`base`) read, as
+    `resolve_method` resolves them (ResolvedMethod.task_needs)."""
+    return resolve_method(StepConfig(algo=AlgoConfig(method=method, base=base))).task_needs
 
 
 def resolve_method(cfg: StepConfig) -> ResolvedMethod:

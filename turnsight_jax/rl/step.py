@@ -63,7 +63,7 @@ def advantage_knobs(cfg: StepConfig, batch_size: int) -> dict:
     a = cfg.algo
     return {"eps": a.eps, "gamma": a.gamma, "num_groups": batch_size // cfg.group_size, "max_turns": cfg.max_turns,
             "lam": a.lam, "eps_w": a.eps_w, "selection": a.selection, "aggregation": a.aggregation,
-            "group_norm": a.group_norm, "turns": a.turns}
+            "group_norm": a.group_norm, "turns": a.turns, "matchtir_singleton": a.matchtir_singleton}
 
 
 def advantage_inputs(batch: TrainBatch, teacher_lp) -> dict:
