@@ -164,6 +164,7 @@ def matchtir_advantages(
 # or the step geometry (num_groups = B / G, max_turns = the rollout's turn budget).
 KNOBS = ("eps", "gamma", "num_groups", "max_turns", "lam", "eps_w", "selection", "aggregation",
          "group_norm", "turns")
+KNOBS += ("norm_pool", "uncovered_in_stats")  # TurnSight's normalisation pool (docs/spec.md §1.6)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +222,8 @@ register_advantage("matchtir", ("turn_rewards", "num_turns", "turn_ids", "policy
                    ("gamma", "eps", "num_groups"))(matchtir_advantages)
 register_advantage(
     "turnsight", ("delta", "policy_mask", "turn_ids", "group_ids", "base_advantages"),
-    ("lam", "eps_w", "eps", "selection", "aggregation", "group_norm", "turns", "num_groups", "max_turns"),
+    ("lam", "eps_w", "eps", "selection", "aggregation", "group_norm", "turns", "num_groups", "max_turns",
+     "norm_pool", "uncovered_in_stats"),
 )(turnsight_advantages)
 
 
