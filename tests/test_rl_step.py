@@ -248,3 +248,73 @@ def test_invalid_configs_fail_with_one_line(change, message):
         cfg.validate(batch_size=8)
         resolve_method(cfg)
     assert "\n" not in str(e.value)
+
+
+# ---- rl.student_sees_observations=False: the released code's masked training forward ----
+
+def _masked_cfg(**kw):
+    cfg = _cfg(method="turnsight", student_sees_observations=False)
+    return dataclasses.replace(cfg, **kw)
+
+
+def test_masked_batch_reads_prompt_and_policy_tokens_only(setup, tok):
+    trajs, row_tasks, _, _ = setup
+    batch = _batch(trajs, row_tasks, tok, _masked_cfg())
+    for i, t in enumerate(trajs):
+        want = np.zeros(batch.valid.shape[1], bool)
+        want[: t.prompt_len] = True  # the prompt, its assistant header included
+        for turn in t.turns:
+            want[turn.policy_start:turn.policy_end] = True  # each turn's sampled tokens; not the observations
+        np.testing.assert_array_equal(batch.valid[i], want)
+        assert batch.valid[i].sum() < t.length  # every trajectory here has an observation to drop
+    # the packed views keep no reference row: the KL reference is scored on the masked context
+    assert batch.views.view_pred.shape[0] == len(_masked_cfg().algo.depths)
+
+
+def test_masked_step_ratio_and_kl_use_the_masked_context(setup, tok):
+    """With observation masking the ratio compares π_θ with π_old on the same masked context (not
+    with the sampler's log-probs, which saw the observations), and the KL reference reads that
+    context too. Checked with lr = 0 (every update sees the step-start parameters) and the policy as
+    its own reference: ratio 1 and KL 0, although the batch's old log-probs are perturbed."""
+    trajs, row_tasks, policy, _ = setup
+    graphdef, params = nnx.split(policy)
+    for mini in (1, 2):  # one update: π_old is the forward itself; two: a forward before the updates
+        cfg = _masked_cfg(mini_batches=mini)
+        batch = jax.tree.map(jnp.asarray, _batch(trajs, row_tasks, tok, cfg))
+        opt = optax.sgd(0.0)
+        step = make_train_step(graphdef, cfg, opt)
+        _, _, m = step(jax.tree.map(jnp.copy, params), opt.init(params), params, batch)
+        assert abs(float(m["ratio"]) - 1.0) < 1e-5 and float(m["clip_frac"]) == 0.0, mini
+        assert abs(float(m["kl"])) < 1e-6, mini
+    # the same with the student seeing the observations: the perturbed old log-probs move the ratio
+    cfg = _cfg(method="turnsight")
+    step = make_train_step(graphdef, cfg, optax.sgd(0.0))
+    _, _, m = step(jax.tree.map(jnp.copy, params), optax.sgd(0.0).init(params), params,
+                   jax.tree.map(jnp.asarray, _batch(trajs, row_tasks, tok, cfg)))
+    assert abs(float(m["ratio"]) - 1.0) > 1e-3 and float(m["clip_frac"]) > 0
+
+
+def test_entropy_bonus_in_the_step(setup, tok):
+    """loss.entropy_coef adds the entropy term: its metric is the aggregated student entropy, and
+    the gradient moves by exactly -coef · ∇(aggregated entropy) (SGD, lr 1: update = -grad)."""
+    trajs, row_tasks, policy, ref = setup
+    cfg = _cfg(method="grpo")
+    batch = _batch(trajs, row_tasks, tok, cfg)
+    g0, _ = _sgd_step(cfg, policy, ref, batch)
+    coef = 0.5
+    g1, m1 = _sgd_step(dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, entropy_coef=coef)),
+                       policy, ref, batch)
+    graphdef, params = nnx.split(policy)
+    from turnsight_jax.rl.logprobs import student_logprobs
+
+    w = aggregation_weights(jnp.asarray(batch.pol_valid), cfg.loss.aggregation)
+
+    def agg_entropy(p):
+        _, ent = student_logprobs(nnx.merge(graphdef, p), jnp.asarray(batch.tokens), jnp.asarray(batch.valid),
+                                  jnp.asarray(batch.pol_pos), chunk=64, with_entropy=True)
+        return jnp.sum(ent * w)
+
+    h, dh = jax.value_and_grad(agg_entropy)(params)
+    assert float(m1["entropy"]) == pytest.approx(float(h), rel=1e-5) and float(h) > 1.0
+    want = jax.tree.map(lambda a, d: np.asarray(a) - coef * np.asarray(d), g0, dh)
+    assert _max_diff(g1, want) < 1e-5
