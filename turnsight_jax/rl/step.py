@@ -10,6 +10,8 @@ One call of the compiled step, for a rollout batch of B trajectories (B / G prom
    log-probs equal a teacher-forced forward of the rollout parameters, tests/test_rollout_sampler.py) ->
    the method's advantage (`rl.advantages.make_advantage_fn`) on the whole batch, so group
    statistics see all siblings;
+   with rl.student_sees_observations=False, π_old for the ratio on the masked context
+   (`masked_old_logprobs`; docs/spec.md §1.9);
 3. for each PPO epoch and mini-batch: gradients of the method's loss terms (rl.losses) accumulated
    over micro-batches (normalised by the *mini-batch* token/trajectory counts, so accumulation
    equals one full pass exactly), global-norm clipping and an optax AdamW update.
