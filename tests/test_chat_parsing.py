@@ -75,6 +75,26 @@ def test_calls_inside_think_are_not_executed():
     assert t.calls == [] and t.thinking.startswith("cut off") and t.content == "" and t.answer is None
 
 
+def test_calls_in_think_option_executes_them_first():
+    # rollout.calls_in_think (the released code's parse): the thought's calls come first, numbered
+    # with the rest; the thought's text stays out of the content, the thinking text is unchanged
+    text = ('<think>maybe <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call> and '
+            '<tool_call>{bad</tool_call>?</think>\nNow: <tool_call>{"name": "g"}</tool_call>')
+    off, on = parse_turn(text), parse_turn(text, calls_in_think=True)
+    assert [c.name for c in off.calls] == ["g"]
+    assert [(c.name, c.arguments) for c in on.calls if isinstance(c, ToolCall)] == [("f", {"a": 1}), ("g", {})]
+    assert _errors(on) == ["tool call 2: invalid JSON (Expecting property name enclosed in double quotes at char 1)"]
+    assert on.thinking == off.thinking and on.content == off.content == "Now:" and on.answer is None
+    # a thought cut off mid-way: its call runs; a call left open inside the thought is unclosed there
+    t = parse_turn('<think>cut off <tool_call>{"name": "f"}</tool_call>', calls_in_think=True)
+    assert [c.name for c in t.calls] == ["f"] and t.content == "" and t.answer is None
+    t = parse_turn('<think>x <tool_call>{"name": "f"}</think> <tool_call>{"name": "g"}</tool_call>', calls_in_think=True)
+    assert _errors(t) == ["tool call 1: unclosed <tool_call> tag"] and [c.name for c in t.calls[1:]] == ["g"]
+    # the opening tag in the prompt ("... </think>"): the body before </think> is the thought
+    t = parse_turn('I think\n</think>\n\n<answer>4</answer>', calls_in_think=True)
+    assert t.calls == [] and t.answer == "4"
+
+
 def test_think_close_inside_arguments_is_not_thinking():
     t = parse_turn('<tool_call>{"name": "f", "arguments": {"x": "</think>"}}</tool_call>')
     assert t.thinking is None and t.calls == [ToolCall("f", {"x": "</think>"}, raw='{"name": "f", "arguments": {"x": "</think>"}}')]

@@ -108,6 +108,16 @@ TODAY_DEFAULT = {'checkpoint': {'every': 10, 'export_at_end': True, 'keep': 2},
                            'steps': 12,
                            'teacher_micro_batches': 1}}
 TODAY_DEFAULT["rl"]["args"] = {}
+# The released code's semantics as switches (issue 18), all off: the default run does not move.
+TODAY_DEFAULT["loss"].update(clip_ratio_c=None, entropy_coef=0.0)
+TODAY_DEFAULT["rollout"].update(end_on_unparsable_turn=False, calls_in_think=False)
+TODAY_DEFAULT["rl"].update(norm_pool="turn_mean", uncovered_in_stats=True, student_sees_observations=True,
+                           hindsight_template={"message_open": "<|im_start|>user\n<hindsight>\n",
+                                               "answer": "<answer>{answer}</answer>\n",
+                                               "item": "<turn>\n{calls}{results}</turn>\n",
+                                               "call": "<tool_call>\n{call}\n</tool_call>\n",
+                                               "result": "<tool_response>\n{result}\n</tool_response>\n",
+                                               "message_close": "</hindsight><|im_end|>\n"})
 
 # Keys where configs/qwen3_8b.py's experiment departs from base + its model layer: how the run
 # fits 8 x 80 GB devices and how it evaluates. Anything else would be a value from somewhere else.
@@ -368,3 +378,36 @@ def test_toolrl_config_resolves_and_validates():
     diff = {k for k, v in flat(c.to_dict()).items() if flat(C.default_config().to_dict())[k] != v}
     assert diff == {"name", "rl.method", "train.steps", "data.num_eval"}
     assert (c.data.source, c.train.steps, c.data.num_eval) == ("builtin", 8, 32)
+
+
+def test_released_code_switches_translate_and_validate():
+    """The issue-18 switches reach the typed configs; each bad value is a one-line ConfigError."""
+    c = C.load_run_config(None, ["--config.loss.clip_ratio_c=3.0", "--config.loss.entropy_coef=0.001",
+                                 "--config.rl.norm_pool=token_gap", "--config.rl.uncovered_in_stats=false",
+                                 "--config.rl.student_sees_observations=false",
+                                 "--config.rl.hindsight_template.item=[{turn}] {calls}{results}",
+                                 "--config.rollout.end_on_unparsable_turn=true", "--config.rollout.calls_in_think=true"])
+    step_cfg, method = C.validate(c, 1)
+    assert (step_cfg.loss.clip_ratio_c, step_cfg.loss.entropy_coef) == (3.0, 0.001)
+    a = step_cfg.algo
+    assert (a.norm_pool, a.uncovered_in_stats, a.student_sees_observations) == ("token_gap", False, False)
+    assert a.hindsight_template.item == "[{turn}] {calls}{results}"
+    assert a.hindsight_template.call == "<tool_call>\n{call}\n</tool_call>\n"  # the other pieces keep their defaults
+    assert [t.name for t in method.loss_terms] == ["clipped_surrogate", "entropy"]  # added because the coef > 0
+    rc = C.rollout_config(c)
+    assert rc.end_on_unparsable_turn and rc.calls_in_think
+    for override, message in [
+        ("loss.clip_ratio_c=1.0", r"loss.clip_ratio_c must be None \(off\) or > 1, got 1.0"),
+        ("loss.entropy_coef=-0.1", "loss.entropy_coef must be finite and >= 0"),
+        ("rl.norm_pool=tokens", r"rl.norm_pool must be one of \('turn_mean', 'token_gap'\), got 'tokens'"),
+        ("rl.hindsight_template.result=<r>{result}{gold}</r>",
+         r"rl.hindsight_template.result: unknown field \{gold\}; allowed: \{result\}"),
+        ("rl.hindsight_template.message_open={", r"rl.hindsight_template.message_open: not a format string"),
+    ]:
+        with pytest.raises(ConfigError, match=message) as e:
+            C.validate(C.load_run_config(None, ["--config." + override]), 1)
+        assert "\n" not in str(e.value)
+    c = C.default_config()
+    c.rl.hindsight_template.footer = "x"  # a config file adding a piece the message does not have
+    with pytest.raises(ConfigError, match="rl.hindsight_template.footer is not a piece of the hindsight message"):
+        C.validate(c, 1)

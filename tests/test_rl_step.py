@@ -273,3 +273,74 @@ def test_invalid_configs_fail_with_one_line(change, message):
         cfg.validate(batch_size=8)
         resolve_method(cfg)
     assert "\n" not in str(e.value)
+
+
+# ---- rl.student_sees_observations=False: the released code's masked training forward ----
+
+def _masked_cfg(**kw):
+    cfg = _cfg(method="turnsight", student_sees_observations=False)
+    return dataclasses.replace(cfg, **kw)
+
+
+def test_masked_batch_reads_prompt_and_policy_tokens_only(setup, tok):
+    trajs, row_tasks, _, _ = setup
+    batch = _batch(trajs, row_tasks, tok, _masked_cfg())
+    for i, t in enumerate(trajs):
+        want = np.zeros(batch.valid.shape[1], bool)
+        want[: t.prompt_len] = True  # the prompt, its assistant header included
+        for turn in t.turns:
+            want[turn.policy_start:turn.policy_end] = True  # each turn's sampled tokens; not the observations
+        np.testing.assert_array_equal(batch.valid[i], want)
+        assert batch.valid[i].sum() < t.length  # every trajectory here has an observation to drop
+    # the packed views keep no reference row: the KL reference is scored on the masked context
+    assert batch.views.view_pred.shape[0] == len(_masked_cfg().algo.depths)
+
+
+def test_masked_step_ratio_and_kl_use_the_masked_context(setup, tok):
+    """With observation masking the ratio compares π_θ with π_old on the same masked context (not
+    with the sampler's log-probs, which saw the observations and are perturbed here by N(0, 0.3)),
+    and the KL reference reads that context too (the views carry no reference row). Checked with
+    lr = 0 (every update sees the step-start parameters) and the policy as its own reference:
+    ratio 1 and KL 0. TurnSight with two mini-batches: π_old comes from a forward before the
+    updates. (One update per step, where π_old is the update's own forward, is checked below.)"""
+    trajs, row_tasks, policy, _ = setup
+    graphdef, params = nnx.split(policy)
+    cfg = _masked_cfg(mini_batches=2)
+    batch = jax.tree.map(jnp.asarray, _batch(trajs, row_tasks, tok, cfg))
+    opt = optax.sgd(0.0)
+    _, _, m = make_train_step(graphdef, cfg, opt)(jax.tree.map(jnp.copy, params), opt.init(params), params, batch)
+    assert abs(float(m["ratio"]) - 1.0) < 1e-5 and float(m["clip_frac"]) == 0.0
+    assert abs(float(m["kl"])) < 1e-6
+
+
+def test_entropy_bonus_in_the_masked_step(setup, tok):
+    """loss.entropy_coef adds the entropy term: its metric is the aggregated student entropy and its
+    gradient is -coef · ∇(aggregated entropy) (the loss falls as the entropy rises). Equal rewards
+    make every GRPO advantage 0, so the surrogate adds no gradient; the policy is its own KL
+    reference, so k3 and its gradient are 0. Under observation masking with one update, π_old is
+    the update's own forward: ratio 1 although the batch's old log-probs are perturbed."""
+    trajs, row_tasks, policy, _ = setup
+    coef = 50.0  # large, so the gradient stands well above the float32 rounding of before - after (~1e-7)
+    cfg = dataclasses.replace(_cfg(method="grpo", student_sees_observations=False),
+                              loss=LossConfig(kl_coef=0.05, kl_estimator="k3", entropy_coef=coef))
+    batch = _batch(trajs, row_tasks, tok, cfg)
+    batch.signals["rewards"][:] = 1.0
+    graphdef, params = nnx.split(policy)
+    same = nnx.merge(graphdef, jax.tree.map(jnp.copy, params))  # the policy as reference, in its own buffers (donation)
+    grads, metrics = _sgd_step(cfg, policy, same, batch)
+    assert abs(float(metrics["ratio"]) - 1.0) < 1e-5 and abs(float(metrics["kl"])) < 1e-6
+    assert float(metrics["adv_abs_mean"]) == 0.0
+    from turnsight_jax.rl.logprobs import student_logprobs
+
+    w = aggregation_weights(jnp.asarray(batch.pol_valid), cfg.loss.aggregation)
+
+    def agg_entropy(p):
+        _, ent = student_logprobs(nnx.merge(graphdef, p), jnp.asarray(batch.tokens), jnp.asarray(batch.valid),
+                                  jnp.asarray(batch.pol_pos), chunk=64, with_entropy=True)
+        return jnp.sum(ent * w)
+
+    h, dh = jax.value_and_grad(agg_entropy)(params)
+    assert float(metrics["entropy"]) == pytest.approx(float(h), rel=1e-5) and float(h) > 1.0
+    want = jax.tree.map(lambda d: -coef * np.asarray(d), dh)  # _sgd_step returns before - after = grad
+    scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(want))
+    assert scale > 1e-2 and _max_diff(grads, want) < 1e-5 * scale + 2e-7

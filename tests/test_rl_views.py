@@ -132,3 +132,27 @@ def test_bad_options(tok, trajectories):
         build_views(trajs, tok, options=ViewOptions(turns="middle:3"))
     with pytest.raises(ValueError, match="exceeds the largest bucket"):
         build_views(trajs, tok, buckets=(64,))
+
+
+def test_configured_template_appears_verbatim_in_the_packed_rows(tok, trajectories):
+    """rl.hindsight_template reaches the teacher rows: make_train_batch packs the custom text."""
+    from turnsight_jax.chat.hindsight import HindsightTemplate
+    from turnsight_jax.rl.batch import make_train_batch
+    from turnsight_jax.rl.config import AlgoConfig, StepConfig
+    from turnsight_jax.rl.methods import resolve_method
+
+    tasks, trajs = trajectories
+    custom = HindsightTemplate(message_open="<|im_start|>user\nLATER YOU WILL SEE:\n",
+                               item="== turn {turn} (+{offset}) ==\n{calls}{results}", call="CALL {call}\n",
+                               result="GOT {result}\n", message_close="END OF HINDSIGHT<|im_end|>\n")
+    cfg = StepConfig(algo=AlgoConfig(method="turnsight", base="grpo", depths=(1, 2), hindsight_template=custom),
+                     group_size=2, max_turns=6)
+    row_tasks = [tasks[i // 2] for i in range(len(trajs))]
+    batch, _ = make_train_batch(trajs, row_tasks, tok, cfg, resolve_method(cfg))
+    traj = trajs[0]  # a gold chain: turn 0 calls, its result comes back
+    text = tok.decode(batch.views.tokens[0][: int((batch.views.layout.segment_ids[0] >= 0).sum())])
+    call0 = traj.turns[0].calls[0]
+    first = f'<|im_start|>user\nLATER YOU WILL SEE:\n== turn 1 (+0) ==\nCALL {{"name": "{call0.name}", "arguments": '
+    assert first in text
+    assert f"GOT {traj.turns[0].results[0]}\n" in text and "== turn 2 (+1) ==\n" in text
+    assert "END OF HINDSIGHT<|im_end|>\n" in text and "<hindsight>" not in text  # the default template is gone

@@ -106,3 +106,49 @@ def test_prompt_over_budget_is_an_error(tok, env):
     with pytest.raises(ValueError, match="prompt has .* tokens, over rollout.max_prompt_tokens=10"):
         rollout(ReplayPolicy(tok, [[]]), env, [task], tokenizer=tok, group_size=1,
                 config=RolloutConfig(max_prompt_tokens=10))
+
+
+# ---- the released code's parse semantics (rollout.end_on_unparsable_turn, rollout.calls_in_think) ----
+
+BAD_CALL = "<tool_call>{not json</tool_call>"
+
+
+def test_unparsable_turn_continues_by_default_and_ends_with_the_option(tok, env):
+    task = generate_task("single_hop", 3)
+    gold = gold_turn_texts(task)  # one call turn, then the answer
+    script = [BAD_CALL] + gold
+    default = rollout(ReplayPolicy(tok, [script]), env, [task], tokenizer=tok, group_size=1,
+                      config=RolloutConfig(max_turns=4, max_response_tokens=4096)).trajectories[0]
+    # today: the parse error goes back to the policy as the observation, and the episode goes on
+    assert default.num_turns == 3 and default.finish_reason == "answer"
+    assert default.turns[0].results[0].startswith("tool call 1: invalid JSON")
+    assert default.turns[0].obs_end > default.turns[0].obs_start
+    ended = rollout(ReplayPolicy(tok, [script]), env, [task], tokenizer=tok, group_size=1,
+                    config=RolloutConfig(max_turns=4, max_response_tokens=4096,
+                                         end_on_unparsable_turn=True)).trajectories[0]
+    assert ended.num_turns == 1 and ended.finish_reason == "unparsable" and not ended.truncated
+    turn = ended.turns[0]
+    assert len(turn.calls) == 1 and not turn.results and turn.obs_end == turn.obs_start == ended.length
+    assert ended.metrics["tool_error_rate"] == 1.0
+    # one good call next to a bad one is not an unparsable turn: the episode goes on
+    mixed = rollout(ReplayPolicy(tok, [[gold[0] + "\n" + BAD_CALL, gold[-1]]]), env, [task], tokenizer=tok,
+                    group_size=1, config=RolloutConfig(max_turns=4, max_response_tokens=4096,
+                                                       end_on_unparsable_turn=True)).trajectories[0]
+    assert mixed.num_turns == 2 and mixed.finish_reason == "answer" and len(mixed.turns[0].results) == 2
+
+
+def test_calls_in_think_are_executed_only_with_the_option(tok, env):
+    task = generate_task("single_hop", 4)
+    gold = gold_turn_texts(task)
+    script = ["<think>\n" + gold[0] + "\n</think>\n\nLooking it up.", gold[-1]]
+    default = rollout(ReplayPolicy(tok, [script]), env, [task], tokenizer=tok, group_size=1,
+                      config=RolloutConfig(max_turns=4, max_response_tokens=4096)).trajectories[0]
+    # today: a call inside the thought is reasoning; the turn made no call, so it is the answer turn
+    assert default.num_turns == 1 and default.finish_reason == "answer" and not default.turns[0].calls
+    run = rollout(ReplayPolicy(tok, [script]), env, [task], tokenizer=tok, group_size=1,
+                  config=RolloutConfig(max_turns=4, max_response_tokens=4096, calls_in_think=True)).trajectories[0]
+    want = gold_tool_calls(task)[0]
+    assert [(c.name, c.arguments) for c in run.turns[0].calls] == [(c.name, c.arguments) for c in want]
+    step = env.start(task, seed=0).step([ToolCall(c.name, c.arguments) for c in want])
+    assert list(run.turns[0].results) == list(step.observations)
+    assert run.num_turns == 2 and run.finish_reason == "answer" and run.reward == pytest.approx(1.0)

@@ -30,12 +30,16 @@ from typing import Any, Callable, Mapping, Sequence
 
 import ml_collections as mlc
 
+from turnsight_jax.chat.hindsight import HindsightTemplate
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.rl.config import AlgoConfig, LossConfig, OptimConfig, StepConfig
 from turnsight_jax.rl.methods import ResolvedMethod, resolve_method
 from turnsight_jax.rollout.driver import RolloutConfig
 from turnsight_jax.rollout.sampler import SamplingParams
 from turnsight_jax.sources import check_provides, get_source
+
+
+_HINDSIGHT = HindsightTemplate()  # rl.hindsight_template's defaults
 
 
 def base_config() -> mlc.ConfigDict:
@@ -86,6 +90,9 @@ def base_config() -> mlc.ConfigDict:
     c.rollout.top_p = 1.0  # nucleus filter (1.0: off)
     c.rollout.top_k = 0  # top-k filter (0: off; the paper samples the full distribution)
     c.rollout.prompts_per_chunk = 0  # rollouts run this many prompts (x group) at a time; 0 = all at once
+    # Parse semantics of the released code (docs/spec.md §3), off by default:
+    c.rollout.end_on_unparsable_turn = False  # a turn whose calls all fail to parse ends the episode (else: errors go back)
+    c.rollout.calls_in_think = False  # execute calls written inside <think> (else: reasoning, never executed)
 
     c.rl = mlc.ConfigDict()  # the method and its knobs: turnsight_jax.rl.config.AlgoConfig
     c.rl.method = "turnsight"  # a registered method (turnsight_jax.rl.methods): grpo | matchtir | turnsight | ...
@@ -99,6 +106,17 @@ def base_config() -> mlc.ConfigDict:
     c.rl.turns = "all"  # turns TurnSight reweights: all | first:N | last:N
     c.rl.depths = (1, 2, 3)  # hindsight depths D_H (paper: {1, 2, 3})
     c.rl.source = "tool_results"  # hindsight block: tool_results | tool_results_answer | answer
+    c.rl.norm_pool = "turn_mean"  # group statistics pool: turn_mean (each token's δ̄*) | token_gap (raw gaps at d*) (paper silent)
+    c.rl.uncovered_in_stats = True  # turns outside rl.turns still enter the group statistics (paper silent)
+    # The hindsight message (docs/hindsight_views.md): str.format strings, the named fields in braces (paper silent).
+    c.rl.hindsight_template = mlc.ConfigDict()  # pieces of chat.hindsight.HindsightTemplate; defaults are its own
+    c.rl.hindsight_template.message_open = _HINDSIGHT.message_open  # opens the user message (no fields)
+    c.rl.hindsight_template.answer = _HINDSIGHT.answer  # the gold answer, sources with the answer: {answer}
+    c.rl.hindsight_template.item = _HINDSIGHT.item  # one turn: {calls} {results} {turn} (1-based) {offset} (0..d-1)
+    c.rl.hindsight_template.call = _HINDSIGHT.call  # one call: {call} (its JSON, or a malformed call's raw text)
+    c.rl.hindsight_template.result = _HINDSIGHT.result  # one tool result: {result}
+    c.rl.hindsight_template.message_close = _HINDSIGHT.message_close  # closes the message (no fields)
+    c.rl.student_sees_observations = True  # False: observation tokens masked out of the student's training forward (released code)
     c.rl.matchtir_matching = "assignment"  # MatchTIR call matching: greedy (the released code's) | assignment (optimal) | transport (Sinkhorn)
     c.rl.matchtir_semantics = "clean"  # MatchTIR reward conventions: clean | released (quchangle1/MatchTIR's code; turnsight_jax/rewards.py)
     c.rl.matchtir_singleton = "zero"  # MatchTIR advantage of a group / (group, turn) of one: zero | raw (mean 0, std 1: the released code)
@@ -108,6 +126,8 @@ def base_config() -> mlc.ConfigDict:
     c.loss = mlc.ConfigDict()  # the clipped surrogate (turnsight_jax.rl.losses)
     c.loss.clip_eps = 0.2  # ratio clipped below at 1 - clip_eps (paper silent)
     c.loss.clip_eps_high = 0.28  # ... and above at 1 + clip_eps_high (paper silent)
+    c.loss.clip_ratio_c = None  # dual clip: for A < 0 the token loss is capped at -A * c (released code: 3.0); None: off
+    c.loss.entropy_coef = 0.0  # entropy bonus: loss -= coef * aggregated token entropy (released MatchTIR: 0.001)
     c.loss.kl_coef = 0.0  # KL to the reference (paper: 0)
     c.loss.kl_estimator = "low_var_kl"  # k1 | k3 | low_var_kl
     c.loss.kl_clip = 10.0  # low_var_kl is clipped to [-kl_clip, kl_clip]
@@ -377,6 +397,17 @@ def load_run_config(path: str | None, overrides: list[str]) -> mlc.ConfigDict:
 
 # ---- ConfigDict -> typed configs ----
 
+def hindsight_template(node: mlc.ConfigDict) -> HindsightTemplate:
+    """rl.hindsight_template -> HindsightTemplate; a piece it does not have is a ConfigError
+    (the fields inside each piece are checked by StepConfig.validate)."""
+    pieces = node.to_dict()
+    unknown = sorted(set(pieces) - {f.name for f in dataclasses.fields(HindsightTemplate)})
+    if unknown:
+        raise ConfigError(f"rl.hindsight_template.{unknown[0]} is not a piece of the hindsight message; "
+                          f"pieces: {', '.join(f.name for f in dataclasses.fields(HindsightTemplate))}")
+    return HindsightTemplate(**pieces)
+
+
 def step_config(cfg: mlc.ConfigDict) -> StepConfig:
     """The train step's typed config from a run config."""
     r, l, o, t = cfg.rl, cfg.loss, cfg.optim, cfg.train
@@ -384,10 +415,14 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
     return StepConfig(
         algo=AlgoConfig(method=r.method, base=r.base, gamma=r.gamma, lam=r.lam, eps_w=r.eps_w, selection=r.selection,
                         aggregation=r.aggregation, group_norm=r.group_norm, turns=r.turns,
-                        depths=tuple(int(d) for d in r.depths), source=r.source,
+                        depths=tuple(int(d) for d in r.depths), source=r.source, norm_pool=r.norm_pool,
+                        uncovered_in_stats=r.uncovered_in_stats,
+                        hindsight_template=hindsight_template(r.hindsight_template),
+                        student_sees_observations=r.student_sees_observations,
                         matchtir_matching=r.matchtir_matching, matchtir_semantics=r.matchtir_semantics,
                         matchtir_singleton=r.matchtir_singleton, toolrl_format=r.toolrl_format, args=args),
-        loss=LossConfig(clip_eps=l.clip_eps, clip_eps_high=l.clip_eps_high, kl_coef=l.kl_coef,
+        loss=LossConfig(clip_eps=l.clip_eps, clip_eps_high=l.clip_eps_high, clip_ratio_c=l.clip_ratio_c,
+                        entropy_coef=l.entropy_coef, kl_coef=l.kl_coef,
                         kl_estimator=l.kl_estimator, kl_clip=l.kl_clip, aggregation=l.aggregation,
                         temperature=cfg.rollout.temperature),
         optim=OptimConfig(lr=o.lr, schedule=o.schedule, warmup_steps=o.warmup_steps, total_steps=t.steps,
@@ -402,7 +437,8 @@ def rollout_config(cfg: mlc.ConfigDict, *, max_turns: int | None = None) -> Roll
     r = cfg.rollout
     return RolloutConfig(max_turns=max_turns or r.max_turns, max_prompt_tokens=r.max_prompt_tokens,
                          max_response_tokens=r.max_response_tokens, max_turn_tokens=r.max_turn_tokens,
-                         enable_thinking=r.enable_thinking)
+                         enable_thinking=r.enable_thinking, end_on_unparsable_turn=r.end_on_unparsable_turn,
+                         calls_in_think=r.calls_in_think)
 
 
 def sampling_params(cfg: mlc.ConfigDict) -> SamplingParams:

@@ -13,7 +13,11 @@ Grammar (what ``parse_turn`` accepts)::
                there is none and the turn made no calls, the content itself (None when empty).
 
 A trailing ``<|im_end|>`` / ``<|endoftext|>`` (the sampled stop token, when the caller decoded it)
-is ignored. Tags inside the think block are reasoning and are never executed.
+is ignored. Tags inside the think block are reasoning and are never executed, unless
+``parse_turn(text, calls_in_think=True)`` (``rollout.calls_in_think``; the released code parses calls
+from the whole turn, thought included): then the think block's call blocks come first in ``calls``,
+scanned by the same grammar within the block (a call must open and close inside the thought), and
+the block's other text still stays out of ``content``.
 
 Malformed calls never raise: each becomes a ``CallError`` whose message starts with
 ``"tool call N: "`` (N = 1-based position among the turn's call blocks) and is one of:
@@ -143,23 +147,23 @@ def _strip_stop_token(text: str) -> str:
     return text
 
 
-def _split_thinking(text: str) -> tuple[str | None, int]:
-    """(thinking text or None, index where the rest of the turn starts)."""
+def _split_thinking(text: str) -> tuple[str | None, tuple[int, int], int]:
+    """(thinking text or None, (start, end) of the raw think body, index where the rest starts)."""
     lead = len(text) - len(text.lstrip())
     if text.startswith(OPEN_THINK, lead):
         body_start = lead + len(OPEN_THINK)
         close = text.find(CLOSE_THINK, body_start)
         if close == -1:  # cut inside the thought: nothing after it is actionable
-            return text[body_start:].strip("\n"), len(text)
-        return text[body_start:close].strip("\n"), close + len(CLOSE_THINK)
+            return text[body_start:].strip("\n"), (body_start, len(text)), len(text)
+        return text[body_start:close].strip("\n"), (body_start, close), close + len(CLOSE_THINK)
     close = text.find(CLOSE_THINK)
     if close != -1:
         first_call = text.find(OPEN_CALL, 0, close)
         if first_call == -1:
             opened = text.rfind(OPEN_THINK, 0, close)
             start = 0 if opened == -1 else opened + len(OPEN_THINK)
-            return text[start:close].strip("\n"), close + len(CLOSE_THINK)
-    return None, 0
+            return text[start:close].strip("\n"), (start, close), close + len(CLOSE_THINK)
+    return None, (0, 0), 0
 
 
 def _find_answer(content: str) -> str | None:
@@ -172,29 +176,23 @@ def _find_answer(content: str) -> str | None:
     return (content[body_start:] if end == -1 else content[body_start:end]).strip()
 
 
-def parse_turn(text: str) -> ParsedTurn:
-    """Parse one policy turn's text. Never raises on model output; see the module docstring."""
-    if not isinstance(text, str):
-        raise TypeError(f"parse_turn expects str, got {type(text).__name__}")
-    text = _strip_stop_token(text)
-    thinking, pos = _split_thinking(text)
-    end = len(text)
-    calls: list[Call] = []
-    outside: list[str] = []
+def _scan_calls(text: str, pos: int, end: int, calls: list[Call], outside: list[str]) -> None:
+    """Scan text[pos:end] for call blocks: append each to `calls` (numbered after those already
+    there) and the text between them to `outside`."""
     # Next opening / closing tag at or after `pos`. Each is recomputed only once `pos` has passed
     # it, and `pos` only moves forward, so every character is searched at most once per tag:
     # linear time even for floods of tags.
-    next_open = text.find(OPEN_CALL, pos)
-    next_close = text.find(CLOSE_CALL, pos)
+    next_open = text.find(OPEN_CALL, pos, end)
+    next_close = text.find(CLOSE_CALL, pos, end)
     len_open, len_close = len(OPEN_CALL), len(CLOSE_CALL)
 
     while pos < end:
         if next_open != -1 and next_open < pos:
-            next_open = text.find(OPEN_CALL, pos)
+            next_open = text.find(OPEN_CALL, pos, end)
         if next_close != -1 and next_close < pos:
-            next_close = text.find(CLOSE_CALL, pos)
+            next_close = text.find(CLOSE_CALL, pos, end)
         if next_open == -1 and next_close == -1:
-            outside.append(text[pos:])
+            outside.append(text[pos:end])
             break
         if next_open == -1 or (next_close != -1 and next_close < next_open):
             outside.append(text[pos:next_close])
@@ -216,7 +214,7 @@ def parse_turn(text: str) -> ParsedTurn:
             pos = next_open = reopen
             continue
         if next_close == -1:
-            calls.append(CallError(f"tool call {len(calls) + 1}: unclosed {OPEN_CALL} tag", text[body_start:]))
+            calls.append(CallError(f"tool call {len(calls) + 1}: unclosed {OPEN_CALL} tag", text[body_start:end]))
             break
         body = text[body_start:next_close]
         parsed = _parse_call_body(body)
@@ -226,6 +224,19 @@ def parse_turn(text: str) -> ParsedTurn:
             calls.append(CallError(f"tool call {len(calls) + 1}: {parsed}", body))
         pos = next_close + len_close
 
+
+def parse_turn(text: str, *, calls_in_think: bool = False) -> ParsedTurn:
+    """Parse one policy turn's text. Never raises on model output; see the module docstring.
+    calls_in_think: also execute the call blocks written inside the think block."""
+    if not isinstance(text, str):
+        raise TypeError(f"parse_turn expects str, got {type(text).__name__}")
+    text = _strip_stop_token(text)
+    thinking, (think_start, think_end), pos = _split_thinking(text)
+    calls: list[Call] = []
+    outside: list[str] = []
+    if calls_in_think and thinking is not None:
+        _scan_calls(text, think_start, think_end, calls, [])  # the thought's own text is not content
+    _scan_calls(text, pos, len(text), calls, outside)
     content = "".join(outside).strip()
     answer = _find_answer(content)
     if answer is None and not calls and content:

@@ -195,7 +195,7 @@ def _matchtir_estimator(turn_rewards, num_turns, turn_ids, policy_mask, group_id
 # Knobs an estimator may ask for, and where they come from: the AlgoConfig field of the same name,
 # or the step geometry (num_groups = B / G, max_turns = the rollout's turn budget).
 KNOBS = ("eps", "gamma", "num_groups", "max_turns", "lam", "eps_w", "selection", "aggregation",
-         "group_norm", "turns", "matchtir_singleton")
+         "group_norm", "turns", "norm_pool", "uncovered_in_stats", "matchtir_singleton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +253,8 @@ register_advantage("matchtir", ("turn_rewards", "num_turns", "turn_ids", "policy
                    ("gamma", "eps", "num_groups", "matchtir_singleton"))(_matchtir_estimator)
 register_advantage(
     "turnsight", ("delta", "policy_mask", "turn_ids", "group_ids", "base_advantages"),
-    ("lam", "eps_w", "eps", "selection", "aggregation", "group_norm", "turns", "num_groups", "max_turns"),
+    ("lam", "eps_w", "eps", "selection", "aggregation", "group_norm", "turns", "num_groups", "max_turns",
+     "norm_pool", "uncovered_in_stats"),
 )(turnsight_advantages)
 
 

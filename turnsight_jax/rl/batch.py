@@ -4,7 +4,10 @@ worst-case geometry for the dry-run memory plan. This is the one description of 
 Compact policy-position layout (B trajectories, T bucketed trajectory width, N bucketed policy
 tokens per row, K = max turns):
 
-  tokens [B, T] int32, valid [B, T] bool   right-padded trajectories (the student's forward)
+  tokens [B, T] int32                      right-padded trajectories (the student's forward)
+  valid [B, T] bool                        the tokens the student's forward reads: every real token;
+                                           with rl.student_sees_observations=False only the prompt
+                                           and the policy tokens (`student_context`)
   pol_pos [B, N] int32                     position in `tokens` of the row's n-th policy token
   pol_valid [B, N] bool                    False on padding slots
   turn_ids [B, N] int32                    turn of each policy token, -1 on padding
@@ -91,6 +94,17 @@ def pad_tokens(trajs: Sequence[Trajectory], width: int, pad_id: int = 0) -> tupl
     return tokens, valid
 
 
+def student_context(trajs: Sequence[Trajectory], width: int) -> np.ndarray:
+    """[B, width] bool: the prompt and the policy tokens of each trajectory, the context of the
+    released code's training forward (its attention mask is 0 on every token the environment
+    appended: tool responses and the next turn's assistant header; docs/spec.md §1.9)."""
+    keep = np.zeros((len(trajs), width), bool)
+    for i, t in enumerate(trajs):
+        keep[i, :t.prompt_len] = True
+        keep[i, :t.length] |= t.policy_mask
+    return keep
+
+
 def group_index(trajs: Sequence[Trajectory], group_size: int) -> np.ndarray:
     """Group ids renumbered 0..B/G-1 in order of appearance; every group must hold G rows."""
     index: dict[int, int] = {}
@@ -136,6 +150,13 @@ def compute_signals(method: ResolvedMethod, trajs: Sequence[Trajectory], tasks: 
     return out
 
 
+def packed_reference(cfg: StepConfig, method: ResolvedMethod) -> bool:
+    """Whether the packed views carry the reference row (view D) for a loss term that reads the
+    reference. Its segment is the whole trajectory, so it serves only a student that sees the
+    observations; otherwise the step scores the reference on the student's masked context."""
+    return method.needs_ref and cfg.algo.student_sees_observations
+
+
 def make_train_batch(
     trajs: Sequence[Trajectory],
     tasks: Sequence[Task],
@@ -160,6 +181,8 @@ def make_train_batch(
     buckets = [b for b in length_buckets if b >= max(floor["T"], 1)] or list(length_buckets)
     width = pick_bucket(longest, buckets if longest <= buckets[-1] else length_buckets, "trajectory")
     tokens, valid = pad_tokens(trajs, width, pad_id)
+    if not cfg.algo.student_sees_observations:
+        valid &= student_context(trajs, width)
     pol_pos, pol_valid = policy_positions(
         trajs, max(policy_bucket(max(int(t.policy_mask.sum()) for t in trajs)), floor["N"]))
     turn_ids = np.full(pol_pos.shape, -1, np.int32)
@@ -176,9 +199,11 @@ def make_train_batch(
         a = cfg.algo
         views, vstats = build_views(
             trajs, tokenizer,
-            options=ViewOptions(depths=tuple(a.depths), source=a.source, turns=a.turns),
+            options=ViewOptions(depths=tuple(a.depths), source=a.source, turns=a.turns,
+                                template=a.hindsight_template),
             gold_answers=[t.answer for t in tasks], buckets=packed_buckets,
-            with_reference=method.needs_ref, min_widths=(floor["P"], floor["U"]), positions=(pol_pos, pol_valid),
+            with_reference=packed_reference(cfg, method), min_widths=(floor["P"], floor["U"]),
+            positions=(pol_pos, pol_valid),
         )
         stats.update(vstats)
         stats["P"], stats["U"] = float(views.tokens.shape[1]), float(views.pred.shape[1])
@@ -210,7 +235,7 @@ def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod) -> Geometry
     length = pick_bucket(r.max_prompt_tokens + r.max_response_tokens, DEFAULT_BUCKETS, "plan: trajectory")
     policy = policy_bucket(r.max_response_tokens)
     packed = pick_bucket(int(length * cfg.plan.packed_factor), DEFAULT_PACKED_BUCKETS, "plan: packed row")
-    views = len(cfg.rl.depths) + int(method.needs_ref)
+    views = len(cfg.rl.depths) + int(method.needs_ref and cfg.rl.student_sees_observations)  # packed_reference
     distinct = policy_bucket(int(policy * min(views, cfg.plan.distinct_factor)))
     return Geometry(t.prompts_per_step * t.group_size, length, policy, packed, distinct, views, r.max_turns)
 

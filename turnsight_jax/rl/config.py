@@ -11,6 +11,7 @@ import dataclasses
 import math
 from typing import Any
 
+from turnsight_jax.chat.hindsight import HindsightTemplate, check_template
 from turnsight_jax.errors import ConfigError
 
 LOSS_AGGREGATIONS = ("seq_mean_token_mean", "seq_mean_token_sum", "token_mean")
@@ -23,6 +24,7 @@ MATCHTIR_SEMANTICS = ("clean", "released")
 # MatchTIR advantage, a (group) or (group, turn) pool of one trajectory: "zero" gives it advantage
 # 0 (no sibling to compare with); "raw" normalises it with mean 0, std 1 (the released code).
 MATCHTIR_SINGLETONS = ("zero", "raw")
+NORM_POOLS = ("turn_mean", "token_gap")
 
 
 def parse_turn_coverage(turns: str) -> tuple[str, int]:
@@ -45,11 +47,15 @@ class AlgoConfig:
     TurnSight switches (docs/spec.md §1.10 ablations): lam, eps_w, selection ("vote" | "mean" | depth
     index), aggregation ("turn" | "token"), group_norm, turns ("all" | "first:N" | "last:N"),
     depths (the hindsight depth set D_H), source ("tool_results" | "tool_results_answer" |
-    "answer"). MatchTIR: matchtir_matching ("greedy" | "assignment" | "transport") and
-    matchtir_semantics ("clean" | "released") of the turn rewards (turnsight_jax.rewards),
-    matchtir_singleton ("zero" | "raw") of the advantage (rl.advantages.matchtir_advantage_parts).
-    toolrl_format: the ToolRL reward adds its format term (rewards.toolrl_reward).
-    args: free-form knobs of plug-in methods, as (key, value) pairs.
+    "answer"). Choices the paper leaves open (docs/spec.md §1.6, §1.7, §1.2): norm_pool
+    ("turn_mean" | "token_gap": what the group statistics pool), uncovered_in_stats (turns outside
+    `turns` enter the group statistics), hindsight_template (the hindsight message's format
+    strings). student_sees_observations: False masks observation tokens out of the student's
+    training forward, as the released code does (docs/spec.md §1.9). MatchTIR: matchtir_matching
+    ("greedy" | "assignment" | "transport") and matchtir_semantics ("clean" | "released") of the
+    turn rewards (turnsight_jax.rewards), matchtir_singleton ("zero" | "raw") of the advantage
+    (rl.advantages.matchtir_advantage_parts). toolrl_format: the ToolRL reward adds its format
+    term (rewards.toolrl_reward). args: free-form knobs of plug-in methods, as (key, value) pairs.
     """
 
     method: str = "turnsight"
@@ -64,6 +70,10 @@ class AlgoConfig:
     turns: str = "all"
     depths: tuple[int, ...] = (1, 2, 3)
     source: str = "tool_results"
+    norm_pool: str = "turn_mean"
+    uncovered_in_stats: bool = True
+    hindsight_template: HindsightTemplate = HindsightTemplate()
+    student_sees_observations: bool = True
     matchtir_matching: str = "assignment"
     matchtir_semantics: str = "clean"
     matchtir_singleton: str = "zero"
@@ -77,11 +87,15 @@ class AlgoConfig:
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
     """Clipped surrogate: ratio clipped to [1 - clip_eps, 1 + (clip_eps_high or clip_eps)];
+    dual clip (clip_ratio_c, None = off): for A < 0 the per-token loss is capped at -A·c;
     optional KL to the reference (kl_coef, kl_estimator, clipped to ±kl_clip for low_var_kl);
+    entropy bonus (entropy_coef, 0 = off: loss -= coef · aggregated token entropy);
     aggregation (see rl.losses.aggregation_weights); temperature of the log-probs."""
 
     clip_eps: float = 0.2
     clip_eps_high: float | None = None
+    clip_ratio_c: float | None = None
+    entropy_coef: float = 0.0
     kl_coef: float = 0.0
     kl_estimator: str = "low_var_kl"
     kl_clip: float = 10.0
@@ -146,12 +160,23 @@ class StepConfig:
         if not isinstance(algo.toolrl_format, bool):
             raise ConfigError(f"rl.toolrl_format must be True or False, got {algo.toolrl_format!r}")
         parse_turn_coverage(algo.turns)
+        if algo.norm_pool not in NORM_POOLS:
+            raise ConfigError(f"rl.norm_pool must be one of {NORM_POOLS}, got {algo.norm_pool!r}")
+        for name in ("uncovered_in_stats", "student_sees_observations"):
+            if not isinstance(getattr(algo, name), bool):
+                raise ConfigError(f"rl.{name} must be True or False, got {getattr(algo, name)!r}")
+        check_template(algo.hindsight_template, "rl.hindsight_template")
         if loss.aggregation not in LOSS_AGGREGATIONS:
             raise ConfigError(f"loss.aggregation {loss.aggregation!r} unknown; expected one of {LOSS_AGGREGATIONS}")
         if loss.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError(f"loss.kl_estimator {loss.kl_estimator!r} unknown; expected one of {KL_ESTIMATORS}")
         if loss.clip_eps <= 0 or (loss.clip_eps_high is not None and loss.clip_eps_high <= 0):
             raise ConfigError("loss.clip_eps (and clip_eps_high) must be > 0")
+        if loss.clip_ratio_c is not None and not loss.clip_ratio_c > 1.0:
+            # c <= 1 would cap the loss below the unclipped surrogate at ratio 1 (verl asserts c > 1)
+            raise ConfigError(f"loss.clip_ratio_c must be None (off) or > 1, got {loss.clip_ratio_c}")
+        if not (math.isfinite(loss.entropy_coef) and loss.entropy_coef >= 0):
+            raise ConfigError(f"loss.entropy_coef must be finite and >= 0, got {loss.entropy_coef}")
         if loss.kl_coef < 0:
             raise ConfigError(f"loss.kl_coef must be >= 0, got {loss.kl_coef}")
         if opt.schedule not in ("constant", "cosine"):

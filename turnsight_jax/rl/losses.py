@@ -7,7 +7,8 @@ A loss term is a pure function of arrays computed inside the jitted step:
 `x` holds the term's declared `inputs`, each [B, N] in the compact policy-position layout
 (turnsight_jax.rl.batch) unless noted: "logprobs" (the student's, differentiated),
 "old_logprobs", "advantages", "ref_logprobs" (frozen reference on the student's context),
-"pol_valid", "turn_ids"; per-trajectory arrays [B]: "rewards", "group_ids", "num_turns"; and any
+"pol_valid", "turn_ids", "entropy" (the student's token entropy, differentiated; computed only when
+a term reads it); per-trajectory arrays [B]: "rewards", "group_ids", "num_turns"; and any
 extra batch array a registered reward fills. `loss` is per token and already scaled by the
 term's coefficient; `metrics` maps names to per-token [B, N] values. The step sums the terms,
 weights tokens with `aggregation_weights` (so micro-batch accumulation equals one full pass
@@ -39,13 +40,23 @@ def kl_penalty(logprobs: Array, ref_logprobs: Array, estimator: str, clip: float
 
 
 def clipped_surrogate(logprobs: Array, old_logprobs: Array, advantages: Array, cfg: LossConfig):
-    """PPO's clipped surrogate per token [B, N] and its diagnostics (per token)."""
+    """PPO's clipped surrogate per token [B, N] and its diagnostics (per token).
+
+    With `cfg.clip_ratio_c` = c (verl's dual clip; the released code uses c = 3), a token with
+    A < 0 has its loss capped at -A·c: a huge ratio on a negative advantage cannot blow the step
+    up. A >= 0 is unchanged. clip_frac_lower counts the tokens the cap binds (0 when off)."""
     ratio = jnp.exp(logprobs - old_logprobs)
     high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
     clipped = jnp.clip(ratio, 1.0 - cfg.clip_eps, 1.0 + high)
     pg = -jnp.minimum(ratio * advantages, clipped * advantages)
     is_clipped = (ratio * advantages) > (clipped * advantages)
-    return pg, {"pg_loss": pg, "ratio": ratio, "clip_frac": is_clipped.astype(jnp.float32)}
+    capped = jnp.zeros_like(pg, dtype=bool)
+    if cfg.clip_ratio_c is not None:
+        cap = -advantages * cfg.clip_ratio_c
+        capped = (advantages < 0) & (pg > cap)
+        pg = jnp.where(capped, cap, pg)
+    return pg, {"pg_loss": pg, "ratio": ratio, "clip_frac": is_clipped.astype(jnp.float32),
+                "clip_frac_lower": capped.astype(jnp.float32)}
 
 
 def aggregation_weights(pol_valid: Array, how: str) -> Array:
@@ -103,7 +114,7 @@ def get_loss_term(name: str) -> LossTerm:
 
 
 @register_loss_term("clipped_surrogate", ("logprobs", "old_logprobs", "advantages"),
-                    ("pg_loss", "ratio", "clip_frac"))
+                    ("pg_loss", "ratio", "clip_frac", "clip_frac_lower"))
 def _surrogate_term(x, cfg: LossConfig, algo: AlgoConfig):
     return clipped_surrogate(x["logprobs"], x["old_logprobs"], x["advantages"], cfg)
 
@@ -112,6 +123,14 @@ def _surrogate_term(x, cfg: LossConfig, algo: AlgoConfig):
 def _kl_term(x, cfg: LossConfig, algo: AlgoConfig):
     kl = kl_penalty(x["logprobs"], x["ref_logprobs"], cfg.kl_estimator, cfg.kl_clip)
     return cfg.kl_coef * kl, {"kl": kl}
+
+
+@register_loss_term("entropy", ("entropy",), ("entropy",))
+def _entropy_term(x, cfg: LossConfig, algo: AlgoConfig):
+    """Entropy bonus: -coef · H per token, so the aggregated loss falls by coef · the aggregated
+    entropy (verl: policy_loss = pg_loss - entropy_coeff · agg_loss(entropy)). Added by
+    rl.methods.resolve_method when loss.entropy_coef > 0."""
+    return -cfg.entropy_coef * x["entropy"], {"entropy": x["entropy"]}
 
 
 def term_losses(terms: tuple[LossTerm, ...], x: Mapping[str, Array], cfg: LossConfig,

@@ -36,8 +36,9 @@ from turnsight_jax.rollout.sampler import SamplingParams
 
 # Arrays every batch has, in the compact layout of turnsight_jax.rl.batch.
 CORE_ARRAYS = ("policy_mask", "turn_ids", "group_ids", "num_turns")
-# What a loss term may read besides the core arrays and the rewards' outputs.
-LOSS_ARRAYS = ("logprobs", "old_logprobs", "advantages", "ref_logprobs", "pol_valid")
+# What a loss term may read besides the core arrays and the rewards' outputs ("entropy": the
+# student's token entropy, computed in the step only when a term reads it).
+LOSS_ARRAYS = ("logprobs", "old_logprobs", "advantages", "ref_logprobs", "pol_valid", "entropy")
 
 
 # ---- rollout controllers ----
@@ -268,6 +269,8 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
     terms = [lookup(get_loss_term, t, "loss term", m.name) for t in m.loss_terms]
     if cfg.loss.kl_coef > 0 and all(t.name != "kl" for t in terms):
         terms.append(get_loss_term("kl"))
+    if cfg.loss.entropy_coef > 0 and all(t.name != "entropy" for t in terms):
+        terms.append(get_loss_term("entropy"))
     rewards = tuple(REWARDS[n] for n in reward_names)
     outputs = [r.output for r in rewards]
     dup = sorted({o for o in outputs if outputs.count(o) > 1})

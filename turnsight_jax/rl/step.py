@@ -10,6 +10,8 @@ One call of the compiled step, for a rollout batch of B trajectories (B / G prom
    log-probs equal a teacher-forced forward of the rollout parameters, tests/test_rollout_sampler.py) ->
    the method's advantage (`rl.advantages.make_advantage_fn`) on the whole batch, so group
    statistics see all siblings;
+   with rl.student_sees_observations=False, π_old for the ratio on the masked context
+   (`masked_old_logprobs`; docs/spec.md §1.9);
 3. for each PPO epoch and mini-batch: gradients of the method's loss terms (rl.losses) accumulated
    over micro-batches (normalised by the *mini-batch* token/trajectory counts, so accumulation
    equals one full pass exactly), global-norm clipping and an optax AdamW update.
@@ -28,7 +30,7 @@ from flax import nnx
 
 from turnsight_jax.models.qwen3 import Qwen3
 from turnsight_jax.rl.advantages import make_advantage_fn
-from turnsight_jax.rl.batch import TrainBatch, row_axis
+from turnsight_jax.rl.batch import TrainBatch, packed_reference, row_axis
 from turnsight_jax.rl.config import OptimConfig, StepConfig
 from turnsight_jax.rl.logprobs import student_logprobs, teacher_logprobs
 from turnsight_jax.rl.losses import aggregation_weights, term_losses
@@ -63,7 +65,8 @@ def advantage_knobs(cfg: StepConfig, batch_size: int) -> dict:
     a = cfg.algo
     return {"eps": a.eps, "gamma": a.gamma, "num_groups": batch_size // cfg.group_size, "max_turns": cfg.max_turns,
             "lam": a.lam, "eps_w": a.eps_w, "selection": a.selection, "aggregation": a.aggregation,
-            "group_norm": a.group_norm, "turns": a.turns, "matchtir_singleton": a.matchtir_singleton}
+            "group_norm": a.group_norm, "turns": a.turns, "matchtir_singleton": a.matchtir_singleton,
+            "norm_pool": a.norm_pool, "uncovered_in_stats": a.uncovered_in_stats}
 
 
 def advantage_inputs(batch: TrainBatch, teacher_lp) -> dict:
@@ -115,28 +118,53 @@ def split_batch(batch, m: int):
     return jax.tree_util.tree_map_with_path(f, batch)
 
 
+def _rows_in_micro_batches(fn, arrays: tuple, m: int):
+    """fn(*arrays) over strided micro-batches of the rows (lax.map), merged back; m = 1: one call."""
+    if m == 1:
+        return fn(arrays)
+    return _merge(jax.lax.map(fn, tuple(_split(a, m) for a in arrays)))
+
+
 def teacher_and_ref_logprobs(ref_model: Qwen3, batch: TrainBatch, cfg: StepConfig, method: ResolvedMethod):
     """(teacher log-probs [D, B, N] or None, reference log-probs [B, N] or None), no gradient.
 
-    With views, one packed forward gives both: the views carry a reference row when a loss term
-    reads the reference (rl.batch.make_train_batch)."""
+    With views, one packed forward gives both when the views carry the reference row
+    (rl.batch.packed_reference); otherwise the reference is scored on the student's context
+    (`batch.valid`, which masks the observations when rl.student_sees_observations is False)."""
     temp, chunk, m = cfg.loss.temperature, cfg.logprob_chunk, cfg.teacher_micro_batches
+    teacher = ref = None
     if method.needs_views:
         def one(v):
             return teacher_logprobs(ref_model, v, chunk=chunk, temperature=temp)
 
         out = one(batch.views) if m == 1 else _merge(jax.lax.map(one, split_batch(batch.views, m)), axis=1)
         depths = len(cfg.algo.depths)
-        return out[:depths], (out[depths] if method.needs_ref else None)
-    if method.needs_ref:
+        teacher = out[:depths]
+        if packed_reference(cfg, method):
+            ref = out[depths]
+    if method.needs_ref and ref is None:
         def one_ref(args):
             tok, valid, pos = args
             return student_logprobs(ref_model, tok, valid, pos, chunk=chunk, temperature=temp)
 
-        args = (batch.tokens, batch.valid, batch.pol_pos)
-        ref = one_ref(args) if m == 1 else _merge(jax.lax.map(one_ref, tuple(_split(a, m) for a in args)))
-        return None, jax.lax.stop_gradient(ref)
-    return None, None
+        ref = jax.lax.stop_gradient(_rows_in_micro_batches(one_ref, (batch.tokens, batch.valid, batch.pol_pos), m))
+    return teacher, ref
+
+
+def masked_old_logprobs(model: Qwen3, batch: TrainBatch, cfg: StepConfig):
+    """The step-start policy's log-probs [B, N] on the student's masked context, no gradient.
+
+    With rl.student_sees_observations=False the ratio must compare the updated policy with the old
+    one *on the same masked context*, which the sampler (it saw the observations) never scored.
+    The step-start parameters are the rollout's parameters (the sampler ran them), so this forward
+    is exactly π_old on that context; the released code recomputes old log-probs the same way
+    (verl's compute_log_prob before the update). Micro-batched like the gradient passes."""
+    def one(args):
+        tok, valid, pos = args
+        return student_logprobs(model, tok, valid, pos, chunk=cfg.logprob_chunk, temperature=cfg.loss.temperature)
+
+    lp = _rows_in_micro_batches(one, (batch.tokens, batch.valid, batch.pol_pos), cfg.micro_batches)
+    return jax.lax.stop_gradient(jnp.where(batch.pol_valid, lp, 0.0))
 
 
 def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransformation,
@@ -147,14 +175,23 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
     method = method or resolve_method(cfg)
     terms = method.loss_terms
     metric_names = tuple(dict.fromkeys(k for t in terms for k in t.metrics))
+    with_entropy = any("entropy" in t.inputs for t in terms)  # the full-vocab entropy only when read
+    # Observation masking (rl.student_sees_observations=False) needs π_old on the masked context.
+    # With one update per step the first (only) forward runs the step-start parameters, so its own
+    # log-probs, without gradient, are π_old exactly (ratio 1) and no extra forward is needed;
+    # with several updates a no-gradient forward before the first update provides them.
+    masked = not cfg.algo.student_sees_observations
+    old_is_current = masked and cfg.mini_batches * cfg.ppo_epochs == 1
 
     def loss_fn(params, mb: TrainBatch, adv, ref_lp, weights):
         model = nnx.merge(graphdef, params)
-        lp = student_logprobs(model, mb.tokens, mb.valid, mb.pol_pos, chunk=cfg.logprob_chunk,
-                              temperature=cfg.loss.temperature)
-        x = {"logprobs": lp, "old_logprobs": mb.old_logprobs, "advantages": adv, "ref_logprobs": ref_lp,
+        out = student_logprobs(model, mb.tokens, mb.valid, mb.pol_pos, chunk=cfg.logprob_chunk,
+                               temperature=cfg.loss.temperature, with_entropy=with_entropy)
+        lp, entropy = out if with_entropy else (out, None)
+        old = jax.lax.stop_gradient(lp) if old_is_current else mb.old_logprobs
+        x = {"logprobs": lp, "old_logprobs": old, "advantages": adv, "ref_logprobs": ref_lp,
              "pol_valid": mb.pol_valid, "turn_ids": mb.turn_ids, "policy_mask": mb.pol_valid,
-             "group_ids": mb.group_ids, "num_turns": mb.num_turns, **mb.signals}
+             "group_ids": mb.group_ids, "num_turns": mb.num_turns, "entropy": entropy, **mb.signals}
         loss_tok, parts = term_losses(terms, x, cfg.loss, cfg.algo)
         loss = jnp.sum(loss_tok * weights)
         sums = {k: jnp.sum(parts[k] * weights) for k in metric_names}
@@ -190,6 +227,9 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         teacher_lp, ref_lp = teacher_and_ref_logprobs(ref_model, batch, cfg, method)
         adv, diag = compute_advantages(batch, teacher_lp, cfg, method)
         adv = jax.lax.stop_gradient(adv)
+        if masked and not old_is_current:
+            # δ above keeps the sampler's log-probs (same prefix as the teacher); the ratio uses these
+            batch = batch.replace(old_logprobs=masked_old_logprobs(nnx.merge(graphdef, params), batch, cfg))
         nm = cfg.mini_batches
         if nm == 1:
             minis = [(batch, adv, ref_lp)]

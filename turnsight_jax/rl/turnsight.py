@@ -22,6 +22,8 @@ Array = jax.Array
 
 _SELECT_VOTE, _SELECT_MEAN, _SELECT_FIXED = 0, 1, 2
 _COVER_ALL, _COVER_FIRST, _COVER_LAST = 0, 1, 2
+_POOL_TURN_MEAN, _POOL_TOKEN_GAP = 0, 1
+_POOLS = {"turn_mean": _POOL_TURN_MEAN, "token_gap": _POOL_TOKEN_GAP}
 
 
 def parse_turns(turns: str) -> tuple[int, int]:
@@ -94,6 +96,8 @@ def turnsight_advantages(
     aggregation: str = "turn",
     group_norm: bool = True,
     turns: str = "all",
+    norm_pool: str = "turn_mean",
+    uncovered_in_stats: bool = True,
     num_groups: int | None = None,
     max_turns: int | None = None,
 ) -> dict[str, Array]:
@@ -102,8 +106,8 @@ def turnsight_advantages(
     Inputs: delta [D, B, T] float (upcast to float32), policy_mask [B, T] bool, turn_ids [B, T]
     int32 (−1 off policy), group_ids [B] int32, base_adv [B, T] float. delta and base_adv are
     wrapped in stop_gradient: advantages are constants of the surrogate (docs/spec.md §1.3).
-    Modes (`selection`, `aggregation`, `group_norm`, `turns`, `num_groups`, `max_turns`) are
-    Python values, validated here; `lam`, `eps_w`, `eps` may be traced. Jit- and vmap-able.
+    Modes (`selection`, `aggregation`, `group_norm`, `turns`, `norm_pool`, `uncovered_in_stats`,
+    `num_groups`, `max_turns`) are Python values, validated here; `lam`, `eps_w`, `eps` may be traced. Jit- and vmap-able.
 
     A policy token is *assigned* when 0 ≤ turn_id < max_turns. Assigned tokens form the
     (trajectory, turn) segments; unassigned policy tokens (an inconsistent batch) pass through
@@ -116,15 +120,20 @@ def turnsight_advantages(
       selection per unit: "vote" (docs/spec.md §1.5; tie rule in `_select_depth`: an even split goes to
         the sign of the depth sum, ≥ 0 → +1), "mean" (fusion: depth average; d* = −1), or an int
         depth index i (δ̄* = δ̄^{(i)}, d* = i).
-      group_norm=True: μ_g, σ_g = mean and population std (ddof=0) of δ̄* over every assigned
-        policy token of group g (token-weighted: a turn counts once per token), δ̂ = (δ̄*−μ)/(σ+eps).
+      group_norm=True: μ_g, σ_g = mean and population std (ddof=0) of the pooled values over every
+        assigned policy token of group g (token-weighted: a turn counts once per token), and
+        δ̂ = (δ̄*−μ)/(σ+eps). The pooled value of a token (`norm_pool`): "turn_mean" its δ̄*
+        (default), "token_gap" its raw gap at its unit's selected depth, δ^{(d*)}_{i,t} (the depth
+        mean for selection="mean"; the same as "turn_mean" under aggregation="token").
+        `uncovered_in_stats`=False pools only the tokens of covered turns (see `turns`).
         A group whose δ̄* are all equal gives δ̂ = 0 exactly (shifted accumulation); values equal
         only up to float32 round-off leave σ ~ 1e-7·|δ̄*|, which eps = 1e-6 need not absorb.
         group_norm=False: δ̂ = δ̄*.
       w = 1 + eps_w·tanh(sign(A^base)·δ̂); sign(A^base) = 0 gives w = 1 (tanh 0).
       turns: "all" | "first:N" (turn id < N) | "last:N" (turn id ≥ n_i − N, n_i = 1 + the largest
         turn id among trajectory i's assigned policy tokens). Tokens of turns outside get w = 1.
-        Coverage only masks the weight: selection and group statistics still use all turns.
+        Coverage masks the weight; selection always uses all turns, and the group statistics do
+        too unless uncovered_in_stats=False.
       Ã = A^base + A^base·λ·(w − 1), algebraically A^base·((1−λ) + λ·w) but exact when λ = 0 or
         w = 1. With 0 ≤ λ ≤ 1 and eps_w < 1 the factor is > 0, so sign(Ã) = sign(A^base) (for
         normal floats: XLA flushes float32 subnormals to zero on CPU and GPU).
@@ -160,6 +169,10 @@ def turnsight_advantages(
     if not isinstance(group_norm, (bool, np.bool_)):
         raise ValueError(f"group_norm must be a bool, got {group_norm!r}")
     cover_code, cover_n = parse_turns(turns)
+    if norm_pool not in _POOLS:
+        raise ValueError(f"norm_pool must be one of {tuple(_POOLS)}, got {norm_pool!r}")
+    if not isinstance(uncovered_in_stats, (bool, np.bool_)):
+        raise ValueError(f"uncovered_in_stats must be a bool, got {uncovered_in_stats!r}")
     max_turns = t if max_turns is None else int(max_turns)
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -167,7 +180,8 @@ def turnsight_advantages(
     # Only `aggregation` and the segment sizes change the program's structure; the other modes
     # travel as int32 scalars so an ablation sweep reuses one executable (under an outer jit they
     # are constants and fold away).
-    modes = np.asarray([sel_code, fixed_depth, int(group_norm), cover_code, cover_n], np.int32)
+    modes = np.asarray([sel_code, fixed_depth, int(group_norm), cover_code, cover_n, _POOLS[norm_pool],
+                        int(uncovered_in_stats)], np.int32)
     return _turnsight_impl(
         delta, policy_mask, turn_ids, group_ids, base_adv, modes, lam, eps_w, eps,
         aggregation=aggregation, num_groups=num_groups, max_turns=max_turns,
@@ -179,8 +193,9 @@ def _turnsight_impl(
     delta, policy_mask, turn_ids, group_ids, base_adv, modes, lam, eps_w, eps,
     *, aggregation: str, num_groups: int, max_turns: int,
 ) -> dict[str, Array]:
-    """Body of `turnsight_advantages`; modes = [sel_code, fixed_depth, group_norm, cover_code, N]."""
-    sel_code, fixed_depth, group_norm, cover_code, cover_n = (modes[i] for i in range(5))
+    """Body of `turnsight_advantages`; modes = [sel_code, fixed_depth, group_norm, cover_code, N,
+    pool code, uncovered_in_stats]."""
+    sel_code, fixed_depth, group_norm, cover_code, cover_n, pool, uncovered_in_stats = (modes[i] for i in range(7))
     num_depths, b, t = delta.shape
     k = max_turns
 
@@ -227,14 +242,6 @@ def _turnsight_impl(
     x_star = jnp.where(assigned, x_star, 0.0)
     d_star = jnp.where(assigned, d_star, -1)
 
-    # Token-weighted group statistics of δ̄* (population std).
-    count_g, mean_g, dev = pooled_group_stats(x_star, assigned, group_ids, num_groups)
-    var_g = jax.ops.segment_sum(jnp.sum(dev * dev, axis=1), group_ids, num_segments=num_groups)
-    std_g = jnp.sqrt(var_g / jnp.maximum(count_g, 1.0))
-    std_b = group_gather(std_g, group_ids, num_groups)[:, None]
-    # dev is 0 for ungrouped trajectories, so their normalised δ̂ is 0 (w = 1).
-    d_hat = jnp.where(group_norm == 1, jnp.where(assigned, dev / (std_b + eps), 0.0), x_star)
-
     n_turns = jnp.max(jnp.where(assigned, turn_ids, -1), axis=1, keepdims=True) + 1  # [B, 1]
     in_window = jnp.where(
         cover_code == _COVER_FIRST,
@@ -242,6 +249,24 @@ def _turnsight_impl(
         jnp.where(cover_code == _COVER_LAST, turn_ids >= n_turns - cover_n, True),
     )
     covered = assigned & in_window
+
+    # Token-weighted group statistics (population std) of the pooled values: δ̄* itself, or each
+    # token's raw gap at its unit's selected depth; over every assigned token, or the covered ones.
+    token_gap = jnp.where(d_star >= 0, jnp.take_along_axis(delta, jnp.maximum(d_star, 0)[None], axis=0)[0],
+                          jnp.mean(delta, axis=0))
+    pooled = jnp.where(pool == _POOL_TOKEN_GAP, jnp.where(assigned, token_gap, 0.0), x_star)
+    in_stats = jnp.where(uncovered_in_stats == 1, assigned, covered)
+    count_g, mean_g, dev = pooled_group_stats(pooled, in_stats, group_ids, num_groups)
+    var_g = jax.ops.segment_sum(jnp.sum(dev * dev, axis=1), group_ids, num_segments=num_groups)
+    std_g = jnp.sqrt(var_g / jnp.maximum(count_g, 1.0))
+    std_b = group_gather(std_g, group_ids, num_groups)[:, None]
+    # δ̄* − μ: where δ̄* is the pooled value itself, the shifted-accumulation deviation (exactly 0
+    # for a constant group); elsewhere centred directly. Ungrouped trajectories get 0 (w = 1).
+    in_group = ((group_ids >= 0) & (group_ids < num_groups))[:, None]
+    mean_b = group_gather(mean_g, group_ids, num_groups)[:, None]
+    centred = jnp.where((pool == _POOL_TURN_MEAN) & in_stats, dev,
+                        jnp.where(assigned & in_group, x_star - mean_b, 0.0))
+    d_hat = jnp.where(group_norm == 1, jnp.where(assigned, centred / (std_b + eps), 0.0), x_star)
 
     w = jnp.where(covered, 1.0 + eps_w * jnp.tanh(jnp.sign(base) * d_hat), 1.0)
     adv = jnp.where(policy_mask, base + base * (lam * (w - 1.0)), 0.0)

@@ -43,6 +43,10 @@ class RolloutConfig:
     max_turns: policy turns per episode. max_prompt_tokens: longer prompts are an error (they
     would otherwise be silently cut). max_response_tokens: policy + observation tokens after the
     prompt. max_turn_tokens: decode cap of one turn (static: one compiled decode loop).
+    Parse semantics (both False by default; True is the released code's behaviour, docs/spec.md §3):
+    end_on_unparsable_turn: a turn that wrote call blocks none of which parses ends the episode
+    (finish reason "unparsable") instead of returning the parse errors to the policy;
+    calls_in_think: call blocks inside <think> are executed (chat.parsing.parse_turn).
     """
 
     max_turns: int = 10
@@ -50,6 +54,8 @@ class RolloutConfig:
     max_response_tokens: int = 13_000
     max_turn_tokens: int = 1024
     enable_thinking: bool = False
+    end_on_unparsable_turn: bool = False
+    calls_in_think: bool = False
 
     def __post_init__(self):
         for name in ("max_turns", "max_prompt_tokens", "max_response_tokens", "max_turn_tokens"):
@@ -294,6 +300,11 @@ class RolloutResult:
     stats: dict[str, float]
 
 
+def all_unparsable(calls) -> bool:
+    """Every call block of the turn failed to parse (an empty list: False)."""
+    return bool(calls) and all(isinstance(c, CallError) for c in calls)
+
+
 def _turn_metrics(traj: Trajectory) -> dict[str, float]:
     calls = [c for t in traj.turns for c in t.calls]
     results = [r for t in traj.turns for r in t.results]
@@ -364,7 +375,7 @@ def rollout(
                     finish[r] = "length"
                     active[r] = False
                     continue
-                parsed = parse_turn(out.text)
+                parsed = parse_turn(out.text, calls_in_think=config.calls_in_think)
                 builders[r].add_policy_turn(out.ids, out.logprobs, out.text, parsed.calls, parsed.answer)
                 used[r] += len(out.ids)
                 generated += len(out.ids)
@@ -372,6 +383,10 @@ def rollout(
                 if not out.stopped:
                     builders[r].mark_truncated("length")
                     finish[r] = "length"
+                    active[r] = False
+                    continue
+                if config.end_on_unparsable_turn and parsed.calls and all_unparsable(parsed.calls):
+                    finish[r] = "unparsable"  # the released code ends the episode when no call parses
                     active[r] = False
                     continue
                 calls_per_row[r] = list(parsed.calls)

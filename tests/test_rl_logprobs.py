@@ -1,0 +1,112 @@
+"""turnsight_jax.rl.logprobs: the token entropy from the chunked log-softmax pass, and the student
+forward with observation tokens masked out (rl.student_sees_observations=False)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from turnsight_jax.models.attention import NO_SEGMENT, Layout
+from turnsight_jax.models.config import Qwen3Config
+from turnsight_jax.models.qwen3 import init_model
+from turnsight_jax.rl.logprobs import predictor_positions, student_logprobs
+
+# A small vocabulary keeps the dense numpy reference cheap; nothing here needs the tokenizer.
+CFG = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, tie_word_embeddings=False)
+
+# One row of 12 slots: prompt 0-2, policy turn 0 at 3-5, observation (tool response + next header)
+# at 6-8, policy turn 1 at 9-10, padding at 11. A second row: prompt 0-1, policy 2-4, no observation.
+TOKENS = np.array([[5, 17, 3, 40, 41, 42, 60, 61, 62, 43, 44, 0],
+                   [7, 8, 50, 51, 52, 0, 0, 0, 0, 0, 0, 0]], np.int32)
+REAL = np.arange(12)[None] < np.array([[11], [5]])
+CONTEXT = REAL.copy()
+CONTEXT[0, 6:9] = False  # the student does not read the observation
+POL_POS = np.array([[3, 4, 5, 9, 10, 0], [2, 3, 4, 0, 0, 0]], np.int32)
+POL_VALID = np.array([[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]], bool)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(CFG, seed=0)
+
+
+def _np_log_softmax(logits):
+    z = logits - logits.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def test_predictor_positions_skip_masked_tokens():
+    # every token readable: the previous token; masked 6-8: turn 1's first token (9) is predicted
+    # by turn 0's last policy token (5)
+    np.testing.assert_array_equal(predictor_positions(jnp.asarray(REAL), jnp.asarray(POL_POS)),
+                                  [[2, 3, 4, 8, 9, 0], [1, 2, 3, 0, 0, 0]])
+    np.testing.assert_array_equal(predictor_positions(jnp.asarray(CONTEXT), jnp.asarray(POL_POS)),
+                                  [[2, 3, 4, 5, 9, 0], [1, 2, 3, 0, 0, 0]])
+
+
+@pytest.mark.parametrize("chunk", [64, 4])  # one block, and the scanned path (12 rows in blocks of 4)
+def test_entropy_equals_numpy_entropy_of_the_logits(model, chunk):
+    temp = 0.7
+    lp, ent = student_logprobs(model, jnp.asarray(TOKENS), jnp.asarray(REAL), jnp.asarray(POL_POS), chunk=chunk,
+                               temperature=temp, with_entropy=True)
+    logits = np.asarray(model(jnp.asarray(TOKENS)), np.float64) / temp  # [B, T, V], dense: the reference
+    logp = _np_log_softmax(logits)
+    want_ent = -(np.exp(logp) * logp).sum(-1)  # H = -Σ p log p at each position
+    pred = POL_POS - 1
+    for b in range(2):
+        n = POL_VALID[b].sum()
+        np.testing.assert_allclose(ent[b, :n], want_ent[b, pred[b, :n]], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(lp[b, :n], logp[b, pred[b, :n], TOKENS[b, POL_POS[b, :n]]], rtol=1e-5, atol=1e-6)
+    assert float(np.min(ent[POL_VALID])) > 0 and float(np.max(ent[POL_VALID])) <= np.log(CFG.vocab_size) + 1e-5
+    # the log-probs do not depend on whether the entropy is asked for
+    alone = student_logprobs(model, jnp.asarray(TOKENS), jnp.asarray(REAL), jnp.asarray(POL_POS), chunk=chunk,
+                             temperature=temp)
+    np.testing.assert_array_equal(alone, lp)
+
+
+def test_entropy_gradient_matches_a_dense_reference(model):
+    graphdef, params = nnx.split(model)
+    mask = jnp.asarray(POL_VALID, jnp.float32)
+
+    def chunked(p):
+        _, ent = student_logprobs(nnx.merge(graphdef, p), jnp.asarray(TOKENS), jnp.asarray(REAL),
+                                  jnp.asarray(POL_POS), chunk=4, with_entropy=True)
+        return jnp.sum(ent * mask)
+
+    def dense(p):  # full [B, T, V] log-softmax: fine at V = 97
+        logp = jax.nn.log_softmax(nnx.merge(graphdef, p)(jnp.asarray(TOKENS)), -1)
+        ent = -jnp.sum(jnp.exp(logp) * logp, -1)
+        return jnp.sum(jnp.take_along_axis(ent, jnp.asarray(POL_POS - 1).clip(0), 1) * mask)
+
+    g = jax.grad(chunked)(params)
+    want = jax.grad(dense)(params)
+    leaves = jax.tree.leaves(g)
+    assert all(np.all(np.isfinite(x)) for x in leaves)
+    assert max(float(np.abs(x).max()) for x in leaves) > 1e-4  # a real gradient
+    for a, b in zip(leaves, jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_masked_student_equals_a_forward_without_the_observation(model):
+    """The masked forward equals a plain forward of the row with tokens 6-8 removed, at the kept
+    tokens' own positions (the released code keeps position ids running through masked tokens)."""
+    lp = student_logprobs(model, jnp.asarray(TOKENS), jnp.asarray(CONTEXT), jnp.asarray(POL_POS), chunk=4)
+    kept = np.flatnonzero(CONTEXT[0])  # [0 1 2 3 4 5 9 10]
+    short = jnp.asarray(TOKENS[0, kept][None])
+    n = kept.size
+    none, zero = jnp.full((1, n), NO_SEGMENT, jnp.int32), jnp.zeros((1, n), jnp.int32)
+    layout = Layout(jnp.asarray(kept[None], jnp.int32), zero, none, zero, none, zero)
+    logp = _np_log_softmax(np.asarray(model(short, layout), np.float64))[0]
+    # policy tokens are kept indices 3, 4, 5, 6, 7 (positions 3, 4, 5, 9, 10), each predicted by the one before
+    want = [logp[j - 1, TOKENS[0, kept[j]]] for j in range(3, 8)]
+    np.testing.assert_allclose(lp[0, :5], want, rtol=1e-5, atol=1e-6)
+    # the second row has no observation: masking changes nothing there
+    full = student_logprobs(model, jnp.asarray(TOKENS), jnp.asarray(REAL), jnp.asarray(POL_POS), chunk=4)
+    np.testing.assert_array_equal(lp[1], full[1])
+    # turn 0 is before the observation: the same either way; turn 1 differs (it no longer reads it)
+    np.testing.assert_allclose(lp[0, :3], full[0, :3], rtol=1e-5, atol=1e-6)
+    assert float(jnp.max(jnp.abs(lp[0, 3:5] - full[0, 3:5]))) > 1e-3
