@@ -168,35 +168,42 @@ def test_never_raises_on_random_tag_soup():
             assert isinstance(c, (ToolCall, CallError))
 
 
-def _timed(text: str) -> tuple[ParsedTurn, float]:
-    t0 = time.perf_counter()
-    out = parse_turn(text)
-    return out, time.perf_counter() - t0
+def _best_time(text: str, repeats: int = 3) -> tuple[ParsedTurn, float]:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = parse_turn(text)
+        best = min(best, time.perf_counter() - t0)
+    return out, best
 
 
-def test_one_megabyte_garbage_is_fast():
+def _scales_linearly(make) -> ParsedTurn:
+    """Parse make(n) and make(8n); a linear parser takes ~8x as long, a quadratic one ~64x. The
+    ratio (best of 3 each), not a wall-clock bound, so a loaded machine cannot fail it."""
+    n = 1 << 17
+    _, small = _best_time(make(n))
+    out, large = _best_time(make(8 * n))
+    assert large / max(small, 1e-4) < 24, (make(16)[:16], small, large)
+    return out
+
+
+def test_adversarial_megabyte_inputs_parse_in_linear_time():
     rng = random.Random(1)
-    n = 1 << 20
-    # Plain random printable garbage.
-    garbage = "".join(rng.choice("abc{}[]\":, <>/\n") for _ in range(n))
-    t, dt = _timed(garbage)
-    assert dt < 0.5, dt
-    # Adversarial: many opening tags with one close at the very end (a naive scanner is quadratic).
-    # Tag floods yield ~90k CallError objects (~3 us each in CPython), hence the looser bound.
-    opens = "<tool_call>" * (n // 11) + "</tool_call>"
-    t, dt = _timed(opens)
-    assert dt < 1.0, dt
+    garbage = "".join(rng.choice("abc{}[]\":, <>/\n") for _ in range(1 << 20))
+    _scales_linearly(lambda n: garbage[:n])  # plain random printable garbage
+    # Many opening tags with one close at the very end (a naive scanner is quadratic).
+    t = _scales_linearly(lambda n: "<tool_call>" * (n // 11) + "</tool_call>")
+    n = 8 << 17
     assert len(t.calls) == n // 11
     assert t.calls[0].message == "tool call 1: <tool_call> opened again before </tool_call>"
     assert t.calls[-1].message.endswith("empty body")
     # Many stray closes; one huge unclosed block; a 1 MB JSON-looking body.
-    for text in ("</tool_call>" * (n // 12), "<tool_call>" + "x" * n, '<tool_call>{"name": "f", "arguments": {"a": "' + "y" * n):
-        t, dt = _timed(text)
-        assert dt < 1.0, (text[:20], dt)
+    for make in (lambda n: "</tool_call>" * (n // 12), lambda n: "<tool_call>" + "x" * n,
+                 lambda n: '<tool_call>{"name": "f", "arguments": {"a": "' + "y" * n):
+        t = _scales_linearly(make)
         assert t.calls and all(isinstance(c, CallError) for c in t.calls)
     # Think tags: many opens without a close.
-    t, dt = _timed("<think>" * (n // 7))
-    assert dt < 0.5 and t.calls == []
+    assert _scales_linearly(lambda n: "<think>" * (n // 7)).calls == []
 
 
 def test_render_tool_call_format():

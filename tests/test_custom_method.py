@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import SUBPROCESS_XLA_FLAGS
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "docs" / "examples" / "custom_method.py"
@@ -175,7 +176,7 @@ def _records(workdir: pathlib.Path) -> list[dict]:
 def _train(workdir: pathlib.Path, *overrides: str) -> None:
     """The documented command in its own process on one CPU device, as a user runs it (the test
     process fakes 8 devices, which on 2 cores only slows a run down); no held-out evaluation."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS)  # one device (tests/conftest.py)
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run([sys.executable, "-m", "turnsight_jax.train", "--config", str(EXAMPLE), "--workdir",
                            str(workdir), "--config.log.progress=False", "--config.data.num_eval=0", *overrides],

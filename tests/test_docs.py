@@ -2,8 +2,9 @@
 
 A *command* is a non-comment line of a ```bash block, joined across trailing `\\` continuations
 and split at `&&` and `;`. Each command is one test case, id `FILE:LINE:what`, run from the
-repository root with this interpreter (`python` / `python3` -> sys.executable), XLA_FLAGS removed
-(one CPU device unless the command sets it), and a JAX compilation cache shared by the session.
+repository root with this interpreter (`python` / `python3` -> sys.executable), XLA_FLAGS set to
+tests/conftest.py's SUBPROCESS_XLA_FLAGS (one CPU device unless the command sets it), and a JAX
+compilation cache shared by the session.
 Independent commands run two at a time (`TURNSIGHT_DOC_TEST_JOBS`), started when the first case
 runs; each case waits for its own. A failure shows the command as run and the tail of its stderr
 and stdout.
@@ -58,6 +59,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import SUBPROCESS_XLA_FLAGS
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DOC_FILES = [p for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))] if p.is_file()]
@@ -324,7 +326,7 @@ class Session:
     # -- execution --
     def env(self, extra: dict[str, str]) -> dict[str, str]:
         env = dict(os.environ)
-        env.pop("XLA_FLAGS", None)  # the test session's 8 fake devices; a command may set its own
+        env["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS  # not the session's 8 fake devices; a command may set its own
         env.update({"JAX_COMPILATION_CACHE_DIR": str(self.cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1", "PYTHONUNBUFFERED": "1"})
         env.update(extra)

@@ -4,8 +4,8 @@ The notebook is executed with nbclient in a python3 Jupyter kernel (this interpr
 kernelspec that ipykernel installs into the environment, or one written into a temp folder when
 none is found). Its setup cell must see the checkout and skip cloning and installing. The run
 folder goes to a temp directory through TURNSIGHT_QUICKSTART_DIR (the notebook's default is
-runs/quickstart); XLA_FLAGS (this session's 8 fake devices) is removed so the notebook sees one
-CPU device as on a laptop; the JAX compilation cache is shared with tests/test_docs.py, whose
+runs/quickstart); XLA_FLAGS is tests/conftest.py's SUBPROCESS_XLA_FLAGS (not this session's 8
+fake devices) so the notebook sees one CPU device as on a laptop; the JAX compilation cache is shared with tests/test_docs.py, whose
 short run uses the same settings as the notebook's QUICK run.
 """
 
@@ -17,6 +17,7 @@ import pathlib
 import sys
 
 import pytest
+from conftest import SUBPROCESS_XLA_FLAGS
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -59,7 +60,7 @@ def test_quickstart_notebook_runs(tmp_path, tmp_path_factory, monkeypatch):
     run_dir = tmp_path / "quickstart_run"
     cache = pathlib.Path(os.environ["JAX_COMPILATION_CACHE_DIR"])  # the run's cache (tests/conftest.py)
     cache.mkdir(parents=True, exist_ok=True)
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", SUBPROCESS_XLA_FLAGS)  # one device (tests/conftest.py)
     monkeypatch.setenv("TURNSIGHT_QUICKSTART_DIR", str(run_dir))
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(cache))
     monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import SUBPROCESS_XLA_FLAGS
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -27,7 +28,7 @@ FAST = [
 
 def _run(args, workdir, **kw):
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's laptop
+    env["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS  # one CPU device, as a user's laptop (tests/conftest.py)
     env["JAX_PLATFORMS"] = "cpu"
     return subprocess.Popen([sys.executable, "-m", "turnsight_jax.train", "--workdir", str(workdir), *args],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
