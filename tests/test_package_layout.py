@@ -83,7 +83,8 @@ def test_contracts_live_in_leaf_modules():
     graph = _graph()
     # the typed step configs and the error type import nothing heavier than each other
     assert graph["turnsight_jax.errors"] == set()
-    assert graph["turnsight_jax.rl.config"] <= {"turnsight_jax.errors"}
+    assert graph["turnsight_jax.chat.hindsight_template"] == {"turnsight_jax.errors"}
+    assert graph["turnsight_jax.rl.config"] <= {"turnsight_jax.errors", "turnsight_jax.chat.hindsight_template"}
     # the batch contract does not import the step
     assert "turnsight_jax.rl.step" not in graph["turnsight_jax.rl.batch"]
     for gone in ("runtime", "train_step", "batching", "teacher", "views", "plan", "sharding", "advantages",

@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import ml_collections as mlc
 
-from turnsight_jax.chat.hindsight import HindsightTemplate
+from turnsight_jax.chat.hindsight_template import HindsightTemplate
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.rl.config import AlgoConfig, LossConfig, OptimConfig, StepConfig
 from turnsight_jax.rl.methods import ResolvedMethod, resolve_method

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from typing import Any
 
-from turnsight_jax.chat.hindsight import HindsightTemplate, check_template
+from turnsight_jax.chat.hindsight_template import HindsightTemplate, check_template
 from turnsight_jax.errors import ConfigError
 
 LOSS_AGGREGATIONS = ("seq_mean_token_mean", "seq_mean_token_sum", "token_mean")
