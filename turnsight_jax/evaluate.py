@@ -97,9 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bfcl-memory-embedding-model", metavar="DIR", default=None,
                    help="local sentence-transformers model folder (BFCL uses all-MiniLM-L6-v2): runs the vector "
                         "Memory backend (needs sentence-transformers, faiss-cpu); default: that backend is not run")
-    p.add_argument("--bfcl-search-backend", metavar="NAME", default=None,
-                   help="registered Web Search backend (turnsight_jax/eval/web_search.py); default: Web Search is "
-                        "not run")
+    p.add_argument("--bfcl-categories", metavar="NAMES", default=None,
+                   help="comma-separated bfcl-eval categories to run: "
+                        f"{', '.join(suite_lib.BFCL_SUBSET_CATEGORIES)}, or the groups "
+                        f"{', '.join(suite_lib.BFCL_CATEGORY_GROUPS)} (default: all, the paper's six subsets)")
+    p.add_argument("--bfcl-search-backend", metavar="SPEC", default=None,
+                   help="Web Search backend: corpus:PATH (offline pages, a JSONL of {url, title, text}) or "
+                        "module:attr (your importable backend, see turnsight_jax/eval/web_search.py); default: Web "
+                        "Search is not run")
     think = p.add_mutually_exclusive_group()
     think.add_argument("--enable-thinking", action="store_true", default=None,
                        help="Qwen3 thinking mode on (default: on for a post-trained Qwen3, see docs/evaluation.md)")
@@ -167,10 +172,13 @@ def settings_from_args(args, run_cfg=None) -> suite_lib.EvalSettings:
             raise EvalError(f"--temperature/--top-k/--top-p: {e}") from None
     elif args.samples != 1:
         raise EvalError(f"--samples {args.samples} needs --temperature > 0 (greedy rollouts are all the same)")
+    categories = (suite_lib.BFCL_SUBSET_CATEGORIES if args.bfcl_categories is None
+                  else suite_lib.parse_bfcl_categories(args.bfcl_categories))
     return suite_lib.EvalSettings(
-        max_prompt_tokens=values["max_prompt_tokens"], bfcl_max_response_tokens=args.bfcl_max_response_tokens,
+        bfcl_categories=categories, max_prompt_tokens=values["max_prompt_tokens"], bfcl_max_response_tokens=args.bfcl_max_response_tokens,
         enable_thinking=bool(args.enable_thinking), toolhop_scenario=args.toolhop_scenario, limit=args.limit,
-        bfcl_memory_embedding_model=args.bfcl_memory_embedding_model, bfcl_search_backend=args.bfcl_search_backend, bfcl_limit=args.bfcl_limit, workers=args.workers,
+        bfcl_memory_embedding_model=args.bfcl_memory_embedding_model, bfcl_search_backend=args.bfcl_search_backend,
+        bfcl_limit=args.bfcl_limit, workers=args.workers,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, samples=args.samples,
         **{k: values[k] for k in ("max_turns", "batch_size", "max_new_tokens", "max_response_tokens",
                                   "builtin_per_category", "builtin_seed", "seed")},
@@ -226,8 +234,9 @@ def describe_settings(settings: suite_lib.EvalSettings, benchmarks: Sequence[str
               + (f" (BFCL {settings.max_new_tokens or suite_lib.BFCL_STEP_TOKENS} per step)" if "bfcl" in benchmarks
                  else "")
               + f", prompts up to {settings.max_prompt_tokens}")
+    subsets = f"BFCL categories: {', '.join(settings.bfcl_categories)}.\n" if "bfcl" in benchmarks else ""
     return (f"Decoding: {sampling_mode(settings)}.\nTurns: {'; '.join(turns)}.\nToken budget: {budget}.\n"
-            f"Thinking: {'on' if settings.enable_thinking else 'off'} ({settings.thinking_rule}).\n")
+            f"Thinking: {'on' if settings.enable_thinking else 'off'} ({settings.thinking_rule}).\n{subsets}")
 
 
 def sampling_mode(settings: suite_lib.EvalSettings) -> str:
