@@ -1,4 +1,4 @@
-"""Evaluate a policy on FTRL, BFCL v4 (multi-turn, Memory), ToolHop and the built-in tasks.
+"""Evaluate a policy on FTRL, BFCL v4 (multi-turn, Memory, Web Search), ToolHop and the built-in tasks.
 
     python -m turnsight_jax.evaluate --hf HF_DIR --benchmarks ftrl,bfcl,toolhop,builtin \\
         --ftrl ftrl_test.jsonl --toolhop toolhop.json --out results/qwen3-8b
@@ -8,7 +8,8 @@
 Defaults are the released MatchTIR evaluation's: greedy decoding, 10 policy turns for FTRL, 9
 for ToolHop (its tool scenarios; the default `--toolhop-scenario direct` is one generation), no
 per-turn token cap (only the response budget), Qwen3 thinking on for a post-trained Qwen3 (see
-`thinking_default`); the printed header states each. `--temperature T --samples N [--top-k K] [--top-p P]` samples N
+`thinking_default`), every BFCL subset of the paper's average (`--bfcl-categories`; Web Search
+needs `--bfcl-search-backend`); the printed header states each. `--temperature T --samples N [--top-k K] [--top-p P]` samples N
 rollouts per task and averages each task's metrics over them. Rollouts go in batches of
 --batch-size episodes (batch_size // N tasks), the batch starting at task i with a policy seeded
 --seed + i: the seeding of the training-time held-out evaluation. With `--checkpoint RUN` and
@@ -69,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--benchmarks", default="builtin", help=f"comma-separated: {','.join(suite_lib.BENCHMARKS)}")
     p.add_argument("--ftrl", default=None, help="FTRL test file (.jsonl/.parquet or a folder)")
     p.add_argument("--toolhop", default=None, help="ToolHop file (.json list or .jsonl)")
-    p.add_argument("--bfcl-limit", type=int, default=None, help="first N BFCL entries per category")
+    p.add_argument("--bfcl-limit", type=int, default=None, help="first N entries of every selected BFCL category (Memory: N questions per backend, "
+                        "plus every prerequisite conversation of their scenarios)")
     p.add_argument("--limit", type=int, default=None, help="first N tasks per category, every benchmark")
     p.add_argument("--builtin-per-category", type=int, default=None,
                    help=f"built-in tasks per category (default {DEFAULTS['builtin_per_category']}; given: the "

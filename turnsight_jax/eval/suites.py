@@ -8,6 +8,10 @@ A *suite* is one benchmark's tasks grouped by category in the order of the paper
   toolhop  ToolHop                                                          (answer accuracy)
   builtin  the four FTRL categories on seeded synthetic tasks               (Solve-P/R/F1)
 
+BFCL's subsets are chosen by bfcl-eval category name (`parse_bfcl_categories`, `--bfcl-categories`);
+`load_bfcl_suite` lists the selected ones that cannot run here (no embedding model, no search
+backend) as not run and the unselected ones of the paper's six as not selected.
+
 `check_inputs` validates names and paths without loading anything; `load_suite` loads the tasks;
 `run_heldout_suite` is a training run's own held-out built-in tasks (in the run's order, with the
 run's budgets); `make_env` builds the environment; `rollout_config` the driver's budgets. Tasks and
