@@ -9,8 +9,8 @@ Defaults are the released MatchTIR evaluation's: greedy decoding, 10 policy turn
 for ToolHop (its tool scenarios; the default `--toolhop-scenario direct` is one generation), no
 per-turn token cap (only the response budget), Qwen3 thinking on for a post-trained Qwen3 (see
 `thinking_default`), every BFCL subset of the paper's average (`--bfcl-categories`; Web Search
-needs `--bfcl-search-backend`); the printed header states each. `--temperature T --samples N [--top-k K] [--top-p P]` samples N
-rollouts per task and averages each task's metrics over them. Rollouts go in batches of
+needs `--bfcl-search-backend`); the printed header states each. `--temperature T --samples N
+[--top-k K] [--top-p P]` samples N rollouts per task and averages each task's metrics over them. Rollouts go in batches of
 --batch-size episodes (batch_size // N tasks), the batch starting at task i with a policy seeded
 --seed + i: the seeding of the training-time held-out evaluation. With `--checkpoint RUN` and
 `--benchmarks builtin`, a run folder that has its config.json (written by training) evaluates the
@@ -177,7 +177,8 @@ def settings_from_args(args, run_cfg=None) -> suite_lib.EvalSettings:
     categories = (suite_lib.BFCL_SUBSET_CATEGORIES if args.bfcl_categories is None
                   else suite_lib.parse_bfcl_categories(args.bfcl_categories))
     return suite_lib.EvalSettings(
-        bfcl_categories=categories, max_prompt_tokens=values["max_prompt_tokens"], bfcl_max_response_tokens=args.bfcl_max_response_tokens,
+        bfcl_categories=categories, max_prompt_tokens=values["max_prompt_tokens"],
+        bfcl_max_response_tokens=args.bfcl_max_response_tokens,
         enable_thinking=bool(args.enable_thinking), toolhop_scenario=args.toolhop_scenario, limit=args.limit,
         bfcl_memory_embedding_model=args.bfcl_memory_embedding_model, bfcl_search_backend=args.bfcl_search_backend,
         bfcl_limit=args.bfcl_limit, workers=args.workers,
