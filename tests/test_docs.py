@@ -83,7 +83,11 @@ SHORT_DRY_RUN = [
     "--config.rollout.max_response_tokens=1024", "--config.train.micro_batches=8",
     "--config.train.teacher_micro_batches=8",
 ]
-EVAL_LIMITS = {"--limit": "2", "--bfcl-limit": "2"}
+# BFCL in doc commands: one entry of its base category (the prefill of its ~4k-token prompts
+# dominates). Memory's prerequisite conversations (10 per backend even for one question) and the
+# other subsets have their own tests (tests/test_evaluate.py, tests/test_eval_bfcl_harness.py,
+# tests/test_eval_web_search.py).
+EVAL_LIMITS = {"--limit": "2", "--bfcl-limit": "1", "--bfcl-categories": "multi_turn_base"}
 EVAL_MODEL_LIMITS = {"--max-turns": "2", "--max-new-tokens": "16", "--max-response-tokens": "128",
                      "--bfcl-max-response-tokens": "128", "--workers": "1"}
 TIMEOUT_S = 600

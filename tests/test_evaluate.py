@@ -63,9 +63,15 @@ def test_bfcl_gold_replay_scores_100_percent(tmp_path, capsys):
             in out)
     assert ("Avg over: Base, Missing Function, Missing Parameter, Long Context, Memory (kv, rec_sum). Not run: "
             "Memory (vector) (needs a local embedding model: --bfcl-memory-embedding-model DIR); Web Search "
-            "(needs a search backend: --bfcl-search-backend NAME)." in out)
-    assert bfcl["not_run"] == {"Memory (vector)": "needs a local embedding model: --bfcl-memory-embedding-model DIR",
-                               "Web Search": "needs a search backend: --bfcl-search-backend NAME"}
+            "(base, no_snippet) (needs a search backend: --bfcl-search-backend corpus:PATH or module:attr).\n"
+            in out)
+    assert bfcl["not_run"] == {
+        "Memory (vector)": "needs a local embedding model: --bfcl-memory-embedding-model DIR",
+        "Web Search (base, no_snippet)": "needs a search backend: --bfcl-search-backend corpus:PATH or module:attr"}
+    assert bfcl["not_selected"] == []  # the default: every subset of the paper's average
+    assert "BFCL categories: multi_turn_base, multi_turn_miss_func, multi_turn_miss_param, " \
+           "multi_turn_long_context, memory_kv, memory_rec_sum, memory_vector, web_search_base, " \
+           "web_search_no_snippet.\n" in out
     # Each example carries the decoded conversation and the executed calls with their results.
     first = examples[0]
     assert first["task_id"] == "multi_turn_base_0" and first["category"] == "multi_turn_base"
@@ -74,6 +80,101 @@ def test_bfcl_gold_replay_scores_100_percent(tmp_path, capsys):
     assert len(calls) == first["metrics"]["num_calls"] > 0
     assert all(len(t["results"]) == len(t["calls"]) for t in first["turns"])
     assert "examples" in err  # the progress line
+
+
+@needs_bfcl
+def test_bfcl_categories_select_the_subsets_run(tmp_path, capsys):
+    # bfcl-eval's names, a group ("multi_turn" would be all four): base, kv Memory, no_snippet Web Search.
+    code, out, err = run_cli(["--replay", "gold", "--benchmarks", "bfcl", "--bfcl-limit", 2, "--quiet",
+                              "--bfcl-categories", "multi_turn_base, memory_kv,web_search_no_snippet",
+                              "--out", tmp_path], capsys)
+    assert code == 0, err
+    results, examples = read_results(tmp_path)
+    bfcl = results["benchmarks"]["bfcl"]
+    assert {k: (c["label"], c["n"], c["accuracy"]) for k, c in bfcl["categories"].items()} == {
+        "multi_turn_base": ("Base", 2, 1.0), "memory": ("Memory (kv)", 2, 1.0)}
+    assert [e["task_id"] for e in examples] == ["multi_turn_base_0", "multi_turn_base_1",
+                                                "memory_kv_0-customer-0", "memory_kv_1-customer-1"]
+    assert bfcl["not_run"] == {"Web Search (no_snippet)":
+                               "needs a search backend: --bfcl-search-backend corpus:PATH or module:attr"}
+    assert bfcl["not_selected"] == ["Missing Function", "Missing Parameter", "Long Context"]
+    assert results["settings"]["bfcl_categories"] == ["multi_turn_base", "memory_kv", "web_search_no_snippet"]
+    assert ("Avg over: Base, Memory (kv). Not run: Web Search (no_snippet) (needs a search backend: "
+            "--bfcl-search-backend corpus:PATH or module:attr). Not selected (--bfcl-categories): Missing "
+            "Function, Missing Parameter, Long Context.\n" in out)
+    assert "| Model | Base | Memory (kv) | Avg |" in out
+
+
+@needs_bfcl
+def test_bfcl_category_errors(tmp_path, capsys):
+    code, _, err = run_cli(["--replay", "gold", "--benchmarks", "bfcl", "--bfcl-categories", "base,memory"], capsys)
+    assert code == 2
+    assert _error_line(err) == (
+        "error: unknown BFCL category 'base' in --bfcl-categories; valid categories: multi_turn_base, "
+        "multi_turn_miss_func, multi_turn_miss_param, multi_turn_long_context, memory_kv, memory_rec_sum, "
+        "memory_vector, web_search_base, web_search_no_snippet (groups: multi_turn, memory, web_search, all)")
+    # Nothing selected can run: said in one line, not an empty table.
+    code, _, err = run_cli(["--replay", "gold", "--benchmarks", "bfcl", "--bfcl-categories", "web_search"], capsys)
+    assert code == 2
+    assert _error_line(err) == (
+        "error: --bfcl-categories web_search_base,web_search_no_snippet: none of the selected BFCL subsets can "
+        "run (Web Search (base, no_snippet): needs a search backend: --bfcl-search-backend corpus:PATH or "
+        "module:attr)")
+    code, _, err = run_cli(["--replay", "gold", "--benchmarks", "bfcl", "--bfcl-categories", "web_search",
+                            "--bfcl-search-backend", "no_such_module_x:Backend"], capsys)
+    assert code == 2
+    assert _error_line(err).startswith("error: --bfcl-search-backend 'no_such_module_x:Backend': cannot import "
+                                       "module 'no_such_module_x'")
+
+
+WEB_PAGES = [
+    {"url": "https://example.org/tea", "title": "The most expensive teas",
+     "text": "Da Hong Pao is the most expensive tea in the world. It grows in Fujian, China."},
+    {"url": "https://example.org/forbes-china", "title": "Richest billionaire in China 2025",
+     "text": "Forbes, April 2025. The richest billionaire in China is Zhang Yiming, founder of ByteDance."},
+]
+
+
+@needs_bfcl
+def test_web_search_corpus_backend_end_to_end(tmp_path, capsys):
+    """web_search_*_0 (gold answer "Zhang Yiming") with a two-page corpus: the base question's
+    script searches, fetches the page and answers from it; the no_snippet one answers wrongly.
+    Scored by BFCL's agentic_checker: 1 of 2, the Web Search column 50.00."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(p) + "\n" for p in WEB_PAGES))
+    search = _call("search_engine_query", keywords="richest billionaire China")
+    fetch = _call("fetch_url_content", url="https://example.org/forbes-china", mode="truncate")
+    scripts = [
+        {"task_id": "web_search_base_0", "turns": [search, fetch, '{"answer": "Zhang Yiming", "context": "Forbes"}']},
+        {"task_id": "web_search_no_snippet_0", "turns": [search, '{"answer": "Da Hong Pao", "context": "tea"}']},
+    ]
+    script_file = tmp_path / "scripts.jsonl"
+    script_file.write_text("".join(json.dumps(s) + "\n" for s in scripts))
+    code, out, err = run_cli(["--replay", script_file, "--benchmarks", "bfcl", "--bfcl-categories", "web_search",
+                              "--bfcl-limit", 1, "--bfcl-search-backend", f"corpus:{corpus}", "--quiet",
+                              "--out", tmp_path / "out"], capsys)
+    assert code == 0, err
+    results, examples = read_results(tmp_path / "out")
+    bfcl = results["benchmarks"]["bfcl"]
+    assert {k: (c["label"], c["n"], c["accuracy"]) for k, c in bfcl["categories"].items()} == {
+        "web_search": ("Web Search (base, no_snippet)", 2, 0.5)}
+    assert bfcl["not_run"] == {} and bfcl["score"] == 0.5
+    base, no_snippet = examples
+    assert base["task_id"] == "web_search_base_0"
+    assert (base["metrics"]["bfcl_pass"], base["metrics"]["num_calls"]) == (1.0, 2)
+    # Ranked by distinct query terms: forbes-china has richest, billionaire, china (3), tea only china (1).
+    assert base["turns"][0]["results"] == [str([
+        {"title": "Richest billionaire in China 2025", "href": "https://example.org/forbes-china",
+         "body": "The richest billionaire in China is Zhang Yiming, founder of ByteDance."},
+        {"title": "The most expensive teas", "href": "https://example.org/tea",
+         "body": "It grows in Fujian, China."}])]
+    assert base["turns"][1]["results"] == [json.dumps({"content": WEB_PAGES[1]["text"]})]
+    assert no_snippet["turns"][0]["results"] == [str([
+        {"title": "Richest billionaire in China 2025", "href": "https://example.org/forbes-china"},
+        {"title": "The most expensive teas", "href": "https://example.org/tea"}])]
+    assert no_snippet["metrics"]["bfcl_pass"] == 0.0
+    assert no_snippet["metrics"]["error_type"] == "agentic:answer_not_found"
+    assert "| replay: scripts.jsonl | 50.00 |" in out
 
 
 @needs_bfcl

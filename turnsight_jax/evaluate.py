@@ -1,4 +1,4 @@
-"""Evaluate a policy on FTRL, BFCL v4 (multi-turn, Memory), ToolHop and the built-in tasks.
+"""Evaluate a policy on FTRL, BFCL v4 (multi-turn, Memory, Web Search), ToolHop and the built-in tasks.
 
     python -m turnsight_jax.evaluate --hf HF_DIR --benchmarks ftrl,bfcl,toolhop,builtin \\
         --ftrl ftrl_test.jsonl --toolhop toolhop.json --out results/qwen3-8b
@@ -8,8 +8,9 @@
 Defaults are the released MatchTIR evaluation's: greedy decoding, 10 policy turns for FTRL, 9
 for ToolHop (its tool scenarios; the default `--toolhop-scenario direct` is one generation), no
 per-turn token cap (only the response budget), Qwen3 thinking on for a post-trained Qwen3 (see
-`thinking_default`); the printed header states each. `--temperature T --samples N [--top-k K] [--top-p P]` samples N
-rollouts per task and averages each task's metrics over them. Rollouts go in batches of
+`thinking_default`), every BFCL subset of the paper's average (`--bfcl-categories`; Web Search
+needs `--bfcl-search-backend`); the printed header states each. `--temperature T --samples N
+[--top-k K] [--top-p P]` samples N rollouts per task and averages each task's metrics over them. Rollouts go in batches of
 --batch-size episodes (batch_size // N tasks), the batch starting at task i with a policy seeded
 --seed + i: the seeding of the training-time held-out evaluation. With `--checkpoint RUN` and
 `--benchmarks builtin`, a run folder that has its config.json (written by training) evaluates the
@@ -69,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--benchmarks", default="builtin", help=f"comma-separated: {','.join(suite_lib.BENCHMARKS)}")
     p.add_argument("--ftrl", default=None, help="FTRL test file (.jsonl/.parquet or a folder)")
     p.add_argument("--toolhop", default=None, help="ToolHop file (.json list or .jsonl)")
-    p.add_argument("--bfcl-limit", type=int, default=None, help="first N BFCL entries per category")
+    p.add_argument("--bfcl-limit", type=int, default=None, help="first N entries of every selected BFCL category (Memory: N questions per backend, "
+                        "plus every prerequisite conversation of their scenarios)")
     p.add_argument("--limit", type=int, default=None, help="first N tasks per category, every benchmark")
     p.add_argument("--builtin-per-category", type=int, default=None,
                    help=f"built-in tasks per category (default {DEFAULTS['builtin_per_category']}; given: the "
@@ -97,9 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bfcl-memory-embedding-model", metavar="DIR", default=None,
                    help="local sentence-transformers model folder (BFCL uses all-MiniLM-L6-v2): runs the vector "
                         "Memory backend (needs sentence-transformers, faiss-cpu); default: that backend is not run")
-    p.add_argument("--bfcl-search-backend", metavar="NAME", default=None,
-                   help="registered Web Search backend (turnsight_jax/eval/web_search.py); default: Web Search is "
-                        "not run")
+    p.add_argument("--bfcl-categories", metavar="NAMES", default=None,
+                   help="comma-separated bfcl-eval categories to run: "
+                        f"{', '.join(suite_lib.BFCL_SUBSET_CATEGORIES)}, or the groups "
+                        f"{', '.join(suite_lib.BFCL_CATEGORY_GROUPS)} (default: all, the paper's six subsets)")
+    p.add_argument("--bfcl-search-backend", metavar="SPEC", default=None,
+                   help="Web Search backend: corpus:PATH (offline pages, a JSONL of {url, title, text}) or "
+                        "module:attr (your importable backend, see turnsight_jax/eval/web_search.py); default: Web "
+                        "Search is not run")
     think = p.add_mutually_exclusive_group()
     think.add_argument("--enable-thinking", action="store_true", default=None,
                        help="Qwen3 thinking mode on (default: on for a post-trained Qwen3, see docs/evaluation.md)")
@@ -167,10 +174,14 @@ def settings_from_args(args, run_cfg=None) -> suite_lib.EvalSettings:
             raise EvalError(f"--temperature/--top-k/--top-p: {e}") from None
     elif args.samples != 1:
         raise EvalError(f"--samples {args.samples} needs --temperature > 0 (greedy rollouts are all the same)")
+    categories = (suite_lib.BFCL_SUBSET_CATEGORIES if args.bfcl_categories is None
+                  else suite_lib.parse_bfcl_categories(args.bfcl_categories))
     return suite_lib.EvalSettings(
-        max_prompt_tokens=values["max_prompt_tokens"], bfcl_max_response_tokens=args.bfcl_max_response_tokens,
+        bfcl_categories=categories, max_prompt_tokens=values["max_prompt_tokens"],
+        bfcl_max_response_tokens=args.bfcl_max_response_tokens,
         enable_thinking=bool(args.enable_thinking), toolhop_scenario=args.toolhop_scenario, limit=args.limit,
-        bfcl_memory_embedding_model=args.bfcl_memory_embedding_model, bfcl_search_backend=args.bfcl_search_backend, bfcl_limit=args.bfcl_limit, workers=args.workers,
+        bfcl_memory_embedding_model=args.bfcl_memory_embedding_model, bfcl_search_backend=args.bfcl_search_backend,
+        bfcl_limit=args.bfcl_limit, workers=args.workers,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, samples=args.samples,
         **{k: values[k] for k in ("max_turns", "batch_size", "max_new_tokens", "max_response_tokens",
                                   "builtin_per_category", "builtin_seed", "seed")},
@@ -226,8 +237,9 @@ def describe_settings(settings: suite_lib.EvalSettings, benchmarks: Sequence[str
               + (f" (BFCL {settings.max_new_tokens or suite_lib.BFCL_STEP_TOKENS} per step)" if "bfcl" in benchmarks
                  else "")
               + f", prompts up to {settings.max_prompt_tokens}")
+    subsets = f"BFCL categories: {', '.join(settings.bfcl_categories)}.\n" if "bfcl" in benchmarks else ""
     return (f"Decoding: {sampling_mode(settings)}.\nTurns: {'; '.join(turns)}.\nToken budget: {budget}.\n"
-            f"Thinking: {'on' if settings.enable_thinking else 'off'} ({settings.thinking_rule}).\n")
+            f"Thinking: {'on' if settings.enable_thinking else 'off'} ({settings.thinking_rule}).\n{subsets}")
 
 
 def sampling_mode(settings: suite_lib.EvalSettings) -> str:

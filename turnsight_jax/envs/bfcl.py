@@ -1,4 +1,4 @@
-"""BFCL v4 multi-turn (base, miss_func, miss_param, long_context) and Memory on `bfcl-eval`.
+"""BFCL v4 multi-turn (base, miss_func, miss_param, long_context), Memory and Web Search on `bfcl-eval`.
 
 Install without the package's 6 GB of unrelated dependencies::
 
@@ -31,6 +31,10 @@ What the environment does, and what it never does
   `memory_dir`; the questions load the scenario's final snapshot and get BFCL's memory system
   prompt (`first_turn_messages`); they are scored by BFCL's `agentic_checker` on the last
   non-call message (`check_agentic`). Memory methods go through the same whitelist.
+* Web Search (`load_web_search_tasks`): BFCL's `WebSearchAPI` needs SerpAPI and the network, so
+  its two tools run as `eval.web_search.WebSearchTools` on a user-chosen search backend (the
+  episode's `search_backend`; same method names, arguments and return values), dispatched
+  through the same whitelist; questions are scored by `check_agentic` like Memory's.
 * Scoring is the package's own `multi_turn_checker`. It needs each executed call as a call
   string; we build it from the parsed name and arguments as `name(k=repr(v),...)` — the format
   of BFCL's `convert_to_function_call` — i.e. text generated from JSON data, validated to be a
@@ -115,6 +119,7 @@ def import_bfcl() -> dict[str, Any]:
         "MEMORY_INSTRUCTION_CORE_ARCHIVAL": prompts.MEMORY_BACKEND_INSTRUCTION_CORE_ARCHIVAL,
         "MEMORY_INSTRUCTION_UNIFIED": prompts.MEMORY_BACKEND_INSTRUCTION_UNIFIED,
         "agentic_checker": agentic.agentic_checker,
+        "populate_web_search_settings": utils.populate_initial_settings_for_web_search_test_cases,
     }
 
 
@@ -131,6 +136,9 @@ def _full_category(category: str) -> str:
 MEMORY_BACKENDS = ("kv", "rec_sum", "vector")
 # Backends that run offline; "vector" needs an embedding model (`memory_vector_module`).
 OFFLINE_MEMORY_BACKENDS = ("kv", "rec_sum")
+# bfcl-eval's two Web Search categories: the same 100 questions with and without result snippets.
+WEB_SEARCH_CATEGORIES = ("web_search_base", "web_search_no_snippet")
+WEB_SEARCH_CLASS = "WebSearchAPI"
 
 
 def is_memory_entry(entry_id: str) -> bool:
@@ -185,15 +193,20 @@ def _memory_config(entry: Mapping[str, Any], memory_dir) -> dict:
             "test_category": entry["id"].rsplit("_", 1)[0]}  # BFCL's extract_test_category_from_id
 
 
-def make_instances(entry: Mapping[str, Any], memory_dir=None) -> dict[str, Any]:
+def make_instances(entry: Mapping[str, Any], memory_dir=None, search_backend=None) -> dict[str, Any]:
     """Fresh class instances of an entry, loaded from its initial config (BFCL's loader logic).
 
     Memory classes load the snapshot of their scenario under `memory_dir` (a folder per
-    evaluation chain: prereq conversations write it, questions read it)."""
+    evaluation chain: prereq conversations write it, questions read it). `WebSearchAPI` is
+    `eval.web_search.WebSearchTools` on `search_backend` (BFCL's class needs SerpAPI and the
+    network), loaded with the entry's show_snippet setting."""
     bfcl = import_bfcl()
     long_context = "long_context" in entry["id"]
     instances = {}
     for class_name in entry["involved_classes"]:
+        if class_name == WEB_SEARCH_CLASS:
+            instances[class_name] = _web_search_instance(entry, search_backend)
+            continue
         module = importlib.import_module(bfcl["CLASS_FILE_PATH_MAPPING"][class_name])
         instance = getattr(module, class_name)()
         if class_name.startswith("MemoryAPI"):
@@ -203,6 +216,17 @@ def make_instances(entry: Mapping[str, Any], memory_dir=None) -> dict[str, Any]:
             instance._load_scenario(copy.deepcopy(config), long_context=long_context)
         instances[class_name] = instance
     return instances
+
+
+def _web_search_instance(entry: Mapping[str, Any], search_backend):
+    # Imported here: the tool class lives with the backend interface it wraps (eval/web_search.py).
+    from turnsight_jax.eval.web_search import WebSearchTools
+
+    if search_backend is None:
+        raise ValueError(f"{entry['id']}: a Web Search entry needs a search backend")
+    instance = WebSearchTools(search_backend)
+    instance._load_scenario(entry["initial_config"][WEB_SEARCH_CLASS])
+    return instance
 
 
 def public_methods(instances: Mapping[str, Any]) -> dict[str, Any]:
@@ -418,6 +442,27 @@ def load_memory_tasks(backend: str, *, limit: int | None = None) -> tuple[list[T
     return prereqs, [memory_entry_to_task(e, answers[e["id"]]) for e in questions]
 
 
+def load_web_search_tasks(category: str, *, limit: int | None = None) -> list[Task]:
+    """The 100 questions of a Web Search category ("web_search_base" or "web_search_no_snippet"),
+    the first `limit`, as BFCL prepares them: its answer-format system prompt first, the
+    `show_snippet` initial config of the category; the accepted answers from its possible-answer
+    file. Scored like Memory questions (`agentic_checker`)."""
+    if category not in WEB_SEARCH_CATEGORIES:
+        raise ValueError(f"unknown BFCL web search category {category!r}; expected one of {WEB_SEARCH_CATEGORIES}")
+    bfcl = import_bfcl()
+    entries = bfcl["populate_web_search_settings"](bfcl["load_dataset_entry"](category))
+    answers = {row["id"].replace("web_search", category, 1): row["ground_truth"]
+               for row in bfcl["load_ground_truth_entry"](category)}
+    tasks = []
+    for index, entry in enumerate(entries[:limit] if limit is not None else entries):
+        if entry["id"] not in answers:
+            raise ValueError(f"BFCL {category}: row {index}: no possible answer for {entry['id']!r}")
+        tasks.append(dataclasses.replace(memory_entry_to_task(entry, answers[entry["id"]]), category="web_search",
+                                         extra={"bfcl_entry": entry, "bfcl_answers": list(answers[entry["id"]]),
+                                                "web_search_category": category}))
+    return tasks
+
+
 def memory_system_prompt(entry: Mapping[str, Any], instance) -> str:
     """BFCL's memory instruction (`add_memory_instruction_system_prompt`): the scenario's agent
     setting and the backend's current core memory, in the template of its backend."""
@@ -448,7 +493,7 @@ def check_agentic(step_texts: Sequence[str], answers: Sequence[str], decodes: Se
 class BFCLEpisode(Episode):
     """One BFCL multi-turn conversation against a fresh backend (see the module docstring)."""
 
-    def __init__(self, task: Task, memory_dir=None):
+    def __init__(self, task: Task, memory_dir=None, search_backend=None):
         bfcl = import_bfcl()
         self.task = task
         self._entry = task.extra["bfcl_entry"]
@@ -457,7 +502,7 @@ class BFCLEpisode(Episode):
         self._holdout = self._entry.get("missed_function", {})
         self._additional_prompt = bfcl["ADDITIONAL_FUNCTION_PROMPT"]
         self._step_limit = bfcl["MAXIMUM_STEP_LIMIT"]
-        self.instances = make_instances(self._entry, memory_dir)
+        self.instances = make_instances(self._entry, memory_dir, search_backend)
         self._methods = public_methods(self.instances)
         # Whitelist: every function the entry documents, held-out ones included. BFCL's own
         # executor runs any method of the involved classes by name, so a held-out function
@@ -627,8 +672,8 @@ class BFCLEnv(Environment):
     def __init__(self):
         import_bfcl()
 
-    def start(self, task: Task, *, seed: int = 0, memory_dir=None) -> BFCLEpisode:
+    def start(self, task: Task, *, seed: int = 0, memory_dir=None, search_backend=None) -> BFCLEpisode:
         # BFCL backends are deterministic given the entry; `seed` is accepted for the protocol.
         if "bfcl_entry" not in task.extra:
             raise ValueError(f"task {task.task_id} is not a BFCL task (no extra['bfcl_entry'])")
-        return BFCLEpisode(task, memory_dir=memory_dir)
+        return BFCLEpisode(task, memory_dir=memory_dir, search_backend=search_backend)

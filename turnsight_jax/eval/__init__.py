@@ -5,7 +5,7 @@
 - `policies`: `PolicySource`: `ModelSource` (run folder / HF folder, greedy or sampled) and `ReplaySource`.
 - `runner`: the batched loop through the rollout driver (samples per task, the held-out seeding); `Example` records.
 - `bfcl_harness`: BFCL's own loop for a Qwen3 (the Qwen FC handler's prompting path), Memory chains.
-- `web_search`: the search backend interface of BFCL's Web Search subset.
+- `web_search`: BFCL's Web Search tools on a pluggable search backend (interface, offline corpus backend, `load_backend`).
 - `heldout`: the training-time held-out evaluation, a layer over the runner.
 - `scoring`: per-category and average scores, Markdown tables.
 

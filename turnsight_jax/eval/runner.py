@@ -191,7 +191,8 @@ def run_bfcl_suite(source: PolicySource, suite: suite_lib.Suite, settings: suite
         for task in tasks:
             for g in range(group):
                 memory_dir = memory_root / f"sample{g}"
-                convs.append(H.Conversation(task, env.start(task, memory_dir=memory_dir),
+                episode = env.start(task, memory_dir=memory_dir, search_backend=suite.search_backend)
+                convs.append(H.Conversation(task, episode,
                                             enable_thinking=settings.enable_thinking))
                 keys.append((task, g))
         completer = source.completer_for(suite.benchmark, cfg.step_tokens, seed=seed)

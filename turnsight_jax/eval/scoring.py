@@ -7,8 +7,9 @@ Markdown tables.
   Solve-F1; "Avg P/R/F1" is the mean over the categories present; the benchmark's headline
   "Avg" is the mean of those three (= the mean of all category x metric cells).
 * BFCL: per subset (the four multi-turn categories, Memory, Web Search), the fraction of tasks
-  BFCL's checker passes (multi-turn: `multi_turn_checker`; Memory: `agentic_checker`); headline =
-  the mean over the subsets run (`averaged` lists them, `not_run` says which were not and why).
+  BFCL's checker passes (multi-turn: `multi_turn_checker`; Memory, Web Search: `agentic_checker`);
+  headline = the mean over the subsets run (`averaged` lists them, `not_run` says which selected
+  ones could not run and why, `not_selected` which `--bfcl-categories` left out).
 * ToolHop: the fraction of tasks answered correctly (headline).
 * Overall: the mean of the headlines of the benchmarks evaluated.
 """
@@ -67,6 +68,8 @@ def summarise(suites: Sequence[suite_lib.Suite], examples: Sequence[Example]) ->
             "categories": cats, "average": average, "score": score,
             "averaged": [c["label"] for c in cats.values()], "not_run": dict(suite.not_run),
         }
+        if suite.benchmark == "bfcl":  # which of the paper's six subsets --bfcl-categories left out
+            out["benchmarks"][suite.benchmark]["not_selected"] = list(suite.not_selected)
     out["overall"] = _mean([b["score"] for b in out["benchmarks"].values()])
     return out
 
@@ -114,9 +117,12 @@ def markdown(model: str, summary: Mapping) -> str:
         table = _solve_table(model, bench) if bench["kind"] == "solve" else _accuracy_table(model, bench)
         metric = "Solve-P/R/F1 (%)" if bench["kind"] == "solve" else "accuracy (%)"
         note = f"Tasks per category: {counts}."
-        if bench.get("not_run"):
-            note += (f"\nAvg over: {', '.join(bench['averaged'])}. Not run: "
-                     + "; ".join(f"{k} ({why})" for k, why in bench["not_run"].items()) + ".")
+        if bench.get("not_run") or "not_selected" in bench:
+            note += f"\nAvg over: {', '.join(bench['averaged'])}."
+            if bench.get("not_run"):
+                note += " Not run: " + "; ".join(f"{k} ({why})" for k, why in bench["not_run"].items()) + "."
+            if bench.get("not_selected"):
+                note += f" Not selected (--bfcl-categories): {', '.join(bench['not_selected'])}."
         parts.append(f"### {bench['title']} — {metric}\n\n{table}\n\n{note}")
     header = ["Model"] + [b["title"] for b in summary["benchmarks"].values()] + ["Overall"]
     row = [model] + [_pct(b["score"]) for b in summary["benchmarks"].values()] + [_pct(summary["overall"])]

@@ -7,8 +7,9 @@
   ("Done.") that ends the user turn, exactly as `envs/bfcl_selfcheck.py` scripts it;
 * tasks with a gold call chain (built-in tasks): one turn per gold tool turn, then
   `<answer>{gold answer}</answer>` (`synthetic.gold_turn_texts`);
-* BFCL Memory: a question answers its first accepted answer as BFCL's answer format
-  ({"answer": ..., "context": ...}); a prerequisite conversation has no ground truth: every user
+* BFCL Memory and Web Search: a question answers its first accepted answer in BFCL's answer
+  format ({"answer": ..., "context": ...}) without calling a tool (Web Search still needs a
+  backend to run at all); a Memory prerequisite conversation has no ground truth: every user
   turn ends with an empty reply (a script file may give one, keyed by the prerequisite's id);
 * FTRL and ToolHop rows carry no per-turn gold calls, so there is no gold script for them: use
   `--replay FILE.jsonl`.
@@ -36,18 +37,21 @@ def _calls_text(calls: Sequence[Mapping]) -> str:
     return "\n".join(render_tool_call(c["name"], dict(c["arguments"])) for c in calls)
 
 
-def memory_answer_text(answer: str) -> str:
+def agentic_answer_text(answer: str, context: str) -> str:
     """A final answer in the format BFCL's agentic system prompt asks for."""
-    return json.dumps({"answer": answer, "context": "retrieved from memory"})
+    return json.dumps({"answer": answer, "context": context})
 
 
 def gold_script(benchmark: str, task: Task) -> list[str]:
     """The ground-truth turn texts of `task` (see the module docstring)."""
     if "bfcl_answers" in task.extra:
         answers = task.extra["bfcl_answers"]
-        # A Memory question: its first accepted answer; a prerequisite conversation has no ground
-        # truth, so each of its user turns ends at once (the snapshot stays as it was).
-        return [] if answers is None else [memory_answer_text(answers[0])]
+        # A Memory or Web Search question: its first accepted answer; a prerequisite conversation
+        # has no ground truth, so each of its user turns ends at once (the snapshot stays as it was).
+        if answers is None:
+            return []
+        context = "found by web search" if "web_search_category" in task.extra else "retrieved from memory"
+        return [agentic_answer_text(answers[0], context)]
     if task.gold_calls is None:
         raise EvalError(
             f"--replay gold: {benchmark} task {task.task_id} has no ground-truth calls "

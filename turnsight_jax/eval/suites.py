@@ -8,6 +8,10 @@ A *suite* is one benchmark's tasks grouped by category in the order of the paper
   toolhop  ToolHop                                                          (answer accuracy)
   builtin  the four FTRL categories on seeded synthetic tasks               (Solve-P/R/F1)
 
+BFCL's subsets are chosen by bfcl-eval category name (`parse_bfcl_categories`, `--bfcl-categories`);
+`load_bfcl_suite` lists the selected ones that cannot run here (no embedding model, no search
+backend) as not run and the unselected ones of the paper's six as not selected.
+
 `check_inputs` validates names and paths without loading anything; `load_suite` loads the tasks;
 `run_heldout_suite` is a training run's own held-out built-in tasks (in the run's order, with the
 run's budgets); `make_env` builds the environment; `rollout_config` the driver's budgets. Tasks and
@@ -42,7 +46,18 @@ BFCL_CATEGORIES: tuple[tuple[str, str], ...] = (
     ("memory", "Memory"),
     ("web_search", "Web Search"),
 )
-# The paper's BFCL average covers these six subsets (Memory: its backends' questions together).
+# The paper's BFCL average covers these six subsets (Memory: its backends' questions together;
+# Web Search: its base and no_snippet entries together).
+# bfcl-eval's own category names (`--bfcl-categories`), in table order, and its collection names
+# for groups of them (bfcl_eval.constants.category_mapping); the default is all of them.
+BFCL_SUBSET_CATEGORIES: tuple[str, ...] = (
+    "multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context",
+    "memory_kv", "memory_rec_sum", "memory_vector", "web_search_base", "web_search_no_snippet",
+)
+BFCL_CATEGORY_GROUPS: dict[str, tuple[str, ...]] = {
+    "multi_turn": BFCL_SUBSET_CATEGORIES[:4], "memory": BFCL_SUBSET_CATEGORIES[4:7],
+    "web_search": BFCL_SUBSET_CATEGORIES[7:], "all": BFCL_SUBSET_CATEGORIES,
+}
 TOOLHOP_CATEGORIES: tuple[tuple[str, str], ...] = (("toolhop", "ToolHop"),)
 
 # What each benchmark reports per category: FTRL-style Solve-P/R/F1 or a pass rate.
@@ -92,7 +107,8 @@ class EvalSettings:
     top_p: float = 1.0  # 1.0: off
     samples: int = 1  # rollouts per task when sampling (per-task metrics = their mean)
     bfcl_memory_embedding_model: str | None = None  # local sentence-transformers folder: runs memory_vector
-    bfcl_search_backend: str | None = None  # Web Search backend name (eval.web_search); None: not run
+    bfcl_search_backend: str | None = None  # Web Search backend (eval.web_search.load_backend); None: not run
+    bfcl_categories: tuple[str, ...] = BFCL_SUBSET_CATEGORIES  # bfcl-eval category names to run
     toolhop_scenario: str = "direct"  # envs.toolhop.SCENARIOS; the released evaluation's default
     thinking_rule: str = ""  # why enable_thinking is what it is (the evaluate CLI's header)
 
@@ -127,6 +143,8 @@ class Suite:
     heldout: bool = False  # a training run's held-out tasks
     prerequisites: list[Task] = dataclasses.field(default_factory=list)  # BFCL Memory: run first, unscored
     not_run: dict[str, str] = dataclasses.field(default_factory=dict)  # subset label -> why it was not run
+    not_selected: list[str] = dataclasses.field(default_factory=list)  # BFCL subsets left out by --bfcl-categories
+    search_backend: object | None = None  # BFCL Web Search: the loaded backend
 
     def pairs(self) -> list[tuple[str, Task]]:
         """(category, task) in evaluation (= batching) order."""
@@ -158,6 +176,24 @@ def parse_benchmarks(text: str) -> list[str]:
     return names
 
 
+def parse_bfcl_categories(text: str) -> tuple[str, ...]:
+    """"multi_turn_base,memory" -> bfcl-eval category names in table order (groups expanded);
+    an unknown name is an EvalError listing the valid ones."""
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    valid = f"{', '.join(BFCL_SUBSET_CATEGORIES)} (groups: {', '.join(BFCL_CATEGORY_GROUPS)})"
+    if not names:
+        raise EvalError(f"--bfcl-categories is empty; valid categories: {valid}")
+    chosen: set[str] = set()
+    for name in names:
+        if name in BFCL_CATEGORY_GROUPS:
+            chosen.update(BFCL_CATEGORY_GROUPS[name])
+        elif name in BFCL_SUBSET_CATEGORIES:
+            chosen.add(name)
+        else:
+            raise EvalError(f"unknown BFCL category {name!r} in --bfcl-categories; valid categories: {valid}")
+    return tuple(c for c in BFCL_SUBSET_CATEGORIES if c in chosen)
+
+
 def check_inputs(benchmarks: Sequence[str], ftrl_path: str | None, toolhop_path: str | None) -> None:
     """Data paths exist for the benchmarks that need them; bfcl-eval is importable for bfcl."""
     for name, flag, path in (("ftrl", "--ftrl", ftrl_path), ("toolhop", "--toolhop", toolhop_path)):
@@ -177,21 +213,81 @@ def check_inputs(benchmarks: Sequence[str], ftrl_path: str | None, toolhop_path:
 
 
 def check_bfcl_options(settings: EvalSettings) -> None:
-    """The vector Memory backend's model folder and the Web Search backend name, before any run."""
-    if settings.bfcl_memory_embedding_model is not None:
+    """The vector Memory backend's model folder, before any run (when memory_vector is selected)."""
+    if settings.bfcl_memory_embedding_model is not None and "memory_vector" in settings.bfcl_categories:
         from turnsight_jax.envs.bfcl import use_embedding_model
 
         try:
             use_embedding_model(settings.bfcl_memory_embedding_model)
         except (ImportError, OSError, ValueError) as e:
             raise EvalError(f"--bfcl-memory-embedding-model {settings.bfcl_memory_embedding_model}: {e}") from None
-    if settings.bfcl_search_backend is not None:
-        from turnsight_jax.eval.web_search import get_backend
 
-        try:
-            get_backend(settings.bfcl_search_backend)
-        except KeyError as e:
-            raise EvalError(f"--bfcl-search-backend: {e.args[0]}") from None
+
+def load_search_backend(spec: str):
+    """The Web Search backend `--bfcl-search-backend spec` names (EvalError on a bad spec)."""
+    from turnsight_jax.eval.web_search import load_backend
+
+    try:
+        return load_backend(spec)
+    except (OSError, ValueError) as e:
+        raise EvalError(f"--bfcl-search-backend {e}") from None
+
+
+WEB_SEARCH_NOT_RUN = "needs a search backend: --bfcl-search-backend corpus:PATH or module:attr"
+VECTOR_NOT_RUN = "needs a local embedding model: --bfcl-memory-embedding-model DIR"
+
+
+def _subset_label(title: str, names: Sequence[str], prefix: str) -> str:
+    """"Memory (kv, rec_sum)": a subset's title with the bfcl-eval categories it holds."""
+    return f"{title} ({', '.join(n[len(prefix):] for n in names)})"
+
+
+def load_bfcl_suite(settings: EvalSettings) -> Suite:
+    """The selected BFCL subsets (`settings.bfcl_categories`): multi-turn entries; Memory questions
+    (+ the prerequisite conversations they depend on); Web Search questions (with a backend).
+    Selected subsets that cannot run here are listed in `not_run` with the reason, subsets of the
+    paper's average that were not selected in `not_selected`; neither is faked or averaged."""
+    from turnsight_jax.envs import bfcl
+
+    selected = settings.bfcl_categories
+    per_cat = [x for x in (settings.bfcl_limit, settings.limit) if x is not None]
+    n = min(per_cat) if per_cat else None
+    tasks = [t for key in bfcl.BFCL_CATEGORIES if key in selected for t in bfcl.load_tasks(key, limit=n)]
+    labels = dict(BFCL_CATEGORIES)
+    prereqs, memory, not_run = [], [], {}
+    for backend in bfcl.MEMORY_BACKENDS:
+        if f"memory_{backend}" not in selected:
+            continue
+        if backend == "vector" and not settings.bfcl_memory_embedding_model:
+            not_run["Memory (vector)"] = VECTOR_NOT_RUN
+            continue
+        pre, questions = bfcl.load_memory_tasks(backend, limit=n)
+        prereqs += pre
+        tasks += questions
+        memory.append(f"memory_{backend}")
+    labels["memory"] = _subset_label("Memory", memory, "memory_")
+    searches = [c for c in bfcl.WEB_SEARCH_CATEGORIES if c in selected]
+    backend = None
+    if searches and settings.bfcl_search_backend is None:
+        not_run[_subset_label("Web Search", searches, "web_search_")] = WEB_SEARCH_NOT_RUN
+    elif searches:
+        backend = load_search_backend(settings.bfcl_search_backend)
+        tasks += [t for c in searches for t in bfcl.load_web_search_tasks(c, limit=n)]
+    labels["web_search"] = _subset_label("Web Search", searches, "web_search_")
+    if not tasks:
+        why = "; ".join(f"{k}: {v}" for k, v in not_run.items())
+        raise EvalError(f"--bfcl-categories {','.join(selected)}: none of the selected BFCL subsets can run ({why})")
+    groups, _ = _group(tasks, BFCL_CATEGORIES, None, "bfcl")
+    not_selected = [label for key, label in BFCL_CATEGORIES
+                    if not any(_bfcl_subset(c) == key for c in selected)]
+    return Suite("bfcl", groups, {k: labels[k] for k in groups}, prerequisites=prereqs, not_run=not_run,
+                 not_selected=not_selected, search_backend=backend)
+
+
+def _bfcl_subset(category: str) -> str:
+    """The table column (BFCL_CATEGORIES key) of a bfcl-eval category name."""
+    return "memory" if category.startswith("memory_") else "web_search" if category.startswith("web_search") \
+        else category
 
 
 def _group(tasks: Sequence[Task], known: Sequence[tuple[str, str]], limit: int | None,
@@ -232,25 +328,7 @@ def load_suite(benchmark: str, settings: EvalSettings, *, ftrl_path: str | None 
         tasks = [scenario_task(t, settings.toolhop_scenario) for t in _load_file("toolhop", toolhop_path)]
         groups, labels = _group(tasks, TOOLHOP_CATEGORIES, limit, f"--toolhop {toolhop_path}")
     elif benchmark == "bfcl":
-        from turnsight_jax.envs import bfcl
-
-        per_cat = [x for x in (settings.bfcl_limit, limit) if x is not None]
-        n = min(per_cat) if per_cat else None
-        tasks = [t for key in bfcl.BFCL_CATEGORIES for t in bfcl.load_tasks(key, limit=n)]
-        prereqs, backends, not_run = [], [], {}
-        for backend in bfcl.MEMORY_BACKENDS:
-            if backend == "vector" and not settings.bfcl_memory_embedding_model:
-                not_run["Memory (vector)"] = "needs a local embedding model: --bfcl-memory-embedding-model DIR"
-                continue
-            pre, questions = bfcl.load_memory_tasks(backend, limit=n)
-            prereqs += pre
-            tasks += questions
-            backends.append(backend)
-        if settings.bfcl_search_backend is None:
-            not_run["Web Search"] = "needs a search backend: --bfcl-search-backend NAME"
-        groups, labels = _group(tasks, BFCL_CATEGORIES, None, "bfcl")
-        labels["memory"] = f"Memory ({', '.join(backends)})"
-        return Suite(benchmark, groups, labels, prerequisites=prereqs, not_run=not_run)
+        return load_bfcl_suite(settings)
     elif benchmark == "builtin":
         from turnsight_jax.envs import synthetic
 
