@@ -4,7 +4,10 @@ Layers: `base_config()` (turnsight_jax/config.py) holds the paper's values: 32 p
 rollouts per step, max 10 turns, prompt <= 10,000 and response <= 13,000 tokens, lr 1e-6, one PPO
 mini-batch, temperature 1.0, no KL, no SFT, thinking on, 3 epochs over FTRL's 2,215 training tasks,
 evaluation and checkpoints every 5 steps; configs/models/qwen3_8b.py the model; `experiment`
-below how this run fits 8 x 80 GB accelerators (fsdp = 8) and evaluates.
+below how this run fits 8 x 80 GB accelerators (fsdp = 8) and evaluates. This file follows the
+paper's text (optimal matching, this project's reward conventions); configs/paper/ holds the same
+runs with the released MatchTIR code's conventions, one file per published number
+(docs/reproducing.md).
 
     python -m turnsight_jax.train --config configs/qwen3_8b.py \
         --config.model.hf_path=/path/to/Qwen3-8B \
@@ -18,7 +21,6 @@ def experiment(c):
     """The paper's FTRL run on 8 devices (also the experiment of configs/qwen3_4b.py, qwen3_0_6b.py)."""
     c.data.source = c.data.eval_source = "ftrl"
     c.data.num_eval = 200  # held-out tasks evaluated every eval.every steps
-    c.eval.max_turns = 20  # FTRL's evaluation limit
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1  # fsdp over every device
     # 4 prompts x 16 rollouts = 64 rows per rollout chunk: a bf16 KV cache of 64 x 23k slots is
     # 27 GiB per device on fsdp=8 (all 512 rows at once would be 217 GiB).

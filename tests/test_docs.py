@@ -34,7 +34,8 @@ Rules:
   bundled tokenizer). A `--replay FILE` that does not exist becomes a
   script file with one answer turn per FTRL/ToolHop fixture task.
 * `python -m turnsight_jax.evaluate` / `report` / `sft` get small limits (`--limit 2`,
-  `--bfcl-limit 2`; with a model also short turns and budgets) and temp output folders. A run
+  `--bfcl-limit 1 --bfcl-categories multi_turn_base`: EVAL_LIMITS; with a model also short turns
+  and budgets) and temp output folders. A run
   folder they read (`--checkpoint DIR`, report's `RUN_DIR`) is the one a train command of the
   same file wrote to that path (train -> evaluate -> report chain on one run folder per file);
   a folder no train command of the file produces is a session run of the embedded default.

@@ -42,6 +42,10 @@ from turnsight_jax.sources import check_provides, get_source
 _HINDSIGHT = HindsightTemplate()  # rl.hindsight_template's defaults
 
 
+# Keys whose None means "off" and may be given as --config.<key>=None over a number.
+NULLABLE_KEYS = frozenset({"loss.clip_ratio_c"})
+
+
 def base_config() -> mlc.ConfigDict:
     """Every key of a run config at its base value: the paper's training setup (docs/spec.md §2:
     Qwen3 with thinking on, TurnSight on MatchTIR, FTRL, no SFT) and no model (a model layer sets
@@ -330,6 +334,8 @@ def _parse_value(text: str, old: Any, key: str) -> Any:
         return tuple(value)
     if isinstance(old, tuple) and isinstance(value, int):
         return (value,)
+    if value is None and key in NULLABLE_KEYS:  # an off switch (loss.clip_ratio_c=None)
+        return None
     if old is not None and not isinstance(value, type(old)) and not (isinstance(old, str) and value is None):
         # `selection` may be a depth index or a mode name
         if not (key.endswith("selection") and isinstance(value, (int, str))):

@@ -1,0 +1,22 @@
+"""Figures 3-6: TurnSight, the λ sweep: λ = 0.3 (main run: 0.5); everything else as configs/paper/table1_turnsight_8b.py.
+
+Paper: the figure's values are not quoted in docs/spec.md (read them off the paper's figure); this grid is ours.
+
+    python -m turnsight_jax.train --config configs/paper/figure_lambda_03.py \
+        --config.model.hf_path=/path/to/Qwen3-8B \
+        --config.data.path=/path/to/ftrl/train.parquet --config.data.eval_path=/path/to/ftrl/test.parquet
+"""
+
+import pathlib
+
+from turnsight_jax.config import load_config_module
+
+paper = load_config_module(pathlib.Path(__file__).with_name("_paper.py"))
+
+
+def change(c):
+    c.rl.lam = 0.3
+
+
+def get_config():
+    return paper.ablation("lambda_03", change)

@@ -1,0 +1,22 @@
+"""Table 2: TurnSight, a single fixed depth d = 2; everything else as configs/paper/table1_turnsight_8b.py.
+
+Paper (Qwen3-8B, FTRL average): 44.83; the full method 46.92.
+
+    python -m turnsight_jax.train --config configs/paper/table2_depth_2.py \
+        --config.model.hf_path=/path/to/Qwen3-8B \
+        --config.data.path=/path/to/ftrl/train.parquet --config.data.eval_path=/path/to/ftrl/test.parquet
+"""
+
+import pathlib
+
+from turnsight_jax.config import load_config_module
+
+paper = load_config_module(pathlib.Path(__file__).with_name("_paper.py"))
+
+
+def change(c):
+    c.rl.depths = (2,)
+
+
+def get_config():
+    return paper.ablation("depth_2", change)

@@ -1,0 +1,22 @@
+"""Table 2: TurnSight, hindsight source: the gold answer only; everything else as configs/paper/table1_turnsight_8b.py.
+
+Paper (Qwen3-8B, FTRL average): 42.80; the full method 46.92.
+
+    python -m turnsight_jax.train --config configs/paper/table2_source_answer.py \
+        --config.model.hf_path=/path/to/Qwen3-8B \
+        --config.data.path=/path/to/ftrl/train.parquet --config.data.eval_path=/path/to/ftrl/test.parquet
+"""
+
+import pathlib
+
+from turnsight_jax.config import load_config_module
+
+paper = load_config_module(pathlib.Path(__file__).with_name("_paper.py"))
+
+
+def change(c):
+    c.rl.source = "answer"
+
+
+def get_config():
+    return paper.ablation("source_answer", change)
