@@ -235,7 +235,7 @@ ARGUMENTS = st.dictionaries(STRINGS, JSON_VALUES, max_size=5)
 NAMES = STRINGS.filter(bool)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(calls=st.lists(st.tuples(NAMES, ARGUMENTS), min_size=1, max_size=4), content=st.sampled_from(["", "Let me check.", "Step 2:\n"]))
 def test_rendered_calls_round_trip(calls, content):
     text = content + "\n".join(render_tool_call(n, a) for n, a in calls) + "<|im_end|>"
@@ -246,7 +246,7 @@ def test_rendered_calls_round_trip(calls, content):
     assert t.thinking is None
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(args=ARGUMENTS)
 def test_arguments_as_json_string_round_trip(args):
     body = json.dumps({"name": "f", "arguments": json.dumps(args, ensure_ascii=False)}, ensure_ascii=False)
