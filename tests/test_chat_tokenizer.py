@@ -101,3 +101,33 @@ def test_package_tokenizer_equals_transformers(tok, qwen3_tokenizer_dir):
         assert tok.convert_ids_to_tokens(i) == hf.convert_ids_to_tokens(i)
         assert tok.convert_tokens_to_ids(tok.convert_ids_to_tokens(i)) == i
     assert tok.convert_tokens_to_ids("not-a-token-at-all") is None
+
+
+def test_segment_encoder_equals_a_full_encode_and_reuses_segments(tok):
+    """Texts split at <|im_start|> anywhere (first, last, doubled, inside text that BPE would
+    merge across), Unicode that NFC normalises, and segments repeated across texts."""
+    tools = '<|im_start|>system\n# Tools\n{"name": "f", "description": "caf\u0065\u0301 \u00e9 \u4f60\u597d"}<|im_end|>\n'
+    texts = [
+        tools + "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+        tools + "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{}\n</tool_call><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n  spaced  \n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+        "no special token at all  \n\n",
+        "<|im_start|><|im_start|>x<|im_start|>",
+        "ab<|im_start|>cd",
+        "",
+    ]
+    enc = tl.SegmentEncoder(tok, max_segments=3)
+    for text in texts + texts[::-1]:
+        assert enc(text) == tl.encode(tok, text), text
+    assert len(enc._cache) == 3  # bounded
+    calls = []
+    enc = tl.SegmentEncoder(tok)
+    real = enc.tokenizer
+    class Counting:  # counts the characters that reach BPE
+        def encode(self, text, add_special_tokens=False):
+            calls.append(text)
+            return real.encode(text, add_special_tokens=add_special_tokens)
+    enc.tokenizer = Counting()
+    enc(texts[0]), enc(texts[1])
+    assert calls.count('system\n# Tools\n{"name": "f", "description": "caf\u0065\u0301 \u00e9 \u4f60\u597d"}<|im_end|>\n') == 1
+    assert sum(map(len, calls)) < len(texts[0]) + len(texts[1]) - len(tools)

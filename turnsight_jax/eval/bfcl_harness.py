@@ -205,7 +205,7 @@ class Conversation:
         self.tokens = 0  # policy tokens generated
         self.error: str | None = None  # "length" (out of context) or a render error
         self.finished = False
-        self._last: tuple[str, list[int]] | None = None  # the last prompt and its ids
+        self._encoder: tok_lib.SegmentEncoder | None = None
 
     @property
     def active(self) -> bool:
@@ -214,23 +214,15 @@ class Conversation:
     def prompt(self) -> str:
         return render_prompt(self.messages, self.functions, enable_thinking=self.enable_thinking)
 
-    def prompt_ids(self, tokenizer) -> list[int]:
-        """Token ids of `prompt()`. Special tokens are split off before BPE, so the ids of the text
-        before the last prompt's final <|im_start|> do not depend on what follows: when the new
-        prompt extends that text, only the rest is tokenised (the same ids as a full encode)."""
-        text = self.prompt()
-        if self._last is not None:
-            old_text, old_ids = self._last
-            cut = old_text.rfind(IM_START)
-            start_id = tok_lib.im_start_id(tokenizer)
-            cut_tok = len(old_ids) - 1 - old_ids[::-1].index(start_id) if start_id in old_ids else -1
-            if cut > 0 and cut_tok > 0 and text.startswith(old_text[:cut]):
-                ids = old_ids[:cut_tok] + tok_lib.encode(tokenizer, text[cut:])
-                self._last = (text, ids)
-                return ids
-        ids = tok_lib.encode(tokenizer, text)
-        self._last = (text, ids)
-        return ids
+    def prompt_ids(self, tokenizer, encoder: tok_lib.SegmentEncoder | None = None) -> list[int]:
+        """Token ids of `prompt()` (equal to a full encode). Each step re-renders the whole
+        history, so the ids come from a segment cache (`encoder`, shared across conversations by
+        `run_conversations`; by default one per conversation)."""
+        if encoder is None:
+            if self._encoder is None or self._encoder.tokenizer is not tokenizer:
+                self._encoder = tok_lib.SegmentEncoder(tokenizer)
+            encoder = self._encoder
+        return encoder(self.prompt())
 
     def feed(self, raw: str) -> None:
         """Applies the model's reply of one step."""
@@ -334,6 +326,7 @@ def run_conversations(completer, conversations: Sequence[Conversation], keys: Se
     """Plays the conversations to their end, all active ones one step per round. Returns stats."""
     t0 = time.perf_counter()
     rounds = 0
+    encoder = tok_lib.SegmentEncoder(tokenizer)
     while True:
         live = [i for i, c in enumerate(conversations) if c.active]
         if not live:
@@ -343,7 +336,7 @@ def run_conversations(completer, conversations: Sequence[Conversation], keys: Se
         for i in live:
             c = conversations[i]
             try:
-                ids = c.prompt_ids(tokenizer)
+                ids = c.prompt_ids(tokenizer, encoder)
             except RenderError as e:
                 c.error = f"BFCL's handler cannot render the history: {e}"
                 continue
