@@ -19,6 +19,7 @@ from turnsight_jax.rl.logprobs import logprobs_at, teacher_logprobs
 from turnsight_jax.rl.views import ViewOptions, build_views, covered_turns
 
 from _vocab import SMALL_VOCAB, fold, fold_views
+from conftest import OPTIMIZED
 
 CFG = Qwen3Config(vocab_size=SMALL_VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, tie_word_embeddings=False)
@@ -55,7 +56,7 @@ def test_packed_views_equal_plain_sequences(tok, trajectories, options):
     views, stats = build_views(trajs, tok, options=options, gold_answers=answers, with_reference=True)
     model = init_model(CFG, seed=1, options=RuntimeOptions(attn_q_chunk=128))
     # the model's vocabulary is small: ids folded identically on both sides (tests/_vocab.py)
-    packed = np.asarray(jax.jit(lambda v: teacher_logprobs(model, v, chunk=64))(
+    packed = np.asarray(jax.jit(lambda v: teacher_logprobs(model, v, chunk=64), compiler_options=OPTIMIZED)(
         jax.tree.map(jnp.asarray, fold_views(views))))
     assert stats["teacher_distinct_rows"] < stats["teacher_rows"]  # shared predictors computed once
 
@@ -77,7 +78,7 @@ def test_packed_views_equal_plain_sequences(tok, trajectories, options):
     rows, width, most = 8, 1024, 64  # fixed shapes: one compilation
     assert max(n for *_, n in cases) <= most
     score = jax.jit(lambda x, m, pred, y: logprobs_at(model, model.hidden_states(x, Layout.causal(m)), pred, y,
-                                                      chunk=256))
+                                                      chunk=256), compiler_options=OPTIMIZED)
     plain = []
     for i in range(0, len(cases), rows):
         x = np.zeros((rows, width), np.int32)

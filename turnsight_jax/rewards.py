@@ -64,8 +64,6 @@ import string
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
-from scipy.special import logsumexp
 
 from turnsight_jax.chat.types import Call, CallError, ToolCall
 from turnsight_jax.rl.config import MATCHTIR_MATCHINGS, MATCHTIR_SEMANTICS  # the switches' values
@@ -239,6 +237,8 @@ def optimal_assignment(similarity: np.ndarray) -> list[tuple[int, int]]:
 
     Optimal (Hungarian algorithm), not greedy; with P != G, min(P, G) pairs are returned.
     """
+    from scipy.optimize import linear_sum_assignment  # scipy.optimize costs ~0.7 s to import: only here
+
     similarity = np.asarray(similarity, dtype=np.float64)
     if similarity.size == 0:
         return []
@@ -276,6 +276,8 @@ def sinkhorn_plan(
     Log-domain Sinkhorn, so small `reg` does not underflow. Rows of the plan sum to 1/P and
     columns to 1/G (to `tol`). The "clean" transport plan.
     """
+    from scipy.special import logsumexp
+
     similarity = np.asarray(similarity, dtype=np.float64)
     n_rows, n_cols = similarity.shape
     if n_rows == 0 or n_cols == 0:
