@@ -30,6 +30,7 @@ from turnsight_jax.rl.methods import resolve_method
 from turnsight_jax.rl.step import make_train_step
 
 from _vocab import SMALL_VOCAB, fold, fold_batch
+from conftest import OPTIMIZED
 
 CFG = Qwen3Config(vocab_size=SMALL_VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, tie_word_embeddings=False)
@@ -95,14 +96,17 @@ def _sgd_step(cfg, policy, ref, batch, mesh=None):
     return grads, metrics
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _score(graphdef, params, x, m, pred, target):
+def _score_rows(graphdef, params, x, m, pred, target):
     """x, m [R, W]; pred, target [R, P] -> [R, P] log-probs: an explicit log_softmax of the logits
     at the positions that predict the targets, on right-padded causal rows."""
     model = nnx.merge(graphdef, params)
     h = model.hidden_states(x, Layout.causal(m))
     logits = model.logits(jnp.take_along_axis(h, pred[..., None], axis=1))
     return jnp.take_along_axis(jax.nn.log_softmax(logits, -1), target[..., None], -1)[..., 0]
+
+
+# Run many times on 2,048-wide rows: compiled at full optimisation (tests/conftest.py OPTIMIZED).
+_score = jax.jit(_score_rows, static_argnums=0, compiler_options=OPTIMIZED)
 
 
 def plain_logprobs(graphdef, params, seqs, preds, targets, width=1024, rows=None, most=None):
@@ -121,8 +125,9 @@ def plain_logprobs(graphdef, params, seqs, preds, targets, width=1024, rows=None
         m[r, : len(sq)] = True
         pred[r, : len(preds[r])] = preds[r]
         target[r, : len(preds[r])] = fold(targets[r])
-    out = _score(graphdef, params, x, m, pred, target)
-    if not isinstance(out, jax.core.Tracer):  # concrete: slice on the host, not op by op
+    traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(params))
+    out = (_score_rows if traced else _score)(graphdef, params, x, m, pred, target)
+    if not traced:  # concrete: slice on the host, not op by op
         out = np.asarray(out)
     return [out[r, : len(preds[r])] for r in range(len(seqs))]
 

@@ -14,8 +14,8 @@ from turnsight_jax import model_setup, sources
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import Qwen3
-from turnsight_jax.sft import (_restricted_step, _sft_step, demonstration_turn_texts, drop_system_block,
-                               flatten_policy, gold_trajectories, pad_rows, task_vocabulary)
+from turnsight_jax.sft import (_restricted_step, _sft_step, _sft_update, _state_pinned, demonstration_turn_texts,
+                               drop_system_block, flatten_policy, gold_trajectories, pad_rows, task_vocabulary)
 from turnsight_jax.rl.logprobs import student_logprobs
 from turnsight_jax.envs.synthetic import generate_tasks, gold_turn_texts
 
@@ -149,6 +149,31 @@ def test_packed_sft_step_equals_the_padded_per_row_loss_and_gradient():
     got_grads = jax.tree.map(lambda a, b: a - b, params, new)
     for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6)
+
+
+def test_warm_start_steps_compile_once_on_a_one_device_mesh():
+    """The step's updated state keeps the input shardings (`_state_pinned`), so step 2 reuses
+    step 1's program; left to the compiler, a one-device mesh hands P(None,) back as P() and the
+    same step compiles again."""
+    from turnsight_jax.models.sharding import make_mesh, state_shardings
+
+    mesh = make_mesh(devices=jax.devices()[:1])
+    graphdef, params = nnx.split(_small_model())
+    tokens, valid, pol_pos, pol_valid = pad_rows(_batch(3, b=2), 12, 8)
+    args = (jnp.asarray(tokens), jnp.asarray(valid), *map(jnp.asarray, flatten_policy(pol_pos, pol_valid, multiple=8)))
+    opt = optax.adam(1e-3)
+    counts = {}
+    for name in ("pinned", "compiler's choice"):
+        p = jax.device_put(jax.tree.map(jnp.copy, params), state_shardings(params, mesh))  # donated below
+        with jax.set_mesh(mesh):
+            o = jax.jit(opt.init)(p)
+            step = (_state_pinned(_sft_update, p, o) if name == "pinned"
+                    else jax.jit(_sft_update, static_argnums=(0, 1), donate_argnums=(2, 3)))
+            for _ in range(3):
+                p, o, loss = step(graphdef, opt, p, o, *args)
+        counts[name] = step._cache_size()
+        assert np.isfinite(float(loss))
+    assert counts == {"pinned": 1, "compiler's choice": 2}, counts
 
 
 def test_imperfect_demonstrations_add_one_wasted_call_at_the_configured_rate():

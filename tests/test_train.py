@@ -129,6 +129,15 @@ def test_sigterm_then_resume_matches_uninterrupted(uninterrupted, tmp_path):
         assert resumed[step] == full[step], step
 
 
+def test_the_step_compiles_once_per_batch_geometry(uninterrupted):
+    """The updated parameters keep their shardings (make_train_step's state_shardings), so the
+    step and the rollout programs are not compiled again on the second step: the step's compiled
+    programs equal the distinct batch geometries the run met."""
+    recs = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
+    geometries = {tuple(v for k, v in sorted(r.items()) if k.startswith("shape/")) for r in recs}
+    assert recs[-1]["perf/step_compilations"] == len(geometries), [r["perf/step_compilations"] for r in recs]
+
+
 def test_unfinished_checkpoint_is_never_loaded(uninterrupted, tmp_path):
     import shutil
 

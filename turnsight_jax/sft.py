@@ -27,7 +27,6 @@ Two stages:
 from __future__ import annotations
 
 import argparse
-import functools
 import pathlib
 import shutil
 import sys
@@ -125,8 +124,7 @@ def pad_rows(rows, width: int, pol_width: int):
     return tokens, valid, pol_pos, pol_valid
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
-def _restricted_step(graphdef, optimizer, params, opt_state, classes, tokens, valid, pol_pos, pol_valid):
+def _restricted_update(graphdef, optimizer, params, opt_state, classes, tokens, valid, pol_pos, pol_valid):
     """One step of cross-entropy over `classes` [C] only; targets are the policy tokens, which
     all lie in `classes`. tokens, valid [B, T]; pol_pos, pol_valid [B, N]."""
     def loss_fn(p):
@@ -159,8 +157,7 @@ def flatten_policy(pol_pos: np.ndarray, pol_valid: np.ndarray, multiple: int = 2
     return flat_row, flat_pos, keep
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
-def _sft_step(graphdef, optimizer, params, opt_state, tokens, valid, flat_row, flat_pos, keep):
+def _sft_update(graphdef, optimizer, params, opt_state, tokens, valid, flat_row, flat_pos, keep):
     """One step of full-vocabulary cross-entropy on the policy tokens. tokens, valid [B, T];
     flat_row, flat_pos, keep [P] (`flatten_policy`): the 151,936-wide projection, most of a step's
     cost, runs on the real policy tokens only, not on every row padded to the longest."""
@@ -174,6 +171,20 @@ def _sft_step(graphdef, optimizer, params, opt_state, tokens, valid, flat_row, f
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
+
+
+_restricted_step = jax.jit(_restricted_update, static_argnums=(0, 1), donate_argnums=(2, 3))
+_sft_step = jax.jit(_sft_update, static_argnums=(0, 1), donate_argnums=(2, 3))
+
+
+def _state_pinned(update, params, opt_state):
+    """`update` jitted with its (params, opt_state) outputs in the inputs' shardings.
+
+    Left to the compiler, a one-device mesh returns P('tensor', 'fsdp') parameters as P(): an
+    equivalent but unequal sharding, so the second step compiled the whole step again (3.5 s of
+    a short warm-start)."""
+    shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
+    return jax.jit(update, static_argnums=(0, 1), donate_argnums=(2, 3), out_shardings=(*shardings, None))
 
 
 def _optimizer(lr: float, steps: int):
@@ -213,21 +224,25 @@ def run_sft(cfg: mlc.ConfigDict, workdir: pathlib.Path, mesh, tok, tokdir: pathl
         classes = jnp.asarray(task_vocabulary(trajs))
         width = max(len(ids) for ids, _ in short)
         optimizer = _optimizer(s.curriculum_lr, s.curriculum_steps)
-        opt_state = optimizer.init(params)
+        with jax.set_mesh(mesh):
+            opt_state = jax.jit(optimizer.init)(params)
+        restricted_step = _state_pinned(_restricted_update, params, opt_state)
         log(f"sft stage 1: {s.curriculum_steps} steps on rows without the system block (<= {width} "
                     f"tokens), softmax over the {classes.size} task-vocabulary tokens")
         progress = Progress(s.curriculum_steps, 0, cfg.log.progress)
         for step in range(s.curriculum_steps):
             batch = pad_rows([short[i] for i in rng.choice(len(short), size=bs, replace=False)], width, pol_width)
             with jax.set_mesh(mesh):
-                params, opt_state, loss = _restricted_step(graphdef, optimizer, params, opt_state, classes,
+                params, opt_state, loss = restricted_step(graphdef, optimizer, params, opt_state, classes,
                                                            *map(jnp.asarray, batch))
             if step % 25 == 0 or step == s.curriculum_steps - 1:
                 progress.update(step, {"sft_task_vocab_loss": float(loss)})
         log(f"sft stage 1: done in {time.perf_counter() - t1:.1f}s, loss {float(loss):.3f}")
     if s.steps > 0:
         optimizer = _optimizer(s.lr, s.steps)
-        opt_state = optimizer.init(params)
+        with jax.set_mesh(mesh):
+            opt_state = jax.jit(optimizer.init)(params)
+        sft_step = _state_pinned(_sft_update, params, opt_state)
         progress = Progress(s.steps, 0, cfg.log.progress)
         # One row width for every step (the longest demonstration); the flattened policy tokens come
         # in multiples of 256, so only a few shapes compile.
@@ -238,8 +253,8 @@ def run_sft(cfg: mlc.ConfigDict, workdir: pathlib.Path, mesh, tok, tokdir: pathl
             tokens, valid = pad_tokens(pick, width)
             flat = flatten_policy(*policy_positions(pick, pol_width))
             with jax.set_mesh(mesh):
-                params, opt_state, loss = _sft_step(graphdef, optimizer, params, opt_state, jnp.asarray(tokens),
-                                                    jnp.asarray(valid), *map(jnp.asarray, flat))
+                params, opt_state, loss = sft_step(graphdef, optimizer, params, opt_state, jnp.asarray(tokens),
+                                                   jnp.asarray(valid), *map(jnp.asarray, flat))
             if step % 10 == 0 or step == s.steps - 1:
                 progress.update(step, {"sft_loss": float(loss)})
     tmp = workdir / "sft.tmp"

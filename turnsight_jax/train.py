@@ -141,9 +141,10 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     ref_dtype = model_setup.DTYPES[cfg.model.ref_dtype]
     ref_params = jax.tree.map(lambda x: x.astype(ref_dtype) if x.dtype != ref_dtype else jnp.copy(x), params)
     optimizer = make_optimizer(step_cfg.optim)
-    step_fn = make_train_step(graphdef, step_cfg, optimizer, method)
     with jax.set_mesh(mesh):
         opt_state = jax.jit(optimizer.init, out_shardings=None)(params)
+    step_fn = make_train_step(graphdef, step_cfg, optimizer, method,
+                              state_shardings=jax.tree.map(lambda x: x.sharding, (params, opt_state)))
 
     ckpt = Checkpointer(workdir, keep=cfg.checkpoint.keep)
     start = 0
@@ -179,7 +180,6 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     preempt = _Preemption()
     step = start
     shapes: dict[str, int] = {}  # widths only grow: the step compiles a handful of times per run
-    step_shapes: set[tuple[int, ...]] = set()  # the step compiles once per distinct batch geometry
     try:
         for step in range(start, n_steps):
             t_step = time.perf_counter()
@@ -194,7 +194,6 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             row_tasks = [t for t in tasks for _ in range(cfg.train.group_size)]
             batch, bstats = make_train_batch(res.trajectories, row_tasks, tok, step_cfg, method, min_shapes=shapes)
             shapes = {k: max(shapes.get(k, 0), int(bstats[k])) for k in ("T", "N", "P", "U") if k in bstats}
-            step_shapes.add(tuple(int(bstats[k]) for k in ("T", "N", "P", "U") if k in bstats))
             with jax.set_mesh(mesh):
                 params, opt_state, m = step_fn(params, opt_state, ref_params, shard_batch(batch, mesh))
                 m = jax.device_get(m)
@@ -208,7 +207,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             metrics.update({"perf/step_s": t_total, "perf/rollout_s": t_roll, "perf/update_s": t_total - t_roll,
                             "perf/tool_s": res.stats["tool_s"], "perf/tokens_per_s": tokens / t_total,
                             "perf/compilations": res.stats.get("compilations", 0.0),
-                            "perf/step_compilations": float(len(step_shapes)),
+                            "perf/step_compilations": float(step_fn._cache_size()),  # programs compiled so far
                             **{f"shape/{k}": float(v) for k, v in shapes.items()},
                             "perf/view_overhead": bstats.get("view_overhead", 0.0)})
             if peak:

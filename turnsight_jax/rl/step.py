@@ -168,10 +168,16 @@ def masked_old_logprobs(model: Qwen3, batch: TrainBatch, cfg: StepConfig):
 
 
 def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransformation,
-                    method: ResolvedMethod | None = None):
+                    method: ResolvedMethod | None = None, *, state_shardings=None):
     """Returns step(params, opt_state, ref_params, batch) -> (params, opt_state, metrics), jitted
     with params and opt_state donated. `params`/`ref_params` are nnx.State of the policy and the
-    frozen reference (same graphdef). `method` defaults to resolve_method(cfg)."""
+    frozen reference (same graphdef). `method` defaults to resolve_method(cfg).
+
+    `state_shardings` (the shardings of (params, opt_state), e.g. `jax.tree.map(lambda x:
+    x.sharding, (params, opt_state))`) pins the updated state to them. Left to the compiler, the
+    outputs come back in equivalent but unequal shardings (P(None,) as P(); axes of size 1
+    dropped), so the second step, and every rollout program taking the new parameters, would
+    compile again."""
     method = method or resolve_method(cfg)
     terms = method.loss_terms
     metric_names = tuple(dict.fromkeys(k for t in terms for k in t.metrics))
@@ -253,4 +259,6 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         metrics.update(diag)
         return params, opt_state, metrics
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    if state_shardings is None:
+        return jax.jit(step, donate_argnums=(0, 1))
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(*state_shardings, None))
