@@ -169,9 +169,10 @@ def test_warm_start_steps_compile_once_on_a_one_device_mesh():
             o = jax.jit(opt.init)(p)
             step = (_state_pinned(_sft_update, p, o) if name == "pinned"
                     else jax.jit(_sft_update, static_argnums=(0, 1), donate_argnums=(2, 3)))
+            before = step._cache_size()  # jits of one function may share a cache: count what these calls add
             for _ in range(3):
                 p, o, loss = step(graphdef, opt, p, o, *args)
-        counts[name] = step._cache_size()
+        counts[name] = step._cache_size() - before
         assert np.isfinite(float(loss))
     assert counts == {"pinned": 1, "compiler's choice": 2}, counts
 
