@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from _hf import hf_logits, make_hf_checkpoint
 from turnsight_jax.rl.logprobs import chunked_logprobs
@@ -18,6 +19,10 @@ from turnsight_jax.models.safetensors_io import SafetensorsFile
 from turnsight_jax.models.weights import load_pretrained, save_pretrained
 
 torch = pytest.importorskip("torch")
+
+# Compiled calls (one program per shape) instead of op-by-op dispatch, which compiles every op.
+forward = nnx.jit(lambda model, *args: model(*args))
+extend = nnx.jit(lambda model, tokens, n, cache: model.extend(tokens, n, cache))
 
 # (tied, heads, kv_heads, head_dim, hidden): GQA ratios 1, 2, 4; head_dim != hidden/heads in two.
 CONFIGS = {
@@ -49,11 +54,11 @@ def test_logits_match_transformers_with_padding(checkpoint):
     rng = np.random.default_rng(0)
     tokens, mask = _padded_batch(rng, 512, [23, 9, 17], 23)
     ref = hf_logits(hf, tokens, mask)
-    ours = np.asarray(model(jnp.asarray(tokens), Layout.causal(jnp.asarray(mask))))
+    ours = np.asarray(forward(model, jnp.asarray(tokens), Layout.causal(jnp.asarray(mask))))
     err = np.abs(ref - ours)[mask].max()
     assert err < 1e-4, err
     # the public call: tokens alone is a plain causal forward
-    full = np.asarray(model(jnp.asarray(tokens[:1])))
+    full = np.asarray(forward(model, jnp.asarray(tokens[:1])))
     assert np.abs(full - hf_logits(hf, tokens[:1])).max() < 1e-4
 
 
@@ -65,7 +70,7 @@ def test_save_then_transformers_load_gives_same_logits(checkpoint, tmp_path):
     out = save_pretrained(model, tmp_path / "export")
     hf2 = Qwen3ForCausalLM.from_pretrained(out).eval()
     tokens = np.random.default_rng(1).integers(0, 512, (2, 12)).astype(np.int32)
-    assert np.abs(hf_logits(hf2, tokens) - np.asarray(model(jnp.asarray(tokens)))).max() < 1e-4
+    assert np.abs(hf_logits(hf2, tokens) - np.asarray(forward(model, jnp.asarray(tokens)))).max() < 1e-4
 
 
 def test_hf_ours_hf_tensors_identical(checkpoint, tmp_path):
@@ -87,7 +92,7 @@ def test_index_sharded_save_and_load(tmp_path):
     assert len(set(index["weight_map"].values())) > 1
     again = load_pretrained(out)
     tokens = jnp.arange(10, dtype=jnp.int32)[None]
-    np.testing.assert_array_equal(np.asarray(model(tokens)), np.asarray(again(tokens)))
+    np.testing.assert_array_equal(np.asarray(forward(model, tokens)), np.asarray(forward(again, tokens)))
 
 
 def test_bf16_save_round_trip(tmp_path):
@@ -109,7 +114,7 @@ def test_kv_cache_decode_matches_full_forward():
     model = init_model(cfg, seed=3)
     rng = np.random.default_rng(0)
     seq = jnp.asarray(rng.integers(0, 300, (3, 20)).astype(np.int32))
-    full = np.asarray(model(seq))
+    full = np.asarray(forward(model, seq))
     w = model.output_weight()
 
     # prefill 5 tokens, decode 4 one by one, append 6 at once (an observation), decode the rest
@@ -117,8 +122,8 @@ def test_kv_cache_decode_matches_full_forward():
     got = []
     pos = 0
     for n in [5, 1, 1, 1, 1, 6, 1, 1, 1, 1, 1]:
-        h, cache = model.extend(seq[:, pos:pos + n], jnp.full((3,), n, jnp.int32), cache)
-        got.append(np.asarray(jnp.einsum("bnd,dv->bnv", h, w)))
+        h, cache = extend(model, seq[:, pos:pos + n], jnp.full((3,), n, jnp.int32), cache)
+        got.append(np.einsum("bnd,dv->bnv", np.asarray(h), np.asarray(w)))
         pos += n
     got = np.concatenate(got, axis=1)
     assert pos == 20 and int(cache.lengths[0]) == 20
@@ -136,14 +141,14 @@ def test_kv_cache_ragged_rows_and_padding():
     cache = KVCache.zeros(cfg, 2, 16)
     # step 1: row0 appends 4, row1 appends 7 (rest garbage)
     toks = np.stack([np.concatenate([a[:4], rng.integers(0, 200, 3)]), b[:7]]).astype(np.int32)
-    _, cache = model.extend(jnp.asarray(toks), jnp.array([4, 7]), cache)
+    _, cache = extend(model, jnp.asarray(toks), jnp.array([4, 7]), cache)
     # step 2: row0 appends 7 more, row1 appends 4 more
     toks = np.stack([a[4:11], np.concatenate([b[7:11], rng.integers(0, 200, 3)])]).astype(np.int32)
-    h, cache = model.extend(jnp.asarray(toks), jnp.array([7, 4]), cache)
+    h, cache = extend(model, jnp.asarray(toks), jnp.array([7, 4]), cache)
     w = model.output_weight()
-    ref_a = np.asarray(model(jnp.asarray(a[None])))[0, 4:11]
-    ref_b = np.asarray(model(jnp.asarray(b[None])))[0, 7:11]
-    got = np.asarray(jnp.einsum("bnd,dv->bnv", h, w))
+    ref_a = np.asarray(forward(model, jnp.asarray(a[None])))[0, 4:11]
+    ref_b = np.asarray(forward(model, jnp.asarray(b[None])))[0, 7:11]
+    got = np.einsum("bnd,dv->bnv", np.asarray(h), np.asarray(w))
     assert np.abs(got[0] - ref_a).max() < 1e-5
     assert np.abs(got[1, :4] - ref_b).max() < 1e-5
     assert list(np.asarray(cache.lengths)) == [11, 11]
@@ -158,7 +163,7 @@ def test_chunked_attention_equals_single_chunk():
     small = init_model(cfg, seed=0, options=RuntimeOptions(attn_q_chunk=16))
     tokens, mask = _padded_batch(np.random.default_rng(0), 100, [70, 33], 70)
     lay = Layout.causal(jnp.asarray(mask))
-    a, b = np.asarray(big(jnp.asarray(tokens), lay)), np.asarray(small(jnp.asarray(tokens), lay))
+    a, b = np.asarray(forward(big, jnp.asarray(tokens), lay)), np.asarray(forward(small, jnp.asarray(tokens), lay))
     assert np.abs(a - b)[mask].max() < 1e-5
 
 
@@ -167,12 +172,13 @@ def test_chunked_logprobs_equal_log_softmax_gather():
     h = jnp.asarray(rng.normal(size=(37, 16)).astype(np.float32))
     w = jnp.asarray(rng.normal(size=(16, 300)).astype(np.float32))
     t = jnp.asarray(rng.integers(0, 300, 37).astype(np.int32))
-    ref = jnp.take_along_axis(jax.nn.log_softmax(h @ w / 0.7, -1), t[:, None], -1)[:, 0]
+    ref = jax.jit(lambda h: jnp.take_along_axis(jax.nn.log_softmax(h @ w / 0.7, -1), t[:, None], -1)[:, 0])(h)
+    chunked = jax.jit(chunked_logprobs, static_argnames=("chunk", "temperature"))
     for chunk in (8, 37, 64):
-        np.testing.assert_allclose(chunked_logprobs(h, t, w, chunk=chunk, temperature=0.7), ref, atol=1e-5)
+        np.testing.assert_allclose(chunked(h, t, w, chunk=chunk, temperature=0.7), ref, atol=1e-5)
     # gradients too
-    g1 = jax.grad(lambda h: chunked_logprobs(h, t, w, chunk=8).sum())(h)
-    g2 = jax.grad(lambda h: jnp.take_along_axis(jax.nn.log_softmax(h @ w, -1), t[:, None], -1).sum())(h)
+    g1 = jax.jit(jax.grad(lambda h: chunked_logprobs(h, t, w, chunk=8).sum()))(h)
+    g2 = jax.jit(jax.grad(lambda h: jnp.take_along_axis(jax.nn.log_softmax(h @ w, -1), t[:, None], -1).sum()))(h)
     np.testing.assert_allclose(g1, g2, atol=1e-5)
 
 
@@ -187,8 +193,9 @@ def test_chunked_logprobs_of_a_sequence_match_model_logits():
     model = init_model(Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1,
                                    num_heads=2, num_kv_heads=1, head_dim=16))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 9)).astype(np.int32))
-    lp = sequence_logprobs(model.hidden_states(tokens), tokens, model.output_weight(), chunk=4)
-    ref = jnp.take_along_axis(jax.nn.log_softmax(model(tokens), -1)[:, :-1], tokens[:, 1:, None], -1)[..., 0]
+    lp, ref = nnx.jit(lambda m: (
+        sequence_logprobs(m.hidden_states(tokens), tokens, m.output_weight(), chunk=4),
+        jnp.take_along_axis(jax.nn.log_softmax(m(tokens), -1)[:, :-1], tokens[:, 1:, None], -1)[..., 0]))(model)
     np.testing.assert_allclose(lp[:, 1:], ref, atol=1e-5)
     assert float(jnp.abs(lp[:, 0]).max()) == 0.0
 

@@ -51,9 +51,10 @@ def test_predictor_positions_skip_masked_tokens():
 @pytest.mark.parametrize("chunk", [64, 4])  # one block, and the scanned path (12 rows in blocks of 4)
 def test_entropy_equals_numpy_entropy_of_the_logits(model, chunk):
     temp = 0.7
-    lp, ent = student_logprobs(model, jnp.asarray(TOKENS), jnp.asarray(REAL), jnp.asarray(POL_POS), chunk=chunk,
-                               temperature=temp, with_entropy=True)
-    logits = np.asarray(model(jnp.asarray(TOKENS)), np.float64) / temp  # [B, T, V], dense: the reference
+    scored = nnx.jit(student_logprobs, static_argnames=("chunk", "temperature", "with_entropy"))
+    lp, ent = scored(model, jnp.asarray(TOKENS), jnp.asarray(REAL), jnp.asarray(POL_POS), chunk=chunk,
+                     temperature=temp, with_entropy=True)
+    logits = np.asarray(nnx.jit(lambda m, x: m(x))(model, jnp.asarray(TOKENS)), np.float64) / temp  # [B, T, V], dense: the reference
     logp = _np_log_softmax(logits)
     want_ent = -(np.exp(logp) * logp).sum(-1)  # H = -Σ p log p at each position
     pred = POL_POS - 1
@@ -63,8 +64,7 @@ def test_entropy_equals_numpy_entropy_of_the_logits(model, chunk):
         np.testing.assert_allclose(lp[b, :n], logp[b, pred[b, :n], TOKENS[b, POL_POS[b, :n]]], rtol=1e-5, atol=1e-6)
     assert float(np.min(ent[POL_VALID])) > 0 and float(np.max(ent[POL_VALID])) <= np.log(CFG.vocab_size) + 1e-5
     # the log-probs do not depend on whether the entropy is asked for
-    alone = student_logprobs(model, jnp.asarray(TOKENS), jnp.asarray(REAL), jnp.asarray(POL_POS), chunk=chunk,
-                             temperature=temp)
+    alone = scored(model, jnp.asarray(TOKENS), jnp.asarray(REAL), jnp.asarray(POL_POS), chunk=chunk, temperature=temp)
     np.testing.assert_array_equal(alone, lp)
 
 
@@ -82,8 +82,8 @@ def test_entropy_gradient_matches_a_dense_reference(model):
         ent = -jnp.sum(jnp.exp(logp) * logp, -1)
         return jnp.sum(jnp.take_along_axis(ent, jnp.asarray(POL_POS - 1).clip(0), 1) * mask)
 
-    g = jax.grad(chunked)(params)
-    want = jax.grad(dense)(params)
+    g = jax.jit(jax.grad(chunked))(params)
+    want = jax.jit(jax.grad(dense))(params)
     leaves = jax.tree.leaves(g)
     assert all(np.all(np.isfinite(x)) for x in leaves)
     assert max(float(np.abs(x).max()) for x in leaves) > 1e-4  # a real gradient
@@ -94,18 +94,19 @@ def test_entropy_gradient_matches_a_dense_reference(model):
 def test_masked_student_equals_a_forward_without_the_observation(model):
     """The masked forward equals a plain forward of the row with tokens 6-8 removed, at the kept
     tokens' own positions (the released code keeps position ids running through masked tokens)."""
-    lp = student_logprobs(model, jnp.asarray(TOKENS), jnp.asarray(CONTEXT), jnp.asarray(POL_POS), chunk=4)
+    scored = nnx.jit(student_logprobs, static_argnames=("chunk",))
+    lp = scored(model, jnp.asarray(TOKENS), jnp.asarray(CONTEXT), jnp.asarray(POL_POS), chunk=4)
     kept = np.flatnonzero(CONTEXT[0])  # [0 1 2 3 4 5 9 10]
     short = jnp.asarray(TOKENS[0, kept][None])
     n = kept.size
     none, zero = jnp.full((1, n), NO_SEGMENT, jnp.int32), jnp.zeros((1, n), jnp.int32)
     layout = Layout(jnp.asarray(kept[None], jnp.int32), zero, none, zero, none, zero)
-    logp = _np_log_softmax(np.asarray(model(short, layout), np.float64))[0]
+    logp = _np_log_softmax(np.asarray(nnx.jit(lambda m, x, lay: m(x, lay))(model, short, layout), np.float64))[0]
     # policy tokens are kept indices 3, 4, 5, 6, 7 (positions 3, 4, 5, 9, 10), each predicted by the one before
     want = [logp[j - 1, TOKENS[0, kept[j]]] for j in range(3, 8)]
     np.testing.assert_allclose(lp[0, :5], want, rtol=1e-5, atol=1e-6)
     # the second row has no observation: masking changes nothing there
-    full = student_logprobs(model, jnp.asarray(TOKENS), jnp.asarray(REAL), jnp.asarray(POL_POS), chunk=4)
+    full = scored(model, jnp.asarray(TOKENS), jnp.asarray(REAL), jnp.asarray(POL_POS), chunk=4)
     np.testing.assert_array_equal(lp[1], full[1])
     # turn 0 is before the observation: the same either way; turn 1 differs (it no longer reads it)
     np.testing.assert_allclose(lp[0, :3], full[0, :3], rtol=1e-5, atol=1e-6)

@@ -13,7 +13,7 @@ from turnsight_jax import config as C
 from turnsight_jax import model_setup, sources
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.config import Qwen3Config
-from turnsight_jax.models.qwen3 import Qwen3
+from turnsight_jax.models.qwen3 import init_model
 from turnsight_jax.sft import (_restricted_step, _sft_step, _sft_update, _state_pinned, demonstration_turn_texts,
                                drop_system_block, flatten_policy, gold_trajectories, pad_rows, task_vocabulary)
 from turnsight_jax.rl.logprobs import student_logprobs
@@ -68,7 +68,7 @@ def test_task_vocabulary_is_the_policy_tokens(gold):
 def _small_model():
     cfg = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
                       num_kv_heads=1, head_dim=16, tie_word_embeddings=True)
-    return Qwen3(cfg, rngs=nnx.Rngs(0))
+    return init_model(cfg, seed=0)
 
 
 def _batch(seed, b=3, t=12, n=4, vocab=96):
@@ -93,8 +93,8 @@ def test_restricted_loss_is_cross_entropy_over_the_classes():
     classes = np.unique(np.concatenate([ids[pm] for ids, pm in rows]) + 0).astype(np.int32)
     classes = np.union1d(classes, [0, 5, 50]).astype(np.int32)  # some classes that are never targets
 
-    hidden = model.hidden_states(jnp.asarray(tokens), Layout.causal(jnp.asarray(valid)))
-    logits = np.asarray(hidden @ model.output_weight(), np.float64)  # [B, T, V]
+    full_logits = nnx.jit(lambda m, x, v: m.hidden_states(x, Layout.causal(v)) @ m.output_weight())
+    logits = np.asarray(full_logits(model, jnp.asarray(tokens), jnp.asarray(valid)), np.float64)  # [B, T, V]
     want, count = 0.0, 0
     for b in range(len(rows)):
         for p, ok in zip(pol_pos[b], pol_valid[b]):
@@ -141,7 +141,7 @@ def test_packed_sft_step_equals_the_padded_per_row_loss_and_gradient():
         lp = student_logprobs(nnx.merge(graphdef, p), jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(pol_pos))
         return -jnp.sum(lp * pol_valid) / pol_valid.sum()
 
-    want_loss, want_grads = jax.value_and_grad(padded)(params)
+    want_loss, want_grads = jax.jit(jax.value_and_grad(padded))(params)
     sgd = optax.sgd(1.0)  # lr 1: the update is minus the gradient
     new, _, loss = _sft_step(graphdef, sgd, jax.tree.map(jnp.copy, params), sgd.init(params), jnp.asarray(tokens),
                              jnp.asarray(valid), *map(jnp.asarray, flatten_policy(pol_pos, pol_valid, multiple=8)))
@@ -225,7 +225,7 @@ def test_restricted_gradient_matches_autodiff_of_the_reference():
         mask = jnp.asarray(mask[:, 1:])
         return -jnp.sum(per_pos * mask) / mask.sum()
 
-    want = jax.grad(reference)(params)
+    want = jax.jit(jax.grad(reference))(params)
     lr = 1.0
     sgd = optax.sgd(lr)
     new, _, _ = _restricted_step(graphdef, sgd, jax.tree.map(jnp.copy, params), sgd.init(params), classes,
