@@ -4,6 +4,7 @@
     python benchmarks/sampler.py --repeats 3 --rollout-tasks 4   # the recorded run (16 rollout rows)
     python benchmarks/sampler.py --no-rollout     # only the decode comparison
     python benchmarks/sampler.py --device-check   # H200: qwen3-0.6b bf16, batch 64, HBM-bound share
+    python benchmarks/sampler.py --prefill        # long-prompt prefill: chunk groups bounded vs all keys
 
 1. Decode: a random ~100M-parameter Qwen3 (real 151,936 vocabulary), saved with
    `save_pretrained` so that JAX and torch run the same weights; 16 sequences of a 64-token
@@ -16,6 +17,9 @@
    FTRLEnv with 2 workers. The first rollout compiles; the second (same shapes) is warm. Wall time
    is split into decode / append / prefill / tools / compile / other (compile measured with JAX's
    compile-time monitoring events and charged to the phase it happened in).
+3. Prefill (`--prefill`): 4 prompts of 5,120 tokens (FTRL's tool blocks are 4-6k tokens) into an
+   empty cache, as `ModelPolicy.begin` does: `from_empty=True` (query-chunk groups score only the
+   keys up to their own end) against every chunk scoring all keys, same compiled shapes otherwise.
 """
 
 from __future__ import annotations
@@ -271,6 +275,27 @@ def device_check(args):
     print(table(rows, ["quantity", "value", "notes"]))
 
 
+def prefill_comparison(args):
+    cfg = get_preset(args.prefill_preset)
+    graphdef, state = nnx.split(init_model(cfg, seed=0, options=RuntimeOptions(attn_q_chunk=512)))
+    b, w = args.prefill_batch, args.prefill_len
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, 1000, (b, w)), jnp.int32)
+    lens = jnp.full((b,), w - 100, jnp.int32)
+    rows, times = [], {}
+    for bounded in (False, True):
+        def run():
+            cache = KVCache.zeros(cfg, b, w + 200)
+            return append_tokens(graphdef, state, toks, lens, cache, jnp.zeros((b, cfg.hidden_size)), window=w,
+                                 from_empty=bounded)
+        times[bounded] = time_fn(run, repeats=args.repeats, warmup=1)
+    for bounded in (False, True):
+        rows.append([("from_empty (keys up to each chunk group)" if bounded else "every chunk over all keys"),
+                     f"{times[bounded]:.2f} s", f"{b * w / times[bounded]:,.0f}",
+                     f"{times[False] / times[bounded]:.2f}x", load()])
+    print(f"prefill: preset {args.prefill_preset}, {b} x {w} tokens, q_chunk 512")
+    print(table(rows, ["prefill", "time (median)", "tokens/s", "speed-up", "load"]))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="bench-100m")
@@ -287,6 +312,10 @@ def main():
     ap.add_argument("--rollout-group", type=int, default=4)
     ap.add_argument("--rollout-response-tokens", type=int, default=1024)
     ap.add_argument("--device-check", action="store_true", help="H200: qwen3-0.6b bf16 decode at batch 64")
+    ap.add_argument("--prefill", action="store_true", help="only the long-prompt prefill comparison")
+    ap.add_argument("--prefill-preset", default="tiny")
+    ap.add_argument("--prefill-batch", type=int, default=4)
+    ap.add_argument("--prefill-len", type=int, default=5120)
     ap.add_argument("--device-batch", type=int, default=64)
     ap.add_argument("--device-preset", default="qwen3-0.6b", help="(a small preset smoke-tests the path on a CPU)")
     ap.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth (H200: 4.8 TB/s)")
@@ -294,6 +323,9 @@ def main():
     print(f"machine: {machine()}; load average {os.getloadavg()[0]:.1f} at start")
     if args.device_check:
         device_check(args)
+        return
+    if args.prefill:
+        prefill_comparison(args)
         return
     rows = []
     decode_comparison(args, rows)

@@ -88,7 +88,7 @@ SHORT_DRY_RUN = [
 # dominates). Memory's prerequisite conversations (10 per backend even for one question) and the
 # other subsets have their own tests (tests/test_evaluate.py, tests/test_eval_bfcl_harness.py,
 # tests/test_eval_web_search.py).
-EVAL_LIMITS = {"--limit": "2", "--bfcl-limit": "1", "--bfcl-categories": "multi_turn_base"}
+EVAL_LIMITS = {"--limit": "1", "--bfcl-limit": "1", "--bfcl-categories": "multi_turn_base"}
 EVAL_MODEL_LIMITS = {"--max-turns": "2", "--max-new-tokens": "16", "--max-response-tokens": "128",
                      "--bfcl-max-response-tokens": "128", "--workers": "1"}
 TIMEOUT_S = 600

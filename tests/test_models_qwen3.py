@@ -154,6 +154,29 @@ def test_kv_cache_ragged_rows_and_padding():
     assert list(np.asarray(cache.lengths)) == [11, 11]
 
 
+def test_prefill_from_an_empty_cache_skips_only_unread_keys():
+    """extend(from_empty=True) (chunk groups score keys up to their own end) equals the plain
+    prefill over every key, ragged rows and padding included, then decodes on identically."""
+    from turnsight_jax.models.qwen3 import RuntimeOptions
+
+    cfg = Qwen3Config(vocab_size=200, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=16)
+    model = init_model(cfg, seed=4, options=RuntimeOptions(attn_q_chunk=16))  # 96 tokens: 6 chunks, 4 groups
+    rng = np.random.default_rng(5)
+    toks = jnp.asarray(rng.integers(0, 200, (3, 96)).astype(np.int32))
+    lens = jnp.array([96, 41, 7], jnp.int32)
+    outs = {}
+    for flag in (False, True):
+        prefill = nnx.jit(lambda m, t, n, c: m.extend(t, n, c, window=96, from_empty=flag))
+        h, cache = prefill(model, toks, lens, KVCache.zeros(cfg, 3, 128))
+        nxt, cache = extend(model, toks[:, :1], jnp.ones(3, jnp.int32), cache)
+        outs[flag] = [np.asarray(x) for x in (h, cache.k, nxt)]
+    real = np.arange(96)[None, :] < np.asarray(lens)[:, None]
+    np.testing.assert_allclose(outs[True][0][real], outs[False][0][real], atol=1e-6, rtol=0)
+    for a, b in zip(outs[True][1:], outs[False][1:]):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+
+
 def test_chunked_attention_equals_single_chunk():
     cfg = Qwen3Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                       num_kv_heads=1, head_dim=16)

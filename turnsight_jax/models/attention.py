@@ -188,15 +188,19 @@ def layout_attention(q, k, v, layout: Layout, *, q_chunk: int = 512) -> jax.Arra
     )
 
 
-def cache_attention(q, k_cache, v_cache, slots: jax.Array, *, q_chunk: int = 512) -> jax.Array:
+def cache_attention(q, k_cache, v_cache, slots: jax.Array, *, q_chunk: int = 512, from_empty: bool = False
+                    ) -> jax.Array:
     """Attention of new queries against a KV cache that already holds their own keys.
 
     q [B, N, Hq, Dh]; k_cache, v_cache [B, S, Hkv, Dh]; slots [B, N] int32 (cache slot of each
     query; slot -1 marks a padding query). A query reads every slot j <= its own slot.
+    from_empty: the queries were appended to an empty cache (a prefill), so query i sits in slot i
+    and reads no key beyond i: chunk groups score only the keys up to their own end
+    (`chunked_attention`'s causal_bound), 3/8 less score work than every chunk over all keys.
     """
 
     def mask_fn(q_slots, _, n):
         j = jnp.arange(n, dtype=jnp.int32)[None, None, :]
         return (j <= q_slots[..., None]) & (q_slots[..., None] >= 0)
 
-    return chunked_attention(q, k_cache, v_cache, slots, mask_fn, q_chunk=q_chunk)
+    return chunked_attention(q, k_cache, v_cache, slots, mask_fn, q_chunk=q_chunk, causal_bound=from_empty)

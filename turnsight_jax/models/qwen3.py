@@ -178,8 +178,8 @@ class Qwen3(nnx.Module):
     def __call__(self, tokens: jax.Array, layout: Layout | None = None) -> jax.Array:
         return self.logits(self.hidden_states(tokens, layout))
 
-    def extend(self, tokens: jax.Array, num_new: jax.Array, cache: KVCache, *, window: int | None = None
-               ) -> tuple[jax.Array, KVCache]:
+    def extend(self, tokens: jax.Array, num_new: jax.Array, cache: KVCache, *, window: int | None = None,
+               from_empty: bool = False) -> tuple[jax.Array, KVCache]:
         """Append up to N tokens per row to the cache and return their hidden states.
 
         tokens [B, N] int32; num_new [B] int32 (row b appends its first num_new[b] tokens; the
@@ -190,6 +190,9 @@ class Qwen3(nnx.Module):
 
         window: a static bound on the slots any query reads (every row's new length must be
         <= window); attention then costs O(window) instead of O(cache size) per token.
+        from_empty: static promise that every row's cache is empty (lengths 0: a prefill), which
+        lets attention skip the keys after each query chunk (`cache_attention`). Wrong results
+        if the promise is broken.
         """
         b, n = tokens.shape
         cfg = self.config
@@ -208,7 +211,8 @@ class Qwen3(nnx.Module):
             v_all = v_all.at[i, rows, slots].set(v.astype(v_all.dtype), mode="drop")
             k_l = jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(k_all, i, 0, keepdims=False), 0, window, 1)
             v_l = jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(v_all, i, 0, keepdims=False), 0, window, 1)
-            attn = cache_attention(q, k_l.astype(q.dtype), v_l.astype(q.dtype), query_slots, q_chunk=chunk)
+            attn = cache_attention(q, k_l.astype(q.dtype), v_l.astype(q.dtype), query_slots, q_chunk=chunk,
+                                   from_empty=from_empty)
             return (self._finish_layer(p, x, attn), k_all, v_all, i + 1), None
 
         init = (self.embed_tokens(tokens), cache.k, cache.v, jnp.int32(0))

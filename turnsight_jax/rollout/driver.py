@@ -138,7 +138,7 @@ class ModelPolicy:
         cache = KVCache.zeros(cfg, prompt_rows, max_len, self.cache_dtype)
         hidden = jnp.zeros((prompt_rows, cfg.hidden_size), self.cache_dtype)
         cache, hidden = append_tokens(self.graphdef, self.state, jnp.asarray(toks), jnp.asarray(lens), cache, hidden,
-                                      window=width)
+                                      window=width, from_empty=True)  # the cache was just made: empty
         # Repeat each prompt's cache G times, then pad the rows to the bucket with empty rows.
         take = np.minimum(np.arange(self.padded_rows) // group_size, prompt_rows - 1)
         take = jnp.asarray(take)

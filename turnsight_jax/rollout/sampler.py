@@ -139,13 +139,15 @@ def _last_hidden(hidden: jax.Array, num_new: jax.Array) -> jax.Array:
     return jnp.take_along_axis(hidden, idx[:, None, None], axis=1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("window",), donate_argnums=(4,))
-def append_tokens(graphdef, state, tokens, num_new, cache: KVCache, last_hidden, *, window: int | None = None):
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("window", "from_empty"), donate_argnums=(4,))
+def append_tokens(graphdef, state, tokens, num_new, cache: KVCache, last_hidden, *, window: int | None = None,
+                  from_empty: bool = False):
     """Append tokens [B, N] (num_new [B] real ones per row) to the cache; return the new cache
     and the hidden state [B, D] after each row's last token (rows appending 0 keep theirs).
-    window: static bound on the filled slots after the append (see Qwen3.extend)."""
+    window: static bound on the filled slots after the append; from_empty: static, the cache is
+    empty (a prefill) (see Qwen3.extend)."""
     model: Qwen3 = nnx.merge(graphdef, state)
-    hidden, cache = model.extend(tokens, num_new, cache, window=window)
+    hidden, cache = model.extend(tokens, num_new, cache, window=window, from_empty=from_empty)
     new_last = _last_hidden(hidden, num_new)
     return cache, jnp.where((num_new > 0)[:, None], new_last.astype(last_hidden.dtype), last_hidden)
 
