@@ -148,10 +148,12 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
 
     ckpt = Checkpointer(workdir, keep=cfg.checkpoint.keep)
     start = 0
+    resumed_shapes: dict[str, int] = {}
     latest = ckpt.latest_step()
     if latest is not None:
         params, opt_state, meta = ckpt.restore(latest, params, opt_state)
         start = int(meta["next_step"])
+        resumed_shapes = {k: int(v) for k, v in meta.get("batch_shapes", {}).items()}
         log(f"resumed from {workdir}/checkpoints/{latest} (next step {start})")
     mlog = MetricsLog(workdir, tensorboard=cfg.log.tensorboard, resume_step=start - 1 if latest is not None else -1)
 
@@ -179,7 +181,10 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     progress = Progress(n_steps, start, cfg.log.progress)
     preempt = _Preemption()
     step = start
-    shapes: dict[str, int] = {}  # widths only grow: the step compiles a handful of times per run
+    # Widths only grow: the step compiles a handful of times per run. Saved with each checkpoint,
+    # so a resumed run pads its batches exactly as the uninterrupted one (padding changes XLA's
+    # summation order, hence the last bits of every loss and gradient).
+    shapes: dict[str, int] = dict(resumed_shapes)
     try:
         for step in range(start, n_steps):
             t_step = time.perf_counter()
@@ -223,7 +228,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             last = step + 1 == n_steps
             if preempt.requested or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or last:
                 ckpt.save(step + 1, params, opt_state, {"next_step": step + 1, "seed": cfg.seed,
-                                                        "data_position": step + 1})
+                                                        "data_position": step + 1, "batch_shapes": shapes})
             if preempt.requested:
                 log(f"stopped after step {step + 1}; rerun the same command to resume")
                 return {"preempted_at": step + 1}
