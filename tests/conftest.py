@@ -13,15 +13,14 @@ import os
 # XLA's CPU backend runs at optimisation level 0 in tests: ~30% less compile time, same results to
 # float tolerance (the pinned step numbers hold). Subprocesses the tests start (the CLI, documented
 # commands, the notebook kernel) get SUBPROCESS_XLA_FLAGS: one CPU device, as a user's machine.
-SUBPROCESS_XLA_FLAGS = os.environ.get("TS_SUB_XLA", "--xla_backend_optimization_level=0")
-IN_XLA = os.environ.get("TS_IN_XLA", SUBPROCESS_XLA_FLAGS)
+SUBPROCESS_XLA_FLAGS = "--xla_backend_optimization_level=0"
 # A program a test runs on large inputs or many times (measured: the packed-vs-plain view check
 # spends 3-4x longer executing at level 0 than at full optimisation) opts back in per jit:
 # `jax.jit(f, compiler_options=OPTIMIZED)`.
 OPTIMIZED = {"xla_backend_optimization_level": 3}
 # Eight fake CPU devices for the sharding tests; must be set before JAX initialises. Unsharded
 # code runs on device 0 as usual.
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {IN_XLA}")
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {SUBPROCESS_XLA_FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pathlib
 import shutil
