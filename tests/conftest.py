@@ -42,7 +42,7 @@ import tempfile
 _RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
 JAX_CACHE = pathlib.Path(tempfile.gettempdir()) / f"turnsight-jax-test-cache-{_RUN_ID}"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(JAX_CACHE))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.02")
 
 import pytest
 
@@ -91,6 +91,26 @@ def _fail_unexpected_skip(report) -> None:
     if _ALLOWED_CI_SKIP not in reason:
         report.outcome = "failed"
         report.longrepr = f"skipped in CI, where every test dependency is installed: {reason}"
+
+
+# The suite's files by CPU seconds, most first (measured on the 2-core box with `-p` a per-test
+# rusage plugin, BENCHMARKS.md "Test suite"). `pyproject.toml` runs xdist with
+# `--no-loadscope-reorder`, so files are handed to the two workers in this order: longest first,
+# the many small files fill the end, and both workers finish together. xdist's own order (most
+# *tests* first) put the few-test, heavy files (training runs, the notebook, the 8-device dry run)
+# last, where one worker ran them alone for ~45 s while the other core idled.
+HEAVIEST_FIRST = (
+    "test_docs.py", "test_rl_step.py", "test_train.py", "test_rl_step_pinned.py", "test_custom_method.py",
+    "test_models_qwen3.py", "test_sft.py", "test_eval_heldout.py", "test_rollout_sampler.py", "test_rl_views.py",
+    "test_evaluate.py", "test_rl_turnsight_reference.py", "test_paper_configs.py", "test_notebook.py",
+    "test_rl_advantages.py", "test_rl_advantages_properties.py", "test_rl_logprobs.py", "test_chat_parsing.py",
+    "test_rollout_driver.py", "test_envs_bfcl.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: k for k, name in enumerate(HEAVIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 @pytest.hookimpl(hookwrapper=True)
