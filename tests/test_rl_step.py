@@ -54,7 +54,7 @@ def setup(tok):
     rng = np.random.default_rng(0)
     graphdef, params = nnx.split(policy)
     own = plain_logprobs(graphdef, params, [t.tokens for t in trajs], [np.arange(t.length - 1) for t in trajs],
-                         [t.tokens[1:] for t in trajs], width=2048)
+                         [t.tokens[1:] for t in trajs])
     for t, lp in zip(trajs, own):  # old log-probs: the policy's own, perturbed so some ratios clip
         lp = np.concatenate([[0.0], np.asarray(lp)])
         t.old_logprobs = np.where(t.policy_mask, lp + rng.normal(0, 0.3, t.length), 0).astype(np.float32)
@@ -108,11 +108,13 @@ def _score_rows(graphdef, params, x, m, pred, target):
 _score = jax.jit(_score_rows, static_argnums=0, compiler_options=OPTIMIZED)
 
 
-def plain_logprobs(graphdef, params, seqs, preds, targets, width=1024, rows=None, most=None):
+def plain_logprobs(graphdef, params, seqs, preds, targets, width=None, rows=None, most=None):
     """seqs: token lists; preds/targets: index lists per sequence -> list of log-prob arrays.
 
     Each sequence is its own right-padded row (ids folded, tests/_vocab.py), padded to `rows`
-    rows of `most` scored positions: one compiled program per shape, not op-by-op dispatch."""
+    rows of `most` scored positions and `width` tokens (default: the longest rounded up to 256,
+    so a few shapes serve every call): one compiled program per shape, not op-by-op dispatch."""
+    width = width or -(-max(len(sq) for sq in seqs) // 256) * 256
     rows = rows or len(seqs)
     most = most or max(len(p) for p in preds)
     x = np.zeros((rows, width), np.int32)

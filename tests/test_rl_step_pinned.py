@@ -53,10 +53,12 @@ CASES = {
 }
 
 
-def _own_logprobs(policy, trajs, width=2048):
+def _own_logprobs(policy, trajs):
     """The policy's log-prob of every token given its prefix, [0] first: one compiled forward of
-    the right-padded rows (causal, so padding changes nothing), the vocabulary in chunks."""
+    the right-padded rows (causal, so padding changes nothing), the vocabulary in chunks. Rows are
+    padded to the longest trajectory rounded up to 128 (512 here: 4x less work than 2,048)."""
     graphdef, params = nnx.split(policy)
+    width = -(-max(t.length for t in trajs) // 128) * 128
 
     @jax.jit
     def score(params, x, m):
