@@ -60,7 +60,7 @@ def test_scripted_ten_turn_rollout_through_model_sampler(tok, env):
     assert all(len(s) == 10 for s in scripts)
     model = init_model(TINY, seed=0)
     graphdef, state = nnx.split(model)
-    rc = RolloutConfig(max_turns=10, max_prompt_tokens=2048, max_response_tokens=4096, max_turn_tokens=96)
+    rc = RolloutConfig(max_turns=10, max_prompt_tokens=1024, max_response_tokens=1536, max_turn_tokens=96)
     policy = ModelPolicy(graphdef, state, tok, sampling=SamplingParams(), config=rc, seed=0, forced_scripts=scripts)
     before = ModelPolicy.compilations()
     res = rollout(policy, env, tasks, tokenizer=tok, group_size=G, config=rc)

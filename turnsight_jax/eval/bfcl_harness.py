@@ -81,20 +81,27 @@ def _render_tool_calls(tool_calls: Sequence[Any], content: str) -> str:
     return out
 
 
+def tools_block(functions: Sequence[Mapping[str, Any]]) -> str:
+    """The system prompt's tool section for `functions` (one JSON line per function doc)."""
+    return _TOOLS_HEADER + "".join(f"\n{json.dumps(f)}" for f in functions) + _TOOLS_FOOTER
+
+
 def render_prompt(messages: Sequence[Mapping[str, Any]], functions: Sequence[Mapping[str, Any]], *,
-                  enable_thinking: bool = True) -> str:
+                  enable_thinking: bool = True, tools: str | None = None) -> str:
     """The prompt BFCL's Qwen FC handler sends for `messages` (its `_format_prompt`).
 
     messages: {"role", "content"} dicts (assistant: optional "tool_calls", "reasoning_content");
-    functions: the entry's function docs. Ends with the assistant header (+ an empty think block
-    when `enable_thinking` is False: the official template's switch, which BFCL never sets).
+    functions: the entry's function docs; tools: `tools_block(functions)` when the caller has it
+    (a conversation re-renders every step, and dumping ~20 function docs each time was a quarter of
+    an 800-entry replay). Ends with the assistant header (+ an empty think block when
+    `enable_thinking` is False: the official template's switch, which BFCL never sets).
     """
     out = ""
     if len(functions) > 0:
         out += IM_START + "system\n"
         if messages[0]["role"] == "system":
             out += messages[0]["content"] + "\n\n"
-        out += _TOOLS_HEADER + "".join(f"\n{json.dumps(f)}" for f in functions) + _TOOLS_FOOTER + IM_END + "\n"
+        out += (tools_block(functions) if tools is None else tools) + IM_END + "\n"
     elif messages[0]["role"] == "system":
         out += f"{IM_START}system\n{messages[0]['content']}{IM_END}\n"
     last_query = len(messages) - 1
@@ -198,7 +205,9 @@ class Conversation:
         self.task = task
         self.episode = episode
         self.enable_thinking = enable_thinking
-        self.functions = task.extra["bfcl_entry"]["function"]
+        self.functions = task.extra["bfcl_entry"]["function"]  # fixed for the entry (miss_func
+        # announces its held-out functions in user turns), so its tool section is rendered once
+        self._tools = tools_block(self.functions)
         self.messages: list[dict] = episode.turn_messages(0)
         self.turns: list[list[Step]] = [[]]
         self.first_prompt_len: int | None = None
@@ -212,7 +221,7 @@ class Conversation:
         return not (self.finished or self.error)
 
     def prompt(self) -> str:
-        return render_prompt(self.messages, self.functions, enable_thinking=self.enable_thinking)
+        return render_prompt(self.messages, self.functions, enable_thinking=self.enable_thinking, tools=self._tools)
 
     def prompt_ids(self, tokenizer, encoder: tok_lib.SegmentEncoder | None = None) -> list[int]:
         """Token ids of `prompt()` (equal to a full encode). Each step re-renders the whole
