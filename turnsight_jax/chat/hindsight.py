@@ -156,7 +156,8 @@ def hindsight_pieces(
     header_ids = [int(x) for x in traj.tokens[turn.header_start : turn.policy_start]]
     return HindsightPieces(
         open_ids=tok_lib.encode(tokenizer, open_text) if open_text else [],
-        item_ids=[tok_lib.encode(tokenizer, t) if t else [] for t in items],
+        # items quote tool results (untrusted): a spelled control token stays text, as in the rollout
+        item_ids=[tok_lib.encode_plain(tokenizer, t) if t else [] for t in items],
         close_ids=tok_lib.encode(tokenizer, close_text) if close_text else [],
         header_ids=header_ids,
         is_empty=is_empty,

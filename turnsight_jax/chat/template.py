@@ -247,14 +247,14 @@ def observation_suffix_ids(tokenizer: Any, results: Sequence[str], *, enable_thi
     """Tokenise ``observation_suffix`` as one string and locate each result and the next header.
 
     The suffix is tokenised whole (not piece by piece) so its ids are exactly the template's ids;
-    the result spans come from the tokenizer's character offsets.
+    the result spans come from the tokenizer's character offsets. Results are untrusted: one that
+    spells a control token (``<|im_end|>``, ...) is tokenised as plain text instead, piece by piece
+    (`tokenizer.encode_with_plain_spans`), so a tool cannot close the turn or open a fake one.
     """
     text, char_spans, header_char = _observation_parts(results, enable_thinking)
-    ids, offsets = tok_lib.encode_with_offsets(tokenizer, text)
-    spans = [tok_lib.char_span_to_token_span(offsets, a, b) for a, b in char_spans]
-    header_offset, _ = tok_lib.char_span_to_token_span(offsets, header_char, header_char + 1)
+    ids, spans, (header_offset,) = tok_lib.encode_with_plain_spans(tokenizer, text, char_spans, [header_char])
     im_start = tok_lib.im_start_id(tokenizer)
-    if header_offset >= len(ids) or ids[header_offset] != im_start or offsets[header_offset][0] != header_char:
+    if header_offset >= len(ids) or ids[header_offset] != im_start:
         raise RuntimeError(
             f"observation suffix: the next assistant header does not start a token at char {header_char} "
             f"(tokenizer does not treat {IM_START} as a control token?)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import re
 from typing import Any, Sequence
 
 IM_START = "<|im_start|>"
@@ -17,6 +18,16 @@ IM_END = "<|im_end|>"
 ENDOFTEXT = "<|endoftext|>"
 
 _REQUIRED_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+# Lone surrogate code points: a JSON escape such as "\ud800" in model output, a tool's reply or a
+# dataset row decodes to one, and the tokenizer (TypeError) and every UTF-8 writer reject it.
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def clean_text(text: str) -> str:
+    """``text`` with each lone surrogate replaced by U+FFFD, one for one: its length and every
+    character offset are unchanged, so spans computed on the raw text stay valid."""
+    return _SURROGATES.sub("\ufffd", text) if _SURROGATES.search(text) else text
 
 
 class FastTokenizer:
@@ -40,6 +51,8 @@ class FastTokenizer:
 
         self.name_or_path = os.fspath(folder)
         self._tk = Tokenizer.from_file(os.path.join(self.name_or_path, "tokenizer.json"))
+        self._specials: tuple[str, ...] | None = None
+        self._plain = None
         with open(os.path.join(self.name_or_path, "tokenizer_config.json"), encoding="utf-8") as f:
             config = json.load(f)
         if config.get("clean_up_tokenization_spaces"):
@@ -67,6 +80,22 @@ class FastTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    @property
+    def special_token_texts(self) -> tuple[str, ...]:
+        """Spellings of the special added tokens (``<|im_end|>``, ...; not ``<tool_call>``)."""
+        if self._specials is None:
+            self._specials = tuple(t.content for t in self._tk.get_added_tokens_decoder().values() if t.special)
+        return self._specials
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Ids of ``text`` with special-token spellings tokenised as ordinary text."""
+        if self._plain is None:  # a second instance: toggling the shared one is not thread-safe
+            from tokenizers import Tokenizer
+
+            self._plain = Tokenizer.from_str(self._tk.to_str())
+            self._plain.encode_special_tokens = True
+        return self._plain.encode(text, add_special_tokens=False).ids
 
     def convert_tokens_to_ids(self, token: str) -> int | None:
         return self._tk.token_to_id(token)
@@ -155,8 +184,63 @@ def endoftext_id(tokenizer: Any) -> int:
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of ``text`` with no BOS/EOS added; control tokens in the text become their ids."""
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    """Token ids of ``text`` with no BOS/EOS added; control tokens in the text become their ids.
+    Lone surrogates are replaced first (`clean_text`)."""
+    return list(tokenizer.encode(clean_text(text), add_special_tokens=False))
+
+
+def special_token_texts(tokenizer: Any) -> tuple[str, ...]:
+    """Spellings of the tokenizer's special (control) tokens: ``<|im_start|>``, ``<|im_end|>``, ..."""
+    if isinstance(tokenizer, FastTokenizer):
+        return tokenizer.special_token_texts
+    return tuple(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)  # transformers
+
+
+def encode_plain(tokenizer: Any, text: str) -> list[int]:
+    """Ids of ``text`` (surrogates replaced) with every special-token spelling tokenised as the
+    ordinary characters it is made of: for untrusted text (tool results) that must never become a
+    control token of the context."""
+    text = clean_text(text)
+    if isinstance(tokenizer, FastTokenizer):
+        return tokenizer.encode_plain(text)
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+
+def encode_with_plain_spans(tokenizer: Any, text: str, spans: Sequence[tuple[int, int]], marks: Sequence[int] = ()
+                            ) -> tuple[list[int], list[tuple[int, int]], list[int]]:
+    """Token ids of ``text`` whose characters in ``spans`` (sorted, disjoint [a, b): untrusted
+    text such as tool results) are tokenised as plain text (`encode_plain`).
+
+    Returns (ids, token spans of ``spans``, token index of each char position in ``marks``, which
+    must lie outside the spans). When no span spells a special token, this is the whole-string
+    encode (the template's exact ids). Otherwise the text is tokenised piece by piece at the span
+    boundaries: a spelled ``<|im_end|>`` stays text, and BPE merges across a span's boundary (a
+    result's leading newline with the template's) may differ from the whole-string ids.
+    """
+    specials = special_token_texts(tokenizer)
+    if not any(sp in text[a:b] for a, b in spans for sp in specials):
+        ids, offsets = encode_with_offsets(tokenizer, text)
+        return (ids, [char_span_to_token_span(offsets, a, b) for a, b in spans],
+                [char_span_to_token_span(offsets, m, m + 1)[0] for m in marks])
+    ids: list[int] = []
+    token_spans: list[tuple[int, int]] = []
+    at: dict[int, int] = {}
+    cuts = [0, *[c for span in spans for c in span], len(text)]
+    for k in range(len(cuts) - 1):
+        lo, hi = cuts[k], cuts[k + 1]
+        if k % 2:  # a span
+            piece = encode_plain(tokenizer, text[lo:hi])
+            token_spans.append((len(ids), len(ids) + len(piece)))
+        else:
+            piece, offsets = encode_with_offsets(tokenizer, text[lo:hi]) if hi > lo else ([], [])
+            for m in marks:
+                if lo <= m < hi:
+                    at[m] = len(ids) + char_span_to_token_span(offsets, m - lo, m - lo + 1)[0]
+        ids += piece
+    missing = [m for m in marks if m not in at]
+    if missing:
+        raise ValueError(f"marks {missing} fall inside a span or outside the text")
+    return ids, token_spans, [at[m] for m in marks]
 
 
 class SegmentEncoder:
@@ -204,7 +288,7 @@ def encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tupl
     Byte-level BPE can split one character over several tokens; those tokens share the
     character's offsets.
     """
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    enc = tokenizer(clean_text(text), add_special_tokens=False, return_offsets_mapping=True)
     return list(enc["input_ids"]), [(int(a), int(b)) for a, b in enc["offset_mapping"]]
 
 

@@ -269,9 +269,7 @@ def user_suffix(tokenizer, results: Sequence[str], user_message: str | None, *, 
     text += ("" if text else "\n") + tok_lib.IM_START + "user\n" + (user_message or "") + tok_lib.IM_END + "\n"
     header_char = len(text)
     text += tmpl.generation_prompt(enable_thinking=enable_thinking)
-    ids, offsets = tok_lib.encode_with_offsets(tokenizer, text)
-    spans = [tok_lib.char_span_to_token_span(offsets, a, b) for a, b in char_spans]
-    header, _ = tok_lib.char_span_to_token_span(offsets, header_char, header_char + 1)
+    ids, spans, (header,) = tok_lib.encode_with_plain_spans(tokenizer, text, char_spans, [header_char])
     return ids, spans, header
 
 
