@@ -111,6 +111,8 @@ TODAY_DEFAULT["rl"]["args"] = {}
 # The released code's semantics as switches (issue 18), all off: the default run does not move.
 TODAY_DEFAULT["loss"].update(clip_ratio_c=None, entropy_coef=0.0)
 TODAY_DEFAULT["rollout"].update(end_on_unparsable_turn=False, calls_in_think=False)
+# The non-finite guard (issue 19): a bound on skipped steps, not a training value.
+TODAY_DEFAULT["train"].update(max_skipped_steps=3)
 TODAY_DEFAULT["rl"].update(norm_pool="turn_mean", uncovered_in_stats=True, student_sees_observations=True,
                            hindsight_template={"message_open": "<|im_start|>user\n<hindsight>\n",
                                                "answer": "<answer>{answer}</answer>\n",

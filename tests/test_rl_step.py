@@ -253,6 +253,32 @@ def test_lambda_zero_equals_base_algorithm(setup, tok):
     assert _max_diff(g1, g2) < 1e-7
 
 
+def test_a_non_finite_gradient_skips_the_update(setup, tok):
+    """One NaN old log-prob makes the loss and every gradient NaN: the step returns the parameters
+    and optimizer state it was given, bit for bit, and counts the skipped update; the same step on
+    the clean batch updates and counts none."""
+    trajs, row_tasks, policy, ref = setup
+    cfg = dataclasses.replace(_cfg(method="grpo"), loss=LossConfig(kl_coef=0.0))
+    batch = _batch(trajs, row_tasks, tok, cfg)
+    old = np.array(batch.old_logprobs, copy=True)
+    old[tuple(np.argwhere(np.asarray(batch.pol_valid))[3])] = np.nan
+    graphdef, params = nnx.split(policy)
+    _, ref_params = nnx.split(ref)
+    opt = optax.adamw(1e-2)
+    step = make_train_step(graphdef, cfg, opt)
+    copy = lambda tree: jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+    opt_state = opt.init(params)
+    opt_state = step(copy(params), opt_state, ref_params, jax.tree.map(jnp.asarray, batch))[1]  # a real moment
+    before = jax.tree.map(np.asarray, (params, opt_state))
+    new, new_opt, m = step(copy(params), copy(opt_state), ref_params, jax.tree.map(jnp.asarray, batch.replace(old_logprobs=old)))
+    assert float(m["skipped_updates"]) == 1.0 and not np.isfinite(float(m["grad_norm"]))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.tree.map(np.asarray, (new, new_opt)))):
+        np.testing.assert_array_equal(a, b)
+    clean, _, m = step(copy(params), copy(opt_state), ref_params, jax.tree.map(jnp.asarray, batch))
+    assert float(m["skipped_updates"]) == 0.0
+    assert _max_diff(jax.tree.map(np.asarray, clean), before[0]) > 0
+
+
 def test_reference_unused_without_views_or_kl(setup, tok):
     """GRPO with kl_coef = 0 never runs the reference: NaN reference weights change nothing."""
     trajs, row_tasks, policy, ref = setup

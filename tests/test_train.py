@@ -26,8 +26,8 @@ FAST = [
 ]
 
 
-def _run(args, workdir, **kw):
-    env = dict(os.environ)
+def _run(args, workdir, extra_env=None, **kw):
+    env = dict(os.environ, **(extra_env or {}))
     env["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS  # one CPU device, as a user's laptop (tests/conftest.py)
     env["JAX_PLATFORMS"] = "cpu"
     return subprocess.Popen([sys.executable, "-m", "turnsight_jax.train", "--workdir", str(workdir), *args],
@@ -52,6 +52,8 @@ def _records(workdir):
     (["--config.eval.top_p=0"], r"eval: top_p must be in \(0, 1\], got 0"),
     (["--config.optim.lr=1e999"], "optim.lr must be finite and > 0"),
     (["--config.rl.method=ppo"], "unknown rl.method 'ppo'; registered methods"),
+    (["--config.checkpoint.keep=0"], r"checkpoint.keep must be >= 1 \(0 would delete every save\), got 0"),
+    (["--config.train.max_skipped_steps=0"], "train.max_skipped_steps must be >= 1, got 0"),
 ])
 def test_bad_inputs_fail_before_training(tmp_path, capsys, args, message):
     """In-process `train.main`: exit code 2, one `error:` line naming the problem, run folder untouched."""
@@ -93,6 +95,23 @@ def test_dataset_row_missing_field_names_row(tmp_path):
     last = err.strip().splitlines()[-1]
     assert proc.returncode == 2 and "answer" in last and ("row 1" in last or "line 2" in last), last
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
+    """NaN injected into RL step 1 (of 2; TURNSIGHT_FAULT_NAN_STEPS): its update is skipped and
+    logged, and with train.max_skipped_steps=1 the run stops with exit 1, the checkpoint of step 1
+    being the last one (no checkpoint of the poisoned step)."""
+    env = {"TURNSIGHT_FAULT_NAN_STEPS": "1"}
+    proc = _run(FAST + ["--config.train.steps=2", "--config.checkpoint.every=1", "--config.train.max_skipped_steps=1"],
+                tmp_path / "run", extra_env=env)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 1, err[-3000:]
+    assert "step 2: non-finite loss or gradient, 1 update(s) skipped" in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: 1 steps in a row (to step 2)") and "last checkpoint (1) intact" in last, last
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/skipped_updates"] for r in recs] == [0.0, 1.0]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
 
 
 @pytest.fixture(scope="module")

@@ -156,6 +156,7 @@ def base_config() -> mlc.ConfigDict:
     c.train.ppo_epochs = 1  # passes over the step's batch
     c.train.teacher_micro_batches = 1  # micro-batches of the teacher's hindsight forward passes (memory only)
     c.train.logprob_chunk = 1024  # rows per vocabulary-projection chunk (memory/speed only)
+    c.train.max_skipped_steps = 3  # non-finite loss/gradient: the update is skipped; this many in a row stop the run
 
     c.eval = mlc.ConfigDict()  # held-out evaluation (turnsight_jax.eval.heldout)
     c.eval.every = 5  # RL steps between evaluations (paper: 5); 0: only before and after RL
@@ -477,6 +478,10 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
             raise ConfigError(f"model.{key} must be float32 or bfloat16, got {cfg.model[key]!r}")
     if cfg.train.steps < 0 or cfg.train.prompts_per_step < 1:
         raise ConfigError("train.steps must be >= 0 and train.prompts_per_step >= 1")
+    if cfg.train.max_skipped_steps < 1:
+        raise ConfigError(f"train.max_skipped_steps must be >= 1, got {cfg.train.max_skipped_steps}")
+    if cfg.checkpoint.keep < 1:
+        raise ConfigError(f"checkpoint.keep must be >= 1 (0 would delete every save), got {cfg.checkpoint.keep}")
     if num_devices is not None:
         shape = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
         known = [s for s in shape if s != -1]

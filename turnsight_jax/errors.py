@@ -3,3 +3,8 @@
 
 class ConfigError(ValueError):
     """An invalid configuration, reported as one line before anything compiles."""
+
+
+class NonFiniteTraining(RuntimeError):
+    """`train.max_skipped_steps` steps in a row had a non-finite loss or gradient; the run stopped
+    with its parameters and last checkpoint as they were before the first of them."""

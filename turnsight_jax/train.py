@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pathlib
 import shutil
 import signal
@@ -31,7 +32,7 @@ from turnsight_jax import model_setup, sources
 from turnsight_jax.checkpointing import Checkpointer, write_run_config, write_run_files
 from turnsight_jax.config import load_run_config, model_layer_name, rollout_config, sampling_params, validate
 from turnsight_jax.distributed import maybe_initialize_distributed
-from turnsight_jax.errors import ConfigError
+from turnsight_jax.errors import ConfigError, NonFiniteTraining
 from turnsight_jax.eval.heldout import evaluate_policy
 from turnsight_jax.models.sharding import make_mesh
 from turnsight_jax.models.weights import save_pretrained
@@ -185,6 +186,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     # so a resumed run pads its batches exactly as the uninterrupted one (padding changes XLA's
     # summation order, hence the last bits of every loss and gradient).
     shapes: dict[str, int] = dict(resumed_shapes)
+    fault_nan_steps = _fault_nan_steps()
+    skipped_in_a_row = 0
     try:
         for step in range(start, n_steps):
             t_step = time.perf_counter()
@@ -199,9 +202,18 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             row_tasks = [t for t in tasks for _ in range(cfg.train.group_size)]
             batch, bstats = make_train_batch(res.trajectories, row_tasks, tok, step_cfg, method, min_shapes=shapes)
             shapes = {k: max(shapes.get(k, 0), int(bstats[k])) for k in ("T", "N", "P", "U") if k in bstats}
+            if step in fault_nan_steps:
+                batch = _poison(batch)
             with jax.set_mesh(mesh):
                 params, opt_state, m = step_fn(params, opt_state, ref_params, shard_batch(batch, mesh))
                 m = jax.device_get(m)
+            if m["skipped_updates"] > 0:
+                skipped_in_a_row += 1
+                log(f"step {step + 1}: non-finite loss or gradient, {int(m['skipped_updates'])} update(s) skipped "
+                    f"({skipped_in_a_row} step(s) in a row; the run stops at train.max_skipped_steps="
+                    f"{cfg.train.max_skipped_steps})")
+            else:
+                skipped_in_a_row = 0
             t_total = time.perf_counter() - t_step
             metrics = _rollout_metrics(res.trajectories)
             for k, v in m.items():
@@ -225,8 +237,15 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             progress.update(step, {"reward": metrics["rollout/reward_mean"],
                                    "solve_f1": metrics.get("rollout/solve_f1", float("nan")),
                                    "w_max": float(metrics.get("turnsight/weight_max", 1.0))})
+            if skipped_in_a_row >= cfg.train.max_skipped_steps:
+                raise NonFiniteTraining(
+                    f"{skipped_in_a_row} steps in a row (to step {step + 1}) had a non-finite loss or gradient; "
+                    f"stopped with the last checkpoint ({ckpt.latest_step() or 'none'}) intact")
             last = step + 1 == n_steps
             if preempt.requested or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or last:
+                if not bool(_all_finite(params)):  # never rotate good checkpoints out for a NaN one
+                    raise NonFiniteTraining(f"parameters are not finite after step {step + 1}; not checkpointed "
+                                            f"(last checkpoint: {ckpt.latest_step() or 'none'})")
                 ckpt.save(step + 1, params, opt_state, {"next_step": step + 1, "seed": cfg.seed,
                                                         "data_position": step + 1, "batch_shapes": shapes})
             if preempt.requested:
@@ -275,6 +294,29 @@ def export(graphdef, params, out: pathlib.Path, tokdir: pathlib.Path) -> pathlib
     return out
 
 
+
+def _fault_nan_steps() -> frozenset[int]:
+    """Fault injection for tests: `TURNSIGHT_FAULT_NAN_STEPS=2,3` poisons the batches of RL steps
+    2 and 3 (0-based), so their loss and gradient are NaN."""
+    raw = os.environ.get("TURNSIGHT_FAULT_NAN_STEPS", "").strip()
+    try:
+        return frozenset(int(x) for x in raw.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"TURNSIGHT_FAULT_NAN_STEPS must be comma-separated step numbers, got {raw!r}") from None
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _poison(batch):
+    """The batch with one NaN old log-prob (a valid policy token): every loss and gradient is NaN."""
+    old = np.array(batch.old_logprobs, copy=True)
+    old[tuple(np.argwhere(np.asarray(batch.pol_valid))[0])] = np.nan
+    return batch.replace(old_logprobs=old)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m turnsight_jax.train", description=__doc__.split("\n\n")[1],
                                  epilog="Overrides: --config.<key>=<value>, e.g. --config.rl.lam=0.3")
@@ -311,6 +353,9 @@ def main(argv=None) -> int:
     except ValueError as e:  # dataset rows, checkpoint files: the message names file/row/key
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteTraining as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -223,9 +223,18 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
             zeros_g = jax.tree.map(jnp.zeros_like, params)
             zeros_s = {k: jnp.zeros((), jnp.float32) for k in metric_names}
             (grads, sums), _ = jax.lax.scan(acc, (zeros_g, zeros_s), xs)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        sums["grad_norm"] = optax.tree.norm(grads)
+        grad_norm = optax.tree.norm(grads)
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        # Non-finite guard: one NaN/inf in the loss or the gradient would reach every parameter
+        # (global-norm clip, then AdamW) and the moments; such an update is skipped instead, the
+        # parameters and optimizer state stay as they were, and `skipped_updates` counts it.
+        finite = jnp.isfinite(grad_norm) & jnp.isfinite(sum(sums.values()))
+        keep = lambda new, old: jnp.where(finite, new, old)
+        params = jax.tree.map(keep, new_params, params)
+        opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+        sums["grad_norm"] = grad_norm
+        sums["skipped_updates"] = 1.0 - finite.astype(jnp.float32)
         return params, opt_state, sums
 
     def step(params, opt_state, ref_params, batch: TrainBatch):
@@ -250,6 +259,7 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
                 params, opt_state, sums = minibatch_update(params, opt_state, mb, a, r)
                 logs.append(sums)
         metrics = {k: jnp.mean(jnp.stack([log[k] for log in logs])) for k in logs[0]}
+        metrics["skipped_updates"] = sum(log["skipped_updates"] for log in logs)  # a count, not a mean
         valid = batch.pol_valid
         n = jnp.maximum(valid.sum(), 1)
         metrics["adv_mean"] = jnp.sum(jnp.where(valid, adv, 0.0)) / n
