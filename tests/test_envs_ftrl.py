@@ -182,6 +182,27 @@ def test_malformed_ground_truth_names_file_line_and_column(tmp_path, value, mess
         load_tasks(path)
 
 
+def _with(row: dict, **changes) -> dict:
+    return {**row, **{k: json.dumps(v) for k, v in changes.items()}}
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda r: _with(r, tools=[{"type": "function", "function": {"description": "no name"}}]),
+     r"line 1: key 'tools'\[0\].function.name: expected a non-empty string, got None"),
+    (lambda r: _with(r, tools=json.loads(r["tools"])[:1] * 2),
+     r"line 1: key 'tools'\[1\]: the tool name 'director_of' is declared twice"),
+    (lambda r: _with(r, codes={**json.loads(r["codes"]), "helper": "def helper():\n    return 1\n"}),
+     r"line 1: key 'codes' names tools absent from 'tools': \['helper'\] \(tools: \['director_of', 'birthplace'\]\)"),
+    (lambda r: _with(r, unsolved_set={"director_of": ["Ada"], "ghost": ["x"]}),
+     r"line 1: key 'unsolved_set' names tools absent from 'tools': \['ghost'\]"),
+])
+def test_rows_whose_tools_do_not_match_their_code_are_refused(tmp_path, change, message):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(change(gt_row(0, None))) + "\n")
+    with pytest.raises(FTRLFormatError, match=r"rows.jsonl: " + message):
+        load_tasks(path)
+
+
 def test_required_gold_calls_name_the_row(tmp_path):
     rows = gt_rows() + [gt_row(2, None)]
     path = tmp_path / "train.jsonl"

@@ -202,6 +202,14 @@ def row_to_task(row: Mapping[str, Any], *, where: str, default_id: str,
                 f"{where}: key 'tools'[{i}]: expected {{'type': 'function', 'function': {{...}}}}, "
                 f"got {t!r:.80}"
             )
+    names: list[str] = []
+    for i, t in enumerate(tools):
+        name = t["function"].get("name")
+        if not isinstance(name, str) or not name:
+            raise FTRLFormatError(f"{where}: key 'tools'[{i}].function.name: expected a non-empty string, got {name!r:.80}")
+        if name in names:
+            raise FTRLFormatError(f"{where}: key 'tools'[{i}]: the tool name {name!r} is declared twice")
+        names.append(name)
     codes = _decode(row["codes"], where, "codes", dict)
     for name, src in codes.items():
         if not isinstance(src, str):
@@ -209,6 +217,9 @@ def row_to_task(row: Mapping[str, Any], *, where: str, default_id: str,
                 f"{where}: key 'codes'[{name!r}]: expected Python source text, got "
                 f"{type(src).__name__}"
             )
+    stray = sorted(set(codes) - set(names))
+    if stray:
+        raise FTRLFormatError(f"{where}: key 'codes' names tools absent from 'tools': {stray} (tools: {names})")
     unsolved = _decode(row["unsolved_set"], where, "unsolved_set", dict)
     unsolved_set: dict[str, list[str]] = {}
     for name, answers in unsolved.items():
@@ -218,6 +229,9 @@ def row_to_task(row: Mapping[str, Any], *, where: str, default_id: str,
                 f"{where}: key 'unsolved_set'[{name!r}]: expected a list of strings, got {answers!r:.80}"
             )
         unsolved_set[name] = list(answers)
+    stray = sorted(set(unsolved_set) - set(names))
+    if stray:
+        raise FTRLFormatError(f"{where}: key 'unsolved_set' names tools absent from 'tools': {stray} (tools: {names})")
     if sum(len(v) for v in unsolved_set.values()) == 0:
         raise FTRLFormatError(f"{where}: key 'unsolved_set': expected at least one gold answer, got none")
     answer = row["answer"]
