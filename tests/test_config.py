@@ -413,3 +413,17 @@ def test_released_code_switches_translate_and_validate():
     c.rl.hindsight_template.footer = "x"  # a config file adding a piece the message does not have
     with pytest.raises(ConfigError, match="rl.hindsight_template.footer is not a piece of the hindsight message"):
         C.validate(c, 1)
+
+
+def test_a_config_file_missing_sections_or_keys_is_one_line(tmp_path):
+    """A hand-written get_config() without a whole section (or a key) is named in one ConfigError
+    at load time, not an AttributeError deep in the run."""
+    path = tmp_path / "partial.py"
+    path.write_text("from turnsight_jax.config import default_config\n\n"
+                    "def get_config():\n    c = default_config()\n    del c['train']\n    del c.loss['kl_coef']\n"
+                    "    return c\n")
+    with pytest.raises(ConfigError) as e:
+        C.load_config_file(path)
+    msg = str(e.value)
+    assert "\n" not in msg and "lacks key 'loss.kl_coef', section 'train'" in msg, msg
+    assert C.load_config_file(C.pathlib.Path(C.__file__).parents[1] / "configs" / "qwen3_8b.py").train.steps > 0

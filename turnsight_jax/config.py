@@ -315,7 +315,27 @@ def load_config_file(path: str | pathlib.Path) -> mlc.ConfigDict:
         raise ConfigError(f"config file {path}: get_config() failed: {type(e).__name__}: {e}") from e
     if not isinstance(cfg, mlc.ConfigDict):
         raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, expected ml_collections.ConfigDict")
+    missing = _missing_keys(cfg, base_config())
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise ConfigError(f"config file {path}: get_config() lacks {', '.join(missing[:3])}{more}; "
+                          f"start from turnsight_jax.config.base_config() or default_config()")
     return cfg
+
+
+def _missing_keys(cfg: mlc.ConfigDict, schema: mlc.ConfigDict, prefix: str = "") -> list[str]:
+    """Sections and keys of `schema` absent from `cfg`, as dotted paths (a missing section is
+    named once; `rl.args` is free-form)."""
+    out = []
+    for key, value in schema.items():
+        path = prefix + key
+        if path == "rl.args":
+            continue
+        if key not in cfg:
+            out.append(f"section {path!r}" if isinstance(value, mlc.ConfigDict) else f"key {path!r}")
+        elif isinstance(value, mlc.ConfigDict) and isinstance(cfg[key], mlc.ConfigDict):
+            out += _missing_keys(cfg[key], value, path + ".")
+    return out
 
 
 def _parse_value(text: str, old: Any, key: str) -> Any:
