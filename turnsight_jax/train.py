@@ -294,7 +294,6 @@ def export(graphdef, params, out: pathlib.Path, tokdir: pathlib.Path) -> pathlib
     return out
 
 
-
 def _fault_nan_steps() -> frozenset[int]:
     """Fault injection for tests: `TURNSIGHT_FAULT_NAN_STEPS=2,3` poisons the batches of RL steps
     2 and 3 (0-based), so their loss and gradient are NaN."""
