@@ -1,4 +1,4 @@
-"""Isolation of dataset tool code: limits, crashes and recovery of the worker pool."""
+"""Isolation of dataset tool code: limits, crashes and recovery (one fresh process per call)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def test_loop_that_ignores_signals_is_killed(ex):
                     "signal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass"))
     assert time.monotonic() - t < 3.0
     assert out.startswith(ERR) and "timed out" in out
-    assert ex.restarts == restarts + 1
+    # the sandbox host killed the call process; the host itself never ran tool code, so it stays
+    assert ex.restarts == restarts
     _healthy(ex)
 
 
@@ -72,8 +73,8 @@ def test_segfault_and_os_exit_cost_one_call(ex):
     out = ex.run(_f("import os\nos._exit(7)"))
     assert out == ERR + "tool process exited with code 7"
     out = ex.run(_f("import sys\nsys.exit(3)"))
-    assert out == ERR + "3"  # SystemExit is caught inside the worker
-    assert set(ex.worker_pids) != before
+    assert out == ERR + "3"  # SystemExit is caught inside the call process
+    assert set(ex.worker_pids) == before  # each crash took only its own call process
     assert len(ex.worker_pids) == 2
     _healthy(ex)
 

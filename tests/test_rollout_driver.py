@@ -152,3 +152,32 @@ def test_calls_in_think_are_executed_only_with_the_option(tok, env):
     step = env.start(task, seed=0).step([ToolCall(c.name, c.arguments) for c in want])
     assert list(run.turns[0].results) == list(step.observations)
     assert run.num_turns == 2 and run.finish_reason == "answer" and run.reward == pytest.approx(1.0)
+
+
+class _BrokenOn:
+    """Wraps an environment so that episodes of one task raise inside `step` (an env bug)."""
+
+    def __init__(self, env, task_id, where):
+        self.env, self.task_id, self.where = env, task_id, where
+
+    def start(self, task, *, seed=0):
+        episode = self.env.start(task, seed=seed)
+        if task.task_id == self.task_id:
+            def boom(*args, **kwargs):
+                raise KeyError("checker state missing")
+            setattr(episode, self.where, boom)
+        return episode
+
+
+@pytest.mark.parametrize("where", ["plan_step", "commit_step"])
+def test_an_environment_error_ends_only_its_episode_with_the_reason(tok, env, where, capsys):
+    tasks = [generate_task("single_hop", 11), generate_task("single_hop", 12)]
+    scripts = [gold_turn_texts(t) for t in tasks]
+    res = rollout(ReplayPolicy(tok, scripts), _BrokenOn(env, tasks[0].task_id, where), tasks,
+                  tokenizer=tok, group_size=1, config=RolloutConfig(max_turns=4, max_response_tokens=4096))
+    broken, healthy = res.trajectories
+    assert broken.finish_reason == "env_error" and broken.num_turns == 1
+    assert healthy.finish_reason == "answer" and healthy.reward == 1.0
+    assert res.stats["env_errors"] == 1.0
+    err = capsys.readouterr().err
+    assert "1 episode(s) ended by an environment error" in err and "KeyError: 'checker state missing'" in err

@@ -69,7 +69,10 @@ class _Preemption:
 def _rollout_metrics(trajs) -> dict[str, float]:
     keys = ("solve_f1", "solve_p", "solve_r", "num_turns", "num_calls", "response_tokens", "tool_error_rate",
             "truncated", "policy_tokens")
-    out = {"rollout/reward_mean": float(np.mean([t.reward for t in trajs]))}
+    out = {"rollout/reward_mean": float(np.mean([t.reward for t in trajs])),
+           # episodes ended by an environment error (exception in env step or scorer), a count
+           "rollout/env_errors": float(sum(t.finish_reason == "env_error" or t.metrics.get("env_error", 0.0) > 0
+                                           for t in trajs))}
     for k in keys:
         vals = [t.metrics[k] for t in trajs if k in t.metrics]
         if vals:

@@ -39,12 +39,20 @@ class StepResult:
     user_message: a user message to append after the observations (BFCL's next user turn);
       None when there is none.
     added_tools: tool schemas that became available with `user_message` (BFCL miss_func).
+    error: set by `VectorEnv` when the environment itself raised on this turn: the episode is
+      over, and this is the reason (the rollout records it instead of dying).
     """
 
     observations: tuple[str, ...]
     done: bool
     user_message: str | None = None
     added_tools: tuple[dict, ...] = ()
+    error: str | None = None
+
+
+def _failed(e: BaseException) -> StepResult:
+    """The step of an episode whose environment raised: over, with the reason."""
+    return StepResult(observations=(), done=True, error=f"{type(e).__name__}: {e}"[:500])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +114,14 @@ def malformed_observation(call: CallError) -> str:
     return call.message or "malformed tool call"
 
 
+def _score_or_failure(episode: "Episode", final_text: str | None) -> EpisodeScore:
+    """The episode's score; a scorer that raises gives reward 0 with metric `env_error` = 1."""
+    try:
+        return episode.score(final_text)
+    except Exception:  # noqa: BLE001 - counted in metrics, the rollout goes on
+        return EpisodeScore(reward=0.0, metrics={"env_error": 1.0})
+
+
 class VectorEnv:
     """Runs a batch of episodes concurrently.
 
@@ -145,12 +161,18 @@ class VectorEnv:
         # all their calls then go to the shared executor as one batch.
         batched: dict[int, list] = {}
         threaded = []
+        # One episode's environment failing (a bug, a checker that raises on odd input) ends
+        # that episode with the reason; it never takes the batch down.
         for i, (ep, calls) in enumerate(zip(self.episodes, calls_per_episode)):
             if calls is None or ep.done:
                 continue
             calls = list(calls)
             if hasattr(ep, "plan_step") and hasattr(ep, "commit_step"):
-                plan = ep.plan_step(calls)
+                try:
+                    plan = ep.plan_step(calls)
+                except Exception as e:  # noqa: BLE001 - recorded as the episode's end
+                    results[i] = _failed(e)
+                    continue
                 if isinstance(plan, StepResult):
                     results[i] = plan
                 else:
@@ -163,18 +185,24 @@ class VectorEnv:
             texts = executor.run_many(requests)
             offset = 0
             for i, ep, calls, (observations, reqs, slots) in group:
-                results[i] = ep.commit_step(
-                    calls, observations, slots, texts[offset : offset + len(reqs)]
-                )
+                try:
+                    results[i] = ep.commit_step(
+                        calls, observations, slots, texts[offset : offset + len(reqs)]
+                    )
+                except Exception as e:  # noqa: BLE001
+                    results[i] = _failed(e)
                 offset += len(reqs)
         for i, future in threaded:
-            results[i] = future.result()
+            try:
+                results[i] = future.result()
+            except Exception as e:  # noqa: BLE001
+                results[i] = _failed(e)
         return results
 
     def score(self, final_texts: Sequence[str | None] | None = None) -> list[EpisodeScore]:
         if final_texts is None:
             final_texts = [None] * len(self.episodes)
-        return [ep.score(text) for ep, text in zip(self.episodes, final_texts)]
+        return [_score_or_failure(ep, text) for ep, text in zip(self.episodes, final_texts)]
 
     def close_episodes(self) -> None:
         for ep in self.episodes:

@@ -1,12 +1,14 @@
-"""Isolated, pooled execution of dataset tool code (FTRL, ToolHop, built-in tasks).
+"""Sandboxed, pooled execution of dataset tool code (FTRL, ToolHop, built-in tasks).
 
-Tool source from datasets is never run in the trainer's process. A `ToolExecutor` keeps a pool
-of worker processes (`_tool_worker.py`, started with `python -I`), sends each call to a free
-worker and returns the observation text. Per call it enforces a wall-clock limit (10 s default,
+Tool source from datasets is never run in the trainer's process, nor in any process that holds a
+channel to it. A `ToolExecutor` keeps a pool of sandbox hosts (`_sandbox_host.py`, started with
+`python -I`); each host runs every call in a *fresh process* forked from a clean zygote, with hard
+limits, a private size-capped root directory, no network, a private pid space and an
+unprivileged uid where the kernel allows it (see `_sandbox_host.py` for the process model, and
+docs/sandbox.md for what holds where). Per call it enforces a wall-clock limit (10 s default,
 FTRL's), a CPU-seconds limit, an address-space limit and an output-size cap. A hang, infinite
-loop, memory bomb, segfault, `os._exit` or `sys.exit` in tool code costs only that call: the
-call returns an error observation and a dead or unresponsive worker is killed (with its whole
-process group) and replaced.
+loop, memory bomb, segfault, fork bomb, `os._exit` or forged reply costs only that call: the call
+returns an error observation and the call's whole process tree is killed.
 
 Observation text follows FTRL (`Code/utils/utils.py: call_function/get_feedback`):
   * dict / list result -> `json.dumps(value, ensure_ascii=False)`; other non-str -> `str(value)`;
@@ -20,6 +22,7 @@ Usage::
 
     with ToolExecutor(num_workers=2) as ex:
         texts = ex.run_many([ToolRequest("f", "def f(x):\\n    return x * 2", {"x": 3})])
+        ex.isolation  # what the kernel granted: namespaces, uid drop, disk quota
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import threading
 import time
 from typing import Any, Sequence
 
-_WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_tool_worker.py")
+_HOST_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_host.py")
 _HEADER = struct.Struct(">I")
 ERROR_TEMPLATE = "an error occured when call {name}: {message}"
 
@@ -68,15 +71,23 @@ class ToolRequest:
 
 @dataclasses.dataclass(frozen=True)
 class ExecutorLimits:
-    """Per-call limits. `cpu_s=None` means: the same number of seconds as `timeout_s`."""
+    """Per-call limits, each a hard limit the tool code cannot raise.
+
+    `cpu_s=None` means: the same number of seconds as `timeout_s`. `disk_mb` caps all files of
+    one call together (a tmpfs of that size; without a mount namespace only `file_mb` per file
+    holds). `processes` caps the call's process tree (threads count too).
+    """
 
     timeout_s: float = 10.0
     cpu_s: float | None = None
     memory_mb: int = 1024
     max_output_chars: int = 16384
     file_mb: int = 16
-    # Extra wall time the parent waits beyond `timeout_s` before it kills the worker: the
-    # in-worker alarm normally answers first, this only covers code stuck inside C.
+    disk_mb: int = 64
+    open_files: int = 64
+    processes: int = 16
+    # Extra wall time the host waits beyond `timeout_s` before it kills the call process: the
+    # in-process alarm normally answers first, this only covers code stuck inside C.
     kill_grace_s: float = 0.75
 
 
@@ -84,14 +95,53 @@ class _WorkerCrashed(Exception):
     pass
 
 
-class _Worker:
-    """One worker process plus the source keys it has compiled."""
+# The residual risk of each layer the kernel refused, printed once per process (docs/sandbox.md).
+_RISKS = {
+    "net_ns": "tool code can open network connections (loopback included)",
+    "pid_ns": "tool code can see other processes' ids",
+    "mount_ns": "no total disk quota per call (file size is still capped)",
+    "chroot": "tool code can read files readable by the trainer's user",
+    "uid_drop": "tool code runs as the trainer's uid: it can signal the trainer's processes",
+}
+_warned: set[str] = set()
 
-    def __init__(self, limits: ExecutorLimits, workdir: str):
+
+def isolation_gaps(isolation: dict) -> list[str]:
+    """The residual risks of a host's isolation report (empty when every layer holds)."""
+    gaps = []
+    for layer, risk in _RISKS.items():
+        held = isolation.get(layer)
+        if layer == "uid_drop":
+            held = held or isolation.get("pid_ns") and isolation.get("user_ns")
+        if not held:
+            gaps.append(risk)
+    return gaps
+
+
+def _warn_once(isolation: dict) -> None:
+    gaps = isolation_gaps(isolation)
+    line = "; ".join(gaps)
+    if gaps and line not in _warned:
+        _warned.add(line)
+        refused = ", ".join(isolation.get("refused", [])) or "not available"
+        print(f"turnsight_jax: tool sandbox degraded ({refused}): {line}. See docs/sandbox.md.",
+              file=sys.stderr, flush=True)
+
+
+class _Worker:
+    """One sandbox host process plus the source keys it has been sent."""
+
+    def __init__(self, limits: ExecutorLimits, workdir: str, namespaces: bool):
         config = {
+            "workdir": os.path.join(workdir, f"host-{time.monotonic_ns()}"),
+            "namespaces": namespaces,
             "memory_mb": limits.memory_mb,
             "max_output_chars": limits.max_output_chars,
             "file_mb": limits.file_mb,
+            "disk_mb": limits.disk_mb,
+            "open_files": limits.open_files,
+            "processes": limits.processes,
+            "kill_grace_s": limits.kill_grace_s,
         }
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -106,20 +156,24 @@ class _Worker:
             "MKL_NUM_THREADS": "1",
         }
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", _WORKER_SCRIPT, json.dumps(config)],
+            [sys.executable, "-I", _HOST_SCRIPT, json.dumps(config)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             cwd=workdir,
             env=env,
-            start_new_session=True,  # own process group: kill() takes any children with it
+            start_new_session=True,  # own process group: kill() takes the zygote with it
         )
         self.known_keys: set[str] = set()
         self._buffer = b""
-        ready = self._read_frame(deadline=time.monotonic() + 60.0)
-        if ready != {"ready": True}:
+        try:
+            ready = self._read_frame(deadline=time.monotonic() + 60.0)
+        except (TimeoutError, _WorkerCrashed, ValueError):
+            ready = None
+        if not isinstance(ready, dict) or ready.get("ready") is not True:
             self.kill()
-            raise RuntimeError(f"tool worker failed to start (first frame: {ready!r})")
+            raise RuntimeError(f"tool sandbox failed to start (first frame: {ready!r})")
+        self.isolation: dict = ready.get("isolation", {})
 
     def _read_frame(self, deadline: float) -> dict:
         fd = self.proc.stdout.fileno()
@@ -129,7 +183,10 @@ class _Worker:
                 if len(self._buffer) >= _HEADER.size + length:
                     body = self._buffer[_HEADER.size : _HEADER.size + length]
                     self._buffer = self._buffer[_HEADER.size + length :]
-                    return json.loads(body.decode("utf-8", errors="surrogatepass"))
+                    try:
+                        return json.loads(body.decode("utf-8", errors="surrogatepass"))
+                    except ValueError as e:  # a host that writes garbage is replaced
+                        raise _WorkerCrashed from e
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError
@@ -195,19 +252,33 @@ class _Worker:
         self.kill()
 
 
+def _observation(name: str, reply: Any) -> str:
+    """The observation text of a host reply, which must be {"ok": str} or {"err": str}."""
+    if isinstance(reply, dict) and len(reply) == 1:
+        ((kind, text),) = reply.items()
+        if isinstance(text, str) and kind == "ok":
+            return text
+        if isinstance(text, str) and kind == "err":
+            return error_text(name, text)
+    return error_text(name, f"malformed reply from the tool sandbox: {str(reply)[:200]}")
+
+
 class ToolExecutor:
-    """A pool of isolated worker processes running dataset tool code.
+    """A pool of sandbox hosts running dataset tool code, one fresh process per call.
 
     Thread-safe: `run_many` may be called from several threads (e.g. one per rollout); calls are
-    spread over the workers and run concurrently (one call per worker at a time).
+    spread over the hosts and run concurrently (one call per host at a time).
 
     Args:
-      num_workers: worker processes (and calls in flight).
+      num_workers: sandbox hosts (and calls in flight).
       timeout_s: per-call wall-clock limit (FTRL: 10 s); the call's observation is a timeout
         error when it is exceeded.
       cpu_s: per-call CPU-seconds limit (default: `timeout_s`).
-      memory_mb: address-space limit of each worker (RLIMIT_AS).
+      memory_mb: address-space limit of each call process (RLIMIT_AS).
       max_output_chars: longer observation texts are cut to this many characters plus a note.
+      file_mb, disk_mb, open_files, processes: see `ExecutorLimits`.
+      namespaces: enter Linux namespaces where the kernel allows (False: limits, fresh
+        processes and uid drop only; for kernels or containers that forbid them).
     """
 
     def __init__(
@@ -219,7 +290,11 @@ class ToolExecutor:
         memory_mb: int = 1024,
         max_output_chars: int = 16384,
         file_mb: int = 16,
+        disk_mb: int = 64,
+        open_files: int = 64,
+        processes: int = 16,
         kill_grace_s: float = 0.75,
+        namespaces: bool = True,
     ):
         if num_workers < 1:
             raise ValueError(f"ToolExecutor: num_workers must be >= 1, got {num_workers}")
@@ -231,15 +306,22 @@ class ToolExecutor:
             memory_mb=memory_mb,
             max_output_chars=max_output_chars,
             file_mb=file_mb,
+            disk_mb=disk_mb,
+            open_files=open_files,
+            processes=processes,
             kill_grace_s=kill_grace_s,
         )
+        for field in ("memory_mb", "max_output_chars", "file_mb", "disk_mb", "open_files", "processes"):
+            if getattr(self.limits, field) < 1:
+                raise ValueError(f"ToolExecutor: {field} must be >= 1, got {getattr(self.limits, field)}")
+        self._namespaces = namespaces
         self.num_workers = num_workers
         self._tmp = tempfile.TemporaryDirectory(prefix="turnsight_tools_")
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._all: list[_Worker] = []
         self._lock = threading.Lock()
         self._closed = False
-        self.restarts = 0  # how many times a worker was replaced (crash / timeout)
+        self.restarts = 0  # how many times a sandbox host was replaced (it died or went silent)
         self.max_chunk = 16  # calls per frame sent to one worker
         self._key_cache: dict[str, str] = {}
         for _ in range(num_workers):
@@ -251,7 +333,8 @@ class ToolExecutor:
 
     # -- lifecycle -------------------------------------------------------------------------
     def _spawn(self) -> _Worker:
-        worker = _Worker(self.limits, self._tmp.name)
+        worker = _Worker(self.limits, self._tmp.name, self._namespaces)
+        _warn_once(worker.isolation)
         with self._lock:
             self._all.append(worker)
         return worker
@@ -288,6 +371,12 @@ class ToolExecutor:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+    @property
+    def isolation(self) -> dict:
+        """The isolation report of the sandbox hosts (what the kernel granted; see `_sandbox_host`)."""
+        with self._lock:
+            return dict(self._all[0].isolation) if self._all else {}
 
     @property
     def worker_pids(self) -> list[int]:
@@ -399,18 +488,16 @@ class ToolExecutor:
         try:
             worker.send(messages[0] if len(messages) == 1 else {"op": "batch", "calls": messages})
             for done in range(len(messages)):
-                deadline = time.monotonic() + limits.timeout_s + limits.kill_grace_s
+                # The host enforces the call's limits itself; this only catches a silent host.
+                deadline = time.monotonic() + limits.timeout_s + 2 * limits.kill_grace_s + 5.0
                 reply = worker._read_frame(deadline)
-                if reply.get("need_source"):  # evicted from the worker's cache: resend alone
+                if isinstance(reply, dict) and reply.get("need_source"):  # evicted from the worker's cache: resend alone
                     worker.known_keys.discard(keys[done])
                     resend = dict(messages[done], source=requests[slots[done]].source)
                     reply = worker.request(resend, deadline)
                     worker.known_keys.add(keys[done])
                 name = requests[slots[done]].name
-                if "ok" in reply:
-                    out[slots[done]] = reply["ok"]
-                else:
-                    out[slots[done]] = error_text(name, reply.get("err", "unknown worker error"))
+                out[slots[done]] = _observation(name, reply)
         except TimeoutError:
             name = requests[slots[done]].name
             out[slots[done]] = error_text(

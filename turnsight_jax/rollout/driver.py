@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import sys
 from typing import Callable, Protocol, Sequence
 
 import jax
@@ -352,6 +353,7 @@ def rollout(
     ]
     vec = VectorEnv(env)
     tool_s = 0.0
+    env_errors: list[str] = []
     try:
         # Episode seeds depend on (seed, global row), not on how rows were batched.
         vec.start(row_tasks, [seed * 1_000_003 + group_offset * group_size + r for r in range(n)])
@@ -397,6 +399,11 @@ def rollout(
                 calls = calls_per_row[r]
                 if step is None:
                     continue
+                if step.error is not None:
+                    finish[r] = "env_error"
+                    env_errors.append(f"row {r}, turn {turn}: {step.error}")
+                    active[r] = False
+                    continue
                 if step.done or (not calls and step.user_message is None):
                     finish[r] = "answer" if not calls else "env_done"
                     active[r] = False
@@ -435,7 +442,10 @@ def rollout(
     elapsed = time.perf_counter() - t_start
     if progress is not None:
         progress(RolloutProgress(n, n, turns_run, generated, elapsed, done=True))
-    stats = {"rollout_s": elapsed, "tool_s": tool_s,
+    if env_errors:
+        print(f"rollout: {len(env_errors)} episode(s) ended by an environment error; first: "
+              f"{env_errors[0]}", file=sys.stderr, flush=True)
+    stats = {"rollout_s": elapsed, "tool_s": tool_s, "env_errors": float(len(env_errors)),
              "tokens": float(sum(t.length - t.prompt_len for t in trajectories))}
     for k, v in getattr(policy, "timings", {}).items():
         stats[f"{k}_s"] = v

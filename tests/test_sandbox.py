@@ -1,0 +1,349 @@
+"""The project's attack suite against the tool sandbox (issue 19): tool code is hostile.
+
+Each attack is dataset tool code run through `ToolExecutor`. What must hold: the attacking call
+gets an observation (its own result or an error), every later call of another task returns its
+correct result, no limit can be raised, nothing outside the call's private directory can be read
+or written, and no connection or signal reaches the trainer. Where the kernel refuses a layer
+(`ex.isolation`), the test asserts that the residual risk is reported instead.
+
+The core attacks run twice: with namespaces, and with them disabled (`namespaces=False`: the
+fallback a container without namespace rights gets).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from turnsight_jax.envs import executor as executor_lib
+from turnsight_jax.envs.executor import ToolExecutor, ToolRequest, isolation_gaps
+
+ERR = "an error occured when call f: "
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["namespaces", "no-namespaces"])
+def ex(request):
+    with ToolExecutor(2, timeout_s=2.0, memory_mb=512, disk_mb=32, processes=8,
+                      namespaces=request.param) as executor:
+        yield executor
+
+
+@pytest.fixture(scope="module")
+def full():
+    with ToolExecutor(1, timeout_s=2.0, memory_mb=512, disk_mb=32, processes=8) as executor:
+        yield executor
+
+
+def _f(body: str, **args) -> ToolRequest:
+    params = ", ".join(f"{k}=None" for k in args)
+    return ToolRequest("f", f"def f({params}):\n" + "\n".join("    " + l for l in body.splitlines()), args)
+
+
+def _innocent(ex: ToolExecutor, n: int = 6) -> None:
+    """Other tasks' calls, after an attack: all correct, in order."""
+    reqs = [ToolRequest("g", "def g(i):\n    return {'i': i * 10}", {"i": i}) for i in range(n)]
+    assert ex.run_many(reqs) == [f'{{"i": {i * 10}}}' for i in range(n)]
+    assert ex.run(ToolRequest("h", "def h(s):\n    return s[::-1]", {"s": "abc"})) == "cba"
+
+
+def _call_uids(ex: ToolExecutor) -> set[int]:
+    return {1_000_000 + pid for pid in ex.worker_pids}
+
+
+def _processes_of(uids: set[int]) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat(f"/proc/{entry}").st_uid in uids:
+                    found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+# ---- protocol forgery ---------------------------------------------------------------------------
+def test_forged_frames_on_every_descriptor_shift_no_later_reply(ex):
+    out = ex.run(_f(
+        "import os, struct, json\n"
+        "for fd in range(256):\n"
+        "    for body in (b'oforged', json.dumps({'ok': 'forged'}).encode()):\n"
+        "        try:\n"
+        "            os.write(fd, struct.pack('>I', len(body)) + body)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "return 'real'"))
+    assert out in ("real", "forged")  # at most its own reply
+    _innocent(ex)
+
+
+def test_a_thread_cannot_read_the_next_request(ex):
+    ex.run(_f(
+        "import os, threading, time\n"
+        "def spy():\n"
+        "    while True:\n"
+        "        for fd in range(64):\n"
+        "            try:\n"
+        "                os.read(fd, 1 << 16)\n"
+        "            except OSError:\n"
+        "                pass\n"
+        "threading.Thread(target=spy, daemon=True).start()\n"
+        "time.sleep(0.05)\n"
+        "return 'spy'"))
+    _innocent(ex)
+
+
+def test_patching_the_serialiser_forges_nothing_later(ex):
+    out = ex.run(_f("import json\njson.dumps = lambda *a, **k: 'forged'\nreturn {'a': 1}"))
+    assert out in ("forged", '{"a": 1}')
+    _innocent(ex)
+
+
+def test_other_tasks_code_is_not_reachable(ex):
+    secret = ToolRequest("a", "SECRET = 'tok-4d1f9'\ndef a():\n    return SECRET * len([1])", {})
+    assert ex.run_many([secret] * 4) == ["tok-4d1f9"] * 4
+    # Looks for task a's namespace (a dict holding SECRET), function or code object anywhere in
+    # its own memory or frame chain; then another call vandalises builtins for whoever comes next.
+    scan = _f(
+        "import gc, sys\n"
+        "def holds(obj):\n"
+        "    try:\n"
+        "        if isinstance(obj, dict) and 'SECRET' in obj:\n"
+        "            return True\n"
+        "        return getattr(obj, '__name__', None) == 'a' or getattr(obj, 'co_name', None) == 'a'\n"
+        "    except Exception:\n"
+        "        return False\n"
+        "seen = any(holds(obj) for obj in gc.get_objects())\n"
+        "frame = sys._getframe()\n"
+        "while frame is not None:\n"
+        "    seen = seen or any(holds(v) for v in list(frame.f_globals.values()) + list(frame.f_locals.values()))\n"
+        "    seen = seen or frame.f_code.co_name == 'a'\n"
+        "    frame = frame.f_back\n"
+        "return seen")
+    assert ex.run_many([scan] * 4) == ["False"] * 4
+    vandal = _f("import builtins, json\nbuiltins.len = lambda o: 0\njson.dumps = None\nreturn 'x'")
+    ex.run_many([vandal] * 2)
+    assert ex.run_many([secret] * 2) == ["tok-4d1f9"] * 2
+
+
+# ---- bad replies and a destroyed working directory -----------------------------------------------
+@pytest.mark.parametrize("payload", [
+    "struct.pack('>I', 10 ** 9) + b'oabc'",   # claims a gigabyte
+    "struct.pack('>I', 4) + b'xabc'",         # unknown kind
+    "struct.pack('>I', 5) + b'o\\xff\\xfe\\xfd\\xfc'",  # not UTF-8
+    "struct.pack('>I', 0)",                   # empty
+    "b'\\x00\\x00'",                          # half a header
+])
+def test_malformed_replies_cost_only_their_own_call(ex, payload):
+    out = ex.run(_f(f"import os, struct\nos.write(4, {payload})\nos._exit(0)"))
+    assert out.startswith(ERR) or out.startswith("\ufffd") or out == "abc", out
+    _innocent(ex, 2)
+
+
+def test_removing_the_working_directory_then_dying_costs_one_call(ex):
+    out = ex.run(_f("import os, shutil\nshutil.rmtree(os.getcwd(), ignore_errors=True)\nos._exit(1)"))
+    assert out == ERR + "tool process exited with code 1"
+    _innocent(ex)
+    assert ex.restarts == 0
+
+
+def test_replies_that_are_not_text_become_error_observations():
+    obs = executor_lib._observation
+    assert obs("f", {"ok": "x"}) == "x"
+    assert obs("f", {"err": "bad"}) == ERR + "bad"
+    for reply in ([1, 2], "text", {"ok": {"nested": 1}}, {"ok": "x", "err": "y"}, {}, None, {"ok": 3}):
+        assert obs("f", reply).startswith(ERR + "malformed reply from the tool sandbox"), reply
+
+
+# ---- limits --------------------------------------------------------------------------------------
+def test_no_limit_can_be_lifted(ex):
+    out = ex.run(_f(
+        "import resource\n"
+        "lifted = []\n"
+        "for name in ('RLIMIT_AS', 'RLIMIT_CPU', 'RLIMIT_FSIZE', 'RLIMIT_NOFILE', 'RLIMIT_NPROC', 'RLIMIT_CORE'):\n"
+        "    kind = getattr(resource, name)\n"
+        "    soft, hard = resource.getrlimit(kind)\n"
+        "    if soft != hard:\n"
+        "        lifted.append(name + ' soft below hard')\n"
+        "    try:\n"
+        "        resource.setrlimit(kind, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))\n"
+        "        lifted.append(name)\n"
+        "    except (ValueError, OSError):\n"
+        "        pass\n"
+        "try:\n"
+        "    b = bytearray(900 * 1024 * 1024)\n"
+        "    lifted.append('allocated 900 MiB')\n"
+        "except MemoryError:\n"
+        "    pass\n"
+        "return lifted"))
+    assert out == "[]"
+
+
+def test_a_fork_bomb_is_capped_and_its_processes_are_gone_after_the_call(ex):
+    out = ex.run(_f(
+        "import os, time\n"
+        "made = 0\n"
+        "for _ in range(50):\n"
+        "    try:\n"
+        "        pid = os.fork()\n"
+        "    except OSError:\n"
+        "        break\n"
+        "    if pid == 0:\n"
+        "        os.setsid()\n"
+        "        time.sleep(60)\n"
+        "        os._exit(0)\n"
+        "    made += 1\n"
+        "return made"))
+    assert 0 <= int(out) < 8  # the cap counts the call process itself
+    if ex.isolation["uid_drop"]:
+        assert _processes_of(_call_uids(ex)) == []
+    _innocent(ex)
+
+
+def test_a_setsid_daemon_does_not_outlive_its_call(full):
+    if not (full.isolation["uid_drop"] or full.isolation["pid_ns"]):
+        pytest.skip("no uid drop and no pid namespace: a setsid() grandchild can escape (reported)")
+    out = full.run(_f(
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        time.sleep(60)\n"
+        "    os._exit(0)\n"
+        "return 'forked'"))
+    assert out == "forked"
+    if full.isolation["uid_drop"]:
+        assert _processes_of(_call_uids(full)) == []
+
+
+# ---- state between calls -------------------------------------------------------------------------
+def test_nothing_leaks_from_one_call_into_the_next(ex):
+    ex.run(_f(
+        "import builtins, math, os, random, sys, threading, time\n"
+        "builtins.len = lambda x: 42\n"
+        "math.pi = 3.0\n"
+        "random.random = lambda: 0.5\n"
+        "sys.setrecursionlimit(60)\n"
+        "os.environ['LEAK'] = '1'\n"
+        "os.makedirs('sub', exist_ok=True)\n"
+        "os.chdir('sub')\n"
+        "open('left-behind', 'w').write('x')\n"
+        "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+        "return 'changed'"))
+    out = ex.run(ToolRequest("probe", (
+        "import math, os, random, sys, threading\n"
+        "def probe():\n"
+        "    return [len([1, 2]), math.pi, random.random() != 0.5, sys.getrecursionlimit() > 60,\n"
+        "            os.environ.get('LEAK'), os.listdir('.'), threading.active_count()]\n"), {}))
+    assert out == f"[2, {3.141592653589793}, true, true, null, [], 1]"
+
+
+# ---- the operating system --------------------------------------------------------------------------
+def test_files_outside_the_call_directory_cannot_be_read_or_written(ex, tmp_path):
+    marker = tmp_path / "escape-marker"
+    out = ex.run(_f(
+        "import os\n"
+        "seen = []\n"
+        "for path in ('/etc/passwd', this, '/root/.bashrc', '/proc/1/environ'):\n"
+        "    try:\n"
+        "        open(path).read(10)\n"
+        "        seen.append(path)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "try:\n"
+        "    open(marker, 'w').write('x')\n"
+        "    seen.append('wrote')\n"
+        "except OSError:\n"
+        "    pass\n"
+        "return [seen, os.listdir('/')]", this=__file__, marker=str(marker)))
+    if ex.isolation["chroot"]:
+        assert out == "[[], []]"
+    else:
+        assert "tool code can read files readable by the trainer's user" in isolation_gaps(ex.isolation)
+    assert not marker.exists()
+
+
+def test_a_call_cannot_fill_the_disk(ex):
+    out = ex.run(_f(
+        "written = 0\n"
+        "try:\n"
+        "    for i in range(8):\n"
+        "        with open(f'blob{i}', 'wb') as fh:\n"
+        "            for _ in range(15):\n"
+        "                fh.write(b'x' * (1 << 20))\n"
+        "                written += 1\n"
+        "except OSError as e:\n"
+        "    return [written, str(e)]\n"
+        "return [written, 'no limit']"))
+    written = int(out.split(",")[0].strip("["))
+    if ex.isolation["disk_quota"]:
+        assert written <= 32 and "No space left on device" in out, out
+    else:
+        assert written <= 8 * 16 and "no total disk quota per call" in " ".join(isolation_gaps(ex.isolation))
+    _innocent(ex, 2)
+
+
+def test_no_loopback_connection_and_no_signal_reaches_the_trainer(ex):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    server.settimeout(0.2)
+    port = server.getsockname()[1]
+    received = []
+    old = signal.signal(signal.SIGUSR1, lambda *a: received.append("SIGUSR1"))
+    accepted = []
+
+    def accept():
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            try:
+                conn, _ = server.accept()
+                accepted.append(conn)
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=accept)
+    thread.start()
+    try:
+        out = ex.run(_f(
+            "import os, signal, socket\n"
+            "done = []\n"
+            "try:\n"
+            "    socket.create_connection(('127.0.0.1', port), timeout=1).close()\n"
+            "    done.append('connected')\n"
+            "except OSError:\n"
+            "    pass\n"
+            "for target in (pid, -1):\n"
+            "    try:\n"
+            "        os.kill(target, signal.SIGUSR1)\n"
+            "        done.append(target)\n"
+            "    except OSError:\n"
+            "        pass\n"
+            "return done", port=port, pid=os.getpid()))
+    finally:
+        thread.join()
+        server.close()
+        time.sleep(0.05)
+        signal.signal(signal.SIGUSR1, old)
+    assert received == [] and str(os.getpid()) not in out
+    if ex.isolation["net_ns"]:
+        assert accepted == [] and "connected" not in out, out
+    else:
+        assert "tool code can open network connections (loopback included)" in isolation_gaps(ex.isolation)
+    _innocent(ex, 2)
+
+
+def test_a_degraded_sandbox_says_so_once(capfd):
+    executor_lib._warned.clear()
+    with ToolExecutor(1, namespaces=False) as a, ToolExecutor(1, namespaces=False):
+        report = a.isolation
+    err = capfd.readouterr().err
+    assert err.count("tool sandbox degraded") == 1, err
+    assert "namespaces disabled by configuration" in err and "docs/sandbox.md" in err
+    assert "tool code can open network connections (loopback included)" in err
+    assert report["net_ns"] is False and report["pid_ns"] is False

@@ -1,0 +1,670 @@
+"""Sandbox host: runs each dataset tool call in a fresh, confined process (FTRL, ToolHop, built-in).
+
+Started as a *script* (``python -I _sandbox_host.py CONFIG``) by `executor.ToolExecutor`, never
+imported by the trainer: it depends on the standard library only, so no JAX and none of the
+project enters a process tree that runs untrusted code.
+
+Three kinds of process, and what each one may hold:
+
+  host (this script's main process, trusted)
+      Holds the protocol channel to the trainer (its stdin and a private duplicate of its stdout)
+      and the source text of every task it has been sent. Never runs tool code.
+  zygote (forked by the host before it reads any request, trusted)
+      Has never seen a request: its memory holds no task's code or arguments. It forks one call
+      process per call on the host's command (over a unix socket that passes the call's two pipe
+      ends), kills a call's whole process tree and reports its exit status. When a private pid
+      namespace is available the zygote is its init (pid 1): when it dies, the kernel kills every
+      process in the namespace.
+  call process (forked by the zygote, untrusted)
+      Holds exactly two descriptors: a pipe carrying its one request and a pipe for its one reply.
+      Before reading the request it starts a new session, sets hard limits equal to the soft ones
+      (address space, CPU seconds, file size, open files, processes, no core files), enters a
+      private writable directory (a size-capped tmpfs when a mount namespace is available) as its
+      root directory, and drops privileges (a per-host unprivileged uid/gid when started as root;
+      all capabilities when running in a user namespace). Then it compiles the source, runs
+      ``fn(**args)`` in a fresh namespace, writes one reply and exits. Nothing it does can reach
+      another call: it shares no process, descriptor or writable file with any.
+
+Namespaces (network, mount, pid, ipc, uts; plus a user namespace when not root) are entered by
+the host at start; when the kernel refuses them the host runs without and reports which layers
+are missing in its first frame (the trainer prints the residual risk once, see `executor.py`).
+
+Trainer <-> host protocol: length-prefixed JSON frames (4-byte big-endian length, UTF-8 JSON).
+  first frame  {"ready": true, "isolation": {...}}
+  requests     {"op": "call", "key": <source hash>, "source": <str, optional>, "name": <tool>,
+                "args": <JSON value>, "seed": <int>, "timeout": <s>, "cpu": <s>}
+               {"op": "batch", "calls": [<call request>, ...]}   (one reply frame per call)
+  replies      {"ok": <text>} | {"err": <message>} | {"need_source": true}
+Call process -> host: one frame, 4-byte length + kind byte (b"o" result, b"e" error) + UTF-8
+text, read with a byte cap; anything else is the call's own error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import math
+import os
+import random
+import resource
+import select
+import signal
+import socket
+import struct
+import sys
+import time
+
+_HEADER = struct.Struct(">I")
+_MAX_CACHED_SOURCES = 4096
+
+# Modules a call may import. A call process's root directory is its empty private directory, so
+# nothing can be imported from disk once it runs: what tool code needs is imported here, before
+# the zygote is forked, and shared copy-on-write. (FTRL's and ToolHop's tool code imports
+# datetime, math, re, cmath, decimal, fractions and json.) Every module here is paid for on each
+# call: fork copies the zygote's page tables, so hashlib (3.6 MB of OpenSSL) is left out.
+PRELOADED_MODULES = (
+    "abc", "array", "base64", "binascii", "bisect", "calendar", "cmath", "collections",
+    "collections.abc", "colorsys", "copy", "csv", "ctypes", "dataclasses", "datetime", "decimal",
+    "difflib", "enum", "fnmatch", "fractions", "glob", "functools", "heapq", "html", "io",
+    "itertools", "json", "math", "numbers", "operator", "pprint", "random", "re", "shutil", "socket",
+    "statistics", "string", "struct", "tempfile", "textwrap", "threading", "time", "typing", "unicodedata", "urllib.parse",
+    "zlib", "_strptime", "encodings.ascii", "encodings.latin_1", "encodings.cp1252",
+    "encodings.utf_16", "encodings.utf_32", "encodings.idna", "encodings.unicode_escape",
+    "encodings.raw_unicode_escape",
+)
+
+_CLONE_NEWNS = 0x00020000
+_CLONE_NEWUTS = 0x04000000
+_CLONE_NEWIPC = 0x08000000
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWPID = 0x20000000
+_CLONE_NEWNET = 0x40000000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
+_MS_REC, _MS_PRIVATE = 0x4000, 0x40000
+_MNT_DETACH = 2
+_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
+                        ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                        ctypes.c_ulong]
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _prctl(option: int, arg: int = 0) -> None:
+    _check(_libc.prctl(option, arg, 0, 0, 0), f"prctl({option})")
+
+
+# -- isolation set-up (host, once) -------------------------------------------------------------
+def _write(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def enter_namespaces(want: bool) -> dict:
+    """Enters what the kernel allows; returns the isolation report (what holds, what does not)."""
+    is_root = os.geteuid() == 0
+    report = {"root": is_root, "user_ns": False, "net_ns": False, "mount_ns": False,
+              "pid_ns": False, "ipc_uts_ns": False, "uid_drop": is_root, "refused": []}
+    if not want:
+        report["refused"].append("namespaces disabled by configuration")
+        return report
+    uid, gid = os.geteuid(), os.getegid()
+    if not is_root:
+        if _libc.unshare(_CLONE_NEWUSER) != 0:
+            report["refused"].append(f"user namespace: {os.strerror(ctypes.get_errno())}")
+            return report
+        try:
+            _write("/proc/self/setgroups", "deny")
+            _write("/proc/self/uid_map", f"0 {uid} 1")
+            _write("/proc/self/gid_map", f"0 {gid} 1")
+        except OSError as e:
+            report["refused"].append(f"user namespace id map: {e.strerror}")
+            return report
+        report["user_ns"] = True
+    for key, flags in (("net_ns", _CLONE_NEWNET), ("mount_ns", _CLONE_NEWNS),
+                       ("ipc_uts_ns", _CLONE_NEWIPC | _CLONE_NEWUTS), ("pid_ns", _CLONE_NEWPID)):
+        if _libc.unshare(flags) == 0:
+            report[key] = True
+        else:
+            report["refused"].append(f"{key}: {os.strerror(ctypes.get_errno())}")
+    if report["mount_ns"]:
+        # Our mounts (one tmpfs per call) must not propagate back to the machine's mount table.
+        if _libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+            report["mount_ns"] = False
+            report["refused"].append(f"private mounts: {os.strerror(ctypes.get_errno())}")
+    return report
+
+
+def _preload() -> None:
+    import importlib
+
+    for name in PRELOADED_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
+# -- framing -------------------------------------------------------------------------------------
+def _read_exact(fd: int, n: int) -> bytes | None:
+    chunks = []
+    while n > 0:
+        chunk = os.read(fd, n)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def _read_frame(fd: int):
+    header = _read_exact(fd, _HEADER.size)
+    if header is None:
+        return None
+    (length,) = _HEADER.unpack(header)
+    body = _read_exact(fd, length)
+    if body is None:
+        return None
+    return json.loads(body.decode("utf-8", errors="surrogatepass"))
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _write_frame(fd: int, obj) -> None:
+    body = json.dumps(obj, ensure_ascii=False).encode("utf-8", errors="surrogatepass")
+    _write_all(fd, _HEADER.pack(len(body)) + body)
+
+
+# -- the call process (untrusted from the moment it reads its request) --------------------------
+class _WallTimeout(BaseException):
+    """Raised by SIGALRM; a BaseException so tool code's `except Exception` cannot swallow it."""
+
+
+def _on_alarm(signum, frame):
+    raise _WallTimeout()
+
+
+def _format_result(value) -> str:
+    """FTRL's conversion of a tool's return value to observation text."""
+    # `type(...) is` on purpose: FTRL tests `type(predict) == dict`, so dict subclasses
+    # (OrderedDict, defaultdict) go through str(), exactly as there.
+    if type(value) is dict or type(value) is list:
+        return json.dumps(value, ensure_ascii=False)
+    if type(value) is not str:
+        return str(value)
+    return value
+
+
+def truncate(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"... [output truncated: {len(text) - limit} more characters]"
+
+
+def _hard_limit(kind: int, value: int) -> None:
+    resource.setrlimit(kind, (value, value))
+
+
+def _drop_capabilities() -> None:
+    """All capabilities off (effective, permitted, inheritable): for the user-namespace mode."""
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                    ("inheritable", ctypes.c_uint32)]
+
+    header = Header(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
+    data = (Data * 2)()
+    _check(_libc.capset(ctypes.byref(header), data), "capset")
+
+
+def _confine(spawn: dict) -> None:
+    """Everything a call process does before it sees its request (runs as root or ns-root)."""
+    os.setsid()
+    limits = spawn["limits"]
+    _hard_limit(resource.RLIMIT_CORE, 0)
+    _hard_limit(resource.RLIMIT_AS, limits["memory_bytes"])
+    _hard_limit(resource.RLIMIT_FSIZE, limits["file_bytes"])
+    _hard_limit(resource.RLIMIT_NOFILE, limits["open_files"])
+    _hard_limit(resource.RLIMIT_NPROC, limits["processes"])
+    _hard_limit(resource.RLIMIT_CPU, limits["cpu_seconds"])
+    if spawn["chroot"]:
+        os.chroot(spawn["dir"])
+        os.chdir("/")
+    else:
+        os.chdir(spawn["dir"])
+    if spawn["uid"] is not None:
+        os.setgroups([])
+        os.setgid(spawn["uid"])
+        os.setuid(spawn["uid"])  # from root: every capability is dropped with it
+    elif spawn["drop_caps"]:
+        _drop_capabilities()
+    _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+    os.environ.clear()
+    os.environ.update({"HOME": "/", "TMPDIR": "/", "LANG": "C.UTF-8"})
+
+
+def _call_process(request_fd: int, reply_fd: int, spawn: dict) -> None:
+    """Body of a call process; never returns."""
+    kind, text = b"e", "the call process failed before running the tool"
+    try:
+        # Only the two pipes stay open: no descriptor of the host, the zygote or the trainer.
+        os.dup2(request_fd, 3)
+        os.dup2(reply_fd, 4)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        os.closerange(5, 1 << 16)
+        sys.stdin = open(0, closefd=False)
+        sys.stdout = open(1, "w", closefd=False)
+        sys.stderr = open(2, "w", closefd=False)
+        _confine(spawn)
+        chunks = []
+        while True:
+            chunk = os.read(3, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        os.close(3)
+        request = json.loads(b"".join(chunks).decode("utf-8", errors="surrogatepass"))
+        kind, text = _run_tool(request)
+        text = truncate(text, int(request["max_chars"]))
+    except BaseException as e:  # noqa: BLE001 - the reply must always be written
+        try:
+            kind, text = b"e", f"{type(e).__name__}: {e}"
+        except BaseException:  # noqa: BLE001
+            kind, text = b"e", "call process error"
+    try:
+        body = kind + text.encode("utf-8", errors="surrogatepass")
+        _write_all(4, _HEADER.pack(len(body)) + body)
+    finally:
+        os._exit(0)
+
+
+def _run_tool(request: dict) -> tuple[bytes, str]:
+    name, timeout, memory_mb = request["name"], float(request["timeout"]), request["memory_mb"]
+    signal.signal(signal.SIGALRM, _on_alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+        try:
+            # Deterministic for a seed: the same (episode seed, call) sees the same stream.
+            random.seed(int(request["seed"]))
+            # "<string>" as the filename so SyntaxError text matches FTRL's exec(str).
+            code = compile(request["source"], "<string>", "exec")
+            namespace: dict = {}
+            exec(code, namespace, namespace)  # dataset tool code, confined to this process
+            if name not in namespace:
+                raise NameError(f"name {name} is not defined")
+            text = _format_result(namespace[name](**request["args"]))
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        return b"o", text
+    except _WallTimeout:
+        return b"e", f"Function {name} timed out after {timeout:.6f} seconds."
+    except MemoryError as e:
+        detail = str(e)
+        return b"e", f"MemoryError: memory limit of {memory_mb} MiB exceeded" + (
+            f" ({detail})" if detail else "")
+    except BaseException as e:  # noqa: BLE001 - SystemExit/KeyboardInterrupt from tool code too
+        try:
+            return b"e", str(e)
+        except BaseException:  # noqa: BLE001 - an exception whose __str__ itself fails
+            return b"e", type(e).__name__
+
+
+# -- the zygote ----------------------------------------------------------------------------------
+def _zygote(sock: socket.socket, isolation: dict) -> None:
+    """Forks call processes on command; kills and reaps them. Never returns."""
+    # Non-dumpable: a call process under the same uid (user-namespace mode) cannot ptrace it or
+    # open its descriptors through /proc; orphans of calls are re-parented here and reaped.
+    _prctl(_PR_SET_DUMPABLE, 0)
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 2)
+        except OSError:
+            os._exit(1)
+        if not msg:
+            os._exit(0)
+        command = json.loads(msg)
+        if command["op"] == "spawn":
+            pid = os.fork()
+            if pid == 0:
+                sock.close()
+                _call_process(fds[0], fds[1], command)
+            for fd in fds:
+                os.close(fd)
+            sock.send(json.dumps({"pid": pid}).encode())
+        elif command["op"] == "finish":
+            uid = command.get("uid")
+            _kill_tree(command["pid"], uid, isolation)
+            status, cpu = _wait(command["pid"])
+            _reap_tree(command["pid"], uid, isolation)
+            sock.send(json.dumps({"status": status, "cpu": cpu}).encode())
+
+
+def _kill_tree(pid: int, uid: int | None, isolation: dict) -> None:
+    """Kills the call process and everything it started, daemons and new sessions included."""
+    if isolation["pid_ns"]:
+        # We are init of a namespace that holds only call processes: -1 is all of them.
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    elif uid is not None:
+        # Every process with the call's uid, wherever it went: kill(-1) as that (real and
+        # effective) uid reaches exactly those; the saved root uid lets us switch back.
+        os.setresuid(uid, uid, 0)
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        finally:
+            os.setresuid(0, 0, 0)
+    else:
+        try:
+            os.killpg(pid, signal.SIGKILL)  # its session; a setsid() grandchild escapes this
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _wait(pid: int) -> tuple[int, float]:
+    try:
+        _, status, usage = os.wait4(pid, 0)
+    except ChildProcessError:
+        return 0, 0.0
+    return status, usage.ru_utime + usage.ru_stime
+
+
+def _reap_tree(pid: int, uid: int | None, isolation: dict) -> None:
+    """Kills and reaps until none of the call's processes is left, zombies included.
+
+    Orphans of the call are re-parented to us (init of the namespace, or child subreaper), so
+    "no child left" means "nothing of the call is left". Killing again on every round covers a
+    process that was being forked while the first signal went out.
+    """
+    complete = isolation["pid_ns"] or uid is not None
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            reaped, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if reaped == 0:
+            if not complete or time.monotonic() > deadline:
+                return  # fallback mode: a setsid() escapee is not ours to wait for (reported)
+            _kill_tree(pid, uid, isolation)
+            time.sleep(0.0005)
+
+
+# -- the host ------------------------------------------------------------------------------------
+class Host:
+    def __init__(self, config: dict, isolation: dict, zygote_sock: socket.socket):
+        self.config = config
+        self.isolation = isolation
+        self.zygote = zygote_sock
+        self.cache: dict[str, str] = {}
+        self.base = config["workdir"]
+        self.uid = (1_000_000 + os.getpid()) if isolation["uid_drop"] else None
+        self.seq = 0
+        mb = 1024 * 1024
+        self.limits = {
+            "memory_bytes": int(config["memory_mb"]) * mb,
+            "file_bytes": int(config["file_mb"]) * mb,
+            "open_files": int(config["open_files"]),
+            "processes": int(config["processes"]),
+        }
+        if not isolation["uid_drop"]:
+            # The process cap counts every process of the uid; without a uid of our own, leave
+            # room for the ones the user already runs.
+            self.limits["processes"] += _count_own_processes()
+        self.max_chars = int(config["max_output_chars"])
+        self.reply_cap = 4 * self.max_chars + 4096
+
+    # One private directory per call: a size-capped tmpfs in the mount namespace, else a plain
+    # directory (no total quota: file size only, see the report).
+    def _make_dir(self) -> str:
+        self.seq += 1
+        os.makedirs(self.base, mode=0o711, exist_ok=True)
+        path = os.path.join(self.base, f"call-{self.seq}")
+        os.mkdir(path, 0o700)
+        owner = self.uid if self.uid is not None else os.geteuid()
+        if self.isolation["mount_ns"]:
+            options = f"size={int(self.config['disk_mb'])}m,nr_inodes=4096,mode=0700,uid={owner},gid={owner}"
+            _check(_libc.mount(b"tmpfs", path.encode(), b"tmpfs",
+                               _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, options.encode()),
+                   "mount tmpfs")
+        elif self.uid is not None:
+            os.chown(path, self.uid, self.uid)
+        return path
+
+    def _remove_dir(self, path: str) -> None:
+        if self.isolation["mount_ns"]:
+            _libc.umount2(path.encode(), _MNT_DETACH)
+        else:
+            import shutil
+
+            shutil.rmtree(path, ignore_errors=True)
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+
+    def serve(self, call: dict) -> dict:
+        key = call["key"]
+        source = call.get("source")
+        if source is not None:
+            self.cache[key] = source
+            if len(self.cache) > _MAX_CACHED_SOURCES:
+                self.cache.pop(next(iter(self.cache)))
+        elif key in self.cache:
+            source = self.cache[key]
+        else:
+            return {"need_source": True}
+        name = str(call["name"])
+        timeout, cpu = float(call["timeout"]), float(call["cpu"])
+        request = {"source": source, "name": name, "args": call["args"],
+                   "seed": int(call.get("seed", 0)), "timeout": timeout,
+                   "max_chars": self.max_chars, "memory_mb": int(self.config["memory_mb"])}
+        path = self._make_dir()
+        try:
+            return self._run(path, name, request, timeout, cpu)
+        finally:
+            self._remove_dir(path)
+
+    def _run(self, path: str, name: str, request: dict, timeout: float, cpu: float) -> dict:
+        req_r, req_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        spawn = {"op": "spawn", "dir": path, "uid": self.uid,
+                 "chroot": self.isolation["chroot"], "drop_caps": self.isolation["user_ns"],
+                 "limits": dict(self.limits, cpu_seconds=_cpu_rlimit(cpu))}
+        try:
+            socket.send_fds(self.zygote, [json.dumps(spawn).encode()], [req_r, rep_w])
+        finally:
+            os.close(req_r)
+            os.close(rep_w)
+        pid = json.loads(self.zygote.recv(1 << 16))["pid"]
+        deadline = time.monotonic() + timeout + float(self.config["kill_grace_s"])
+        timed_out = False
+        reply = None
+        try:
+            body = json.dumps(request, ensure_ascii=False).encode("utf-8", errors="surrogatepass")
+            try:
+                sent = _write_with_deadline(req_w, body, deadline)
+            finally:
+                os.close(req_w)  # EOF: the call process has its whole request
+            if sent:
+                reply = _read_reply(rep_r, self.reply_cap, deadline)
+                timed_out = reply == "timeout"
+            else:
+                timed_out = True
+        finally:
+            os.close(rep_r)
+        self.zygote.send(json.dumps({"op": "finish", "pid": pid, "uid": self.uid}).encode())
+        result = json.loads(self.zygote.recv(1 << 16))
+        if timed_out:
+            return {"err": f"Function {name} timed out after {timeout:.6f} seconds."}
+        if isinstance(reply, tuple):
+            kind, text = reply
+            if kind == "o":
+                return {"ok": text}
+            return {"err": text}
+        return {"err": _death_message(result["status"], result["cpu"], cpu)}
+
+
+def _cpu_rlimit(cpu: float) -> int:
+    """RLIMIT_CPU (soft = hard) for a call with a `cpu`-second budget.
+
+    One second above the budget: a busy loop reaches the wall-clock limit (same seconds) first
+    and gets the timeout message; only code burning CPU faster than the clock (threads) is
+    killed by the kernel at the CPU limit.
+    """
+    return int(math.ceil(cpu)) + 1
+
+
+def _write_with_deadline(fd: int, data: bytes, deadline: float) -> bool:
+    """False when the call process did not take its request in time (or is gone)."""
+    os.set_blocking(fd, False)
+    view = memoryview(data)
+    while view:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        _, ready, _ = select.select([], [fd], [], remaining)
+        if not ready:
+            return False
+        try:
+            view = view[os.write(fd, view):]
+        except BlockingIOError:
+            continue
+        except BrokenPipeError:
+            return True  # it died first; its exit status tells the story
+    return True
+
+
+def _read_reply(fd: int, cap: int, deadline: float):
+    """(kind, text) for a well-formed reply; "timeout"; or None (no or malformed reply)."""
+    buffer = b""
+    need = _HEADER.size
+    truncated = False
+    while len(buffer) < need:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return "timeout"
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if not ready:
+            return "timeout"
+        chunk = os.read(fd, min(1 << 20, cap + _HEADER.size - len(buffer) + 1))
+        if not chunk:
+            return None
+        buffer += chunk
+        if need == _HEADER.size and len(buffer) >= _HEADER.size:
+            (length,) = _HEADER.unpack_from(buffer)
+            if length < 1:
+                return None
+            # A reply larger than any honest one is cut at the cap.
+            need = _HEADER.size + min(length, cap)
+            truncated = length > cap
+    body = buffer[_HEADER.size:need]
+    kind = body[:1]
+    if kind not in (b"o", b"e"):
+        return None
+    try:
+        text = body[1:].decode("utf-8", errors="surrogatepass")
+    except UnicodeDecodeError:
+        text = body[1:].decode("utf-8", errors="replace")
+    if truncated:
+        text += "... [output truncated]"
+    return kind.decode(), text
+
+
+def _death_message(status: int, cpu_used: float, cpu_limit: float) -> str:
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig == signal.SIGKILL and cpu_used >= _cpu_rlimit(cpu_limit) - 0.05:
+            return f"Function exceeded its CPU time limit of {cpu_limit:g} seconds."
+        try:
+            sig_name = signal.Signals(sig).name
+        except ValueError:
+            sig_name = f"signal {sig}"
+        return f"tool process was killed by {sig_name}"
+    if os.WIFEXITED(status):
+        return f"tool process exited with code {os.WEXITSTATUS(status)}"
+    return "tool process stopped responding"
+
+
+def _count_own_processes() -> int:
+    uid = os.getuid()
+    count = 0
+    try:
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    if os.stat(f"/proc/{entry}").st_uid == uid:
+                        count += 1
+                except OSError:
+                    pass
+    except OSError:
+        return 64
+    return count
+
+
+def main() -> None:
+    config = json.loads(sys.argv[1])
+    # Private protocol descriptors, then 0/1/2 point at /dev/null.
+    in_fd = os.dup(0)
+    out_fd = os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    # If the trainer dies, so does the sandbox (and with the zygote, every call process).
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    isolation = enter_namespaces(bool(config.get("namespaces", True)))
+    _preload()
+    host_sock, zygote_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        host_sock.close()
+        os.close(in_fd)
+        os.close(out_fd)
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        _zygote(zygote_sock, isolation)
+    zygote_sock.close()
+    # chroot needs CAP_SYS_CHROOT: root, or root of our own user namespace.
+    isolation["chroot"] = isolation["root"] or isolation["user_ns"]
+    isolation["disk_quota"] = isolation["mount_ns"]
+    host = Host(config, isolation, host_sock)
+    _write_frame(out_fd, {"ready": True, "isolation": isolation})
+    while True:
+        request = _read_frame(in_fd)
+        if request is None:
+            return  # trainer closed the pipe; the zygote's death takes the namespace with it
+        calls = request["calls"] if request.get("op") == "batch" else [request]
+        for call in calls:
+            _write_frame(out_fd, host.serve(call))
+
+
+if __name__ == "__main__":
+    main()
