@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import pathlib
 import signal
@@ -98,20 +99,31 @@ def test_dataset_row_missing_field_names_row(tmp_path):
 
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
-    """NaN injected into RL step 1 (of 2; TURNSIGHT_FAULT_NAN_STEPS): its update is skipped and
-    logged, and with train.max_skipped_steps=1 the run stops with exit 1, the checkpoint of step 1
-    being the last one (no checkpoint of the poisoned step)."""
-    env = {"TURNSIGHT_FAULT_NAN_STEPS": "1"}
-    proc = _run(FAST + ["--config.train.steps=2", "--config.checkpoint.every=1", "--config.train.max_skipped_steps=1"],
+    """NaN injected into RL steps 2 and 3 (of 3; TURNSIGHT_FAULT_NAN_STEPS counts from 0): step 2's update is
+    skipped and logged, so the checkpoint written after it holds exactly the parameters of step 1
+    (tests/test_rl_step.py checks the optimizer state); step 3 is skipped too, and with train.max_skipped_steps=2 the run
+    stops there with exit 1, naming the step, and writes no checkpoint of it."""
+    import jax
+    from flax import nnx
+
+    from turnsight_jax.checkpointing import load_policy_from_run
+
+    env = {"TURNSIGHT_FAULT_NAN_STEPS": "1,2"}
+    proc = _run(FAST + ["--config.train.steps=3", "--config.checkpoint.every=1", "--config.train.max_skipped_steps=2"],
                 tmp_path / "run", extra_env=env)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 1, err[-3000:]
     assert "step 2: non-finite loss or gradient, 1 update(s) skipped" in err, err[-3000:]
+    assert "step 3: non-finite loss or gradient, 1 update(s) skipped" in err, err[-3000:]
     last = err.strip().splitlines()[-1]
-    assert last.startswith("error: 1 steps in a row (to step 2)") and "last checkpoint (1) intact" in last, last
+    assert last.startswith("error: 2 steps in a row (to step 3)") and "last checkpoint (2) intact" in last, last
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["train/skipped_updates"] for r in recs] == [0.0, 1.0]
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
+    assert [r["train/skipped_updates"] for r in recs] == [0.0, 1.0, 1.0]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]
+    before, _, _ = load_policy_from_run(tmp_path / "run", step=1)
+    after, _, _ = load_policy_from_run(tmp_path / "run", step=2)
+    leaves = zip(jax.tree.leaves(nnx.state(before)), jax.tree.leaves(nnx.state(after)))
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) and np.isfinite(np.asarray(b)).all() for a, b in leaves)
 
 
 @pytest.fixture(scope="module")
@@ -123,29 +135,62 @@ def uninterrupted(tmp_path_factory):
     return workdir
 
 
-def test_sigterm_then_resume_matches_uninterrupted(uninterrupted, tmp_path):
-    workdir = tmp_path / "interrupted"
-    proc = _run(FAST, workdir)
+# The chaos run (tests/configs/chaos.py): scripted turns whose tools crash, hang, segfault, forge
+# replies and return garbage at random, in the real sandbox; a checkpoint every step.
+CHAOS = [
+    "--config", str(REPO / "tests/configs/chaos.py"), "--config.sft.steps=0", "--config.sft.curriculum_steps=0",
+    "--config.data.num_eval=0", "--config.train.steps=4", "--config.train.prompts_per_step=2",
+    "--config.train.group_size=2", "--config.rollout.max_turns=3", "--config.rollout.max_turn_tokens=48",
+    "--config.rollout.max_response_tokens=256", "--config.checkpoint.every=1", "--config.log.tensorboard=False",
+    "--config.model.attn_q_chunk=128", "--config.checkpoint.export_at_end=False",
+]
+
+
+def test_chaos_sigterm_then_sigkill_in_a_checkpoint_write_then_resume(tmp_path):
+    """Hostile tools all along; SIGTERM (graceful stop with a checkpoint), then a resumed run
+    SIGKILLed while writing its next checkpoint (every file written, not yet verified), then a
+    second resume: it finishes, keeps every finished step, skips the unverified one saying why,
+    and logs the same numbers as an uninterrupted run from the last finished step on."""
+    from turnsight_jax.checkpointing import check_step, step_folders
+
+    reference = _run(CHAOS, tmp_path / "reference")
+    workdir = tmp_path / "chaos"
+    proc = _run(CHAOS, workdir)
     metrics = workdir / "metrics.jsonl"
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            proc.send_signal(signal.SIGTERM)  # a real signal while step 3 runs (or just after step 2)
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 1:
+            proc.send_signal(signal.SIGTERM)  # a real signal while step 2 runs (or just after step 1)
             break
-        time.sleep(0.2)
+        time.sleep(0.1)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     assert "checkpointing after this step" in err
-    stopped = max(_records(workdir))
-    assert 1 <= stopped < 3, stopped  # stopped early, with a checkpoint of what it finished
-    proc = _run(FAST, workdir)
+    stopped = max(_records(workdir))  # 0-based; checkpoint `stopped + 1` holds it
+    assert 0 <= stopped < 3, stopped
+    killed_step = stopped + 2  # the next save: one more step, then SIGKILL before its manifest
+    proc = _run(CHAOS, workdir, extra_env={"TURNSIGHT_FAULT_KILL_BEFORE_MANIFEST": str(killed_step)})
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, err[-3000:])
+    assert check_step(step_folders(workdir)[killed_step]) == "no turnsight_manifest.json (the save did not finish)"
+    proc = _run(CHAOS, workdir)
     _, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
-    assert "resumed from" in err
-    full, resumed = _records(uninterrupted), _records(workdir)
+    assert (f"resume: skipping checkpoint step {killed_step}: no turnsight_manifest.json (the save did not "
+            f"finish) (moved to invalid-{killed_step}-0)") in err, err[-3000:]
+    assert f"resumed from {workdir}/checkpoints/{killed_step - 1} (next step {killed_step - 1})" in err
+    _, ref_err = reference.communicate(timeout=900)
+    assert reference.returncode == 0, ref_err[-3000:]
+    full, resumed = _records(reference_dir := tmp_path / "reference"), _records(workdir)
     assert sorted(resumed) == list(range(4))
-    for step in range(stopped + 1, 4):  # the steps the resumed process ran
+    for step in range(killed_step - 1, 4):  # what the last process ran, from the last finished step
         assert resumed[step] == full[step], step
+    assert max(full[s]["rollout/tool_error_rate"] for s in full) > 0  # the hostile tools did run
+    folders = step_folders(workdir)
+    keep = json.loads((workdir / "config.json").read_text())["checkpoint"]["keep"]
+    assert sorted(folders) == list(range(5 - keep, 5))  # the newest `keep` finished steps, all there
+    assert all(check_step(f) is None for f in folders.values()), {s: check_step(f) for s, f in folders.items()}
+    assert (workdir / "checkpoints" / f"invalid-{killed_step}-0").is_dir() and reference_dir.is_dir()
 
 
 def test_the_step_compiles_once_per_batch_geometry(uninterrupted):
@@ -160,7 +205,7 @@ def test_the_step_compiles_once_per_batch_geometry(uninterrupted):
 def test_unfinished_checkpoint_is_never_loaded(uninterrupted, tmp_path):
     import shutil
 
-    from turnsight_jax.checkpointing import Checkpointer
+    from turnsight_jax.checkpointing import Checkpointer, latest_valid_step
 
     work = tmp_path / "copy"
     shutil.copytree(uninterrupted, work)
@@ -168,9 +213,84 @@ def test_unfinished_checkpoint_is_never_loaded(uninterrupted, tmp_path):
     partial = work / "checkpoints" / "9.orbax-checkpoint-tmp-1234567"
     shutil.copytree(work / "checkpoints" / "4", partial)
     (partial / "params" / "_METADATA").unlink(missing_ok=True)
+    assert latest_valid_step(work) == (4, [])
     ckpt = Checkpointer(work)
     assert ckpt.latest_step() == 4
     ckpt.close()
+
+
+def _corrupt(step_dir: pathlib.Path, kind: str) -> str:
+    """Damages a copied step in one of the four ways; returns the reason check_step must give."""
+    import shutil
+
+    biggest = max((p for p in (step_dir / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    rel = str(biggest.relative_to(step_dir))
+    size = biggest.stat().st_size
+    if kind == "truncated":
+        with open(biggest, "r+b") as fh:
+            fh.truncate(size // 2)
+        return f"{rel}: {size // 2} bytes, expected {size} (truncated or replaced)"
+    if kind == "flipped":
+        data = bytearray(biggest.read_bytes())
+        data[size // 2] ^= 0xFF
+        biggest.write_bytes(bytes(data))
+        return f"{rel}: checksum mismatch (corrupt bytes)"
+    if kind == "no_metadata":
+        (step_dir / "_CHECKPOINT_METADATA").unlink()
+        return "missing file _CHECKPOINT_METADATA"
+    shutil.rmtree(step_dir)
+    step_dir.mkdir()
+    return "empty folder"
+
+
+@pytest.mark.parametrize("kind", ["truncated", "flipped", "no_metadata", "empty"])
+def test_a_corrupt_latest_checkpoint_is_skipped_by_evaluate_and_resume(uninterrupted, tmp_path, kind, capsys):
+    """A copy of the run's valid step 4 as step 5, then damaged: evaluate's loader and resume both
+    fall back to step 4 and say why; resume moves step 5 aside; with no valid step left, one error."""
+    import shutil
+
+    from turnsight_jax import checkpointing
+    from turnsight_jax.errors import CheckpointError
+
+    work = tmp_path / "copy"
+    shutil.copytree(uninterrupted, work, ignore=shutil.ignore_patterns("export"))
+    shutil.copytree(work / "checkpoints" / "4", work / "checkpoints" / "5")
+    reason = _corrupt(work / "checkpoints" / "5", kind)
+    assert checkpointing.check_step(work / "checkpoints" / "5") == reason
+    _, _, step = checkpointing.load_policy_from_run(work)
+    assert step == 4
+    err = capsys.readouterr().err
+    assert f"skipping checkpoint step 5: {reason}" in err and "using checkpoint step 4" in err, err
+    with pytest.raises(CheckpointError, match=f"checkpoint step 5 is not valid: {re.escape(reason)}"):
+        checkpointing.load_policy_from_run(work, step=5)
+    logged = []
+    assert checkpointing.resume_step(work, logged.append) == 4
+    assert logged == [f"resume: skipping checkpoint step 5: {reason} (moved to invalid-5-0)"]
+    assert (work / "checkpoints" / "invalid-5-0").is_dir() and not (work / "checkpoints" / "5").exists()
+    _corrupt(work / "checkpoints" / "4", kind)
+    with pytest.raises(CheckpointError, match=r"no valid checkpoint \(step 4: "):
+        checkpointing.resume_step(work, logged.append)
+    with pytest.raises(CheckpointError, match=r"no valid checkpoint \(step 4: "):
+        checkpointing.load_policy_from_run(work)
+
+
+def test_resume_past_a_corrupt_latest_checkpoint_trains_it_again(uninterrupted, tmp_path):
+    """The CLI end to end: step 5 flipped, `--config.train.steps=5` resumes from step 4 and writes
+    a valid step 5 again."""
+    import shutil
+
+    from turnsight_jax.checkpointing import check_step
+
+    work = tmp_path / "copy"
+    shutil.copytree(uninterrupted, work, ignore=shutil.ignore_patterns("export"))
+    shutil.copytree(work / "checkpoints" / "4", work / "checkpoints" / "5")
+    reason = _corrupt(work / "checkpoints" / "5", "flipped")
+    proc = _run(FAST + ["--config.train.steps=5", "--config.checkpoint.export_at_end=False"], work)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert f"resume: skipping checkpoint step 5: {reason} (moved to invalid-5-0)" in err, err[-3000:]
+    assert f"resumed from {work}/checkpoints/4 (next step 4)" in err
+    assert check_step(work / "checkpoints" / "5") is None and sorted(_records(work)) == list(range(5))
 
 
 def test_exported_folder_loads_in_transformers(uninterrupted):

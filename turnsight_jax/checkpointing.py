@@ -9,30 +9,145 @@ Layout of a run folder (`--workdir`):
   tokenizer/                                   the tokenizer the run used
   export/                                      Hugging Face export of the trained policy
 
-Orbax writes each step into a temporary folder and renames it only when complete, so a write cut
-short (a killed process, a full disk) never appears as a valid step; `latest_step` only sees
-finished ones.
+Orbax writes each step into a temporary folder and renames it only when complete. On top of that
+a step is *valid* only when its manifest (`checkpoints/<step>/turnsight_manifest.json`: every
+file's size and CRC-32, written last) is present and matches the files: a truncated or
+bit-flipped file, a missing metadata file, an empty step folder or a save killed before the
+manifest was written all make the step invalid. Resume and `evaluate` use the newest valid step
+and say which newer steps they skipped and why (`latest_valid_step`); resume moves invalid steps
+aside to `checkpoints/invalid-<step>-<n>` (nothing is deleted) so they are written again.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
+import signal
+import sys
+import zlib
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from turnsight_jax.errors import CheckpointError
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import Qwen3, RuntimeOptions
+
+
+MANIFEST = "turnsight_manifest.json"
+
+
+def _crc32(path: pathlib.Path) -> int:
+    crc = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 23):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(step_dir: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(step_dir: str | pathlib.Path) -> None:
+    """Records every file of a finished step (size, CRC-32); written atomically, last."""
+    step_dir = pathlib.Path(step_dir)
+    files = {str(p.relative_to(step_dir)): [p.stat().st_size, _crc32(p)] for p in _files(step_dir)}
+    tmp = step_dir / (MANIFEST + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump({"format": 1, "files": files}, fh, indent=0, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, step_dir / MANIFEST)
+
+
+def check_step(step_dir: str | pathlib.Path) -> str | None:
+    """Why the step in `step_dir` is not valid, or None when it is (see the module docstring)."""
+    step_dir = pathlib.Path(step_dir)
+    manifest = step_dir / MANIFEST
+    if not step_dir.is_dir():
+        return "not a folder"
+    if not any(step_dir.iterdir()):
+        return "empty folder"
+    if not manifest.is_file():
+        return f"no {MANIFEST} (the save did not finish)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"unreadable {MANIFEST} ({e})"
+    for rel, (size, crc) in files.items():
+        path = step_dir / rel
+        if not path.is_file():
+            return f"missing file {rel}"
+        if path.stat().st_size != size:
+            return f"{rel}: {path.stat().st_size} bytes, expected {size} (truncated or replaced)"
+        if _crc32(path) != crc:
+            return f"{rel}: checksum mismatch (corrupt bytes)"
+    extra = [str(p.relative_to(step_dir)) for p in _files(step_dir) if str(p.relative_to(step_dir)) not in files]
+    if extra:
+        return f"files not in the manifest: {', '.join(extra[:3])}"
+    return None
+
+
+def step_folders(workdir: str | pathlib.Path) -> dict[int, pathlib.Path]:
+    """Step number -> folder, for every numeric folder under `workdir/checkpoints`."""
+    root = pathlib.Path(workdir) / "checkpoints"
+    if not root.is_dir():
+        return {}
+    return {int(p.name): p for p in root.iterdir() if p.is_dir() and p.name.isdigit()}
+
+
+def latest_valid_step(workdir: str | pathlib.Path) -> tuple[int | None, list[tuple[int, str]]]:
+    """(newest valid step or None, [(newer invalid step, why)], newest first)."""
+    skipped = []
+    for step, folder in sorted(step_folders(workdir).items(), reverse=True):
+        reason = check_step(folder)
+        if reason is None:
+            return step, skipped
+        skipped.append((step, reason))
+    return None, skipped
+
+
+def quarantine(workdir: str | pathlib.Path, step: int) -> pathlib.Path:
+    """Moves an invalid step aside (`checkpoints/invalid-<step>-<n>`); nothing is deleted."""
+    folder = step_folders(workdir)[step]
+    n = 0
+    while (target := folder.parent / f"invalid-{step}-{n}").exists():
+        n += 1
+    folder.rename(target)
+    return target
+
+
+def resume_step(workdir: str | pathlib.Path, log=print) -> int | None:
+    """The step a run in `workdir` resumes from: the newest valid one (None: start afresh).
+
+    Newer invalid steps are logged and moved aside (process 0) so that the run writes them again;
+    a folder whose every step is invalid is a `CheckpointError` (nothing is guessed)."""
+    latest, skipped = latest_valid_step(workdir)
+    if skipped and latest is None:
+        raise no_valid_checkpoint(workdir, skipped)
+    for bad, why in skipped:
+        if jax.process_index() == 0:
+            moved = quarantine(workdir, bad)
+            log(f"resume: skipping checkpoint step {bad}: {why} (moved to {moved.name})")
+    return latest
+
+
+def no_valid_checkpoint(workdir, skipped: list[tuple[int, str]]) -> CheckpointError:
+    detail = "; ".join(f"step {s}: {why}" for s, why in skipped)
+    return CheckpointError(f"{pathlib.Path(workdir) / 'checkpoints'}: no valid checkpoint ({detail})")
 
 
 class Checkpointer:
     """Save and restore (params, opt_state, meta) by step under `workdir/checkpoints`."""
 
     def __init__(self, workdir: str | pathlib.Path, *, keep: int = 3, async_save: bool = False):
+        if keep < 1:
+            raise ValueError(f"Checkpointer: keep must be >= 1 (keep={keep} would delete every save)")
         self.workdir = pathlib.Path(workdir).absolute()
         self.manager = ocp.CheckpointManager(
             self.workdir / "checkpoints",
@@ -58,6 +173,12 @@ class Checkpointer:
             force=True,
         )
         self.manager.wait_until_finished()
+        if os.environ.get("TURNSIGHT_FAULT_KILL_BEFORE_MANIFEST") == str(step):
+            # Test hook (tests/test_train.py chaos test): the worst moment to die, every file of
+            # the step written and none of it verified yet.
+            os.kill(os.getpid(), signal.SIGKILL)
+        if jax.process_index() == 0:
+            write_manifest(self.workdir / "checkpoints" / str(step))
 
     def restore(self, step: int, params_template, opt_template) -> tuple[Any, Any, dict[str, Any]]:
         """Restore onto the shardings/dtypes of the templates (abstract or concrete pytrees)."""
@@ -128,14 +249,23 @@ def load_policy_from_run(
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{workdir}: not a turnsight_jax run folder (no model/config.json)")
     cfg = Qwen3Config.from_pretrained(workdir / "model")
+    folders = step_folders(workdir)
+    if step is None:
+        step, skipped = latest_valid_step(workdir)
+        for bad, why in skipped:
+            print(f"{workdir}: skipping checkpoint step {bad}: {why}", file=sys.stderr, flush=True)
+        if step is None:
+            if not skipped:
+                raise FileNotFoundError(f"{workdir}: no finished checkpoint under checkpoints/")
+            raise no_valid_checkpoint(workdir, skipped)
+        if skipped:
+            print(f"{workdir}: using checkpoint step {step}", file=sys.stderr, flush=True)
+    elif step not in folders:
+        raise FileNotFoundError(f"{workdir}: no checkpoint for step {step}; have {sorted(folders)}")
+    elif (why := check_step(folders[step])) is not None:
+        raise CheckpointError(f"{workdir}: checkpoint step {step} is not valid: {why}")
     ckpt = Checkpointer(workdir)
     try:
-        steps = ckpt.all_steps()
-        if not steps:
-            raise FileNotFoundError(f"{workdir}: no finished checkpoint under checkpoints/")
-        step = max(steps) if step is None else step
-        if step not in steps:
-            raise FileNotFoundError(f"{workdir}: no checkpoint for step {step}; have {sorted(steps)}")
         abstract = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), options=options))
         graphdef, template = nnx.split(abstract)
         params = ckpt.restore_params(step, template)

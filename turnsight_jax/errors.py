@@ -8,3 +8,8 @@ class ConfigError(ValueError):
 class NonFiniteTraining(RuntimeError):
     """`train.max_skipped_steps` steps in a row had a non-finite loss or gradient; the run stopped
     with its parameters and last checkpoint as they were before the first of them."""
+
+
+class CheckpointError(ValueError):
+    """No usable checkpoint where one is required: every step under `checkpoints/` is invalid
+    (incomplete or corrupt, see `checkpointing.check_step`), or the step asked for is."""

@@ -28,7 +28,7 @@ import ml_collections as mlc
 import numpy as np
 from flax import nnx
 
-from turnsight_jax import model_setup, sources
+from turnsight_jax import checkpointing, model_setup, sources
 from turnsight_jax.checkpointing import Checkpointer, write_run_config, write_run_files
 from turnsight_jax.config import load_run_config, model_layer_name, rollout_config, sampling_params, validate
 from turnsight_jax.distributed import maybe_initialize_distributed
@@ -150,10 +150,10 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     step_fn = make_train_step(graphdef, step_cfg, optimizer, method,
                               state_shardings=jax.tree.map(lambda x: x.sharding, (params, opt_state)))
 
+    latest = checkpointing.resume_step(workdir, log)  # the newest valid step; invalid newer ones moved aside
     ckpt = Checkpointer(workdir, keep=cfg.checkpoint.keep)
     start = 0
     resumed_shapes: dict[str, int] = {}
-    latest = ckpt.latest_step()
     if latest is not None:
         params, opt_state, meta = ckpt.restore(latest, params, opt_state)
         start = int(meta["next_step"])

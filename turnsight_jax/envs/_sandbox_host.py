@@ -42,7 +42,7 @@ text, read with a byte cap; anything else is the call's own error.
 from __future__ import annotations
 
 import ctypes
-import errno
+import gc
 import json
 import math
 import os
@@ -337,6 +337,9 @@ def _zygote(sock: socket.socket, isolation: dict) -> None:
     # open its descriptors through /proc; orphans of calls are re-parented here and reaped.
     _prctl(_PR_SET_DUMPABLE, 0)
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    # Everything allocated so far is shared copy-on-write with each call process; a collection
+    # there would touch (and copy) every page of it.
+    gc.freeze()
     while True:
         try:
             msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 2)
