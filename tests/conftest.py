@@ -104,7 +104,7 @@ HEAVIEST_FIRST = (
     "test_models_qwen3.py", "test_sft.py", "test_eval_heldout.py", "test_rollout_sampler.py", "test_rl_views.py",
     "test_evaluate.py", "test_rl_turnsight_reference.py", "test_paper_configs.py", "test_notebook.py",
     "test_rl_advantages.py", "test_rl_advantages_properties.py", "test_rl_logprobs.py", "test_chat_parsing.py",
-    "test_rollout_driver.py", "test_envs_bfcl.py",
+    "test_rollout_driver.py", "test_envs_bfcl.py", "test_sandbox.py",
 )
 
 

@@ -139,7 +139,7 @@ def uninterrupted(tmp_path_factory):
 # replies and return garbage at random, in the real sandbox; a checkpoint every step.
 CHAOS = [
     "--config", str(REPO / "tests/configs/chaos.py"), "--config.sft.steps=0", "--config.sft.curriculum_steps=0",
-    "--config.data.num_eval=0", "--config.train.steps=4", "--config.train.prompts_per_step=2",
+    "--config.data.num_eval=0", "--config.train.steps=3", "--config.train.prompts_per_step=2",
     "--config.train.group_size=2", "--config.rollout.max_turns=3", "--config.rollout.max_turn_tokens=48",
     "--config.rollout.max_response_tokens=256", "--config.checkpoint.every=1", "--config.log.tensorboard=False",
     "--config.model.attn_q_chunk=128", "--config.checkpoint.export_at_end=False",
@@ -167,7 +167,7 @@ def test_chaos_sigterm_then_sigkill_in_a_checkpoint_write_then_resume(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     assert "checkpointing after this step" in err
     stopped = max(_records(workdir))  # 0-based; checkpoint `stopped + 1` holds it
-    assert 0 <= stopped < 3, stopped
+    assert 0 <= stopped < 2, stopped
     killed_step = stopped + 2  # the next save: one more step, then SIGKILL before its manifest
     proc = _run(CHAOS, workdir, extra_env={"TURNSIGHT_FAULT_KILL_BEFORE_MANIFEST": str(killed_step)})
     _, err = proc.communicate(timeout=600)
@@ -182,13 +182,13 @@ def test_chaos_sigterm_then_sigkill_in_a_checkpoint_write_then_resume(tmp_path):
     _, ref_err = reference.communicate(timeout=900)
     assert reference.returncode == 0, ref_err[-3000:]
     full, resumed = _records(reference_dir := tmp_path / "reference"), _records(workdir)
-    assert sorted(resumed) == list(range(4))
-    for step in range(killed_step - 1, 4):  # what the last process ran, from the last finished step
+    assert sorted(resumed) == list(range(3))
+    for step in range(killed_step - 1, 3):  # what the last process ran, from the last finished step
         assert resumed[step] == full[step], step
     assert max(full[s]["rollout/tool_error_rate"] for s in full) > 0  # the hostile tools did run
     folders = step_folders(workdir)
     keep = json.loads((workdir / "config.json").read_text())["checkpoint"]["keep"]
-    assert sorted(folders) == list(range(5 - keep, 5))  # the newest `keep` finished steps, all there
+    assert sorted(folders) == list(range(max(1, 4 - keep), 4))  # the newest `keep` finished steps, all there
     assert all(check_step(f) is None for f in folders.values()), {s: check_step(f) for s, f in folders.items()}
     assert (workdir / "checkpoints" / f"invalid-{killed_step}-0").is_dir() and reference_dir.is_dir()
 
@@ -272,25 +272,6 @@ def test_a_corrupt_latest_checkpoint_is_skipped_by_evaluate_and_resume(uninterru
         checkpointing.resume_step(work, logged.append)
     with pytest.raises(CheckpointError, match=r"no valid checkpoint \(step 4: "):
         checkpointing.load_policy_from_run(work)
-
-
-def test_resume_past_a_corrupt_latest_checkpoint_trains_it_again(uninterrupted, tmp_path):
-    """The CLI end to end: step 5 flipped, `--config.train.steps=5` resumes from step 4 and writes
-    a valid step 5 again."""
-    import shutil
-
-    from turnsight_jax.checkpointing import check_step
-
-    work = tmp_path / "copy"
-    shutil.copytree(uninterrupted, work, ignore=shutil.ignore_patterns("export"))
-    shutil.copytree(work / "checkpoints" / "4", work / "checkpoints" / "5")
-    reason = _corrupt(work / "checkpoints" / "5", "flipped")
-    proc = _run(FAST + ["--config.train.steps=5", "--config.checkpoint.export_at_end=False"], work)
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-    assert f"resume: skipping checkpoint step 5: {reason} (moved to invalid-5-0)" in err, err[-3000:]
-    assert f"resumed from {work}/checkpoints/4 (next step 4)" in err
-    assert check_step(work / "checkpoints" / "5") is None and sorted(_records(work)) == list(range(5))
 
 
 def test_exported_folder_loads_in_transformers(uninterrupted):

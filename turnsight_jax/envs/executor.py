@@ -101,7 +101,8 @@ _RISKS = {
     "pid_ns": "tool code can see other processes' ids",
     "mount_ns": "no total disk quota per call (file size is still capped)",
     "chroot": "tool code can read files readable by the trainer's user",
-    "uid_drop": "tool code runs as the trainer's uid: it can signal the trainer's processes",
+    "uid_drop": ("tool code runs as the trainer's uid: it can signal the trainer's processes, and a "
+                 "setsid() grandchild can outlive its call"),
 }
 _warned: set[str] = set()
 
