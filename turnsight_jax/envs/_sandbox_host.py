@@ -642,8 +642,9 @@ def main() -> None:
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
-    # If the trainer dies, so does the sandbox (and with the zygote, every call process).
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    # No parent-death signal here: it would fire when the trainer *thread* that started us
+    # ends. A dead trainer closes our stdin instead; we return, and the zygote's own
+    # parent-death signal (its parent is this single-threaded process) takes every call with it.
     isolation = enter_namespaces(bool(config.get("namespaces", True)))
     _preload()
     host_sock, zygote_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
