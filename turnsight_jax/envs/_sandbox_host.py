@@ -203,7 +203,8 @@ def _on_alarm(signum, frame):
 def _format_result(value) -> str:
     """FTRL's conversion of a tool's return value to observation text."""
     # `type(...) is` on purpose: FTRL tests `type(predict) == dict`, so dict subclasses
-    # (OrderedDict, defaultdict) go through str(), exactly as there.
+    # (OrderedDict, defaultdict) go through str(), exactly as there. `envs.ftrl._as_text` is the
+    # same rule for scoring; the sandbox imports nothing of the project, so it keeps its own.
     if type(value) is dict or type(value) is list:
         return json.dumps(value, ensure_ascii=False)
     if type(value) is not str:
