@@ -440,7 +440,11 @@ class Host:
             "open_files": int(config["open_files"]),
             "processes": int(config["processes"]),
         }
-        if not isolation["uid_drop"]:
+        if isolation["user_ns"]:
+            # The kernel counts processes per user namespace: ours holds the host, the zygote
+            # and the call process (the cap counts the call itself).
+            self.limits["processes"] += 2
+        elif not isolation["uid_drop"]:
             # The process cap counts every process of the uid; without a uid of our own, leave
             # room for the ones the user already runs.
             self.limits["processes"] += _count_own_processes()

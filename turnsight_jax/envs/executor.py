@@ -100,7 +100,7 @@ _RISKS = {
     "net_ns": "tool code can open network connections (loopback included)",
     "pid_ns": "tool code can see other processes' ids",
     "mount_ns": "no total disk quota per call (file size is still capped)",
-    "chroot": "tool code can read files readable by the trainer's user",
+    "chroot": "tool code can read and write files the trainer's user can",
     "uid_drop": ("tool code runs as the trainer's uid: it can signal the trainer's processes, and a "
                  "setsid() grandchild can outlive its call"),
 }
