@@ -60,7 +60,7 @@ class ToolRequest:
     name: the tool (function) name the policy called.
     source: Python source that defines a function called `name` (dataset tool code).
     arguments: the JSON-decoded arguments (normally a dict), passed as `fn(**arguments)`.
-    seed: seeds Python's `random` in the worker before the call (determinism for a seed).
+    seed: seeds Python's `random` in the call process before the call (determinism for a seed).
     """
 
     name: str
@@ -212,7 +212,7 @@ class _Worker:
         return self._read_frame(deadline)
 
     def death_message(self) -> str:
-        """Why the worker stopped answering, once it has exited."""
+        """Why the sandbox host stopped answering, once it has exited."""
         try:
             code = self.proc.wait(timeout=2.0)
         except subprocess.TimeoutExpired:
