@@ -16,6 +16,9 @@ bit-flipped file, a missing metadata file, an empty step folder or a save killed
 manifest was written all make the step invalid. Resume and `evaluate` use the newest valid step
 and say which newer steps they skipped and why (`latest_valid_step`); resume moves invalid steps
 aside to `checkpoints/invalid-<step>-<n>` (nothing is deleted) so they are written again.
+Verification reads every byte of the step it accepts (CRC-32 runs at ~3.7 GB/s on one core of
+the 2-core box: an 8B run's ~100 GB of f32 parameters and Adam moments is about half a minute
+plus the disk's read time), once at save and once per resume or evaluation.
 """
 
 from __future__ import annotations
