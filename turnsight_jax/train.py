@@ -69,10 +69,7 @@ class _Preemption:
 def _rollout_metrics(trajs) -> dict[str, float]:
     keys = ("solve_f1", "solve_p", "solve_r", "num_turns", "num_calls", "response_tokens", "tool_error_rate",
             "truncated", "policy_tokens")
-    out = {"rollout/reward_mean": float(np.mean([t.reward for t in trajs])),
-           # episodes ended by an environment error (exception in env step or scorer), a count
-           "rollout/env_errors": float(sum(t.finish_reason == "env_error" or t.metrics.get("env_error", 0.0) > 0
-                                           for t in trajs))}
+    out = {"rollout/reward_mean": float(np.mean([t.reward for t in trajs]))}
     for k in keys:
         vals = [t.metrics[k] for t in trajs if k in t.metrics]
         if vals:
@@ -226,6 +223,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                                 bstats["trajectory_tokens"], bstats.get("view_tokens", 0.0), bstats["policy_tokens"])
             metrics.update({"perf/step_s": t_total, "perf/rollout_s": t_roll, "perf/update_s": t_total - t_roll,
                             "perf/tool_s": res.stats["tool_s"], "perf/tokens_per_s": tokens / t_total,
+                            # episodes an environment error ended (a raising step or scorer), a count
+                            "rollout/env_errors": res.stats.get("env_errors", 0.0),
                             "perf/compilations": res.stats.get("compilations", 0.0),
                             "perf/step_compilations": float(step_fn._cache_size()),  # programs compiled so far
                             **{f"shape/{k}": float(v) for k, v in shapes.items()},

@@ -49,6 +49,7 @@ import os
 import random
 import resource
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -472,8 +473,6 @@ class Host:
         if self.isolation["mount_ns"]:
             _libc.umount2(path.encode(), _MNT_DETACH)
         else:
-            import shutil
-
             shutil.rmtree(path, ignore_errors=True)
         try:
             os.rmdir(path)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 import sys
+import time
 from typing import Callable, Protocol, Sequence
 
 import jax
@@ -435,6 +435,8 @@ def rollout(
     trajectories = []
     for r, b in enumerate(builders):
         score = scores[r]
+        if score.metrics.get("env_error", 0.0) > 0 and finish[r] != "env_error":
+            env_errors.append(f"row {r}, scoring failed")  # VectorEnv.score: reward 0, metric env_error
         traj = b.build(reward=score.reward, metrics=dict(score.metrics),
                        finish_reason=None if b._truncated else (finish[r] or "max_turns"))
         traj.metrics.update(_turn_metrics(traj))
