@@ -13,6 +13,7 @@ trained model.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import sys
@@ -318,8 +319,66 @@ def _turn_metrics(traj: Trajectory) -> dict[str, float]:
     }
 
 
+class RolloutBackend(Protocol):
+    """What the driver needs from a generator (`PagedEngine`; `LockstepBackend` over a TurnPolicy).
+
+    The driver owns the episodes; a row is *with the backend* from `begin` (or `append`) until
+    `generate` returns its turn, and the driver calls `generate` only while some row is."""
+
+    def begin(self, prompts: Sequence[Sequence[int]], group_size: int) -> None:
+        """Queue len(prompts) * group_size episodes; row r continues prompt r // group_size and
+        its first turn may emit min(max_response_tokens, max_turn_tokens) tokens."""
+
+    def generate(self) -> dict[int, GeneratedTurn]:
+        """Advance decoding; return the turns that completed (possibly none)."""
+
+    def append(self, row: int, ids: Sequence[int], budget: int) -> None:
+        """Observation tokens behind row's last turn; its next turn emits at most `budget` tokens."""
+
+    def finish(self, row: int) -> None:
+        """The episode is over: release what it holds."""
+
+
+class LockstepBackend:
+    """A TurnPolicy (one turn for every ready row per call) as a RolloutBackend."""
+
+    def __init__(self, policy: TurnPolicy, config: RolloutConfig):
+        self.policy, self.config = policy, config
+        self.timings = getattr(policy, "timings", {})
+
+    def begin(self, prompts, group_size):
+        self.policy.begin(prompts, group_size)
+        n = len(prompts) * group_size
+        self.ready = np.ones(n, bool)
+        self.budgets = np.full(n, self.config.max_response_tokens, np.int64)
+        self.suffixes: list = [None] * n
+        self.first = True
+
+    def append(self, row, ids, budget):
+        self.suffixes[row] = list(ids)
+        self.ready[row] = True
+        self.budgets[row] = budget
+
+    def finish(self, row):
+        pass
+
+    def generate(self):
+        if not self.first:
+            self.policy.append(self.suffixes)
+        self.first = False
+        self.suffixes = [None] * len(self.suffixes)
+        active = self.ready.copy()
+        outs = self.policy.generate(active, self.budgets)
+        self.ready[:] = False
+        return {int(r): outs[r] for r in np.flatnonzero(active)}
+
+
+def as_backend(policy, config: RolloutConfig):
+    return policy if hasattr(policy, "finish") else LockstepBackend(policy, config)
+
+
 def rollout(
-    policy: TurnPolicy,
+    policy: TurnPolicy | RolloutBackend,
     env: Environment,
     tasks: Sequence[Task],
     *,
@@ -332,7 +391,11 @@ def rollout(
 ) -> RolloutResult:
     """Run len(tasks) * group_size episodes to the end. Trajectory r belongs to group
     group_offset + r // group_size. `progress` (optional) receives a `RolloutProgress` after
-    every policy turn and a final one with done=True (it throttles its own output)."""
+    every `generate` and a final one with done=True (it throttles its own output).
+
+    The tool calls of the turns one `generate` returns run in a worker thread while the next
+    `generate` decodes the other rows; their observations are appended after it, so what runs
+    when depends only on the episodes, never on timing."""
     t_start = time.perf_counter()
     ids = tok_lib.special_ids(tokenizer)
     prompts = []
@@ -351,29 +414,83 @@ def rollout(
                           im_start_id=ids.im_start, im_end_id=ids.im_end)
         for r in range(n)
     ]
+    backend = as_backend(policy, config)
     vec = VectorEnv(env)
-    tool_s = 0.0
+    tools = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-tools")
+    tool_s = [0.0]
     env_errors: list[str] = []
+    used = np.zeros(n, np.int64)
+    turn_of = np.zeros(n, np.int64)
+    final_text: list[str | None] = [None] * n
+    finish: list[str | None] = [None] * n
+    live = set(range(n))
+    generated = 0
+
+    def end(r: int, reason: str | None, truncated: bool = False) -> None:
+        if truncated:
+            builders[r].mark_truncated("length")
+        finish[r] = "length" if truncated else reason
+        live.discard(r)
+        backend.finish(r)
+
+    def timed_step(calls_per_row):
+        t0 = time.perf_counter()
+        try:
+            return vec.step(calls_per_row)
+        finally:
+            tool_s[0] += time.perf_counter() - t0
+
+    def resolve(future, calls_per_row) -> None:
+        steps = future.result()
+        for r in [i for i, c in enumerate(calls_per_row) if c is not None]:
+            step, calls = steps[r], calls_per_row[r]
+            if step is None:  # the environment had nothing to do: the policy speaks again
+                if turn_of[r] >= config.max_turns:
+                    end(r, "max_turns")
+                else:
+                    backend.append(r, [], int(max(config.max_response_tokens - used[r], 0)))
+                    with_backend.add(r)
+                continue
+            if step.error is not None:
+                env_errors.append(f"row {r}, turn {int(turn_of[r]) - 1}: {step.error}")
+                end(r, "env_error")
+                continue
+            if step.done or (not calls and step.user_message is None):
+                end(r, "answer" if not calls else "env_done")
+                continue
+            if turn_of[r] >= config.max_turns:
+                end(r, "max_turns")
+                continue
+            sid, spans, header = user_suffix(tokenizer, list(step.observations), step.user_message,
+                                             enable_thinking=config.enable_thinking)
+            if used[r] + len(sid) >= config.max_response_tokens:
+                end(r, None, truncated=True)
+                continue
+            builders[r].add_observation(sid, list(step.observations), spans, header)
+            used[r] += len(sid)
+            backend.append(r, sid, int(config.max_response_tokens - used[r]))
+            with_backend.add(r)
+
     try:
         # Episode seeds depend on (seed, global row), not on how rows were batched.
         vec.start(row_tasks, [seed * 1_000_003 + group_offset * group_size + r for r in range(n)])
-        policy.begin(prompts, group_size)
-        active = np.ones(n, bool)
-        used = np.zeros(n, np.int64)
-        final_text: list[str | None] = [None] * n
-        finish: list[str | None] = [None] * n
-        generated = turns_run = 0
-        for turn in range(config.max_turns):
-            turns_run = turn + 1
-            budgets = np.maximum(config.max_response_tokens - used, 0)
-            outs = policy.generate(active, budgets)
+        backend.begin(prompts, group_size)
+        with_backend = set(range(n))
+        pending = None  # (future, calls per row) of the tool calls in flight
+        while live:
+            if not with_backend and pending is None:
+                raise RuntimeError(f"rollout: rows {sorted(live)[:8]} are neither generating nor in a tool call")
+            outs = backend.generate() if with_backend else {}
+            with_backend -= outs.keys()
+            if pending is not None:
+                resolve(*pending)
+                pending = None
             calls_per_row: list = [None] * n
-            for r in np.flatnonzero(active):
+            for r in sorted(outs):
                 out = outs[r]
+                turn_of[r] += 1
                 if not out.ids:  # no budget left for even one token
-                    builders[r].mark_truncated("length")
-                    finish[r] = "length"
-                    active[r] = False
+                    end(r, None, truncated=True)
                     continue
                 parsed = parse_turn(out.text, calls_in_think=config.calls_in_think)
                 builders[r].add_policy_turn(out.ids, out.logprobs, out.text, parsed.calls, parsed.answer)
@@ -381,55 +498,21 @@ def rollout(
                 generated += len(out.ids)
                 final_text[r] = out.text
                 if not out.stopped:
-                    builders[r].mark_truncated("length")
-                    finish[r] = "length"
-                    active[r] = False
+                    end(r, None, truncated=True)
                     continue
                 if config.end_on_unparsable_turn and parsed.calls and all_unparsable(parsed.calls):
-                    finish[r] = "unparsable"  # the released code ends the episode when no call parses
-                    active[r] = False
+                    end(r, "unparsable")  # the released code ends the episode when no call parses
                     continue
                 calls_per_row[r] = list(parsed.calls)
-            t0 = time.perf_counter()
-            steps = vec.step(calls_per_row)
-            tool_s += time.perf_counter() - t0
-            suffixes: list = [None] * n
-            for r in np.flatnonzero(active):
-                step = steps[r]
-                calls = calls_per_row[r]
-                if step is None:
-                    continue
-                if step.error is not None:
-                    finish[r] = "env_error"
-                    env_errors.append(f"row {r}, turn {turn}: {step.error}")
-                    active[r] = False
-                    continue
-                if step.done or (not calls and step.user_message is None):
-                    finish[r] = "answer" if not calls else "env_done"
-                    active[r] = False
-                    continue
-                if turn == config.max_turns - 1:
-                    finish[r] = "max_turns"
-                    active[r] = False
-                    continue
-                sid, spans, header = user_suffix(tokenizer, list(step.observations), step.user_message,
-                                                 enable_thinking=config.enable_thinking)
-                if used[r] + len(sid) >= config.max_response_tokens:
-                    builders[r].mark_truncated("length")
-                    finish[r] = "length"
-                    active[r] = False
-                    continue
-                builders[r].add_observation(sid, list(step.observations), spans, header)
-                used[r] += len(sid)
-                suffixes[r] = sid
-            policy.append(suffixes)
+            if any(c is not None for c in calls_per_row):
+                pending = (tools.submit(timed_step, calls_per_row), calls_per_row)
             if progress is not None:
-                progress(RolloutProgress(int(n - active.sum()), n, turns_run, generated,
+                progress(RolloutProgress(n - len(live), n, int(turn_of.max()), generated,
                                          time.perf_counter() - t_start))
-            if not active.any():
-                break
+        turns_run = int(turn_of.max())
         scores = vec.score(final_text)
     finally:
+        tools.shutdown(wait=True)
         vec.close()
 
     trajectories = []
@@ -447,11 +530,15 @@ def rollout(
     if env_errors:
         print(f"rollout: {len(env_errors)} episode(s) ended by an environment error; first: "
               f"{env_errors[0]}", file=sys.stderr, flush=True)
-    stats = {"rollout_s": elapsed, "tool_s": tool_s, "env_errors": float(len(env_errors)),
+    stats = {"rollout_s": elapsed, "tool_s": tool_s[0], "env_errors": float(len(env_errors)),
              "tokens": float(sum(t.length - t.prompt_len for t in trajectories))}
     for k, v in getattr(policy, "timings", {}).items():
         stats[f"{k}_s"] = v
     if isinstance(policy, ModelPolicy):
         stats["compilations"] = float(policy.compilations())
         stats["decoded_tokens"] = float(policy.decoded_tokens)
+    if hasattr(policy, "stats"):
+        stats.update({f"engine/{k}": v for k, v in policy.stats().items()})
+        stats["compilations"] = float(policy.compilations())
+        stats["decoded_tokens"] = stats.get("engine/decoded_tokens", 0.0)
     return RolloutResult(trajectories, stats)

@@ -78,8 +78,9 @@ def truncated_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return scaled
 
 
-def _inverse_cdf(scaled: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Exact categorical draw from softmax(scaled) [B, V] by a two-level inverse CDF.
+def _inverse_cdf(scaled: jax.Array, u01: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Exact categorical draw from softmax(scaled) [B, V] by a two-level inverse CDF; u01 [B]
+    one uniform in [0, 1) per row.
 
     One uniform per row instead of V Gumbel variates (threefry for 150k variates per row costs
     more than the whole forward pass of a small model on CPU). The vocabulary is split into blocks
@@ -93,7 +94,7 @@ def _inverse_cdf(scaled: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Arra
     p = jnp.pad(p, ((0, 0), (0, nb * _BLOCK - v))).reshape(b, nb, _BLOCK)
     mass = jnp.sum(p, axis=-1)  # [B, nb]
     total = jnp.sum(mass, axis=-1)
-    u = jax.random.uniform(key, (b,), jnp.float32) * total
+    u = u01 * total
     cum = jnp.cumsum(mass, axis=-1)
     blk = jnp.minimum(jnp.sum(cum <= u[:, None], axis=-1), nb - 1)
     # float round-off can leave u past the last non-empty block: step back to one with mass
@@ -110,13 +111,26 @@ def _inverse_cdf(scaled: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Arra
 
 def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row. logits [B, V] float32 -> (tokens [B] int32, logprobs [B] f32)."""
+    u01 = None if params.greedy else jax.random.uniform(key, (logits.shape[0],), jnp.float32)
+    return sample_uniform(logits, u01, params)
+
+
+def sample_rows(logits: jax.Array, keys: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
+    """`sample` with one key per row (keys [B]): a row's draw depends on its own key only, not on
+    which other rows share the batch (the paged engine's determinism)."""
+    u01 = None if params.greedy else jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
+    return sample_uniform(logits, u01, params)
+
+
+def sample_uniform(logits: jax.Array, u01: jax.Array | None, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
+    """`sample` given the row uniforms u01 [B] (None when greedy)."""
     if params.greedy:
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         lse = jax.nn.logsumexp(logits, axis=-1)
         return tokens, jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
     scaled = logits / params.temperature
     truncated = params.top_k > 0 or params.top_p < 1.0
-    tokens, lse = _inverse_cdf(truncated_logits(logits, params) if truncated else scaled, key)
+    tokens, lse = _inverse_cdf(truncated_logits(logits, params) if truncated else scaled, u01)
     if truncated:  # log-probs are of the untruncated tempered distribution (module docstring)
         lse = jax.nn.logsumexp(scaled, axis=-1)
     return tokens, jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - lse

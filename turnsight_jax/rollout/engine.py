@@ -1,0 +1,539 @@
+"""The paged rollout engine: continuous batching over a sharded, paged KV pool (docs/rollout_engine.md).
+
+`PagedEngine` is a `RolloutBackend` (rollout.driver): the driver queues episodes with `begin`,
+hands back observations with `append` and ends episodes with `finish`; each `generate` call
+admits queued episodes into free slots, runs the pending prompt prefills and observation
+appends, decodes one chunk of up to `decode_chunk` tokens for every slot whose turn is under way,
+and returns the turns that completed. An episode keeps its slot (and its blocks) from admission to
+`finish`, tool waits included; a slot freed by `finish` takes the next queued episode.
+
+* **Prefix sharing.** The G siblings of a prompt on a shard reference the prompt's full blocks,
+  prefilled once; each sibling gets a copy of the prompt's last, partly filled block (the slots
+  after the prompt are its own). A prompt's blocks are freed when its last sibling finishes.
+* **Admission** reserves the most blocks an episode can need (prompt + max_response_tokens), so
+  decoding never runs out of blocks and nothing is ever preempted; the pool default holds every
+  slot at full length.
+* **Compact decode rows.** A decode chunk runs only the slots that are decoding, gathered into
+  rows bucketed to a power of two per shard: the batch shrinks as episodes end or wait for tools.
+* **Determinism.** Row r's i-th sampled token uses key fold_in(fold_in(seed key, r), i), so an
+  episode's draws do not depend on which slot, shard or batch it ran in; scheduling depends on
+  nothing but the episodes' own events.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from turnsight_jax.chat import tokenizer as tok_lib
+from turnsight_jax.models.paged_cache import PagedKV, bytes_per_token, empty_pool, paged_extend
+from turnsight_jax.models.sharding import BATCH, fit_spec
+from turnsight_jax.rollout.sampler import SamplingParams, sample_rows
+
+_FREE, _DECODE, _WAIT = 0, 1, 2
+
+
+def _pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << max(0, int(n - 1).bit_length()))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """slots: sequences decoded concurrently, in total over the row shards (rounded up to a
+    multiple of them). block_size: KV slots per block. decode_chunk: decode steps between
+    scheduling points (a finished turn waits at most this long for the next admission).
+    pool_blocks: blocks per shard, the trash block included; 0 = enough for every slot at
+    prompt + response length (no sharing needed)."""
+
+    slots: int = 64
+    block_size: int = 16
+    decode_chunk: int = 16
+    pool_blocks: int = 0
+
+    def __post_init__(self):
+        for name in ("slots", "block_size", "decode_chunk"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"rollout.{name} must be positive, got {getattr(self, name)}")
+        if self.pool_blocks < 0:
+            raise ValueError(f"rollout.kv_pool_blocks must be >= 0, got {self.pool_blocks}")
+
+
+def blocks_per_episode(prompt_len: int, max_response: int, block_size: int) -> tuple[int, int]:
+    """(shared prompt blocks, own blocks at most) of one episode: the prompt's blocks are shared
+    by its siblings on a shard; its own are the copy of the prompt's last block and the response."""
+    shared = -(-prompt_len // block_size)
+    own = -(-(prompt_len + max_response) // block_size) - prompt_len // block_size
+    return shared, own
+
+
+def default_pool_blocks(slots_per_shard: int, max_prompt: int, max_response: int, block_size: int) -> int:
+    """Blocks per shard for every slot at full length with no sharing, plus the trash block."""
+    shared, own = blocks_per_episode(max_prompt, max_response, block_size)
+    return slots_per_shard * (shared + own) + 1
+
+
+# ---- compiled programs ----
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("window_blocks", "from_empty"),
+                   donate_argnames=("kv", "hidden"))
+def _extend_rows(graphdef, state, kv: PagedKV, hidden, tokens, num_new, start, tables, dst, *, window_blocks: int,
+                 from_empty: bool = False):
+    """Prefill / append for compact rows: tokens [R', N] into the sequences given by tables [R', MB]
+    and start [R']; each row's hidden state after its last token goes to slot dst[r'] of hidden
+    [R, D] (dst out of range: dropped) and is also returned ([R', D])."""
+    model = nnx.merge(graphdef, state)
+    h, kv = paged_extend(model, tokens, num_new, start, tables, kv, window_blocks=window_blocks, from_empty=from_empty)
+    last = jnp.take_along_axis(h, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0].astype(hidden.dtype)
+    return kv, hidden.at[dst].set(last, mode="drop"), last
+
+
+@functools.partial(jax.jit, donate_argnames=("kv", "hidden"))
+def _fork(kv: PagedKV, hidden, shard, src, dst, hid_dst, hid_val):
+    """Copy block src[i] to dst[i] within shard[i] (every layer) and set hidden[hid_dst[j]] = hid_val[j]."""
+    k = kv.k.at[:, shard, dst].set(kv.k[:, shard, src])
+    v = kv.v.at[:, shard, dst].set(kv.v[:, shard, src])
+    return PagedKV(k, v), hidden.at[hid_dst].set(hid_val.astype(hidden.dtype), mode="drop")
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("steps", "window_blocks", "params"),
+                   donate_argnames=("kv",))
+def _decode(graphdef, state, kv: PagedKV, hidden, tables, lengths, budget, keys, counts, stop_ids, forced, *,
+            steps: int, window_blocks: int, params: SamplingParams):
+    """Up to `steps` tokens for compact rows. hidden [R', D] after each row's last token; tables
+    [R', MB]; lengths [R'] filled slots; budget [R'] tokens the row may emit (0: padding row);
+    keys [R'] the episodes' keys, counts [R'] tokens they sampled before; forced [R', steps]
+    tokens replacing the draw (-1: draw). Returns (tokens, logprobs [R', steps], emitted [R'],
+    stopped [R'], kv, hidden)."""
+    model = nnx.merge(graphdef, state)
+    w = model.output_weight()
+    r = hidden.shape[0]
+
+    def cond(c):
+        return (c[0] < steps) & ~jnp.all(c[1])
+
+    def body(c):
+        step, done, stopped, emitted, out_tok, out_lp, kv, hid, lengths = c
+        logits = jnp.einsum("bd,dv->bv", hid, w.astype(hid.dtype), preferred_element_type=jnp.float32)
+        row_keys = jax.vmap(jax.random.fold_in)(keys, counts + emitted)
+        tok, lp = sample_rows(logits, row_keys, params)
+        f = forced[:, step]
+        scale = 1.0 if params.greedy else params.temperature
+        forced_lp = jnp.take_along_axis(jax.nn.log_softmax(logits / scale, -1), jnp.maximum(f, 0)[:, None], -1)[:, 0]
+        lp = jnp.where(f >= 0, forced_lp, lp)
+        tok = jnp.where(f >= 0, f, tok)
+        live = ~done
+        out_tok = out_tok.at[:, step].set(jnp.where(live, tok, 0))
+        out_lp = out_lp.at[:, step].set(jnp.where(live, lp, 0.0))
+        h, kv = paged_extend(model, tok[:, None], live.astype(jnp.int32), lengths, tables, kv,
+                             window_blocks=window_blocks)
+        hid = jnp.where(live[:, None], h[:, 0].astype(hid.dtype), hid)
+        is_stop = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1) & live
+        emitted = emitted + live.astype(jnp.int32)
+        lengths = lengths + live.astype(jnp.int32)
+        return (step + 1, done | is_stop | (emitted >= budget), stopped | is_stop, emitted, out_tok, out_lp, kv, hid,
+                lengths)
+
+    zeros = jnp.zeros((r,), jnp.int32)
+    init = (jnp.int32(0), budget <= 0, jnp.zeros((r,), bool), zeros, jnp.zeros((r, steps), jnp.int32),
+            jnp.zeros((r, steps), jnp.float32), kv, hidden, lengths)
+    _, _, stopped, emitted, out_tok, out_lp, kv, hidden, _ = jax.lax.while_loop(cond, body, init)
+    return out_tok, out_lp, emitted, stopped, kv, hidden
+
+
+def compilations() -> int:
+    return _extend_rows._cache_size() + _fork._cache_size() + _decode._cache_size()
+
+
+# ---- host-side bookkeeping ----
+
+@dataclasses.dataclass
+class _Prompt:
+    """A prompt's blocks on one shard, shared by its siblings there."""
+
+    blocks: list[int]
+    length: int
+    hidden: jax.Array | None = None  # [D] after the prompt's last token, once prefilled
+    users: int = 0  # sibling slots using it + 1 while siblings of the group are still queued
+    held: bool = True
+
+
+@dataclasses.dataclass
+class _Slot:
+    row: int = -1
+    state: int = _FREE
+    length: int = 0
+    blocks: list[int] = dataclasses.field(default_factory=list)  # the table: shared prompt blocks, then own
+    own_from: int = 0  # blocks[own_from:] are this slot's own
+    budget: int = 0
+    turn_ids: list[int] = dataclasses.field(default_factory=list)
+    turn_lps: list[float] = dataclasses.field(default_factory=list)
+    reserved: int = 0
+
+
+class PagedEngine:
+    """Continuous-batching rollout backend over a paged KV pool (module docstring).
+
+    state: the policy's parameters (an nnx.State, possibly mesh-sharded); the engine decodes with
+    a copy cast to `cache_dtype` when they differ (the decode copy, sharded like the parameters).
+    mesh: rows and the pool are split over its (data, fsdp) axes; None: one shard.
+    forced_scripts: optional turn texts per row replacing the draws (the model's log-probs are
+    still recorded), as `ModelPolicy`'s."""
+
+    def __init__(self, graphdef, state, tokenizer, *, sampling: SamplingParams, config, engine: EngineConfig,
+                 seed: int = 0, cache_dtype=jnp.float32, mesh=None, forced_scripts: Sequence[Sequence[str]] | None = None):
+        self.graphdef, self.tokenizer, self.sampling, self.config = graphdef, tokenizer, sampling, config
+        self.engine, self.mesh, self.cache_dtype = engine, mesh, jnp.dtype(cache_dtype)
+        self.state = _decode_copy(state, self.cache_dtype)
+        self.model_config = nnx.merge(graphdef, state).config
+        self.shards = 1 if mesh is None else math.prod(mesh.shape[a] for a in BATCH)
+        self.slots_per_shard = -(-engine.slots // self.shards)
+        bs = engine.block_size
+        self.max_len = config.max_prompt_tokens + config.max_response_tokens
+        self.table_width = _pow2(-(-self.max_len // bs) + 1)
+        self.pool_blocks = engine.pool_blocks or default_pool_blocks(
+            self.slots_per_shard, config.max_prompt_tokens, config.max_response_tokens, bs)
+        self.kv = empty_pool(self.model_config, self.shards, self.pool_blocks, bs, self.cache_dtype, mesh)
+        self.trash = self.pool_blocks - 1
+        n_slots = self.shards * self.slots_per_shard
+        self.hidden = self._put(jnp.zeros((n_slots, self.model_config.hidden_size), self.cache_dtype))
+        ids = tok_lib.special_ids(tokenizer)
+        self.stop_ids = jnp.array([ids.im_end, ids.endoftext], jnp.int32)
+        self.im_end = ids.im_end
+        self.base_key = jax.random.key(seed)
+        self.forced_scripts = forced_scripts
+        self.timings = {"prefill": 0.0, "decode": 0.0, "append": 0.0}
+        self.counters = collections.Counter()
+        self.kv_bytes_per_token = bytes_per_token(self.model_config, self.cache_dtype)
+
+    # ---- the backend interface ----
+    def begin(self, prompts: Sequence[Sequence[int]], group_size: int) -> None:
+        for p in prompts:
+            if len(p) > self.config.max_prompt_tokens:
+                raise ValueError(f"prompt of {len(p)} tokens over rollout.max_prompt_tokens="
+                                 f"{self.config.max_prompt_tokens}")
+        shared, own = blocks_per_episode(max(len(p) for p in prompts), self.config.max_response_tokens,
+                                         self.engine.block_size)
+        need = shared + min(group_size, self.slots_per_shard) * own
+        if need > self.pool_blocks - 1:
+            raise ValueError(
+                f"the KV pool holds {self.pool_blocks - 1} blocks of {self.engine.block_size} slots per shard; one "
+                f"group ({min(group_size, self.slots_per_shard)} live siblings of a {max(len(p) for p in prompts)}-token "
+                f"prompt, {self.config.max_response_tokens} response tokens each) needs {need}: raise "
+                f"rollout.kv_pool_blocks or lower rollout.decode_slots / the lengths")
+        self.prompts = [list(p) for p in prompts]
+        self.group_size = group_size
+        n = len(prompts) * group_size
+        self.rows = n
+        self.queue = collections.deque(range(n))
+        self.queued_in_group = collections.Counter(r // group_size for r in range(n))
+        self.slots = [[_Slot() for _ in range(self.slots_per_shard)] for _ in range(self.shards)]
+        self.where: dict[int, tuple[int, int]] = {}
+        self.free = [list(range(self.pool_blocks - 2, -1, -1)) for _ in range(self.shards)]
+        self.committed = [0] * self.shards
+        self.on_shard: list[dict[int, _Prompt]] = [{} for _ in range(self.shards)]
+        self.pending_appends: dict[int, tuple[list[int], int]] = {}
+        self.turn_of = [0] * n
+        self.sampled = np.zeros(n, np.int64)  # tokens each episode drew so far (its key stream position)
+        self.first_budget = min(self.config.max_response_tokens, self.config.max_turn_tokens)
+
+    def append(self, row: int, ids: Sequence[int], budget: int) -> None:
+        s, j = self.where[row]
+        if self.slots[s][j].state != _WAIT:
+            raise RuntimeError(f"append to row {row}, which is not waiting for an observation")
+        self.pending_appends[row] = (list(ids), int(budget))
+
+    def finish(self, row: int) -> None:
+        s, j = self.where.pop(row)
+        slot = self.slots[s][j]
+        self.free[s].extend(slot.blocks[slot.own_from:])
+        self.committed[s] -= slot.reserved
+        prompt = self.on_shard[s][row // self.group_size]
+        prompt.users -= 1
+        self._maybe_release(s, row // self.group_size)
+        self.slots[s][j] = _Slot()
+
+    def generate(self) -> dict[int, "GeneratedTurn"]:  # noqa: F821 (driver.GeneratedTurn)
+        self._admit()
+        self._run_appends()
+        return self._decode_chunk()
+
+    # ---- scheduling ----
+    def _maybe_release(self, s: int, group: int) -> None:
+        prompt = self.on_shard[s].get(group)
+        if prompt is not None and prompt.users == 0:
+            self.free[s].extend(prompt.blocks)
+            self.committed[s] -= len(prompt.blocks)
+            del self.on_shard[s][group]
+
+    def _pick(self, s: int) -> int | None:
+        """Queue position of the next episode for shard s: a sibling of a prompt already there,
+        else the first queued episode."""
+        for i, row in enumerate(self.queue):
+            if row // self.group_size in self.on_shard[s]:
+                return i
+        return 0 if self.queue else None
+
+    def _admit(self) -> None:
+        bs = self.engine.block_size
+        prefills: list[tuple[int, int, _Prompt]] = []  # (shard, group, prompt)
+        forks: list[tuple[int, int, int]] = []  # (shard, slot, row)
+        for s in range(self.shards):
+            for j, slot in enumerate(self.slots[s]):
+                if slot.state != _FREE or not self.queue:
+                    continue
+                i = self._pick(s)
+                row = self.queue[i]
+                g = row // self.group_size
+                plen = len(self.prompts[g])
+                shared, own = blocks_per_episode(plen, self.config.max_response_tokens, bs)
+                new_prompt = g not in self.on_shard[s]
+                need = own + (shared if new_prompt else 0)
+                if self.committed[s] + need > self.pool_blocks - 1:
+                    break  # this shard is full until an episode finishes
+                del self.queue[i]
+                self.committed[s] += need
+                if new_prompt:
+                    prompt = _Prompt([self.free[s].pop() for _ in range(shared)], plen, users=1)
+                    self.on_shard[s][g] = prompt
+                    prefills.append((s, g, prompt))
+                prompt = self.on_shard[s][g]
+                prompt.users += 1
+                self.queued_in_group[g] -= 1
+                if self.queued_in_group[g] == 0:  # no sibling left to admit: drop the holds
+                    for ss in range(self.shards):
+                        if g in self.on_shard[ss] and self.on_shard[ss][g].held:
+                            self.on_shard[ss][g].held = False
+                            self.on_shard[ss][g].users -= 1
+                            self._maybe_release(ss, g)
+                full = plen // bs
+                blocks = list(prompt.blocks[:full])
+                if plen % bs:
+                    blocks.append(self.free[s].pop())
+                self.slots[s][j] = _Slot(row=row, state=_DECODE, length=plen, blocks=blocks, own_from=full,
+                                         budget=self.first_budget, reserved=own)
+                self.where[row] = (s, j)
+                forks.append((s, j, row))
+        if prefills:
+            self._prefill(prefills)
+        if forks:
+            copies = []
+            for s, j, row in forks:
+                slot, prompt = self.slots[s][j], self.on_shard[s][row // self.group_size]
+                if prompt.length % bs:
+                    copies.append((s, prompt.blocks[-1], slot.blocks[-1]))
+            m = _pow2(max(len(copies), 1))
+            copies += [(0, self.trash, self.trash)] * (m - len(copies))
+            h = _pow2(len(forks))
+            hid_dst = [s * self.slots_per_shard + j for s, j, _ in forks] + [len(self.hidden)] * (h - len(forks))
+            vals = [self.on_shard[s][row // self.group_size].hidden for s, _, row in forks]
+            vals += [vals[0]] * (h - len(forks))
+            sh, src, dst = (jnp.asarray(np.array(x, np.int32)) for x in zip(*copies))
+            self.kv, self.hidden = _fork(self.kv, self.hidden, sh, src, dst, jnp.asarray(np.array(hid_dst, np.int32)),
+                                         jnp.stack(vals))
+
+    def _compact(self, per_shard: list[list]) -> tuple[int, list]:
+        """Rows per shard (a power of two) and the shard-major row list with None padding."""
+        width = _pow2(max(len(x) for x in per_shard))
+        rows = []
+        for x in per_shard:
+            rows.extend(x + [None] * (width - len(x)))
+        return width, rows
+
+    def _table(self, blocks: list[int]) -> np.ndarray:
+        t = np.full(self.table_width, self.trash, np.int32)
+        t[: len(blocks)] = blocks
+        return t
+
+    def _extend(self, items: list, per_shard_key, timing: str, dst_of) -> jax.Array:
+        """Run _extend_rows on items grouped by shard: item -> (shard, tokens, start, blocks)."""
+        per_shard = [[] for _ in range(self.shards)]
+        for it in items:
+            per_shard[per_shard_key(it)[0]].append(it)
+        _, rows = self._compact(per_shard)
+        width = _pow2(max(len(per_shard_key(it)[1]) for it in items), 16)
+        toks = np.zeros((len(rows), width), np.int32)
+        num = np.zeros(len(rows), np.int32)
+        start = np.zeros(len(rows), np.int32)
+        tables = np.full((len(rows), self.table_width), self.trash, np.int32)
+        dst = np.full(len(rows), len(self.hidden), np.int32)
+        end = 1
+        for i, it in enumerate(rows):
+            if it is None:
+                continue
+            _, ids, st, blocks = per_shard_key(it)
+            toks[i, : len(ids)] = ids
+            num[i], start[i] = len(ids), st
+            tables[i] = self._table(blocks)
+            dst[i] = dst_of(it)
+            end = max(end, st + len(ids))
+            self.counters[f"{timing}_tokens"] += len(ids)
+        self.counters[f"{timing}_tokens_computed"] += toks.size
+        window = min(self.table_width, _pow2(-(-end // self.engine.block_size), 4))
+        t0 = time.perf_counter()
+        self.kv, self.hidden, last = _extend_rows(
+            self.graphdef, self.state, self.kv, self.hidden, *self._put_rows(toks, num, start, tables, dst),
+            window_blocks=window, from_empty=timing == "prefill")
+        self.timings[timing] += time.perf_counter() - t0
+        return last, rows
+
+    def _prefill(self, prefills) -> None:
+        last, rows = self._extend(prefills, lambda it: (it[0], self.prompts[it[1]], 0, it[2].blocks), "prefill",
+                                  lambda it: len(self.hidden))
+        for i, it in enumerate(rows):
+            if it is not None:
+                it[2].hidden = last[i]
+
+    def _run_appends(self) -> None:
+        if not self.pending_appends:
+            return
+        items = []
+        for row, (ids, budget) in self.pending_appends.items():
+            s, j = self.where[row]
+            slot = self.slots[s][j]
+            self._grow(s, slot, slot.length + len(ids))
+            items.append((s, j, row, ids, slot.length, list(slot.blocks)))
+        self._extend(items, lambda it: (it[0], it[3], it[4], it[5]), "append",
+                     lambda it: it[0] * self.slots_per_shard + it[1])
+        for s, j, row, ids, _, _ in items:
+            slot = self.slots[s][j]
+            slot.length += len(ids)
+            slot.state = _DECODE
+            slot.budget = min(self.pending_appends[row][1], self.config.max_turn_tokens)
+        self.pending_appends.clear()
+
+    def _grow(self, s: int, slot: _Slot, length: int) -> None:
+        """Own blocks until the table covers `length` slots (within the admission reservation)."""
+        need = -(-length // self.engine.block_size)
+        while len(slot.blocks) < need:
+            if len(slot.blocks) - slot.own_from >= slot.reserved:
+                raise RuntimeError(f"row {slot.row} outgrew its reservation of {slot.reserved} blocks")
+            slot.blocks.append(self.free[s].pop())
+
+    def _forced(self, row: int, offset: int, steps: int) -> np.ndarray:
+        out = np.full(steps, -1, np.int32)
+        if self.forced_scripts is None:
+            return out
+        script = self.forced_scripts[row]
+        turn = self.turn_of[row]
+        if turn < len(script):
+            ids = (tok_lib.encode(self.tokenizer, script[turn]) + [self.im_end])[: self.config.max_turn_tokens]
+            part = ids[offset: offset + steps]
+            out[: len(part)] = part
+        return out
+
+    def _decode_chunk(self) -> dict:
+        from turnsight_jax.rollout.driver import GeneratedTurn
+
+        steps = self.engine.decode_chunk
+        per_shard = [[(s, j) for j, slot in enumerate(self.slots[s]) if slot.state == _DECODE]
+                     for s in range(self.shards)]
+        done: dict[int, GeneratedTurn] = {}
+        for s, j in [x for xs in per_shard for x in xs]:  # a zero budget: an empty, unstopped turn
+            slot = self.slots[s][j]
+            if slot.budget <= 0:
+                slot.state = _WAIT
+                done[slot.row] = GeneratedTurn([], [], "", False)
+        per_shard = [[x for x in xs if self.slots[x[0]][x[1]].state == _DECODE] for xs in per_shard]
+        if not any(per_shard):
+            return done
+        _, rows = self._compact(per_shard)
+        n = len(rows)
+        tables = np.full((n, self.table_width), self.trash, np.int32)
+        lengths = np.zeros(n, np.int32)
+        budget = np.zeros(n, np.int32)
+        counts = np.zeros(n, np.int32)
+        forced = np.full((n, steps), -1, np.int32)
+        row_ids = np.zeros(n, np.int32)
+        src = np.full(n, 0, np.int32)
+        end = 1
+        for i, it in enumerate(rows):
+            if it is None:
+                continue
+            s, j = it
+            slot = self.slots[s][j]
+            left = slot.budget - len(slot.turn_ids)
+            self._grow(s, slot, slot.length + min(steps, left))
+            tables[i] = self._table(slot.blocks)
+            lengths[i], budget[i], counts[i] = slot.length, left, self.sampled[slot.row]
+            row_ids[i] = slot.row
+            src[i] = s * self.slots_per_shard + j
+            forced[i] = self._forced(slot.row, len(slot.turn_ids), steps)
+            end = max(end, slot.length + min(steps, left))
+        window = min(self.table_width, _pow2(-(-end // self.engine.block_size), 4))
+        keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(self.base_key, jnp.asarray(row_ids))
+        t0 = time.perf_counter()
+        hid_in = self.hidden[jnp.asarray(src)]
+        out_tok, out_lp, emitted, stopped, self.kv, hid = _decode(
+            self.graphdef, self.state, self.kv, hid_in, *self._put_rows(tables, lengths, budget), keys,
+            *self._put_rows(counts), self.stop_ids, *self._put_rows(forced), steps=steps, window_blocks=window,
+            params=self.sampling)
+        live = np.array([it is not None for it in rows])
+        dst = np.where(live, src, len(self.hidden)).astype(np.int32)
+        self.hidden = self.hidden.at[jnp.asarray(dst)].set(hid, mode="drop")
+        out_tok, out_lp = np.asarray(out_tok), np.asarray(out_lp)
+        emitted, stopped = np.asarray(emitted), np.asarray(stopped)
+        self.timings["decode"] += time.perf_counter() - t0
+        self.counters["decode_chunks"] += 1
+        self.counters["decode_row_steps"] += int(live.sum()) * steps
+        self.counters["decode_row_steps_computed"] += n * steps
+        self.counters["decode_slot_steps"] += self.shards * self.slots_per_shard * steps
+        self.counters["decoded_tokens"] += int(emitted.sum())
+        in_use = max(self.pool_blocks - 1 - len(f) for f in self.free)
+        self.counters["kv_blocks_in_use_peak"] = max(self.counters["kv_blocks_in_use_peak"], in_use)
+        for i, it in enumerate(rows):
+            if it is None:
+                continue
+            s, j = it
+            slot = self.slots[s][j]
+            e = int(emitted[i])
+            slot.turn_ids += out_tok[i, :e].tolist()
+            slot.turn_lps += out_lp[i, :e].tolist()
+            slot.length += e
+            self.sampled[slot.row] += e
+            if stopped[i] or len(slot.turn_ids) >= slot.budget:
+                ids = slot.turn_ids
+                text = self.tokenizer.decode(ids, skip_special_tokens=False)
+                done[slot.row] = GeneratedTurn(ids, slot.turn_lps, text, bool(stopped[i]))
+                self.turn_of[slot.row] += 1
+                slot.turn_ids, slot.turn_lps, slot.state = [], [], _WAIT
+        return done
+
+    # ---- placement ----
+    def _put(self, x):
+        if self.mesh is None:
+            return x
+        spec = fit_spec(jax.sharding.PartitionSpec(BATCH, *([None] * (x.ndim - 1))), x.shape, self.mesh)
+        return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, spec))
+
+    def _put_rows(self, *arrays):
+        return [self._put(jnp.asarray(a)) for a in arrays]
+
+    compilations = staticmethod(compilations)
+
+    def stats(self) -> dict[str, float]:
+        """Counters of this engine's work: prefill/append tokens (real, computed with padding),
+        decode row steps (live, computed, slots x steps), KV bytes per shard: the pool allocated
+        and the peak of the blocks in use (a block in use is counted whole)."""
+        out = {k: float(v) for k, v in self.counters.items()}
+        out["kv_pool_bytes_per_shard"] = float(self.kv.nbytes_per_shard())
+        per_block = self.kv_bytes_per_token * self.engine.block_size
+        out["kv_in_use_bytes_peak_per_shard"] = out.get("kv_blocks_in_use_peak", 0.0) * per_block
+        return out
+
+
+def _decode_copy(state, dtype):
+    """The parameters cast to the decode dtype (same shardings); the state itself when equal."""
+    leaves = jax.tree.leaves(state)
+    if all(x.dtype == dtype or not jnp.issubdtype(x.dtype, jnp.floating) for x in leaves):
+        return state
+    return jax.jit(lambda s: jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                                          s))(state)
