@@ -110,6 +110,8 @@ TODAY_DEFAULT = {'checkpoint': {'every': 10, 'export_at_end': True, 'keep': 2},
 TODAY_DEFAULT["rl"]["args"] = {}
 # The released code's semantics as switches (issue 18), all off: the default run does not move.
 TODAY_DEFAULT["loss"].update(clip_ratio_c=None, entropy_coef=0.0)
+# The sampler/trainer mismatch correction, off: the default run does not move.
+TODAY_DEFAULT["loss"].update(tis_threshold=None)
 TODAY_DEFAULT["rollout"].update(end_on_unparsable_turn=False, calls_in_think=False)
 # The non-finite guard (issue 19): a bound on skipped steps, not a training value.
 TODAY_DEFAULT["train"].update(max_skipped_steps=3)

@@ -43,7 +43,7 @@ _HINDSIGHT = HindsightTemplate()  # rl.hindsight_template's defaults
 
 
 # Keys whose None means "off" and may be given as --config.<key>=None over a number.
-NULLABLE_KEYS = frozenset({"loss.clip_ratio_c"})
+NULLABLE_KEYS = frozenset({"loss.clip_ratio_c", "loss.tis_threshold"})
 
 
 def base_config() -> mlc.ConfigDict:
@@ -136,6 +136,11 @@ def base_config() -> mlc.ConfigDict:
     c.loss.kl_estimator = "low_var_kl"  # k1 | k3 | low_var_kl
     c.loss.kl_clip = 10.0  # low_var_kl is clipped to [-kl_clip, kl_clip]
     c.loss.aggregation = "seq_mean_token_mean"  # token-mean per trajectory, mean over trajectories (paper)
+    # Sampler/trainer mismatch correction (truncated importance sampling, verl's rollout correction):
+    # a float C > 0 (e.g. 2.0) makes the ratio's π_old the trainer's own log-probs at the step-start
+    # parameters and weights each token's surrogate loss by min(exp(π_old_trainer - π_sampler), C);
+    # δ keeps the sampler's log-probs (docs/spec.md §1.9).
+    c.loss.tis_threshold = None  # None: off, π_old is the sampler's recorded log-probs (the paper)
 
     c.optim = mlc.ConfigDict()  # AdamW after linear warm-up
     c.optim.lr = 1e-6  # peak learning rate (paper: 1e-6)
@@ -451,7 +456,7 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
         loss=LossConfig(clip_eps=l.clip_eps, clip_eps_high=l.clip_eps_high, clip_ratio_c=l.clip_ratio_c,
                         entropy_coef=l.entropy_coef, kl_coef=l.kl_coef,
                         kl_estimator=l.kl_estimator, kl_clip=l.kl_clip, aggregation=l.aggregation,
-                        temperature=cfg.rollout.temperature),
+                        temperature=cfg.rollout.temperature, tis_threshold=l.tis_threshold),
         optim=OptimConfig(lr=o.lr, schedule=o.schedule, warmup_steps=o.warmup_steps, total_steps=t.steps,
                           min_lr_ratio=o.min_lr_ratio, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay,
                           max_grad_norm=o.max_grad_norm),

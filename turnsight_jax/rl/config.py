@@ -90,7 +90,10 @@ class LossConfig:
     dual clip (clip_ratio_c, None = off): for A < 0 the per-token loss is capped at -A·c;
     optional KL to the reference (kl_coef, kl_estimator, clipped to ±kl_clip for low_var_kl);
     entropy bonus (entropy_coef, 0 = off: loss -= coef · aggregated token entropy);
-    aggregation (see rl.losses.aggregation_weights); temperature of the log-probs."""
+    aggregation (see rl.losses.aggregation_weights); temperature of the log-probs;
+    sampler/trainer mismatch correction (tis_threshold, None = off: the ratio's π_old is the
+    sampler's recorded log-probs; C > 0: π_old is the trainer's own step-start log-probs and each
+    token's surrogate loss is multiplied by min(exp(π_old_trainer − π_sampler), C), rl.losses.tis_weights)."""
 
     clip_eps: float = 0.2
     clip_eps_high: float | None = None
@@ -101,6 +104,7 @@ class LossConfig:
     kl_clip: float = 10.0
     aggregation: str = "seq_mean_token_mean"
     temperature: float = 1.0
+    tis_threshold: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +179,9 @@ class StepConfig:
         if loss.clip_ratio_c is not None and not loss.clip_ratio_c > 1.0:
             # c <= 1 would cap the loss below the unclipped surrogate at ratio 1 (verl asserts c > 1)
             raise ConfigError(f"loss.clip_ratio_c must be None (off) or > 1, got {loss.clip_ratio_c}")
+        c = loss.tis_threshold
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0):
+            raise ConfigError(f"loss.tis_threshold must be None (off) or a number > 0 (e.g. 2.0), got {c!r}")
         if not (math.isfinite(loss.entropy_coef) and loss.entropy_coef >= 0):
             raise ConfigError(f"loss.entropy_coef must be finite and >= 0, got {loss.entropy_coef}")
         if loss.kl_coef < 0:

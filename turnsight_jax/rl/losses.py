@@ -13,6 +13,14 @@ extra batch array a registered reward fills. `loss` is per token and already sca
 term's coefficient; `metrics` maps names to per-token [B, N] values. The step sums the terms,
 weights tokens with `aggregation_weights` (so micro-batch accumulation equals one full pass
 exactly) and reports each metric as the same weighted sum.
+
+A term may also declare `optional_inputs`: arrays the step fills only in some configurations; the
+term gets them when they are filled and not otherwise. One exists: "is_weights" [B, N], the
+truncated importance weights of the sampler/trainer mismatch correction (`loss.tis_threshold`,
+`tis_weights`; without gradient), filled only when that option is on. The clipped surrogate reads
+it and multiplies its per-token loss by it; the KL and entropy terms do not (the correction
+re-weights the policy gradient only, as verl's rollout correction does). A policy-gradient term of
+a plug-in method opts in the same way; the step refuses `loss.tis_threshold` when no term does.
 """
 
 from __future__ import annotations
@@ -39,12 +47,25 @@ def kl_penalty(logprobs: Array, ref_logprobs: Array, estimator: str, clip: float
     return jnp.clip(k3, -clip, clip)  # low_var_kl: k3 clipped for stability
 
 
-def clipped_surrogate(logprobs: Array, old_logprobs: Array, advantages: Array, cfg: LossConfig):
+def tis_weights(trainer_old_logprobs: Array, sampler_logprobs: Array, threshold: float) -> Array:
+    """Truncated importance weights [B, N], without gradient: min(π_old_trainer / π_sampler, C).
+
+    The tokens were drawn by the sampler, whose numerics (bf16, another kernel) differ from the
+    trainer's; the ratio's π_old is then the trainer's own step-start log-probs and this weight
+    corrects the remaining sampler -> trainer shift (Yao et al. 2025; verl's rollout correction).
+    The cap C bounds the variance a rare large ratio would add."""
+    return jax.lax.stop_gradient(jnp.minimum(jnp.exp(trainer_old_logprobs - sampler_logprobs), threshold))
+
+
+def clipped_surrogate(logprobs: Array, old_logprobs: Array, advantages: Array, cfg: LossConfig,
+                      is_weights: Array | None = None):
     """PPO's clipped surrogate per token [B, N] and its diagnostics (per token).
 
     With `cfg.clip_ratio_c` = c (verl's dual clip; the released code uses c = 3), a token with
     A < 0 has its loss capped at -A·c: a huge ratio on a negative advantage cannot blow the step
-    up. A >= 0 is unchanged. clip_frac_lower counts the tokens the cap binds (0 when off)."""
+    up. A >= 0 is unchanged. clip_frac_lower counts the tokens the cap binds (0 when off).
+    `is_weights` (`tis_weights`, None = off) multiplies each token's loss after both clips, so
+    pg_loss reports the loss actually optimised."""
     ratio = jnp.exp(logprobs - old_logprobs)
     high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
     clipped = jnp.clip(ratio, 1.0 - cfg.clip_eps, 1.0 + high)
@@ -55,6 +76,8 @@ def clipped_surrogate(logprobs: Array, old_logprobs: Array, advantages: Array, c
         cap = -advantages * cfg.clip_ratio_c
         capped = (advantages < 0) & (pg > cap)
         pg = jnp.where(capped, cap, pg)
+    if is_weights is not None:
+        pg = is_weights * pg
     return pg, {"pg_loss": pg, "ratio": ratio, "clip_frac": is_clipped.astype(jnp.float32),
                 "clip_frac_lower": capped.astype(jnp.float32)}
 
@@ -83,25 +106,28 @@ LossFn = Callable[[Mapping[str, Array], LossConfig, AlgoConfig], tuple[Array, di
 
 @dataclasses.dataclass(frozen=True)
 class LossTerm:
-    """A registered loss term: `fn` (see the module docstring), the arrays it reads, and the names
-    of the metrics it returns (the step accumulates exactly these)."""
+    """A registered loss term: `fn` (see the module docstring), the arrays it reads, the names
+    of the metrics it returns (the step accumulates exactly these), and the optional arrays it
+    reads when the step fills them (the module docstring)."""
 
     name: str
     fn: LossFn
     inputs: tuple[str, ...]
     metrics: tuple[str, ...]
+    optional_inputs: tuple[str, ...] = ()
 
 
 LOSS_TERMS: dict[str, LossTerm] = {}
 
 
-def register_loss_term(name: str, inputs: tuple[str, ...], metrics: tuple[str, ...]):
+def register_loss_term(name: str, inputs: tuple[str, ...], metrics: tuple[str, ...],
+                       optional_inputs: tuple[str, ...] = ()):
     """Decorator: register `fn(x, loss_cfg, algo_cfg) -> (loss [B, N], {metric: [B, N]})`."""
 
     def deco(fn: LossFn) -> LossFn:
         if name in LOSS_TERMS:
             raise ValueError(f"loss term {name!r} already registered")
-        LOSS_TERMS[name] = LossTerm(name, fn, tuple(inputs), tuple(metrics))
+        LOSS_TERMS[name] = LossTerm(name, fn, tuple(inputs), tuple(metrics), tuple(optional_inputs))
         return fn
 
     return deco
@@ -114,9 +140,9 @@ def get_loss_term(name: str) -> LossTerm:
 
 
 @register_loss_term("clipped_surrogate", ("logprobs", "old_logprobs", "advantages"),
-                    ("pg_loss", "ratio", "clip_frac", "clip_frac_lower"))
+                    ("pg_loss", "ratio", "clip_frac", "clip_frac_lower"), optional_inputs=("is_weights",))
 def _surrogate_term(x, cfg: LossConfig, algo: AlgoConfig):
-    return clipped_surrogate(x["logprobs"], x["old_logprobs"], x["advantages"], cfg)
+    return clipped_surrogate(x["logprobs"], x["old_logprobs"], x["advantages"], cfg, x.get("is_weights"))
 
 
 @register_loss_term("kl", ("logprobs", "ref_logprobs"), ("kl",))
@@ -138,7 +164,9 @@ def term_losses(terms: tuple[LossTerm, ...], x: Mapping[str, Array], cfg: LossCo
     """Sum of the terms' per-token losses [B, N] and all their per-token metrics."""
     total, metrics = None, {}
     for term in terms:
-        loss, parts = term.fn({k: x[k] for k in term.inputs}, cfg, algo)
+        given = {k: x[k] for k in term.inputs}
+        given.update({k: x[k] for k in term.optional_inputs if x.get(k) is not None})
+        loss, parts = term.fn(given, cfg, algo)
         total = loss if total is None else total + loss
         metrics.update(parts)
     return total, metrics

@@ -11,7 +11,9 @@ One call of the compiled step, for a rollout batch of B trajectories (B / G prom
    the method's advantage (`rl.advantages.make_advantage_fn`) on the whole batch, so group
    statistics see all siblings;
    with rl.student_sees_observations=False, π_old for the ratio on the masked context
-   (`masked_old_logprobs`; docs/spec.md §1.9);
+   (`masked_old_logprobs`; docs/spec.md §1.9); with loss.tis_threshold set, π_old for the ratio is
+   the trainer's own step-start log-probs too, and the surrogate is re-weighted by the truncated
+   sampler -> trainer importance weight (rl.losses.tis_weights; δ keeps the sampler's log-probs);
 3. for each PPO epoch and mini-batch: gradients of the method's loss terms (rl.losses) accumulated
    over micro-batches (normalised by the *mini-batch* token/trajectory counts, so accumulation
    equals one full pass exactly), global-norm clipping and an optax AdamW update.
@@ -28,12 +30,13 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from turnsight_jax.errors import ConfigError
 from turnsight_jax.models.qwen3 import Qwen3
 from turnsight_jax.rl.advantages import make_advantage_fn
 from turnsight_jax.rl.batch import TrainBatch, packed_reference, row_axis
 from turnsight_jax.rl.config import OptimConfig, StepConfig
 from turnsight_jax.rl.logprobs import student_logprobs, teacher_logprobs
-from turnsight_jax.rl.losses import aggregation_weights, term_losses
+from turnsight_jax.rl.losses import aggregation_weights, term_losses, tis_weights
 from turnsight_jax.rl.methods import ResolvedMethod, resolve_method
 
 # TurnSight diagnostics the step reports (under turnsight/ in the run's metrics).
@@ -152,7 +155,10 @@ def teacher_and_ref_logprobs(ref_model: Qwen3, batch: TrainBatch, cfg: StepConfi
 
 
 def masked_old_logprobs(model: Qwen3, batch: TrainBatch, cfg: StepConfig):
-    """The step-start policy's log-probs [B, N] on the student's masked context, no gradient.
+    """The step-start policy's log-probs [B, N] on the student's (masked) context, no gradient.
+
+    Also the trainer's π_old of the mismatch correction (loss.tis_threshold) with several updates
+    per step; there the context is `batch.valid` whatever it holds (full or masked).
 
     With rl.student_sees_observations=False the ratio must compare the updated policy with the old
     one *on the same masked context*, which the sampler (it saw the observations) never scored.
@@ -165,6 +171,21 @@ def masked_old_logprobs(model: Qwen3, batch: TrainBatch, cfg: StepConfig):
 
     lp = _rows_in_micro_batches(one, (batch.tokens, batch.valid, batch.pol_pos), cfg.micro_batches)
     return jax.lax.stop_gradient(jnp.where(batch.pol_valid, lp, 0.0))
+
+
+def mismatch_metrics(trainer_lp, sampler_lp, valid, threshold: float | None) -> dict:
+    """Sampler/trainer log-prob mismatch over the batch's valid policy tokens (exact token means,
+    like adv_mean; the max over tokens), and with a threshold C the importance weights' mean and
+    the share of tokens whose raw weight exp(trainer − sampler) exceeded C."""
+    n = jnp.maximum(valid.sum(), 1)
+    d = jnp.where(valid, trainer_lp - sampler_lp, 0.0)
+    out = {"tis/logprob_diff_mean": jnp.sum(d) / n, "tis/logprob_diff_abs_mean": jnp.sum(jnp.abs(d)) / n,
+           "tis/logprob_diff_max_abs": jnp.max(jnp.abs(d))}
+    if threshold is not None:
+        w = tis_weights(trainer_lp, sampler_lp, threshold)
+        out["tis/weight_mean"] = jnp.sum(jnp.where(valid, w, 0.0)) / n
+        out["tis/clip_frac"] = jnp.sum(valid & (jnp.exp(d) > threshold)) / n
+    return out
 
 
 def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransformation,
@@ -186,43 +207,63 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
     # With one update per step the first (only) forward runs the step-start parameters, so its own
     # log-probs, without gradient, are π_old exactly (ratio 1) and no extra forward is needed;
     # with several updates a no-gradient forward before the first update provides them.
+    #
+    # The mismatch correction (loss.tis_threshold = C) needs the same π_old: the trainer's own
+    # log-probs at the step-start parameters, obtained the same two ways; the batch's
+    # old_logprobs (the sampler's) are then only what the importance weight compares against.
     masked = not cfg.algo.student_sees_observations
-    old_is_current = masked and cfg.mini_batches * cfg.ppo_epochs == 1
+    tis = cfg.loss.tis_threshold
+    one_update = cfg.mini_batches * cfg.ppo_epochs == 1
+    trainer_old = masked or tis is not None
+    old_is_current = trainer_old and one_update
+    if tis is not None and not any("is_weights" in t.optional_inputs for t in terms):
+        raise ConfigError(f"loss.tis_threshold={tis} but no loss term of method {method.name!r} reads the "
+                          "importance weights (rl.losses: optional_inputs 'is_weights')")
 
-    def loss_fn(params, mb: TrainBatch, adv, ref_lp, weights):
+    def loss_fn(params, mb: TrainBatch, adv, ref_lp, weights, sampler_lp):
+        """`sampler_lp`: the sampler's log-probs when mb.old_logprobs was replaced by the trainer's
+        (mismatch correction with several updates), else None."""
         model = nnx.merge(graphdef, params)
         out = student_logprobs(model, mb.tokens, mb.valid, mb.pol_pos, chunk=cfg.logprob_chunk,
                                temperature=cfg.loss.temperature, with_entropy=with_entropy)
         lp, entropy = out if with_entropy else (out, None)
-        old = jax.lax.stop_gradient(lp) if old_is_current else mb.old_logprobs
+        current = jax.lax.stop_gradient(lp)  # the step-start policy's log-probs when one update per step
+        old = current if old_is_current else mb.old_logprobs
+        is_w = None
+        if tis is not None:
+            is_w = tis_weights(old, mb.old_logprobs if old_is_current else sampler_lp, tis)
         x = {"logprobs": lp, "old_logprobs": old, "advantages": adv, "ref_logprobs": ref_lp,
              "pol_valid": mb.pol_valid, "turn_ids": mb.turn_ids, "policy_mask": mb.pol_valid,
-             "group_ids": mb.group_ids, "num_turns": mb.num_turns, "entropy": entropy, **mb.signals}
+             "group_ids": mb.group_ids, "num_turns": mb.num_turns, "entropy": entropy, **mb.signals,
+             "is_weights": is_w}
         loss_tok, parts = term_losses(terms, x, cfg.loss, cfg.algo)
         loss = jnp.sum(loss_tok * weights)
         sums = {k: jnp.sum(parts[k] * weights) for k in metric_names}
-        return loss, sums
+        # With one update the forward's own log-probs are the trainer's at the step-start
+        # parameters: handed back (no gradient) so the step reports the mismatch at no extra cost.
+        return loss, (sums, current if one_update else None)
 
     grad_fn = jax.grad(loss_fn, has_aux=True)
 
-    def minibatch_update(params, opt_state, mb: TrainBatch, adv, ref_lp):
+    def minibatch_update(params, opt_state, mb: TrainBatch, adv, ref_lp, sampler_lp):
         """Accumulate gradients over strided micro-batches, then one optimizer update."""
         m = cfg.micro_batches
         weights = aggregation_weights(mb.pol_valid, cfg.loss.aggregation)
         if m == 1:
-            grads, sums = grad_fn(params, mb, adv, ref_lp, weights)
+            grads, (sums, current) = grad_fn(params, mb, adv, ref_lp, weights, sampler_lp)
         else:
-            xs = (split_batch(mb, m), _split(adv, m), None if ref_lp is None else _split(ref_lp, m), _split(weights, m))
+            opt_split = lambda a: None if a is None else _split(a, m)
+            xs = (split_batch(mb, m), _split(adv, m), opt_split(ref_lp), _split(weights, m), opt_split(sampler_lp))
 
             def acc(carry, x):
                 g_acc, s_acc = carry
-                mb_i, adv_i, ref_i, w_i = x
-                g, s = grad_fn(params, mb_i, adv_i, ref_i, w_i)
-                return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, s_acc, s)), None
+                g, (s, cur) = grad_fn(params, *x)
+                return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, s_acc, s)), cur
 
             zeros_g = jax.tree.map(jnp.zeros_like, params)
             zeros_s = {k: jnp.zeros((), jnp.float32) for k in metric_names}
-            (grads, sums), _ = jax.lax.scan(acc, (zeros_g, zeros_s), xs)
+            (grads, sums), current = jax.lax.scan(acc, (zeros_g, zeros_s), xs)
+            current = None if current is None else _merge(current)
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
@@ -235,29 +276,38 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         opt_state = jax.tree.map(keep, new_opt_state, opt_state)
         sums["grad_norm"] = grad_norm
         sums["skipped_updates"] = 1.0 - finite.astype(jnp.float32)
-        return params, opt_state, sums
+        return params, opt_state, sums, current
 
     def step(params, opt_state, ref_params, batch: TrainBatch):
         ref_model = nnx.merge(graphdef, ref_params)
         teacher_lp, ref_lp = teacher_and_ref_logprobs(ref_model, batch, cfg, method)
         adv, diag = compute_advantages(batch, teacher_lp, cfg, method)
         adv = jax.lax.stop_gradient(adv)
-        if masked and not old_is_current:
+        sampler_lp, mismatch = None, {}
+        if trainer_old and not old_is_current:
             # δ above keeps the sampler's log-probs (same prefix as the teacher); the ratio uses these
-            batch = batch.replace(old_logprobs=masked_old_logprobs(nnx.merge(graphdef, params), batch, cfg))
+            old = masked_old_logprobs(nnx.merge(graphdef, params), batch, cfg)
+            if tis is not None:
+                sampler_lp = batch.old_logprobs  # what the importance weight compares against
+                mismatch = mismatch_metrics(old, sampler_lp, batch.pol_valid, tis)
+            batch = batch.replace(old_logprobs=old)
         nm = cfg.mini_batches
         if nm == 1:
-            minis = [(batch, adv, ref_lp)]
+            minis = [(batch, adv, ref_lp, sampler_lp)]
         else:
             sb = split_batch(batch, nm)
             sa = _split(adv, nm)
             sr = None if ref_lp is None else _split(ref_lp, nm)
-            minis = [(jax.tree.map(lambda x: x[i], sb), sa[i], None if sr is None else sr[i]) for i in range(nm)]
+            ss = None if sampler_lp is None else _split(sampler_lp, nm)
+            minis = [(jax.tree.map(lambda x: x[i], sb), sa[i], None if sr is None else sr[i],
+                      None if ss is None else ss[i]) for i in range(nm)]
         logs = []
         for _ in range(cfg.ppo_epochs):
-            for mb, a, r in minis:
-                params, opt_state, sums = minibatch_update(params, opt_state, mb, a, r)
+            for mb, a, r, sl in minis:
+                params, opt_state, sums, current = minibatch_update(params, opt_state, mb, a, r, sl)
                 logs.append(sums)
+        if one_update:  # the update's forward ran the step-start parameters: the mismatch for free
+            mismatch = mismatch_metrics(current, batch.old_logprobs, batch.pol_valid, tis)
         metrics = {k: jnp.mean(jnp.stack([log[k] for log in logs])) for k in logs[0]}
         metrics["skipped_updates"] = sum(log["skipped_updates"] for log in logs)  # a count, not a mean
         valid = batch.pol_valid
@@ -267,6 +317,7 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         if "rewards" in batch.signals:
             metrics["reward_mean"] = jnp.mean(batch.signals["rewards"])
         metrics.update(diag)
+        metrics.update(mismatch)
         return params, opt_state, metrics
 
     if state_shardings is None:
