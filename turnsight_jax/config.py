@@ -35,6 +35,7 @@ from turnsight_jax.errors import ConfigError
 from turnsight_jax.rl.config import AlgoConfig, LossConfig, OptimConfig, StepConfig
 from turnsight_jax.rl.methods import ResolvedMethod, resolve_method
 from turnsight_jax.rollout.driver import RolloutConfig
+from turnsight_jax.rollout.engine import EngineConfig
 from turnsight_jax.rollout.sampler import SamplingParams
 from turnsight_jax.sources import check_provides, get_source
 
@@ -94,6 +95,11 @@ def base_config() -> mlc.ConfigDict:
     c.rollout.top_p = 1.0  # nucleus filter (1.0: off)
     c.rollout.top_k = 0  # top-k filter (0: off; the paper samples the full distribution)
     c.rollout.prompts_per_chunk = 0  # rollouts run this many prompts (x group) at a time; 0 = all at once
+    c.rollout.engine = "paged"  # paged (continuous batching, paged KV, prefix sharing: docs/rollout_engine.md) | lockstep (one static cache, turns in lockstep)
+    c.rollout.decode_slots = 64  # paged: sequences decoded at once over all devices (episodes queue for a free slot)
+    c.rollout.kv_block_size = 16  # paged: KV slots per block
+    c.rollout.decode_chunk = 16  # paged: decode steps between scheduling points
+    c.rollout.kv_pool_blocks = 0  # paged: KV blocks per device; 0 = every slot at max prompt + response length
     # Parse semantics of the released code (docs/spec.md §3), off by default:
     c.rollout.end_on_unparsable_turn = False  # a turn whose calls all fail to parse ends the episode (else: errors go back)
     c.rollout.calls_in_think = False  # execute calls written inside <think> (else: reasoning, never executed)
@@ -473,6 +479,20 @@ def rollout_config(cfg: mlc.ConfigDict, *, max_turns: int | None = None) -> Roll
                          calls_in_think=r.calls_in_think)
 
 
+def engine_config(cfg: mlc.ConfigDict) -> EngineConfig | None:
+    """The paged engine's settings (rollout.engine == "paged"), else None."""
+    r = cfg.rollout
+    if r.engine == "lockstep":
+        return None
+    if r.engine != "paged":
+        raise ConfigError(f"rollout.engine must be 'paged' or 'lockstep', got {r.engine!r}")
+    try:
+        return EngineConfig(slots=int(r.decode_slots), block_size=int(r.kv_block_size), decode_chunk=int(r.decode_chunk),
+                            pool_blocks=int(r.kv_pool_blocks))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def sampling_params(cfg: mlc.ConfigDict) -> SamplingParams:
     """The rollouts' sampling."""
     r = cfg.rollout
@@ -525,6 +545,7 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
             SamplingParams(temperature=c.temperature, top_k=int(c.top_k), top_p=float(c.top_p))
         except ValueError as e:
             raise ConfigError(f"{section}: {e}") from None
+    engine_config(cfg)
     sc = step_config(cfg)
     sc.validate(cfg.train.prompts_per_step * cfg.train.group_size)
     method = resolve_method(sc)

@@ -30,7 +30,8 @@ from flax import nnx
 
 from turnsight_jax import checkpointing, model_setup, sources
 from turnsight_jax.checkpointing import Checkpointer, write_run_config, write_run_files
-from turnsight_jax.config import load_run_config, model_layer_name, rollout_config, sampling_params, validate
+from turnsight_jax.config import (engine_config, load_run_config, model_layer_name, rollout_config, sampling_params,
+                                  validate)
 from turnsight_jax.distributed import maybe_initialize_distributed
 from turnsight_jax.errors import ConfigError, NonFiniteTraining
 from turnsight_jax.eval.heldout import evaluate_policy
@@ -178,6 +179,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     ds = grain.MapDataset.range(len(train_tasks)).shuffle(seed=cfg.seed).repeat(epochs).batch(per_step, drop_remainder=True)
     sampling = sampling_params(cfg)
     rc = rollout_config(cfg)
+    engine_cfg = engine_config(cfg)
     peak = matmul_peak_flops() if jax.devices()[0].platform == "cpu" else None
     progress = Progress(n_steps, start, cfg.log.progress)
     preempt = _Preemption()
@@ -196,7 +198,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             line = ProgressLine(len(tasks) * cfg.train.group_size, label=f"step {step + 1} rollouts", every_s=30.0,
                                 patient=True, quiet=not cfg.log.progress or jax.process_index() != 0)
             ctx = RolloutContext(graphdef, params, tok, env, sampling, rc, cfg.train.group_size,
-                                 cfg.rollout.prompts_per_chunk, model_setup.DTYPES[cfg.model.compute_dtype], line)
+                                 cfg.rollout.prompts_per_chunk, model_setup.DTYPES[cfg.model.compute_dtype], line,
+                                 engine=engine_cfg, mesh=mesh)
             res = method.rollout.fn(ctx, tasks, cfg.seed * 100_003 + step)
             t_roll = time.perf_counter() - t_step
             row_tasks = [t for t in tasks for _ in range(cfg.train.group_size)]
@@ -229,6 +232,11 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                             "perf/step_compilations": float(step_fn._cache_size()),  # programs compiled so far
                             **{f"shape/{k}": float(v) for k, v in shapes.items()},
                             "perf/view_overhead": bstats.get("view_overhead", 0.0)})
+            if "engine/decode_slot_steps" in res.stats:  # the paged engine's occupancy and memory
+                st = res.stats
+                metrics["rollout/slot_occupancy"] = st["engine/decode_row_steps"] / max(st["engine/decode_slot_steps"], 1)
+                metrics["rollout/kv_in_use_gib_peak"] = st["engine/kv_in_use_bytes_peak_per_shard"] / 2**30
+                metrics["rollout/prefill_tokens"] = st.get("engine/prefill_tokens", 0.0)
             if peak:
                 metrics["perf/mfu_vs_measured_matmul"] = flops / t_total / peak
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < n_steps and eval_tasks:

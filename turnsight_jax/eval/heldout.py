@@ -16,6 +16,7 @@ import numpy as np
 from turnsight_jax.chat.types import Task
 from turnsight_jax.config import eval_sampling, rollout_config
 from turnsight_jax.eval.runner import describe_sampling, mean_metrics, run_batches
+from turnsight_jax.model_setup import DTYPES
 from turnsight_jax.rollout.driver import ModelPolicy, ProgressCallback
 
 SUMMARY_KEYS = ("solve_f1", "solve_p", "solve_r", "answer_correct", "num_turns")
@@ -49,7 +50,8 @@ def evaluate_policy(graphdef, state, tok, tasks: Sequence[Task], cfg: mlc.Config
     sampling = eval_sampling(cfg, greedy=greedy)
     rc = rollout_config(cfg, max_turns=cfg.eval.max_turns)
     per_task, _ = run_batches(
-        lambda chunk, g, seed: ModelPolicy(graphdef, state, tok, sampling=sampling, config=rc, seed=seed),
+        lambda chunk, g, seed: ModelPolicy(graphdef, state, tok, sampling=sampling, config=rc, seed=seed,
+                                           cache_dtype=DTYPES[cfg.model.compute_dtype]),
         env, tasks, tokenizer=tok, config=rc, group_size=samples, batch_size=cfg.eval.batch_size, seed=cfg.seed,
         progress=progress)
     mode = describe_sampling(0.0 if greedy else cfg.eval.temperature, samples, int(cfg.eval.top_k),

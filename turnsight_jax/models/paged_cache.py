@@ -95,29 +95,38 @@ def paged_extend(model, tokens: jax.Array, num_new: jax.Array, start: jax.Array,
     Returns (hidden [R, N, D], kv)."""
     r, n = tokens.shape
     cfg = model.config
-    bs, trash = kv.block_size, kv.trash
-    per = r // kv.shards
-    shard = (jnp.arange(r, dtype=jnp.int32) // per)[:, None]  # [R, 1]
+    bs, trash, shards = kv.block_size, kv.trash, kv.shards
+    per = r // shards
     offs = jnp.arange(n, dtype=jnp.int32)[None, :]
     pos = start[:, None] + offs  # [R, N] slot (= rotary position) of each new token
     valid = offs < num_new[:, None]
     col = jnp.clip(pos // bs, 0, tables.shape[1] - 1)
     blk = jnp.where(valid, jnp.take_along_axis(tables, col, axis=1), trash)
     within = pos % bs
-    window = tables[:, :window_blocks]  # [R, W]
     query_slots = jnp.where(valid, pos, -1)
     chunk = model.options.attn_q_chunk
+    by_shard = lambda a: a.reshape(shards, per, *a.shape[1:])  # noqa: E731
+    blk_s, within_s, window_s = by_shard(blk), by_shard(within), by_shard(tables[:, :window_blocks])
+
+    # Reads and writes are vmapped over the shard axis: batched gathers/scatters whose batch
+    # dimension is the pool's sharded one, which the partitioner keeps on each device (indexing
+    # the shard axis with an index array instead made it all-reduce the gathered window).
+    def write(pool, i, new):  # pool [L, NB, BS, H, Dh] of one shard; new [per, N, H, Dh]
+        return jax.vmap(lambda p, b, w, x: p.at[i, b, w].set(x), in_axes=(1, 0, 0, 0), out_axes=1)(
+            pool, blk_s, within_s, new)
+
+    def read(pool, i):  # -> [R, W * BS, H, Dh]
+        got = jax.vmap(lambda p, t: p[i, t], in_axes=(1, 0))(pool, window_s)  # [S, per, W, BS, H, Dh]
+        return got.reshape(r, window_blocks * bs, cfg.num_kv_heads, cfg.head_dim)
 
     def layer(carry, p):
         x, k_all, v_all, i = carry
         q, k, v = model._qkv(p, x, pos)
-        # One scatter into the pool carried by the scan: in place, no copy of the pool.
-        k_all = k_all.at[i, shard, blk, within].set(k.astype(k_all.dtype))
-        v_all = v_all.at[i, shard, blk, within].set(v.astype(v_all.dtype))
-        kw = k_all[i, shard, window].reshape(r, window_blocks * bs, cfg.num_kv_heads, cfg.head_dim)
-        vw = v_all[i, shard, window].reshape(r, window_blocks * bs, cfg.num_kv_heads, cfg.head_dim)
-        attn = cache_attention(q, kw.astype(q.dtype), vw.astype(q.dtype), query_slots, q_chunk=chunk,
-                               from_empty=from_empty)
+        # Scatters into the pool carried by the scan: in place, no copy of the pool.
+        k_all = write(k_all, i, by_shard(k.astype(k_all.dtype)))
+        v_all = write(v_all, i, by_shard(v.astype(v_all.dtype)))
+        attn = cache_attention(q, read(k_all, i).astype(q.dtype), read(v_all, i).astype(q.dtype), query_slots,
+                               q_chunk=chunk, from_empty=from_empty)
         return (model._finish_layer(p, x, attn), k_all, v_all, i + 1), None
 
     init = (model.embed_tokens(tokens), kv.k, kv.v, jnp.int32(0))

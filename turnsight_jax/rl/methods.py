@@ -19,9 +19,11 @@ anything compiles. The KL term is added when `loss.kl_coef > 0`, whatever the me
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Sequence
 
+import jax
 import numpy as np
 
 from turnsight_jax.chat.trajectory import Trajectory
@@ -32,6 +34,7 @@ from turnsight_jax.rl.advantages import Estimator, get_estimator
 from turnsight_jax.rl.config import AlgoConfig, StepConfig
 from turnsight_jax.rl.losses import LossTerm, get_loss_term
 from turnsight_jax.rollout.driver import ModelPolicy, RolloutConfig, RolloutResult, rollout
+from turnsight_jax.rollout.engine import PagedEngine
 from turnsight_jax.rollout.sampler import SamplingParams
 
 # Arrays every batch has, in the compact layout of turnsight_jax.rl.batch.
@@ -57,6 +60,8 @@ class RolloutContext:
     prompts_per_chunk: int = 0  # 0: all prompts at once
     cache_dtype: Any = None
     progress: Callable[[Any], None] | None = None  # rollout.driver.ProgressCallback, e.g. a ProgressLine
+    engine: Any = None  # rollout.engine.EngineConfig: the paged engine; None: the lockstep ModelPolicy
+    mesh: Any = None  # the device mesh the paged engine splits its rows and KV pool over (None: one shard)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,16 +87,22 @@ def register_rollout(name: str):
 
 @register_rollout("sampler")
 def sampler_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
-    """The default: G samples per prompt from the KV-cached sampler, `prompts_per_chunk` prompts
-    at a time (the KV cache holds one chunk's rows); the chunks' trajectories and stats joined."""
+    """The default: G samples per prompt, `prompts_per_chunk` prompts at a time (0: all), from the
+    paged engine (`ctx.engine`: continuous batching over `ctx.engine.slots` slots) or the lockstep
+    `ModelPolicy` (its static cache holds one chunk's rows); the chunks' trajectories and stats joined."""
     per = ctx.prompts_per_chunk or len(tasks)
     trajs, stats = [], {}
     for i in range(0, len(tasks), per):
         kwargs = {} if ctx.cache_dtype is None else {"cache_dtype": ctx.cache_dtype}
-        policy = ModelPolicy(ctx.graphdef, ctx.params, ctx.tokenizer, sampling=ctx.sampling, config=ctx.config,
-                             seed=seed + i, **kwargs)
-        res = rollout(policy, ctx.env, tasks[i:i + per], tokenizer=ctx.tokenizer, group_size=ctx.group_size,
-                      config=ctx.config, seed=seed, group_offset=i, progress=ctx.progress)
+        if ctx.engine is not None:
+            policy = PagedEngine(ctx.graphdef, ctx.params, ctx.tokenizer, sampling=ctx.sampling, config=ctx.config,
+                                 engine=ctx.engine, seed=seed + i, mesh=ctx.mesh, **kwargs)
+        else:
+            policy = ModelPolicy(ctx.graphdef, ctx.params, ctx.tokenizer, sampling=ctx.sampling, config=ctx.config,
+                                 seed=seed + i, **kwargs)
+        with jax.set_mesh(ctx.mesh) if ctx.mesh is not None else contextlib.nullcontext():
+            res = rollout(policy, ctx.env, tasks[i:i + per], tokenizer=ctx.tokenizer, group_size=ctx.group_size,
+                          config=ctx.config, seed=seed, group_offset=i, progress=ctx.progress)
         trajs.extend(res.trajectories)
         for k, v in res.stats.items():
             stats[k] = stats.get(k, 0.0) + v if k != "compilations" else v

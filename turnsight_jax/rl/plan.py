@@ -1,16 +1,22 @@
-"""Ahead-of-time memory planning: compile the train step on abstract parameters.
+"""Ahead-of-time memory planning: compile the train step and the rollout's decode on abstract inputs.
 
 `python -m turnsight_jax.train --config configs/qwen3_8b.py --dry_run --fake_devices 8` builds
 the mesh, abstract (never allocated) parameters, optimizer state and a batch of the config's
 worst-case geometry, compiles the fused step with XLA, and prints XLA's per-device memory
-analysis against the device memory budget.
+analysis against the device memory budget. It then plans the rollout (the paged engine): the
+trainer state that stays resident while rollouts run, the decode copy of the weights, the KV
+block pool for the configured slots and lengths, and the decode program's temporaries (compiled
+at its widest: every slot decoding at the longest context), on a line
+`rollout plan: peak X GiB per device`.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import jax
+import jax.numpy as jnp
 import ml_collections as mlc
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -89,4 +95,85 @@ def dry_run(cfg: mlc.ConfigDict) -> dict:
     print(f"| **peak estimate** (args + outputs - aliased + temporaries) | **{peak / gib:.2f}** |")
     verdict = "fits" if peak / gib <= budget else "does NOT fit"
     print(f"\n{verdict} in {budget} GiB per device")
-    return {"peak_gib": peak / gib, "fits": peak / gib <= budget, "compile_s": secs, **{k: v / gib for k, v in fields.items()}}
+    print(f"train step: peak {peak / gib:.2f} GiB per device")
+    out = {"peak_gib": peak / gib, "fits": peak / gib <= budget, "compile_s": secs,
+           **{k: v / gib for k, v in fields.items()}}
+    if cfg.rollout.engine == "paged":
+        out["rollout"] = rollout_plan(cfg)
+    return out
+
+
+def _per_device_bytes(tree) -> int:
+    """Bytes one device holds of abstract arrays with shardings (the largest shard of each)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def rollout_plan(cfg: mlc.ConfigDict) -> dict:
+    """Per-device memory while the paged engine decodes, printed as a table and one line."""
+    from turnsight_jax.config import engine_config, rollout_config
+    from turnsight_jax.models.paged_cache import PagedKV, bytes_per_token, pool_shape, pool_spec
+    from turnsight_jax.rollout import engine as eng_lib
+    from turnsight_jax.rollout.sampler import SamplingParams
+
+    ecfg, rc = engine_config(cfg), rollout_config(cfg)
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    qcfg = model_setup.model_config(cfg)
+    opts = model_setup.runtime_options(cfg)
+    pdtype, cdtype = model_setup.DTYPES[cfg.model.param_dtype], model_setup.DTYPES[cfg.model.compute_dtype]
+    abstract = nnx.eval_shape(lambda: Qwen3(qcfg, rngs=nnx.Rngs(0), param_dtype=pdtype, options=opts))
+    graphdef, params = nnx.split(abstract)
+    params = _with_shardings(params, state_shardings(params, mesh))
+    rdtype = model_setup.DTYPES[cfg.model.ref_dtype]
+    ref = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, rdtype, sharding=x.sharding), params)
+    step_cfg, _ = validate(cfg, jax.device_count(), check_data=False)
+    opt = jax.eval_shape(make_optimizer(step_cfg.optim).init, params)
+    opt = _with_shardings(opt, opt_state_shardings(opt, mesh))
+    decode = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cdtype, sharding=x.sharding), params)
+    shards = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
+    per_shard = -(-ecfg.slots // shards)
+    blocks = ecfg.pool_blocks or eng_lib.default_pool_blocks(per_shard, rc.max_prompt_tokens, rc.max_response_tokens,
+                                                             ecfg.block_size)
+    shape = pool_shape(qcfg, shards, blocks, ecfg.block_size)
+    kv_sharding = NamedSharding(mesh, pool_spec(shape, mesh))
+    kv = PagedKV(*(jax.ShapeDtypeStruct(shape, cdtype, sharding=kv_sharding) for _ in range(2)))
+    rows = shards * per_shard
+    table_width = eng_lib._pow2(-(-(rc.max_prompt_tokens + rc.max_response_tokens) // ecfg.block_size) + 1)
+    window = table_width  # the widest program: a row at the longest context
+    row = lambda shp, dt: jax.ShapeDtypeStruct(shp, dt, sharding=NamedSharding(  # noqa: E731
+        mesh, P(("data", "fsdp"), *([None] * (len(shp) - 1)))))
+    i32 = jnp.int32
+    steps = ecfg.decode_chunk
+    keys = jax.eval_shape(lambda: jax.vmap(jax.random.key)(jnp.zeros((rows,), jnp.uint32)))
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = eng_lib._decode.lower(
+            graphdef, decode, kv, row((rows, qcfg.hidden_size), cdtype), row((rows, table_width), i32), row((rows,), i32),
+            row((rows,), i32), keys, row((rows,), i32), jax.ShapeDtypeStruct((2,), i32), row((rows, steps), i32),
+            steps=steps, window_blocks=window, params=SamplingParams()).compile()
+    secs = time.perf_counter() - t0
+    temps = compiled.memory_analysis().temp_size_in_bytes
+    gib = 1024**3
+    resident = _per_device_bytes(params) + _per_device_bytes(opt) + _per_device_bytes(ref)
+    copy = 0 if pdtype == cdtype else _per_device_bytes(decode)
+    pool = _per_device_bytes(kv)
+    peak = resident + copy + pool + temps
+    tokens_per_device = (blocks - 1) * ecfg.block_size
+    print(f"\n## Rollout plan: paged engine, {per_shard * shards} decode slots ({per_shard} per row shard, "
+          f"{shards} row shards), blocks of {ecfg.block_size}, {blocks} blocks per device = "
+          f"{tokens_per_device:,} KV slots ({bytes_per_token(qcfg, cdtype) // 1024} KiB per token in {cfg.model.compute_dtype}); "
+          f"lengths: prompt <= {rc.max_prompt_tokens:,}, response <= {rc.max_response_tokens:,} (decode compiled in "
+          f"{secs:.0f}s)")
+    print("| per device | GiB |\n|---|---|")
+    for name, v in (("trainer state kept while rolling out (params, optimizer, reference)", resident),
+                    (f"decode copy of the weights ({cfg.model.compute_dtype})", copy),
+                    ("KV block pool", pool), ("decode temporaries (widest program)", temps)):
+        print(f"| {name} | {v / gib:.2f} |")
+    print(f"rollout plan: peak {peak / gib:.2f} GiB per device")
+    verdict = "fits" if peak / gib <= cfg.plan.device_memory_gib else "does NOT fit"
+    print(f"{verdict} in {cfg.plan.device_memory_gib} GiB per device")
+    return {"peak_gib": peak / gib, "slots": per_shard * shards, "pool_gib": pool / gib, "resident_gib": resident / gib,
+            "decode_copy_gib": copy / gib, "temps_gib": temps / gib, "compile_s": secs}

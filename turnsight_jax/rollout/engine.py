@@ -97,11 +97,12 @@ def _extend_rows(graphdef, state, kv: PagedKV, hidden, tokens, num_new, start, t
 
 
 @functools.partial(jax.jit, donate_argnames=("kv", "hidden"))
-def _fork(kv: PagedKV, hidden, shard, src, dst, hid_dst, hid_val):
-    """Copy block src[i] to dst[i] within shard[i] (every layer) and set hidden[hid_dst[j]] = hid_val[j]."""
-    k = kv.k.at[:, shard, dst].set(kv.k[:, shard, src])
-    v = kv.v.at[:, shard, dst].set(kv.v[:, shard, src])
-    return PagedKV(k, v), hidden.at[hid_dst].set(hid_val.astype(hidden.dtype), mode="drop")
+def _fork(kv: PagedKV, hidden, src, dst, hid_dst, hid_val):
+    """Copy block src[s, i] to dst[s, i] in every shard s (all layers; vmapped over the shard axis,
+    so each device copies its own) and set hidden[hid_dst[j]] = hid_val[j]."""
+    copy = jax.vmap(lambda p, a, b: p.at[:, b].set(p[:, a]), in_axes=(1, 0, 0), out_axes=1)
+    return PagedKV(copy(kv.k, src, dst), copy(kv.v, src, dst)), hidden.at[hid_dst].set(
+        hid_val.astype(hidden.dtype), mode="drop")
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("steps", "window_blocks", "params"),
@@ -210,6 +211,7 @@ class PagedEngine:
         self.im_end = ids.im_end
         self.base_key = jax.random.key(seed)
         self.forced_scripts = forced_scripts
+        self._forced_ids: dict[tuple[int, int], list[int]] = {}
         self.timings = {"prefill": 0.0, "decode": 0.0, "append": 0.0}
         self.counters = collections.Counter()
         self.kv_bytes_per_token = bytes_per_token(self.model_config, self.cache_dtype)
@@ -220,15 +222,15 @@ class PagedEngine:
             if len(p) > self.config.max_prompt_tokens:
                 raise ValueError(f"prompt of {len(p)} tokens over rollout.max_prompt_tokens="
                                  f"{self.config.max_prompt_tokens}")
-        shared, own = blocks_per_episode(max(len(p) for p in prompts), self.config.max_response_tokens,
-                                         self.engine.block_size)
-        need = shared + min(group_size, self.slots_per_shard) * own
-        if need > self.pool_blocks - 1:
+        longest = max(len(p) for p in prompts)
+        shared, own = blocks_per_episode(longest, self.config.max_response_tokens, self.engine.block_size)
+        live = min(group_size, self.slots_per_shard)
+        if shared + live * own > self.pool_blocks - 1:
             raise ValueError(
                 f"the KV pool holds {self.pool_blocks - 1} blocks of {self.engine.block_size} slots per shard; one "
-                f"group ({min(group_size, self.slots_per_shard)} live siblings of a {max(len(p) for p in prompts)}-token "
-                f"prompt, {self.config.max_response_tokens} response tokens each) needs {need}: raise "
-                f"rollout.kv_pool_blocks or lower rollout.decode_slots / the lengths")
+                f"group ({live} live siblings of a {longest}-token prompt, {self.config.max_response_tokens} response "
+                f"tokens each) needs {shared} + {live} x {own} = {shared + live * own}: raise rollout.kv_pool_blocks "
+                f"or lower rollout.decode_slots / the lengths")
         self.prompts = [list(p) for p in prompts]
         self.group_size = group_size
         n = len(prompts) * group_size
@@ -325,19 +327,19 @@ class PagedEngine:
         if prefills:
             self._prefill(prefills)
         if forks:
-            copies = []
+            copies = [[] for _ in range(self.shards)]  # (src, dst) blocks per shard
             for s, j, row in forks:
                 slot, prompt = self.slots[s][j], self.on_shard[s][row // self.group_size]
                 if prompt.length % bs:
-                    copies.append((s, prompt.blocks[-1], slot.blocks[-1]))
-            m = _pow2(max(len(copies), 1))
-            copies += [(0, self.trash, self.trash)] * (m - len(copies))
+                    copies[s].append((prompt.blocks[-1], slot.blocks[-1]))
+            m = _pow2(max(len(c) for c in copies))
+            copies = np.array([c + [(self.trash, self.trash)] * (m - len(c)) for c in copies], np.int32)
             h = _pow2(len(forks))
             hid_dst = [s * self.slots_per_shard + j for s, j, _ in forks] + [len(self.hidden)] * (h - len(forks))
             vals = [self.on_shard[s][row // self.group_size].hidden for s, _, row in forks]
             vals += [vals[0]] * (h - len(forks))
-            sh, src, dst = (jnp.asarray(np.array(x, np.int32)) for x in zip(*copies))
-            self.kv, self.hidden = _fork(self.kv, self.hidden, sh, src, dst, jnp.asarray(np.array(hid_dst, np.int32)),
+            src, dst = self._put_rows(copies[..., 0], copies[..., 1])
+            self.kv, self.hidden = _fork(self.kv, self.hidden, src, dst, jnp.asarray(np.array(hid_dst, np.int32)),
                                          jnp.stack(vals))
 
     def _compact(self, per_shard: list[list]) -> tuple[int, list]:
@@ -425,8 +427,11 @@ class PagedEngine:
         script = self.forced_scripts[row]
         turn = self.turn_of[row]
         if turn < len(script):
-            ids = (tok_lib.encode(self.tokenizer, script[turn]) + [self.im_end])[: self.config.max_turn_tokens]
-            part = ids[offset: offset + steps]
+            key = (row, turn)
+            if key not in self._forced_ids:  # tokenised once per turn, not once per chunk
+                ids = tok_lib.encode(self.tokenizer, script[turn]) + [self.im_end]
+                self._forced_ids[key] = ids[: self.config.max_turn_tokens]
+            part = self._forced_ids[key][offset: offset + steps]
             out[: len(part)] = part
         return out
 
@@ -485,7 +490,8 @@ class PagedEngine:
         self.counters["decode_chunks"] += 1
         self.counters["decode_row_steps"] += int(live.sum()) * steps
         self.counters["decode_row_steps_computed"] += n * steps
-        self.counters["decode_slot_steps"] += self.shards * self.slots_per_shard * steps
+        # occupancy's denominator: the slots that could be busy (no more than there are episodes)
+        self.counters["decode_slot_steps"] += min(self.shards * self.slots_per_shard, self.rows) * steps
         self.counters["decoded_tokens"] += int(emitted.sum())
         in_use = max(self.pool_blocks - 1 - len(f) for f in self.free)
         self.counters["kv_blocks_in_use_peak"] = max(self.counters["kv_blocks_in_use_peak"], in_use)
