@@ -22,9 +22,10 @@ def experiment(c):
     c.data.source = c.data.eval_source = "ftrl"
     c.data.num_eval = 200  # held-out tasks evaluated every eval.every steps
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1  # fsdp over every device
-    # 4 prompts x 16 rollouts = 64 rows per rollout chunk: a bf16 KV cache of 64 x 23k slots is
-    # 27 GiB per device on fsdp=8 (all 512 rows at once would be 217 GiB).
-    c.rollout.prompts_per_chunk = 4
+    # The paged engine runs all 32 x 16 episodes through 128 decode slots, 16 per device, its
+    # bf16 KV pool sized for each slot at prompt + response length (10k + 13k): 50.5 GiB per
+    # device next to 17 GiB of resident trainer state (`--dry_run` prints the plan).
+    c.rollout.decode_slots = 128
     c.train.micro_batches = 64  # 8 trajectories per micro-batch: one per device
     c.train.teacher_micro_batches = 64
     c.train.logprob_chunk = 2048

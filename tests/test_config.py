@@ -130,7 +130,7 @@ TODAY_DEFAULT["rl"].update(norm_pool="turn_mean", uncovered_in_stats=True, stude
 
 # Keys where configs/qwen3_8b.py's experiment departs from base + its model layer: how the run
 # fits 8 x 80 GB devices and how it evaluates. Anything else would be a value from somewhere else.
-PAPER_EXPERIMENT_KEYS = {"name", "data.num_eval", "rollout.prompts_per_chunk",
+PAPER_EXPERIMENT_KEYS = {"name", "data.num_eval", "rollout.decode_slots",
                          "train.micro_batches", "train.teacher_micro_batches", "train.logprob_chunk"}
 SMALLER_BATCH_KEYS = {"train.prompts_per_step", "train.group_size", "train.micro_batches",
                       "train.teacher_micro_batches", "train.steps", "rollout.max_prompt_tokens",

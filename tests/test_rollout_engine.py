@@ -147,7 +147,7 @@ def test_pool_is_sharded_and_decode_stays_on_device(tok, env, model):
     with jax.set_mesh(mesh):
         got = rollout(eng, env, tasks, tokenizer=tok, group_size=G, config=rc)
     shards = eng.kv.k.addressable_shards
-    assert len(shards) == 8 and all(s.data.shape[1] == 1 for s in shards)  # 1 of 8 row shards per device
+    assert len(shards) == 8 and all(s.data.shape[0] == 1 for s in shards)  # 1 of 8 row shards per device
     assert shards[0].data.nbytes * 8 == eng.kv.k.nbytes
     ref = rollout(_engine(model, tok, rc, sampling, slots=16, block=8, scripts=scripts), env, tasks, tokenizer=tok,
                   group_size=G, config=rc)

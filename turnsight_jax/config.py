@@ -545,7 +545,16 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
             SamplingParams(temperature=c.temperature, top_k=int(c.top_k), top_p=float(c.top_p))
         except ValueError as e:
             raise ConfigError(f"{section}: {e}") from None
-    engine_config(cfg)
+    engine = engine_config(cfg)
+    if engine is not None and num_devices is not None:  # refuse before anything runs, with the numbers
+        from turnsight_jax.rollout.engine import check_pool
+
+        tensor = cfg.mesh.tensor if cfg.mesh.tensor > 0 else 1
+        try:
+            check_pool(engine, max(num_devices // tensor, 1), cfg.rollout.max_prompt_tokens,
+                       cfg.rollout.max_response_tokens, cfg.train.group_size)
+        except ValueError as e:
+            raise ConfigError(f"rollout: {e}") from None
     sc = step_config(cfg)
     sc.validate(cfg.train.prompts_per_step * cfg.train.group_size)
     method = resolve_method(sc)

@@ -1,6 +1,6 @@
 """A paged KV cache, split into row shards, and the Qwen3 forward pass that reads and writes it.
 
-The pool is [L, S, NB, BS, Hkv, Dh]: S row shards (one per data x fsdp device; 1 on one device),
+The pool is [S, L, NB, BS, Hkv, Dh]: S row shards (one per data x fsdp device; 1 on one device),
 each with NB blocks of BS slots. A sequence lives in one shard and owns a *block table*: the
 ids of its blocks, in order, inside its shard. Slot p of the sequence is slot p % BS of block
 table[p // BS]. Block NB - 1 of every shard is the *trash block*: padding tokens and table
@@ -28,14 +28,15 @@ from turnsight_jax.models.sharding import BATCH, fit_spec
 
 @struct.dataclass
 class PagedKV:
-    """Keys and values of every layer: k, v [L, S, NB, BS, Hkv, Dh]."""
+    """Keys and values of every layer: k, v [S, L, NB, BS, Hkv, Dh] (the shard axis leads: vmapping
+    the block reads/writes over it needs no transpose of the pool)."""
 
     k: jax.Array
     v: jax.Array
 
     @property
     def shards(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[0]
 
     @property
     def blocks(self) -> int:
@@ -54,12 +55,12 @@ class PagedKV:
 
 
 def pool_shape(cfg: Qwen3Config, shards: int, blocks: int, block_size: int) -> tuple[int, ...]:
-    return (cfg.num_layers, shards, blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return (shards, cfg.num_layers, blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
 
 
 def pool_spec(shape, mesh: Mesh | None) -> P:
     """Shards over (data, fsdp), KV heads over tensor (where they divide)."""
-    spec = P(None, BATCH, None, None, "tensor", None)
+    spec = P(BATCH, None, None, None, "tensor", None)
     return spec if mesh is None else fit_spec(spec, shape, mesh)
 
 
@@ -111,12 +112,12 @@ def paged_extend(model, tokens: jax.Array, num_new: jax.Array, start: jax.Array,
     # Reads and writes are vmapped over the shard axis: batched gathers/scatters whose batch
     # dimension is the pool's sharded one, which the partitioner keeps on each device (indexing
     # the shard axis with an index array instead made it all-reduce the gathered window).
-    def write(pool, i, new):  # pool [L, NB, BS, H, Dh] of one shard; new [per, N, H, Dh]
-        return jax.vmap(lambda p, b, w, x: p.at[i, b, w].set(x), in_axes=(1, 0, 0, 0), out_axes=1)(
+    def write(pool, i, new):  # per shard: pool [L, NB, BS, H, Dh], new [per, N, H, Dh]
+        return jax.vmap(lambda p, b, w, x: p.at[i, b, w].set(x))(
             pool, blk_s, within_s, new)
 
     def read(pool, i):  # -> [R, W * BS, H, Dh]
-        got = jax.vmap(lambda p, t: p[i, t], in_axes=(1, 0))(pool, window_s)  # [S, per, W, BS, H, Dh]
+        got = jax.vmap(lambda p, t: p[i, t])(pool, window_s)  # [S, per, W, BS, H, Dh]
         return got.reshape(r, window_blocks * bs, cfg.num_kv_heads, cfg.head_dim)
 
     def layer(carry, p):

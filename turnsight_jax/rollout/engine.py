@@ -75,6 +75,20 @@ def blocks_per_episode(prompt_len: int, max_response: int, block_size: int) -> t
     return shared, own
 
 
+def check_pool(engine: EngineConfig, shards: int, prompt_len: int, max_response: int, group_size: int) -> None:
+    """ValueError, with the numbers, when a shard's pool cannot hold one group at these lengths:
+    the prompt's blocks plus min(G, slots per shard) siblings at full length."""
+    per_shard = -(-engine.slots // shards)
+    blocks = engine.pool_blocks or default_pool_blocks(per_shard, prompt_len, max_response, engine.block_size)
+    shared, own = blocks_per_episode(prompt_len, max_response, engine.block_size)
+    live = min(group_size, per_shard)
+    if shared + live * own > blocks - 1:
+        raise ValueError(
+            f"the KV pool holds {blocks - 1} blocks of {engine.block_size} slots per shard; one group ({live} live "
+            f"siblings of a {prompt_len}-token prompt, {max_response} response tokens each) needs {shared} + {live} x "
+            f"{own} = {shared + live * own}: raise rollout.kv_pool_blocks or lower rollout.decode_slots / the lengths")
+
+
 def default_pool_blocks(slots_per_shard: int, max_prompt: int, max_response: int, block_size: int) -> int:
     """Blocks per shard for every slot at full length with no sharing, plus the trash block."""
     shared, own = blocks_per_episode(max_prompt, max_response, block_size)
@@ -100,7 +114,7 @@ def _extend_rows(graphdef, state, kv: PagedKV, hidden, tokens, num_new, start, t
 def _fork(kv: PagedKV, hidden, src, dst, hid_dst, hid_val):
     """Copy block src[s, i] to dst[s, i] in every shard s (all layers; vmapped over the shard axis,
     so each device copies its own) and set hidden[hid_dst[j]] = hid_val[j]."""
-    copy = jax.vmap(lambda p, a, b: p.at[:, b].set(p[:, a]), in_axes=(1, 0, 0), out_axes=1)
+    copy = jax.vmap(lambda p, a, b: p.at[:, b].set(p[:, a]))
     return PagedKV(copy(kv.k, src, dst), copy(kv.v, src, dst)), hidden.at[hid_dst].set(
         hid_val.astype(hidden.dtype), mode="drop")
 
@@ -222,15 +236,8 @@ class PagedEngine:
             if len(p) > self.config.max_prompt_tokens:
                 raise ValueError(f"prompt of {len(p)} tokens over rollout.max_prompt_tokens="
                                  f"{self.config.max_prompt_tokens}")
-        longest = max(len(p) for p in prompts)
-        shared, own = blocks_per_episode(longest, self.config.max_response_tokens, self.engine.block_size)
-        live = min(group_size, self.slots_per_shard)
-        if shared + live * own > self.pool_blocks - 1:
-            raise ValueError(
-                f"the KV pool holds {self.pool_blocks - 1} blocks of {self.engine.block_size} slots per shard; one "
-                f"group ({live} live siblings of a {longest}-token prompt, {self.config.max_response_tokens} response "
-                f"tokens each) needs {shared} + {live} x {own} = {shared + live * own}: raise rollout.kv_pool_blocks "
-                f"or lower rollout.decode_slots / the lengths")
+        check_pool(dataclasses.replace(self.engine, pool_blocks=self.pool_blocks), self.shards,
+                   max(len(p) for p in prompts), self.config.max_response_tokens, group_size)
         self.prompts = [list(p) for p in prompts]
         self.group_size = group_size
         n = len(prompts) * group_size
