@@ -393,9 +393,10 @@ def rollout(
     group_offset + r // group_size. `progress` (optional) receives a `RolloutProgress` after
     every `generate` and a final one with done=True (it throttles its own output).
 
-    The tool calls of the turns one `generate` returns run in a worker thread while the next
-    `generate` decodes the other rows; their observations are appended after it, so what runs
-    when depends only on the episodes, never on timing."""
+    With a continuous backend (`continuous = True`: the paged engine) the tool calls of the turns
+    one `generate` returns run in a worker thread while the next `generate` decodes the other rows;
+    their observations are appended after it, so what runs when depends only on the episodes, never
+    on timing. A lockstep backend steps the tools right after its turns, as a turn loop does."""
     t_start = time.perf_counter()
     ids = tok_lib.special_ids(tokenizer)
     prompts = []
@@ -415,6 +416,7 @@ def rollout(
         for r in range(n)
     ]
     backend = as_backend(policy, config)
+    overlap = getattr(backend, "continuous", False)  # tool calls run while other rows decode
     vec = VectorEnv(env)
     tools = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-tools")
     tool_s = [0.0]
@@ -506,6 +508,9 @@ def rollout(
                 calls_per_row[r] = list(parsed.calls)
             if any(c is not None for c in calls_per_row):
                 pending = (tools.submit(timed_step, calls_per_row), calls_per_row)
+                if not overlap:  # a lockstep backend has nothing to decode meanwhile
+                    resolve(*pending)
+                    pending = None
             if progress is not None:
                 progress(RolloutProgress(n - len(live), n, int(turn_of.max()), generated,
                                          time.perf_counter() - t_start))

@@ -531,6 +531,7 @@ class PagedEngine:
         return [self._put(jnp.asarray(a)) for a in arrays]
 
     compilations = staticmethod(compilations)
+    continuous = True  # the driver overlaps tool calls with decoding (rollout.driver.rollout)
 
     def stats(self) -> dict[str, float]:
         """Counters of this engine's work: prefill/append tokens (real, computed with padding),
