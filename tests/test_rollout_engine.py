@@ -15,6 +15,7 @@ from flax import nnx
 from turnsight_jax.envs.ftrl import FTRLEnv
 from turnsight_jax.envs.synthetic import SyntheticConfig, generate_task, gold_turn_texts
 from turnsight_jax.models.config import Qwen3Config
+from turnsight_jax.models.paged_cache import LiveBlocks, live_blocks
 from turnsight_jax.models.qwen3 import init_model
 from turnsight_jax.models.sharding import make_mesh, state_shardings
 from turnsight_jax.rl.logprobs import student_logprobs
@@ -153,13 +154,15 @@ def test_pool_is_sharded_and_decode_stays_on_device(tok, env, model):
                   group_size=G, config=rc)
     _same(ref, got)
 
-    n, steps, w = 16, 4, 8
+    n, steps, size = 16, 4, 24  # 2 rows per shard, 24 listed blocks per shard
     rows = eng._put_rows(np.zeros((n, eng.table_width), np.int32), np.zeros(n, np.int32), np.ones(n, np.int32))
+    listed = live_blocks([[0, 1, 2]] * n, n // 8, eng.trash, 8, size)
+    live = LiveBlocks(**{k: eng._put(jnp.asarray(v)) for k, v in listed.items()})
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.key(0), jnp.arange(n))
     with jax.set_mesh(mesh):
-        hlo = E._decode.lower(graphdef, eng.state, eng.kv, eng._put(jnp.zeros((n, TINY.hidden_size))), *rows, keys,
-                              *eng._put_rows(np.zeros(n, np.int32)), eng.stop_ids,
-                              *eng._put_rows(np.full((n, steps), -1, np.int32)), steps=steps, window_blocks=w,
+        hlo = E._decode.lower(graphdef, eng.state, eng.kv, eng._put(jnp.zeros((n, TINY.hidden_size))), rows[0], live,
+                              *rows[1:], keys, *eng._put_rows(np.zeros(n, np.int32)), eng.stop_ids,
+                              *eng._put_rows(np.full((n, steps), -1, np.int32)), steps=steps,
                               params=sampling).compile().as_text()
     collectives = re.findall(r"= (\(?[a-z0-9]+\[[0-9,]*\][^=]*?) (?:all-gather|all-reduce|all-to-all|"
                              r"collective-permute|reduce-scatter)(?:-start)?\(", hlo)
@@ -168,4 +171,4 @@ def test_pool_is_sharded_and_decode_stays_on_device(tok, env, model):
         dims = [tuple(int(x) for x in d.split(",") if x) for d in re.findall(r"\[([0-9,]*)\]", shape)]
         for d in dims:
             assert eng.pool_blocks not in d, f"a collective on the KV pool: {shape}"
-            assert (w, 8) not in list(zip(d, d[1:])), f"a collective on the gathered KV window: {shape}"
+            assert size not in d and size * 8 not in d, f"a collective on the gathered live blocks: {shape}"

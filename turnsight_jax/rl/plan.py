@@ -115,7 +115,8 @@ def _per_device_bytes(tree) -> int:
 def rollout_plan(cfg: mlc.ConfigDict) -> dict:
     """Per-device memory while the paged engine decodes, printed as a table and one line."""
     from turnsight_jax.config import engine_config, rollout_config
-    from turnsight_jax.models.paged_cache import PagedKV, bytes_per_token, pool_shape, pool_spec
+    from turnsight_jax.models.paged_cache import (LiveBlocks, PagedKV, bytes_per_token, pool_shape, pool_spec,
+                                                  storage_dtype)
     from turnsight_jax.rollout import engine as eng_lib
     from turnsight_jax.rollout.sampler import SamplingParams
 
@@ -139,21 +140,25 @@ def rollout_plan(cfg: mlc.ConfigDict) -> dict:
                                                              ecfg.block_size)
     shape = pool_shape(qcfg, shards, blocks, ecfg.block_size)
     kv_sharding = NamedSharding(mesh, pool_spec(shape, mesh))
-    kv = PagedKV(*(jax.ShapeDtypeStruct(shape, cdtype, sharding=kv_sharding) for _ in range(2)))
+    kv = PagedKV(*(jax.ShapeDtypeStruct(shape, storage_dtype(cdtype), sharding=kv_sharding) for _ in range(2)),
+                 jnp.dtype(cdtype).name)
     rows = shards * per_shard
     table_width = eng_lib._pow2(-(-(rc.max_prompt_tokens + rc.max_response_tokens) // ecfg.block_size) + 1)
-    window = table_width  # the widest program: a row at the longest context
+    listed = per_shard * (-(-(rc.max_prompt_tokens + rc.max_response_tokens) // ecfg.block_size))
     row = lambda shp, dt: jax.ShapeDtypeStruct(shp, dt, sharding=NamedSharding(  # noqa: E731
         mesh, P(("data", "fsdp"), *([None] * (len(shp) - 1)))))
     i32 = jnp.int32
+    # the widest program: every slot decoding at the longest context reads every listed block
+    live = LiveBlocks(row((shards, listed), i32), row((shards, listed), i32), row((shards, listed), i32),
+                      row((shards, per_shard), i32))
     steps = ecfg.decode_chunk
     keys = jax.eval_shape(lambda: jax.vmap(jax.random.key)(jnp.zeros((rows,), jnp.uint32)))
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = eng_lib._decode.lower(
-            graphdef, decode, kv, row((rows, qcfg.hidden_size), cdtype), row((rows, table_width), i32), row((rows,), i32),
-            row((rows,), i32), keys, row((rows,), i32), jax.ShapeDtypeStruct((2,), i32), row((rows, steps), i32),
-            steps=steps, window_blocks=window, params=SamplingParams()).compile()
+            graphdef, decode, kv, row((rows, qcfg.hidden_size), cdtype), row((rows, table_width), i32), live,
+            row((rows,), i32), row((rows,), i32), keys, row((rows,), i32), jax.ShapeDtypeStruct((2,), i32),
+            row((rows, steps), i32), steps=steps, params=SamplingParams()).compile()
     secs = time.perf_counter() - t0
     temps = compiled.memory_analysis().temp_size_in_bytes
     gib = 1024**3

@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from turnsight_jax.chat import tokenizer as tok_lib
-from turnsight_jax.models.paged_cache import PagedKV, bytes_per_token, empty_pool, paged_extend
+from turnsight_jax.models.paged_cache import LiveBlocks, PagedKV, bytes_per_token, empty_pool, live_blocks, paged_extend
 from turnsight_jax.models.sharding import BATCH, fit_spec
 from turnsight_jax.rollout.sampler import SamplingParams, sample_rows
 
@@ -44,6 +44,14 @@ _FREE, _DECODE, _WAIT = 0, 1, 2
 
 def _pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, int(n - 1).bit_length()))
+
+
+def _quarter_pow2(n: int, minimum: int = 8) -> int:
+    """n rounded up to a multiple of a quarter of its power of two (4 sizes per octave: at most 25%
+    padding, a bounded number of compiled shapes)."""
+    n = max(n, minimum)
+    step = max(1, _pow2(n) // 8)
+    return -(-n // step) * step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,16 +123,16 @@ def _fork(kv: PagedKV, hidden, src, dst, hid_dst, hid_val):
     """Copy block src[s, i] to dst[s, i] in every shard s (all layers; vmapped over the shard axis,
     so each device copies its own) and set hidden[hid_dst[j]] = hid_val[j]."""
     copy = jax.vmap(lambda p, a, b: p.at[:, b].set(p[:, a]))
-    return PagedKV(copy(kv.k, src, dst), copy(kv.v, src, dst)), hidden.at[hid_dst].set(
+    return kv.replace(k=copy(kv.k, src, dst), v=copy(kv.v, src, dst)), hidden.at[hid_dst].set(
         hid_val.astype(hidden.dtype), mode="drop")
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("steps", "window_blocks", "params"),
-                   donate_argnames=("kv",))
-def _decode(graphdef, state, kv: PagedKV, hidden, tables, lengths, budget, keys, counts, stop_ids, forced, *,
-            steps: int, window_blocks: int, params: SamplingParams):
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("steps", "params"), donate_argnames=("kv",))
+def _decode(graphdef, state, kv: PagedKV, hidden, tables, live: LiveBlocks, lengths, budget, keys, counts, stop_ids,
+            forced, *, steps: int, params: SamplingParams):
     """Up to `steps` tokens for compact rows. hidden [R', D] after each row's last token; tables
-    [R', MB]; lengths [R'] filled slots; budget [R'] tokens the row may emit (0: padding row);
+    [R', MB]; live: the rows' blocks up to their length after the chunk (attention reads only
+    those); lengths [R'] filled slots; budget [R'] tokens the row may emit (0: padding row);
     keys [R'] the episodes' keys, counts [R'] tokens they sampled before; forced [R', steps]
     tokens replacing the draw (-1: draw). Returns (tokens, logprobs [R', steps], emitted [R'],
     stopped [R'], kv, hidden)."""
@@ -139,21 +147,15 @@ def _decode(graphdef, state, kv: PagedKV, hidden, tables, lengths, budget, keys,
         step, done, stopped, emitted, out_tok, out_lp, kv, hid, lengths = c
         logits = jnp.einsum("bd,dv->bv", hid, w.astype(hid.dtype), preferred_element_type=jnp.float32)
         row_keys = jax.vmap(jax.random.fold_in)(keys, counts + emitted)
-        tok, lp = sample_rows(logits, row_keys, params)
-        f = forced[:, step]
-        scale = 1.0 if params.greedy else params.temperature
-        forced_lp = jnp.take_along_axis(jax.nn.log_softmax(logits / scale, -1), jnp.maximum(f, 0)[:, None], -1)[:, 0]
-        lp = jnp.where(f >= 0, forced_lp, lp)
-        tok = jnp.where(f >= 0, f, tok)
-        live = ~done
-        out_tok = out_tok.at[:, step].set(jnp.where(live, tok, 0))
-        out_lp = out_lp.at[:, step].set(jnp.where(live, lp, 0.0))
-        h, kv = paged_extend(model, tok[:, None], live.astype(jnp.int32), lengths, tables, kv,
-                             window_blocks=window_blocks)
-        hid = jnp.where(live[:, None], h[:, 0].astype(hid.dtype), hid)
-        is_stop = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1) & live
-        emitted = emitted + live.astype(jnp.int32)
-        lengths = lengths + live.astype(jnp.int32)
+        tok, lp = sample_rows(logits, row_keys, params, forced[:, step])
+        run = ~done
+        out_tok = out_tok.at[:, step].set(jnp.where(run, tok, 0))
+        out_lp = out_lp.at[:, step].set(jnp.where(run, lp, 0.0))
+        h, kv = paged_extend(model, tok[:, None], run.astype(jnp.int32), lengths, tables, kv, live=live)
+        hid = jnp.where(run[:, None], h[:, 0].astype(hid.dtype), hid)
+        is_stop = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1) & run
+        emitted = emitted + run.astype(jnp.int32)
+        lengths = lengths + run.astype(jnp.int32)
         return (step + 1, done | is_stop | (emitted >= budget), stopped | is_stop, emitted, out_tok, out_lp, kv, hid,
                 lengths)
 
@@ -466,7 +468,6 @@ class PagedEngine:
         forced = np.full((n, steps), -1, np.int32)
         row_ids = np.zeros(n, np.int32)
         src = np.full(n, 0, np.int32)
-        end = 1
         for i, it in enumerate(rows):
             if it is None:
                 continue
@@ -479,15 +480,22 @@ class PagedEngine:
             row_ids[i] = slot.row
             src[i] = s * self.slots_per_shard + j
             forced[i] = self._forced(slot.row, len(slot.turn_ids), steps)
-            end = max(end, slot.length + min(steps, left))
-        window = min(self.table_width, _pow2(-(-end // self.engine.block_size), 4))
+        per = n // self.shards
+        listed = [[] if it is None else
+                  self.slots[it[0]][it[1]].blocks[: -(-int(lengths[i] + min(steps, budget[i])) // self.engine.block_size)]
+                  for i, it in enumerate(rows)]
+        size = _quarter_pow2(max(sum(len(b) for b in listed[s * per:(s + 1) * per]) for s in range(self.shards)))
+        self.counters["decode_blocks_listed"] += sum(len(b) for b in listed) * steps
+        self.counters["decode_blocks_computed"] += size * self.shards * steps
+        live_np = live_blocks(listed, per, self.trash, self.engine.block_size, size)
+        live_blocks_arg = LiveBlocks(**{k: self._put(jnp.asarray(v)) for k, v in live_np.items()})
         keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(self.base_key, jnp.asarray(row_ids))
         t0 = time.perf_counter()
         hid_in = self.hidden[jnp.asarray(src)]
         out_tok, out_lp, emitted, stopped, self.kv, hid = _decode(
-            self.graphdef, self.state, self.kv, hid_in, *self._put_rows(tables, lengths, budget), keys,
-            *self._put_rows(counts), self.stop_ids, *self._put_rows(forced), steps=steps, window_blocks=window,
-            params=self.sampling)
+            self.graphdef, self.state, self.kv, hid_in, *self._put_rows(tables), live_blocks_arg,
+            *self._put_rows(lengths, budget), keys, *self._put_rows(counts), self.stop_ids, *self._put_rows(forced),
+            steps=steps, params=self.sampling)
         live = np.array([it is not None for it in rows])
         dst = np.where(live, src, len(self.hidden)).astype(np.int32)
         self.hidden = self.hidden.at[jnp.asarray(dst)].set(hid, mode="drop")

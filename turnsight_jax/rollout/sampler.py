@@ -109,30 +109,40 @@ def _inverse_cdf(scaled: jax.Array, u01: jax.Array) -> tuple[jax.Array, jax.Arra
     return (blk * _BLOCK + j).astype(jnp.int32), top[:, 0] + jnp.log(total)
 
 
-def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
-    """Draw one token per row. logits [B, V] float32 -> (tokens [B] int32, logprobs [B] f32)."""
+def sample(logits: jax.Array, key: jax.Array, params: SamplingParams, forced: jax.Array | None = None
+           ) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row. logits [B, V] float32 -> (tokens [B] int32, logprobs [B] f32);
+    forced [B] int32 optional: tokens that replace the draw where >= 0 (see `sample_uniform`)."""
     u01 = None if params.greedy else jax.random.uniform(key, (logits.shape[0],), jnp.float32)
-    return sample_uniform(logits, u01, params)
+    return sample_uniform(logits, u01, params, forced)
 
 
-def sample_rows(logits: jax.Array, keys: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
+def sample_rows(logits: jax.Array, keys: jax.Array, params: SamplingParams, forced: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
     """`sample` with one key per row (keys [B]): a row's draw depends on its own key only, not on
     which other rows share the batch (the paged engine's determinism)."""
     u01 = None if params.greedy else jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
-    return sample_uniform(logits, u01, params)
+    return sample_uniform(logits, u01, params, forced)
 
 
-def sample_uniform(logits: jax.Array, u01: jax.Array | None, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
-    """`sample` given the row uniforms u01 [B] (None when greedy)."""
+def sample_uniform(logits: jax.Array, u01: jax.Array | None, params: SamplingParams,
+                   forced: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """`sample` given the row uniforms u01 [B] (None when greedy). forced [B] int32 (-1: keep the
+    draw) replaces drawn tokens; the log-prob returned is always the model's (tempered,
+    untruncated) log-prob of the token returned. One log-sum-exp per row serves the draw and the
+    log-prob, forced or not (a second pass over V costs as much as the head matmul on CPU)."""
     if params.greedy:
+        scaled = logits
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         lse = jax.nn.logsumexp(logits, axis=-1)
-        return tokens, jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
-    scaled = logits / params.temperature
-    truncated = params.top_k > 0 or params.top_p < 1.0
-    tokens, lse = _inverse_cdf(truncated_logits(logits, params) if truncated else scaled, u01)
-    if truncated:  # log-probs are of the untruncated tempered distribution (module docstring)
-        lse = jax.nn.logsumexp(scaled, axis=-1)
+    else:
+        scaled = logits / params.temperature
+        truncated = params.top_k > 0 or params.top_p < 1.0
+        tokens, lse = _inverse_cdf(truncated_logits(logits, params) if truncated else scaled, u01)
+        if truncated:  # log-probs are of the untruncated tempered distribution (module docstring)
+            lse = jax.nn.logsumexp(scaled, axis=-1)
+    if forced is not None:
+        tokens = jnp.where(forced >= 0, forced, tokens).astype(jnp.int32)
     return tokens, jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - lse
 
 
@@ -191,12 +201,7 @@ def decode_turn(graphdef, state, cache: KVCache, last_hidden, key, max_new: int,
         step, done, stopped, count, out_tok, out_lp, cache, hidden, key = c
         key, sub = jax.random.split(key)
         logits = jnp.einsum("bd,dv->bv", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
-        tok, lp = sample(logits, sub, params)
-        if forced is not None:
-            f = forced[:, step]
-            tok = jnp.where(f >= 0, f, tok)
-            scale = 1.0 if params.greedy else params.temperature
-            lp = jnp.take_along_axis(jax.nn.log_softmax(logits / scale, -1), tok[:, None], -1)[:, 0]
+        tok, lp = sample(logits, sub, params, None if forced is None else forced[:, step])
         live = ~done
         out_tok = out_tok.at[:, step].set(jnp.where(live, tok, 0))
         out_lp = out_lp.at[:, step].set(jnp.where(live, lp, 0.0))
