@@ -164,16 +164,19 @@ def ragged_decode_attention(q: jax.Array, k_blocks: jax.Array, v_blocks: jax.Arr
     r, hq, dh = q.shape
     _, hkv, bs, _ = k_blocks.shape
     qg = q.reshape(r, hkv, hq // hkv, dh)[row]  # [P, Hkv, G, Dh]
-    scores = jnp.einsum("pkgd,pksd->pkgs", qg, k_blocks.astype(q.dtype),
-                        preferred_element_type=jnp.float32) * dh**-0.5
+    # Operand orders chosen for XLA's CPU dot (the block is the matmul's row-major lhs) and a
+    # fused multiply-reduce for the tiny per-block (G x BS) x (BS x Dh) products: written as
+    # batched matmuls both ran 2-3x slower on CPU.
+    scores = jnp.einsum("pksd,pkgd->pksg", k_blocks.astype(q.dtype), qg,
+                        preferred_element_type=jnp.float32) * dh**-0.5  # [P, Hkv, BS, G]
     slots = first[:, None] + jnp.arange(bs, dtype=jnp.int32)[None, :]  # [P, BS]
     readable = slots <= q_slot[row][:, None]
-    scores = jnp.where(readable[:, None, None, :], scores, _MASKED)
-    top = jax.ops.segment_max(jnp.max(scores, axis=-1), row, r, indices_are_sorted=True)  # [R, Hkv, G]
-    e = jnp.exp(scores - top[row][..., None])
-    total = jax.ops.segment_sum(jnp.sum(e, axis=-1), row, r, indices_are_sorted=True)
-    out = jax.ops.segment_sum(jnp.einsum("pkgs,pksd->pkgd", e.astype(q.dtype), v_blocks.astype(q.dtype),
-                                         preferred_element_type=jnp.float32), row, r, indices_are_sorted=True)
+    scores = jnp.where(readable[:, None, :, None], scores, _MASKED)
+    top = jax.ops.segment_max(jnp.max(scores, axis=2), row, r, indices_are_sorted=True)  # [R, Hkv, G]
+    e = jnp.exp(scores - top[row][:, :, None, :])
+    total = jax.ops.segment_sum(jnp.sum(e, axis=2), row, r, indices_are_sorted=True)
+    per_block = jnp.sum(e[..., None] * v_blocks.astype(jnp.float32)[:, :, :, None, :], axis=2)  # [P, Hkv, G, Dh]
+    out = jax.ops.segment_sum(per_block, row, r, indices_are_sorted=True)
     return (out / total[..., None]).reshape(r, hq, dh).astype(q.dtype)
 
 

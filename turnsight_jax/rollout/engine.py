@@ -351,9 +351,11 @@ class PagedEngine:
             self.kv, self.hidden = _fork(self.kv, self.hidden, src, dst, jnp.asarray(np.array(hid_dst, np.int32)),
                                          jnp.stack(vals))
 
-    def _compact(self, per_shard: list[list]) -> tuple[int, list]:
-        """Rows per shard (a power of two) and the shard-major row list with None padding."""
-        width = _pow2(max(len(x) for x in per_shard))
+    def _compact(self, per_shard: list[list], fine: bool = False) -> tuple[int, list]:
+        """Rows per shard (a power of two; fine: a quarter-power-of-two step above 4, for the decode
+        whose cost is per row) and the shard-major row list with None padding."""
+        most = max(len(x) for x in per_shard)
+        width = _quarter_pow2(most, 1) if fine and most > 4 else _pow2(most)
         rows = []
         for x in per_shard:
             rows.extend(x + [None] * (width - len(x)))
@@ -459,7 +461,7 @@ class PagedEngine:
         per_shard = [[x for x in xs if self.slots[x[0]][x[1]].state == _DECODE] for xs in per_shard]
         if not any(per_shard):
             return done
-        _, rows = self._compact(per_shard)
+        _, rows = self._compact(per_shard, fine=True)
         n = len(rows)
         tables = np.full((n, self.table_width), self.trash, np.int32)
         lengths = np.zeros(n, np.int32)
