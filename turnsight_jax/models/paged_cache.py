@@ -15,7 +15,7 @@ each listed block against its row's query and normalises per row with segment re
 step reads sum(row lengths) slots instead of rows x the longest row (`ragged_decode_attention`).
 Prefills and observation appends attend over a dense window of the first W blocks per row.
 Under a mesh the pool is sharded over its S axis (and KV heads over `tensor`) and the rows over
-(data, fsdp), so every block read and write stays on its device (tests/test_paged_cache.py scans
+(data, fsdp), so every block read and write stays on its device (tests/test_rollout_engine.py scans
 the compiled program for collectives on the pool).
 """
 
