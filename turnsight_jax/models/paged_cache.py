@@ -154,29 +154,43 @@ def live_blocks(tables: list[list[int]], per: int, trash: int, block_size: int, 
 
 
 def ragged_decode_attention(q: jax.Array, k_blocks: jax.Array, v_blocks: jax.Array, row: jax.Array, first: jax.Array,
-                            q_slot: jax.Array) -> jax.Array:
+                            q_slot: jax.Array, k_new: jax.Array | None = None, v_new: jax.Array | None = None
+                            ) -> jax.Array:
     """One query per row against that row's listed blocks (one shard).
 
     q [R, Hq, Dh]; k_blocks, v_blocks [P, Hkv, BS, Dh] (entry p belongs to row[p], its slots are
-    first[p] + 0 .. BS - 1); q_slot [R] the query's slot (it reads slots <= q_slot). Scores and
-    the per-row softmax in float32 (segment max / sum over the row's entries). Returns
-    [R, Hq, Dh] in q's dtype. Equals `cache_attention` over the row's dense window."""
+    first[p] + 0 .. BS - 1); q_slot [R] the query's slot (it reads slots <= q_slot). k_new, v_new
+    [R, Hkv, Dh] optional: the query's own key and value, not yet in the blocks (their slot
+    q_slot is then read from these, not from the blocks). Scores and the per-row softmax in
+    float32 (segment max / sum over the row's entries). Returns [R, Hq, Dh] in q's dtype. Equals
+    `cache_attention` over the row's dense window."""
     r, hq, dh = q.shape
     _, hkv, bs, _ = k_blocks.shape
-    qg = q.reshape(r, hkv, hq // hkv, dh)[row]  # [P, Hkv, G, Dh]
+    g = hq // hkv
+    scale = dh**-0.5
+    qr = q.reshape(r, hkv, g, dh)
+    qg = qr[row]  # [P, Hkv, G, Dh]
     # Operand orders chosen for XLA's CPU dot (the block is the matmul's row-major lhs) and a
     # fused multiply-reduce for the tiny per-block (G x BS) x (BS x Dh) products: written as
     # batched matmuls both ran 2-3x slower on CPU.
     scores = jnp.einsum("pksd,pkgd->pksg", k_blocks.astype(q.dtype), qg,
-                        preferred_element_type=jnp.float32) * dh**-0.5  # [P, Hkv, BS, G]
+                        preferred_element_type=jnp.float32) * scale  # [P, Hkv, BS, G]
     slots = first[:, None] + jnp.arange(bs, dtype=jnp.int32)[None, :]  # [P, BS]
-    readable = slots <= q_slot[row][:, None]
+    own = k_new is not None
+    readable = (slots < q_slot[row][:, None]) if own else (slots <= q_slot[row][:, None])
     scores = jnp.where(readable[:, None, :, None], scores, _MASKED)
     top = jax.ops.segment_max(jnp.max(scores, axis=2), row, r, indices_are_sorted=True)  # [R, Hkv, G]
+    if own:
+        self_score = jnp.einsum("rkgd,rkd->rkg", qr, k_new.astype(q.dtype), preferred_element_type=jnp.float32) * scale
+        top = jnp.maximum(top, self_score)
     e = jnp.exp(scores - top[row][:, :, None, :])
     total = jax.ops.segment_sum(jnp.sum(e, axis=2), row, r, indices_are_sorted=True)
     per_block = jnp.sum(e[..., None] * v_blocks.astype(jnp.float32)[:, :, :, None, :], axis=2)  # [P, Hkv, G, Dh]
     out = jax.ops.segment_sum(per_block, row, r, indices_are_sorted=True)
+    if own:
+        e_self = jnp.exp(self_score - top)
+        total = total + e_self
+        out = out + e_self[..., None] * v_new.astype(jnp.float32)[:, :, None, :]
     return (out / total[..., None]).reshape(r, hq, dh).astype(q.dtype)
 
 
@@ -240,18 +254,14 @@ def paged_extend(model, tokens: jax.Array, num_new: jax.Array, start: jax.Array,
             return cache_attention(q, k_win.astype(q.dtype), v_win.astype(q.dtype), query_slots, q_chunk=chunk,
                                    from_empty=from_empty)
     else:
-        # the entry holding each row's new token; padding rows (and rows listed without blocks) drop it
-        entry_s = by_shard(jnp.where(valid[:, 0], pos[:, 0] // bs + live.row_start.reshape(r), live.block.shape[1]))
         q_slot_s = by_shard(query_slots[:, 0])
 
         def attend(pool_k, pool_v, i, q, k, v):
-            def blocks(pool, new):  # [S, P, Hkv, BS, Dh] with each row's new token in place
-                got = gather(pool, i, live.block)
-                return jax.vmap(lambda g, e, w, x: g.at[e, :, w].set(x, mode="drop"))(
-                    got, entry_s, within_s[:, :, 0], by_shard(new[:, 0]))
-
-            out = jax.vmap(ragged_decode_attention)(by_shard(q[:, 0]), blocks(pool_k, k), blocks(pool_v, v), live.row,
-                                                    live.first, q_slot_s)
+            # the new token's own key/value join the softmax directly (no scatter into the
+            # gathered blocks, whose copy of that slot is stale until the write after the scan)
+            out = jax.vmap(ragged_decode_attention)(
+                by_shard(q[:, 0]), gather(pool_k, i, live.block), gather(pool_v, i, live.block), live.row, live.first,
+                q_slot_s, by_shard(k[:, 0]), by_shard(v[:, 0]))
             return out.reshape(r, 1, cfg.num_heads, cfg.head_dim)
 
     def layer(carry, p):
