@@ -90,6 +90,7 @@ def main():
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--turn-tokens", type=int, default=160)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1, help="warm runs per backend (the median is reported)")
     args = ap.parse_args()
     dt = jnp.dtype(args.dtype)
     cfg = get_preset(args.preset) if args.preset else small_model(args.model)
@@ -114,17 +115,21 @@ def main():
                            engine=EngineConfig(slots=args.slots or rows, block_size=args.block,
                                                decode_chunk=args.chunk), forced_scripts=scripts)
 
-    results = {}
-    for name, make in (("paged engine", paged), ("lockstep (ModelPolicy)", lockstep)):
+    makers = {"paged engine": paged, "lockstep (ModelPolicy)": lockstep}
+    firsts, walls, results = {}, {n: [] for n in makers}, {}
+    for name, make in makers.items():  # first runs compile
         t0 = time.perf_counter()
-        rollout(make(), env, tasks, tokenizer=tok, group_size=args.group, config=rc)  # compiles
-        first = time.perf_counter() - t0
-        print(f"{name}: first run (compiles) {first:.1f} s", flush=True)
-        policy = make()
-        t0 = time.perf_counter()
-        res = rollout(policy, env, tasks, tokenizer=tok, group_size=args.group, config=rc)
-        results[name] = (time.perf_counter() - t0, first, res, policy)
-        print(f"{name}: {results[name][0]:.1f} s warm, {first:.1f} s first run", flush=True)
+        rollout(make(), env, tasks, tokenizer=tok, group_size=args.group, config=rc)
+        firsts[name] = time.perf_counter() - t0
+        print(f"{name}: first run (compiles) {firsts[name]:.1f} s", flush=True)
+    for rep in range(args.repeats):  # warm runs alternate, so machine noise hits both alike
+        for name, make in makers.items():
+            policy = make()
+            t0 = time.perf_counter()
+            res = rollout(policy, env, tasks, tokenizer=tok, group_size=args.group, config=rc)
+            walls[name].append(time.perf_counter() - t0)
+            results[name] = (float(np.median(walls[name])), firsts[name], res, policy)
+            print(f"{name}: warm run {rep + 1}: {walls[name][-1]:.1f} s", flush=True)
     env.close()
 
     (t_b, _, b, pb), (t_a, _, a, pa) = results.values()
@@ -144,7 +149,8 @@ def main():
           f"(mean {np.mean(turns):.1f}), {decoded} policy tokens, prompts {min(prompt_lens)}-{max(prompt_lens)} "
           f"tokens; {machine()}")
     rows_out = [
-        ["wall (warm)", f"{t_a:.2f} s", f"{t_b:.2f} s", f"{t_a / t_b:.2f}x faster"],
+        [f"wall (warm, median of {args.repeats})", f"{t_a:.2f} s", f"{t_b:.2f} s", f"{t_a / t_b:.2f}x faster"],
+        ["wall (first run, compiles)", f"{firsts['lockstep (ModelPolicy)']:.1f} s", f"{firsts['paged engine']:.1f} s", ""],
         ["decode tokens/s (policy tokens / wall)", f"{decoded / t_a:.0f}", f"{decoded / t_b:.0f}",
          f"{t_a / t_b:.2f}x"],
         ["prompt tokens prefilled (G x prompt = %d)" % (args.group * sum(prompt_lens)),
@@ -160,6 +166,8 @@ def main():
          f"{st['engine/decode_blocks_listed'] / st['engine/decode_blocks_computed']:.2f} live"],
         ["decode row-steps computed", "", f"{int(st['engine/decode_row_steps_computed'])}",
          f"{st['engine/decode_row_steps'] / st['engine/decode_row_steps_computed']:.2f} live"],
+        ["compiled programs (cumulative in the process)", f"{int(a.stats.get('compilations', 0))}",
+         f"{int(b.stats.get('compilations', 0))}", ""],
         ["phases (decode / append / prefill / tools)",
          " / ".join(f"{a.stats.get(k, 0):.1f}" for k in ("decode_s", "append_s", "prefill_s", "tool_s")),
          " / ".join(f"{b.stats.get(k, 0):.1f}" for k in ("decode_s", "append_s", "prefill_s", "tool_s")), "s"],
