@@ -1,6 +1,6 @@
 """The launch scripts (launch/*.sh, launch/slurm_job.sbatch, helpers in launch/common.bash):
-shellcheck, dry runs parsed back into argument lists, and real runs against fake gcloud, srun,
-scontrol and python executables.
+shellcheck, dry runs parsed back into argument lists, real runs against fake gcloud, srun,
+scontrol and python executables, and the local multi-process mode running real JAX processes.
 
 Dry runs get a PATH holding only `bash` and `dirname`, which proves they execute nothing else
 (no gcloud, sbatch, srun or python needed).
@@ -384,3 +384,73 @@ def test_usage_errors_exit_2(script, args, message):
     proc = launch(script, *args, "--dry-run")
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# (e) local multi-process mode: N JAX processes on this machine, loopback coordinator
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_local_multiprocess_dry_run(bare_path):
+    got = dry_run("local_multiprocess.sh", "2", "--devices", "3", "--port", "12400", bare_path=bare_path)
+    assert got == [["env", "TURNSIGHT_DISTRIBUTED=1", "JAX_COORDINATOR_ADDRESS=127.0.0.1:12400", "JAX_NUM_PROCESSES=2",
+                    f"JAX_PROCESS_ID={i}", "JAX_PLATFORMS=cpu", "XLA_FLAGS=--xla_force_host_platform_device_count=3",
+                    *TRAIN] for i in range(2)]
+
+
+def test_local_multiprocess_forms_one_jax_job():
+    """2 processes x 4 CPU devices join one 8-device job; an all-reduce spans both processes."""
+    proc = launch("local_multiprocess.sh", "2", "--devices", "4", "--port", str(_free_port()), "--",
+                  sys.executable, "-m", "turnsight_jax.distributed")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for i in range(2):
+        assert f"[p{i}] process {i} of 2: 4 local of 8 cpu devices; all-reduce 12 (expected 12) ok" in proc.stdout
+    assert proc.stderr.count("+ env TURNSIGHT_DISTRIBUTED=1") == 2  # what ran is echoed, as the dry run prints it
+
+
+def test_local_multiprocess_stops_the_others_when_one_fails():
+    import time
+
+    script = ("import os, sys, time\n"
+              "if os.environ['JAX_PROCESS_ID'] == '1': sys.exit(3)\n"
+              "time.sleep(50)\n")
+    t0 = time.perf_counter()
+    proc = launch("local_multiprocess.sh", "2", "--", sys.executable, "-c", script)
+    assert proc.returncode == 3
+    assert "process 1 exited with status 3; stopping the others" in proc.stderr
+    assert time.perf_counter() - t0 < 30  # process 0 was stopped, not waited for
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "missing N"),
+    (["two"], "N must be a positive integer"),
+    (["2", "3"], "unexpected argument: 3"),
+    (["2", "--devices", "0"], "--devices expects a positive integer"),
+    (["2", "--port", "99999"], "--port expects 1..65535"),
+    (["2", "--frobnicate"], "unknown flag: --frobnicate"),
+])
+def test_local_multiprocess_usage_errors(args, message):
+    proc = launch("local_multiprocess.sh", *args, "--dry-run")
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert launch("local_multiprocess.sh", "--help").stdout.startswith("Usage: launch/local_multiprocess.sh")
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"JAX_NUM_PROCESSES": "two"}, "JAX_NUM_PROCESSES must be an integer, got 'two'"),
+    ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"}, "JAX_PROCESS_ID=2 is outside 0..1"),
+])
+def test_distributed_start_up_refuses_a_bad_layout(monkeypatch, env, message):
+    from turnsight_jax.distributed import maybe_initialize_distributed
+
+    monkeypatch.setenv("TURNSIGHT_DISTRIBUTED", "1")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=message):
+        maybe_initialize_distributed()

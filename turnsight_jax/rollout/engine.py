@@ -14,7 +14,10 @@ and returns the turns that completed. An episode keeps its slot (and its blocks)
   decoding never runs out of blocks and nothing is ever preempted; the pool default holds every
   slot at full length.
 * **Compact decode rows.** A decode chunk runs only the slots that are decoding, gathered into
-  rows bucketed to a power of two per shard: the batch shrinks as episodes end or wait for tools.
+  rows bucketed to a quarter-power-of-two step per shard: the batch shrinks as episodes end or
+  wait for tools.
+* **Ragged attention.** Each decode step reads only the rows' live blocks, listed per chunk
+  (models.paged_cache.LiveBlocks, padded to a quarter-power-of-two length).
 * **Determinism.** Row r's i-th sampled token uses key fold_in(fold_in(seed key, r), i), so an
   episode's draws do not depend on which slot, shard or batch it ran in; scheduling depends on
   nothing but the episodes' own events.
@@ -545,7 +548,8 @@ class PagedEngine:
 
     def stats(self) -> dict[str, float]:
         """Counters of this engine's work: prefill/append tokens (real, computed with padding),
-        decode row steps (live, computed, slots x steps), KV bytes per shard: the pool allocated
+        decode row steps (live, computed, slots x steps), decode blocks read per step (listed,
+        with padding; summed over steps), KV bytes per shard: the pool allocated
         and the peak of the blocks in use (a block in use is counted whole)."""
         out = {k: float(v) for k, v in self.counters.items()}
         out["kv_pool_bytes_per_shard"] = float(self.kv.nbytes_per_shard())
