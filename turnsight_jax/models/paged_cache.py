@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -124,12 +125,10 @@ class LiveBlocks:
 _NO_SLOT = 2**30
 
 
-def live_blocks(tables: list[list[int]], per: int, trash: int, block_size: int, size: int) -> dict[str, "np.ndarray"]:
+def live_blocks(tables: list[list[int]], per: int, trash: int, block_size: int, size: int) -> dict[str, np.ndarray]:
     """Host side of `LiveBlocks` for one decode call: tables[r] the live blocks of row r (rows
     shard-major, `per` per shard; padding rows have none); size: the static entries per shard
     (>= every shard's total). Returns numpy arrays keyed like LiveBlocks' fields."""
-    import numpy as np
-
     shards = len(tables) // per
     block = np.full((shards, size), trash, np.int32)
     row = np.full((shards, size), per - 1, np.int32)
