@@ -18,6 +18,7 @@ import os
 import sys
 
 import jax
+import numpy as np
 
 
 def _env_int(name: str) -> int | None:
@@ -47,11 +48,21 @@ def maybe_initialize_distributed() -> None:
     jax.distributed.initialize(**kwargs)
 
 
+def to_host(x) -> np.ndarray:
+    """A jax.Array as a numpy array on this process, whole. An array that spans other processes'
+    devices (a multi-process run) is all-gathered first: every process then holds the same
+    values, which is how rollout host work runs today (replicated on every process)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def check() -> int:
     """Each process contributes its index + 1 from each of its devices to one global array; the
     all-reduced sum must be sum over processes of (index + 1) x local devices. Returns 0 if so."""
     import jax.numpy as jnp
-    import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     maybe_initialize_distributed()

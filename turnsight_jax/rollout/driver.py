@@ -29,6 +29,7 @@ from turnsight_jax.chat import tokenizer as tok_lib
 from turnsight_jax.chat.parsing import parse_turn
 from turnsight_jax.chat.trajectory import Trajectory, TrajectoryBuilder
 from turnsight_jax.chat.types import CallError, Task
+from turnsight_jax.distributed import to_host
 from turnsight_jax.envs.base import Environment, VectorEnv
 from turnsight_jax.models.qwen3 import KVCache
 from turnsight_jax.rollout.sampler import SamplingParams, append_tokens, decode_turn
@@ -184,8 +185,8 @@ class ModelPolicy:
             self.stop_ids, jnp.asarray(act), jnp.asarray(bud), forced,
             window=self._window(int(self.lengths.max()) + self.config.max_turn_tokens),
         )
-        tokens, logprobs = np.asarray(out.tokens), np.asarray(out.logprobs)
-        lengths, stopped = np.asarray(out.lengths), np.asarray(out.stopped)
+        tokens, logprobs = to_host(out.tokens), to_host(out.logprobs)
+        lengths, stopped = to_host(out.lengths), to_host(out.stopped)
         self.lengths = self.lengths + lengths
         self.timings["decode"] += time.perf_counter() - t0
         result: list[GeneratedTurn | None] = []

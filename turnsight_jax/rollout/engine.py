@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from turnsight_jax.chat import tokenizer as tok_lib
+from turnsight_jax.distributed import to_host
 from turnsight_jax.models.paged_cache import LiveBlocks, PagedKV, bytes_per_token, empty_pool, live_blocks, paged_extend
 from turnsight_jax.models.sharding import BATCH, fit_spec
 from turnsight_jax.rollout.sampler import SamplingParams, sample_rows
@@ -504,8 +505,8 @@ class PagedEngine:
         live = np.array([it is not None for it in rows])
         dst = np.where(live, src, len(self.hidden)).astype(np.int32)
         self.hidden = self.hidden.at[jnp.asarray(dst)].set(hid, mode="drop")
-        out_tok, out_lp = np.asarray(out_tok), np.asarray(out_lp)
-        emitted, stopped = np.asarray(emitted), np.asarray(stopped)
+        out_tok, out_lp = to_host(out_tok), to_host(out_lp)
+        emitted, stopped = to_host(emitted), to_host(stopped)
         self.timings["decode"] += time.perf_counter() - t0
         self.counters["decode_chunks"] += 1
         self.counters["decode_row_steps"] += int(live.sum()) * steps
