@@ -1,12 +1,22 @@
-"""Two JAX processes x 4 CPU devices against one process x 8, same run: wall time and equality.
+"""Two JAX processes x 4 CPU devices against one process x 8: equality, the split of the rollouts,
+a preemption and its resume, and the wall times.
 
-    python benchmarks/multiprocess.py        # ~7 minutes on the 2-core box
+    python benchmarks/multiprocess.py        # ~20 minutes on the 2-core box
 
-Trains the tiny config for 3 RL steps both ways (launch/local_multiprocess.sh for the first) and
-checks that every non-timing metric and the final parameters agree; exits 1 if not. Rollout host
-work is replicated on every process today (`distributed.to_host` all-gathers the decode outputs),
-so this checks the global mesh, the step and the export across processes, not a split of the
-rollouts. (Not a pytest test: two trainings are too long for `.ci/run`, which allows no skips.)
+Trains the tiny config for 3 RL steps three ways: (a) 2 processes (launch/local_multiprocess.sh),
+(b) 1 process, (c) 2 processes, one of them sent SIGTERM once step 1 is logged, then the same
+command again (it resumes from the checkpoint the stop wrote). Checks, and exits 1 if any fails:
+- every non-timing metric of (a) and (c) equals (b)'s, and the final parameters too;
+- each process of (a) ran only its own episodes' tool calls: the per-process episode counts add
+  up to the step's episodes and the per-process tool calls to (b)'s (the split is by batch rows,
+  whole prompt groups, a partition of the rows: `distributed.rollout_share`);
+- (c) stopped cleanly (exit 0 with a checkpoint before step 3), and its resumed steps equal (a)'s.
+
+Sampling uses top-k 20 (Qwen3's recommended setting): at top-k 0 a random model's distribution
+over 151,936 tokens is so flat that the last-bit differences between a 4-device and an 8-device
+rollout (the policy's copy is sharded differently) move draws to neighbouring token ids, and the
+runs would diverge for that reason alone. (Not a pytest test: these trainings are too long for
+`.ci/run`, which allows no skips.)
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import glob
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,11 +37,15 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import machine, table  # noqa: E402
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+STEPS = 3
+PROMPTS, GROUP = 4, 2
 # entropy_coef > 0: a random tiny model earns no reward, so without it the gradient is zero and
 # equal parameters would prove nothing
-ARGS = ["--config.sft.steps=0", "--config.sft.curriculum_steps=0", "--config.train.steps=3",
-        "--config.train.prompts_per_step=4", "--config.train.group_size=2", "--config.data.num_eval=2",
-        "--config.eval.max_turns=2", "--config.loss.entropy_coef=0.1"]
+ARGS = ["--config.sft.steps=0", "--config.sft.curriculum_steps=0", f"--config.train.steps={STEPS}",
+        f"--config.train.prompts_per_step={PROMPTS}", f"--config.train.group_size={GROUP}",
+        "--config.data.num_eval=2", "--config.eval.max_turns=2", "--config.loss.entropy_coef=0.1",
+        "--config.rollout.top_k=20"]
+TRAIN = [sys.executable, "-m", "turnsight_jax.train"]
 
 
 def _env(**extra):
@@ -38,6 +53,55 @@ def _env(**extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(extra)
     return env
+
+
+def _two(workdir: pathlib.Path, port: int) -> list[str]:
+    return [str(REPO_ROOT / "launch" / "local_multiprocess.sh"), "2", "--devices", "4", "--port", str(port), "--",
+            *TRAIN, "--workdir", str(workdir), *ARGS]
+
+
+def _run(cmd, env, what: str) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        sys.exit(f"{what} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return time.perf_counter() - t0, proc.stdout + proc.stderr
+
+
+def _pid_of_process(workdir: pathlib.Path, index: int) -> int | None:
+    """The trainer process with JAX_PROCESS_ID=index working in `workdir` (from /proc)."""
+    for d in pathlib.Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"turnsight_jax.train" in cmd and str(workdir).encode() in cmd and f"JAX_PROCESS_ID={index}".encode() in env:
+            return int(d.name)
+    return None
+
+
+def _preempted(workdir: pathlib.Path, port: int) -> tuple[float, str, int]:
+    """Run (c): SIGTERM to process 1 once step 1 is in metrics.jsonl. Returns (wall, output, step
+    of the checkpoint the stop wrote)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(_two(workdir, port), cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    metrics = workdir / "metrics.jsonl"
+    while proc.poll() is None and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        time.sleep(0.5)
+    pid = _pid_of_process(workdir, 1)
+    if pid is None:
+        proc.kill()
+        sys.exit("preemption run: process 1 not found (did the run end before step 2?)")
+    os.kill(pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=1800)
+    if proc.returncode != 0:
+        sys.exit(f"preempted run did not stop cleanly (exit {proc.returncode}):\n{out[-3000:]}")
+    steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    return time.perf_counter() - t0, out, steps[-1] if steps else -1
 
 
 def _params(run: pathlib.Path) -> dict:
@@ -49,52 +113,96 @@ def _params(run: pathlib.Path) -> dict:
     return out
 
 
-def main() -> int:
-    tmp_path = pathlib.Path(tempfile.mkdtemp(prefix="multiprocess-"))
-    two, one = tmp_path / "two", tmp_path / "one"
-    train = [sys.executable, "-m", "turnsight_jax.train"]
-    t0 = time.perf_counter()
-    proc = subprocess.run([str(REPO_ROOT / "launch" / "local_multiprocess.sh"), "2", "--devices", "4", "--port", "12611",
-                           "--", *train, "--workdir", str(two), *ARGS], cwd=REPO_ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=900)
-    if proc.returncode != 0:
-        sys.exit(f"2-process run failed:\n{proc.stderr[-3000:]}")
-    t_two = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    proc = subprocess.run([*train, "--workdir", str(one), *ARGS], cwd=REPO_ROOT, capture_output=True, text=True,
-                          env=_env(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8"), timeout=900)
-    if proc.returncode != 0:
-        sys.exit(f"1-process run failed:\n{proc.stderr[-3000:]}")
-    t_one = time.perf_counter() - t0
-    a = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
-    b = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()]
-    problems, compared, worst = [], 0, 0.0
-    if not len(a) == len(b) == 3:
-        problems.append(f"steps logged: {len(a)} vs {len(b)}")
+def _metrics(run: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _compare(a: list[dict], b: list[dict], name: str, problems: list[str]) -> tuple[int, float]:
+    """Every non-timing metric of b's steps in a; returns (values compared, worst relative diff)."""
+    compared, worst = 0, 0.0
+    if len(a) != len(b):
+        problems.append(f"{name}: steps logged {len(a)} vs {len(b)}")
     for step, (x, y) in enumerate(zip(a, b)):
         if not x["train/grad_norm"] > 0:
-            problems.append(f"step {step}: zero gradient, the comparison proves nothing")
+            problems.append(f"{name} step {step}: zero gradient, the comparison proves nothing")
         for k, v in y.items():  # timings and the sampler/trainer round-off diagnostics aside
-            if isinstance(v, (int, float)) and not k.startswith(("perf/", "train/tis/logprob_diff")):
+            if isinstance(v, (int, float)) and not k.startswith(("perf/", "train/tis/logprob_diff", "dist/")):
+                if k not in x:
+                    problems.append(f"{name} step {step}: {k} missing")
+                    continue
                 compared += 1
                 d = abs(x[k] - v)
                 worst = max(worst, d / max(abs(v), 1e-7))
                 if d > 1e-5 * abs(v) + 1e-7:
-                    problems.append(f"step {step} {k}: {x[k]} vs {v}")
-    pa, pb = _params(two), _params(one)
+                    problems.append(f"{name} step {step} {k}: {x[k]} vs {v}")
+    return compared, worst
+
+
+def _param_diff(a: pathlib.Path, b: pathlib.Path, name: str, problems: list[str]) -> float:
+    pa, pb = _params(a), _params(b)
     if pa.keys() != pb.keys() or not pa:
-        problems.append("exported parameters differ in names")
-        diff = float("nan")
-    else:
-        diff = max(float(np.abs(pa[k].astype(np.float32) - pb[k].astype(np.float32)).max()) for k in pa)
-        if diff > 1e-6:
-            problems.append(f"final parameters differ by {diff:.3g}")
-    print(f"\n3 RL steps of the tiny config; {machine()}")
-    print(table([["wall (start-up, evaluation, 3 steps, export)", f"{t_two:.1f} s", f"{t_one:.1f} s",
-                  f"{t_two / t_one:.2f}x"],
-                 ["metrics compared (non-timing)", f"{compared}", "", f"worst relative difference {worst:.2g}"],
-                 ["final parameters: max abs difference", f"{diff:.2g}", "", ""]],
-                ["", "2 processes x 4 devices", "1 process x 8 devices", "ratio / check"]))
+        problems.append(f"{name}: exported parameters differ in names")
+        return float("nan")
+    diff = max(float(np.abs(pa[k].astype(np.float32) - pb[k].astype(np.float32)).max()) for k in pa)
+    if diff > 1e-6:
+        problems.append(f"{name}: final parameters differ by {diff:.3g}")
+    return diff
+
+
+def main() -> int:
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="multiprocess-"))
+    two, one, cut = tmp / "two", tmp / "one", tmp / "preempted"
+    t_two, _ = _run(_two(two, 12611), _env(), "2-process run")
+    print(f"(a) 2 processes: {t_two:.1f} s", flush=True)
+    t_one, _ = _run([*TRAIN, "--workdir", str(one), *ARGS],
+                    _env(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8"), "1-process run")
+    print(f"(b) 1 process: {t_one:.1f} s", flush=True)
+    t_cut, out_cut, saved = _preempted(cut, 12613)
+    print(f"(c) 2 processes, SIGTERM to process 1 after step 1: stopped in {t_cut:.1f} s, checkpoint {saved}",
+          flush=True)
+    t_resume, out_resume = _run(_two(cut, 12615), _env(), "resumed run")
+    print(f"(c) resumed: {t_resume:.1f} s", flush=True)
+
+    problems: list[str] = []
+    a, b, c = _metrics(two), _metrics(one), _metrics(cut)
+    n_ab, worst_ab = _compare(a, b, "2 vs 1 process", problems)
+    n_cb, worst_cb = _compare(c, b, "preempted + resumed vs 1 process", problems)
+    diff_ab = _param_diff(two, one, "2 vs 1 process", problems)
+    diff_cb = _param_diff(cut, one, "preempted + resumed vs 1 process", problems)
+
+    episodes = PROMPTS * GROUP
+    calls_two = [[x.get(f"dist/tool_calls_p{p}", float("nan")) for p in (0, 1)] for x in a]
+    calls_one = [x["rollout/tool_calls"] for x in b]
+    for step, x in enumerate(a):
+        eps = [x.get(f"dist/episodes_p{p}", 0.0) for p in (0, 1)]
+        if sum(eps) != episodes or min(eps) <= 0:
+            problems.append(f"step {step}: episodes per process {eps}, expected a split of {episodes}")
+        if sum(calls_two[step]) != calls_one[step]:
+            problems.append(f"step {step}: tool calls per process {calls_two[step]} do not add up to the "
+                            f"1-process run's {calls_one[step]}")
+    stops = out_cut.count("stopped after step")
+    if not 0 < saved < STEPS or stops != 2:
+        problems.append(f"preemption: checkpoint {saved}, {stops} processes said they stopped (expected 2, "
+                        f"and a checkpoint before step {STEPS})")
+    if f"resumed from {cut}/checkpoints/{saved}" not in out_resume:
+        problems.append(f"the restart did not resume from checkpoint {saved}")
+
+    print(f"\n{STEPS} RL steps of the tiny config, {PROMPTS} prompts x {GROUP}; {machine()}")
+    print(table([
+        ["wall (start-up, evaluation, 3 steps, export)", f"{t_two:.1f} s", f"{t_one:.1f} s",
+         f"{t_cut:.1f} + {t_resume:.1f} s", f"{t_two / t_one:.2f}x"],
+        ["metrics compared with the 1-process run (non-timing)", f"{n_ab}", "", f"{n_cb}",
+         f"worst relative difference {max(worst_ab, worst_cb):.2g}"],
+        ["final parameters: max abs difference from the 1-process run", f"{diff_ab:.2g}", "", f"{diff_cb:.2g}", ""],
+        ["tool calls per step (process 0 + process 1)", ", ".join(f"{p0:g} + {p1:g}" for p0, p1 in calls_two),
+         ", ".join(f"{x:g}" for x in calls_one), "", "sums equal" if all(
+             sum(x) == y for x, y in zip(calls_two, calls_one)) else "MISMATCH"],
+        ["episodes per step (process 0 + process 1)", " + ".join(
+            f"{a[0].get(f'dist/episodes_p{p}', 0):g}" for p in (0, 1)), f"{episodes}", "", ""],
+        ["preemption", "", "", f"SIGTERM to process 1 during step 2: both stopped after step {saved}, "
+         "exit 0; the restart resumed there", ""],
+    ], ["", "(a) 2 processes x 4 devices", "(b) 1 process x 8 devices", "(c) 2 processes, preempted + resumed",
+        "ratio / check"]))
     for p in problems:
         print("MISMATCH:", p)
     print("equal: yes" if not problems else "equal: NO")

@@ -90,6 +90,8 @@ def main():
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--turn-tokens", type=int, default=160)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", default="", choices=["", "engine"],
+                    help="engine: time the paged engine alone (for iterating on it; no ratio)")
     ap.add_argument("--repeats", type=int, default=1, help="warm runs per backend (the median is reported)")
     args = ap.parse_args()
     dt = jnp.dtype(args.dtype)
@@ -116,6 +118,8 @@ def main():
                                                decode_chunk=args.chunk), forced_scripts=scripts)
 
     makers = {"paged engine": paged, "lockstep (ModelPolicy)": lockstep}
+    if args.only == "engine":
+        makers = {"paged engine": paged}
     firsts, walls, results = {}, {n: [] for n in makers}, {}
     for name, make in makers.items():  # first runs compile
         t0 = time.perf_counter()
@@ -131,6 +135,12 @@ def main():
             results[name] = (float(np.median(walls[name])), firsts[name], res, policy)
             print(f"{name}: warm run {rep + 1}: {walls[name][-1]:.1f} s", flush=True)
     env.close()
+    if args.only == "engine":
+        _, _, b, pb = results["paged engine"]
+        print(f"paged engine alone: warm walls {[round(w, 2) for w in walls['paged engine']]} s; "
+              f"{int(pb.counters['decode_chunks'])} decode chunks; phases " +
+              " / ".join(f"{b.stats.get(k, 0):.1f}" for k in ("decode_s", "append_s", "prefill_s", "tool_s")) + " s")
+        return
 
     (t_b, _, b, pb), (t_a, _, a, pa) = results.values()
     for x, y in zip(a.trajectories, b.trajectories):

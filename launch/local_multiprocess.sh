@@ -17,7 +17,8 @@ CPU backend, each with M fake devices, joined into one JAX job through a coordin
   TURNSIGHT_DISTRIBUTED=1 JAX_COORDINATOR_ADDRESS=127.0.0.1:PORT JAX_NUM_PROCESSES=N
   JAX_PROCESS_ID=i JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=M
 Output lines are prefixed with [p<i>]. If one process fails the others are stopped; the exit
-status is the first failure's (0 when all succeed).
+status is the first failure's (0 when all succeed). SIGTERM or SIGINT to the launcher is passed
+to every process, and the launcher waits for them (trainers checkpoint, then exit 0).
 
 Options:
   --devices M    fake CPU devices per process (default: 4)
@@ -65,7 +66,9 @@ fi
 
 PIDS=()
 stop_all() { for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; }
-trap 'stop_all; exit 143' TERM INT
+# A TERM/INT to the launcher goes to every process, and the launcher waits for them: trainers
+# checkpoint after their current step and exit, as on a cluster's preemption.
+trap 'echo "$PROG: signal received; passing SIGTERM to every process" >&2; stop_all' TERM INT
 for ((i = 0; i < N; i++)); do
   mapfile -t ENV < <(env_of "$i")
   show env "${ENV[@]}" "${CMD[@]}" >&2
@@ -77,7 +80,10 @@ STATUS=0 RUNNING=("${PIDS[@]}")
 while ((${#RUNNING[@]})); do
   rc=0 DONE=""
   wait -n -p DONE "${RUNNING[@]}" || rc=$?  # bash >= 5.1: whichever process ends first
-  [[ -n $DONE ]] || break
+  if [[ -z ${DONE:-} ]]; then
+    ((rc > 128)) && continue  # a trapped signal interrupted the wait: keep waiting for the processes
+    break
+  fi
   REST=()
   for p in "${RUNNING[@]}"; do [[ $p == "$DONE" ]] || REST+=("$p"); done
   RUNNING=("${REST[@]}")

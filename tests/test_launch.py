@@ -415,6 +415,18 @@ def test_local_multiprocess_forms_one_jax_job():
     assert proc.stderr.count("+ env TURNSIGHT_DISTRIBUTED=1") == 2  # what ran is echoed, as the dry run prints it
 
 
+def test_split_rollout_pieces_on_two_processes():
+    """The split of a step's rollouts on a real 2 x 4 job (tests/_split_check.py): whole groups per
+    process, the policy's local copy, the global batch from each process's rows, the agreements."""
+    proc = launch("local_multiprocess.sh", "2", "--devices", "4", "--port", str(_free_port()), "--",
+                  sys.executable, str(REPO_ROOT / "tests" / "_split_check.py"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for i in range(2):
+        for check in ("rollout_share ok", "local_replica ok (1 device(s))", "assemble_rows ok",
+                      "any_process and gather ok"):
+            assert f"[p{i}] process {i}: {check}" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_local_multiprocess_stops_the_others_when_one_fails():
     import time
 
@@ -426,6 +438,36 @@ def test_local_multiprocess_stops_the_others_when_one_fails():
     assert proc.returncode == 3
     assert "process 1 exited with status 3; stopping the others" in proc.stderr
     assert time.perf_counter() - t0 < 30  # process 0 was stopped, not waited for
+
+
+def test_local_multiprocess_passes_sigterm_on_and_waits():
+    """A preemption of the job (SIGTERM to the launcher) reaches every process; the launcher waits
+    for them to finish (a trainer checkpoints first) and exits with their status."""
+    import signal
+    import time
+
+    script = ("import signal, sys, time\n"
+              "def stop(*_):\n"
+              "    time.sleep(1.0)  # a checkpoint being written\n"
+              "    print('stopped cleanly', flush=True)\n"
+              "    sys.exit(0)\n"
+              "signal.signal(signal.SIGTERM, stop)\n"
+              "print('ready', flush=True)\n"
+              "time.sleep(50)\n")
+    proc = subprocess.Popen([str(LAUNCH / "local_multiprocess.sh"), "2", "--", sys.executable, "-c", script],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=REPO_ROOT)
+    ready = 0
+    while ready < 2:
+        line = proc.stdout.readline()
+        assert line, "the processes did not start"
+        ready += line.endswith("ready\n")
+    t0 = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert out.count("stopped cleanly") == 2 and "[p0] stopped cleanly" in out and "[p1] stopped cleanly" in out
+    assert "signal received; passing SIGTERM to every process" in err
+    assert 0.9 < time.perf_counter() - t0 < 20  # it waited for the handlers, not for the sleeps
 
 
 @pytest.mark.parametrize("args, message", [

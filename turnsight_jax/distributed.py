@@ -1,4 +1,5 @@
-"""Multi-process start-up: `jax.distributed` under a launcher (launch/*.sh), and a check.
+"""Multi-process runs: `jax.distributed` under a launcher (launch/*.sh), the split of a step's
+rollouts over processes, the host-side agreements it needs, and a check.
 
 The launchers set TURNSIGHT_DISTRIBUTED=1 and, where no cluster manager tells JAX the layout,
 JAX_COORDINATOR_ADDRESS=HOST:PORT, JAX_NUM_PROCESSES and JAX_PROCESS_ID (launch/slurm_multinode.sh,
@@ -10,6 +11,14 @@ collectives go through gloo.
 
 runs `check()` in every process: each prints its place in the global mesh and the result of one
 all-reduce across all processes, and exits non-zero if the processes do not form one mesh.
+
+Split rollouts (what the trainer does with more than one process): the step's batch rows are
+split over the (data, fsdp) devices; the rows whose shards live on a process's devices are that
+process's episodes (`rollout_share`: whole prompt groups, or an error). Each process rolls them out
+alone, on its own devices (`local_mesh`) with its own copy of the policy (`local_replica`), runs
+only their tool calls, builds their batch rows and contributes them to the global batch
+(`assemble_rows`). The few host decisions every process must make alike (batch widths, the
+preemption stop, metrics over all episodes) go through small all-gathers (`gather`).
 """
 
 from __future__ import annotations
@@ -57,6 +66,163 @@ def to_host(x) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def is_multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+def gather(x) -> np.ndarray:
+    """Every process's `x` (a number or array of the same shape everywhere), stacked in process
+    order: [P, ...]. One process: x[None]."""
+    x = np.asarray(x)
+    if not is_multiprocess():
+        return x[None]
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=False))
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process when `flag` is True on any (e.g. one process got SIGTERM)."""
+    return bool(gather(np.int32(bool(flag))).any())
+
+
+def _batch_sharding(mesh, rows: int):
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from turnsight_jax.models.sharding import BATCH, fit_spec
+
+    return NamedSharding(mesh, fit_spec(P(BATCH), (rows,), mesh))
+
+
+def process_rows(mesh, rows: int) -> tuple[int, int]:
+    """[start, stop) of the rows of a [rows, ...] array split over the mesh's (data, fsdp) axes
+    that live on this process's devices. ValueError unless they are one contiguous range and the
+    processes' ranges partition the rows (no row on two processes)."""
+    index = _batch_sharding(mesh, rows).addressable_devices_indices_map((rows,))
+    spans = sorted({(sl[0].start or 0, rows if sl[0].stop is None else sl[0].stop) for sl in index.values()})
+    start, stop = spans[0][0], spans[-1][1]
+    if any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+        raise ValueError(f"process {jax.process_index()}: its batch rows {spans} are not one contiguous range")
+    ranges = gather(np.array([start, stop]))
+    order = ranges[np.argsort(ranges[:, 0])]
+    if order[0, 0] != 0 or order[-1, 1] != rows or np.any(order[1:, 0] != order[:-1, 1]):
+        raise ValueError(f"the processes' batch rows {ranges.tolist()} do not split the {rows} rows: with "
+                         f"{jax.process_count()} processes the batch rows must be split over the (data, fsdp) "
+                         f"mesh axes across processes (mesh {dict(mesh.shape)}; rows must divide over data x fsdp, "
+                         f"and the tensor axis must stay inside a process)")
+    return start, stop
+
+
+def rollout_share(mesh, prompts: int, group_size: int) -> tuple[int, int]:
+    """(first prompt, prompts) this process rolls out of a step's `prompts` x `group_size` rows:
+    the prompts whose rows live on its devices, always whole groups (a group's statistics are
+    computed over its siblings: they must be rolled out together). One process: (0, prompts)."""
+    if not is_multiprocess():
+        return 0, prompts
+    start, stop = process_rows(mesh, prompts * group_size)
+    if start % group_size or stop % group_size:
+        raise ValueError(f"process {jax.process_index()} holds batch rows {start}..{stop - 1}, which split a "
+                         f"group of {group_size}: make train.prompts_per_step a multiple of the number of "
+                         f"processes ({jax.process_count()}) times the row shards per process")
+    return start // group_size, (stop - start) // group_size
+
+
+def _local_devices_in_mesh_order(mesh) -> list:
+    me = jax.process_index()
+    return [d for d in mesh.devices.flat if d.process_index == me]
+
+
+def local_mesh(mesh):
+    """A (data, fsdp, tensor) mesh over this process's devices of `mesh`, with its tensor size
+    (data folded into fsdp). One process: `mesh` itself. On the CPU backend: one device only.
+    XLA's CPU collectives (gloo) deadlock when a collective among one process's devices runs
+    while a cross-process one starts (reproduced: two programs in flight hang both processes),
+    and a one-device rollout has no collectives at all; the CPU devices share the host's cores
+    anyway. (Accelerator meshes keep all of the process's devices: not run here.)"""
+    if not is_multiprocess():
+        return mesh
+    from turnsight_jax.models.sharding import make_mesh
+
+    local = _local_devices_in_mesh_order(mesh)
+    if local[0].platform == "cpu":
+        return make_mesh(1, 1, 1, devices=local[:1])
+    tensor = mesh.shape["tensor"]
+    if len(local) % tensor:
+        raise ValueError(f"the tensor axis ({tensor}) spans processes of {len(local)} devices each: split rollouts "
+                         f"need it inside a process")
+    return make_mesh(1, -1, tensor, devices=local)
+
+
+def local_replica(tree, mesh, local):
+    """A copy of `tree` (arrays on the global `mesh`) held whole by every process, sharded over
+    its own devices like the model's rules shard it on `local` (`local_mesh(mesh)`), as arrays on
+    `local`: rollouts then run with no cross-process traffic. One process: `tree` itself.
+    (One all-gather of the tree per call.)"""
+    if not is_multiprocess():
+        return tree
+    from jax.sharding import Mesh, NamedSharding
+
+    from turnsight_jax.models.sharding import AXES, fit_spec
+
+    per_process = {}
+    for d in mesh.devices.flat:  # every process's devices, in the order its local mesh takes them
+        per_process.setdefault(d.process_index, []).append(d)
+    if local.devices.size < len(per_process[jax.process_index()]):
+        # a local mesh on some of the process's devices (the CPU backend's one): a whole copy on
+        # every device, and this process keeps the ones on its local mesh
+        from jax.sharding import PartitionSpec as P
+
+        mine = set(local.devices.flat)
+        copied = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))(tree)
+        jax.block_until_ready(copied)
+        return jax.tree.map(lambda y: jax.make_array_from_single_device_arrays(
+            y.shape, NamedSharding(local, P()), [s.data for s in y.addressable_shards if s.device in mine]), copied)
+    grid = np.array([per_process[p] for p in sorted(per_process)]).reshape(
+        (len(per_process), *local.devices.shape))
+    stacked = Mesh(grid, ("process", *AXES))
+
+    def spec(x):
+        return fit_spec(x.sharding.spec, x.shape, local)
+
+    copied = jax.jit(lambda t: t, out_shardings=jax.tree.map(lambda x: NamedSharding(stacked, spec(x)), tree))(tree)
+    jax.block_until_ready(copied)  # a cross-process collective: done before any local one starts (`settle`)
+    return jax.tree.map(
+        lambda x, y: jax.make_array_from_single_device_arrays(
+            x.shape, NamedSharding(local, spec(x)), [s.data for s in y.addressable_shards]), tree, copied)
+
+
+def settle() -> None:
+    """Wait for every computation this process dispatched (multi-process runs only). On the CPU
+    backend a collective among one process's devices that is still running when a cross-process
+    one starts can deadlock both (gloo; reproduced with two programs in flight), so the split
+    rollouts' local work is finished before the step's collectives are dispatched."""
+    if is_multiprocess():
+        for x in jax.live_arrays():
+            x.block_until_ready()
+
+
+def assemble_rows(tree, mesh, rows: int, row_axis_of=lambda path: 0):
+    """Global arrays from each process's rows: numpy leaves holding this process's
+    `process_rows(mesh, rows)` along their row axis become arrays of `rows` rows split over the
+    mesh's (data, fsdp) axes (`models.sharding.shard_rows`'s layout). None leaves stay None."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from turnsight_jax.models.sharding import BATCH, fit_spec
+
+    def put(path, x):
+        if x is None:
+            return None
+        axis = row_axis_of(path)
+        shape = list(x.shape)
+        shape[axis] = rows
+        spec = [None] * x.ndim
+        spec[axis] = BATCH
+        sharding = NamedSharding(mesh, fit_spec(P(*spec), tuple(shape), mesh))
+        return jax.make_array_from_process_local_data(sharding, np.asarray(x), tuple(shape))
+
+    return jax.tree_util.tree_map_with_path(put, tree)
 
 
 def check() -> int:

@@ -28,7 +28,7 @@ import ml_collections as mlc
 import numpy as np
 from flax import nnx
 
-from turnsight_jax import checkpointing, model_setup, sources
+from turnsight_jax import checkpointing, distributed, model_setup, sources
 from turnsight_jax.checkpointing import Checkpointer, write_run_config, write_run_files
 from turnsight_jax.config import (engine_config, load_run_config, model_layer_name, rollout_config, sampling_params,
                                   validate)
@@ -37,7 +37,7 @@ from turnsight_jax.errors import ConfigError, NonFiniteTraining
 from turnsight_jax.eval.heldout import evaluate_policy
 from turnsight_jax.models.sharding import make_mesh
 from turnsight_jax.models.weights import save_pretrained
-from turnsight_jax.rl.batch import make_train_batch, shard_batch
+from turnsight_jax.rl.batch import make_train_batch, row_axis, shard_batch
 from turnsight_jax.rl.methods import RolloutContext
 from turnsight_jax.rl.step import TURNSIGHT_METRICS, make_optimizer, make_train_step
 from turnsight_jax.rollout.progress import ProgressLine
@@ -67,15 +67,50 @@ class _Preemption:
             signal.signal(s, h)
 
 
+_TRAJ_METRICS = ("solve_f1", "solve_p", "solve_r", "num_turns", "num_calls", "response_tokens", "tool_error_rate",
+                 "truncated", "policy_tokens")
+
+
 def _rollout_metrics(trajs) -> dict[str, float]:
-    keys = ("solve_f1", "solve_p", "solve_r", "num_turns", "num_calls", "response_tokens", "tool_error_rate",
-            "truncated", "policy_tokens")
-    out = {"rollout/reward_mean": float(np.mean([t.reward for t in trajs]))}
-    for k in keys:
-        vals = [t.metrics[k] for t in trajs if k in t.metrics]
-        if vals:
+    """Means over the step's trajectories, over every process's (each holds its own episodes):
+    the per-trajectory values are all-gathered, so the numbers equal a one-process run's."""
+    table = np.array([[t.reward] + [t.metrics.get(k, np.nan) for k in _TRAJ_METRICS] for t in trajs], np.float64)
+    table = distributed.gather(table).reshape(-1, table.shape[1])
+    out = {"rollout/reward_mean": float(np.mean(table[:, 0]))}
+    for j, k in enumerate(_TRAJ_METRICS, start=1):
+        vals = table[:, j][~np.isnan(table[:, j])]
+        if vals.size:
             out[f"rollout/{k}"] = float(np.mean(vals))
+    calls = table[:, 1 + _TRAJ_METRICS.index("num_calls")]
+    out["rollout/tool_calls"] = float(np.nansum(calls))  # executed over all processes
+    if distributed.is_multiprocess():  # who ran what: the split is whole, disjoint shares
+        per = table.shape[0] // jax.process_count()
+        for p in range(jax.process_count()):
+            out[f"dist/episodes_p{p}"] = float(per)
+            out[f"dist/tool_calls_p{p}"] = float(np.nansum(calls[p * per:(p + 1) * per]))
     return out
+
+
+def _local_batch(trajs, tasks, first, tok, step_cfg, method, cfg, shapes):
+    """This process's batch rows (its episodes, groups numbered from `first`), padded to widths
+    every process agrees on (the largest of theirs and of the run so far: shapes only grow).
+    Returns (batch, stats, the widths now in use)."""
+    row_tasks = [t for t in tasks for _ in range(cfg.train.group_size)]
+    batch, bstats = make_train_batch(trajs, row_tasks, tok, step_cfg, method, min_shapes=shapes, group_offset=first)
+    keys = [k for k in ("T", "N", "P", "U") if k in bstats]
+    mine = np.array([max(shapes.get(k, 0), int(bstats[k])) for k in keys], np.int64)
+    agreed = distributed.gather(mine).max(axis=0)
+    if np.any(agreed > mine):  # another process's episodes are longer: pad to its widths
+        batch, bstats = make_train_batch(trajs, row_tasks, tok, step_cfg, method,
+                                         min_shapes=dict(zip(keys, agreed.tolist())), group_offset=first)
+    return batch, bstats, {k: int(v) for k, v in zip(keys, agreed)}
+
+
+def _summed(values: dict[str, float]) -> dict[str, float]:
+    """Each value summed over the processes (counts of the episodes each one ran)."""
+    keys = sorted(values)
+    total = distributed.gather(np.array([values[k] for k in keys], np.float64)).sum(axis=0)
+    return dict(zip(keys, total.tolist()))
 
 
 def _step_flops(qcfg, decoded: float, train_tokens: float, view_tokens: float, policy_tokens: float) -> float:
@@ -181,6 +216,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     rc = rollout_config(cfg)
     engine_cfg = engine_config(cfg)
     peak = matmul_peak_flops() if jax.devices()[0].platform == "cpu" else None
+    rollout_mesh = distributed.local_mesh(mesh)  # this process's devices (the whole mesh with one)
     progress = Progress(n_steps, start, cfg.log.progress)
     preempt = _Preemption()
     step = start
@@ -194,21 +230,28 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
         for step in range(start, n_steps):
             t_step = time.perf_counter()
             tasks = [train_tasks[int(i)] for i in ds[step]]
+            # Each process rolls out the prompts whose batch rows live on its devices (all of
+            # them with one process), on its own devices with its own copy of the policy.
+            first, share = distributed.rollout_share(mesh, len(tasks), cfg.train.group_size)
+            mine = tasks[first:first + share]
             # Paper-scale rollouts take minutes: a line every 30 s (none for a short step).
-            line = ProgressLine(len(tasks) * cfg.train.group_size, label=f"step {step + 1} rollouts", every_s=30.0,
+            line = ProgressLine(len(mine) * cfg.train.group_size, label=f"step {step + 1} rollouts", every_s=30.0,
                                 patient=True, quiet=not cfg.log.progress or jax.process_index() != 0)
-            ctx = RolloutContext(graphdef, params, tok, env, sampling, rc, cfg.train.group_size,
-                                 cfg.rollout.prompts_per_chunk, model_setup.DTYPES[cfg.model.compute_dtype], line,
-                                 engine=engine_cfg, mesh=mesh)
-            res = method.rollout.fn(ctx, tasks, cfg.seed * 100_003 + step)
+            ctx = RolloutContext(graphdef, distributed.local_replica(params, mesh, rollout_mesh), tok, env, sampling,
+                                 rc, cfg.train.group_size, cfg.rollout.prompts_per_chunk,
+                                 model_setup.DTYPES[cfg.model.compute_dtype], line, engine=engine_cfg,
+                                 mesh=rollout_mesh, group_offset=first)
+            res = method.rollout.fn(ctx, mine, cfg.seed * 100_003 + step)
+            distributed.settle()  # the rollout's local collectives end before the step's cross-process ones
             t_roll = time.perf_counter() - t_step
-            row_tasks = [t for t in tasks for _ in range(cfg.train.group_size)]
-            batch, bstats = make_train_batch(res.trajectories, row_tasks, tok, step_cfg, method, min_shapes=shapes)
-            shapes = {k: max(shapes.get(k, 0), int(bstats[k])) for k in ("T", "N", "P", "U") if k in bstats}
+            batch, bstats, shapes = _local_batch(res.trajectories, mine, first, tok, step_cfg, method, cfg, shapes)
             if step in fault_nan_steps:
                 batch = _poison(batch)
+            rows = len(tasks) * cfg.train.group_size
+            global_batch = (distributed.assemble_rows(batch, mesh, rows, row_axis) if distributed.is_multiprocess()
+                            else shard_batch(batch, mesh))
             with jax.set_mesh(mesh):
-                params, opt_state, m = step_fn(params, opt_state, ref_params, shard_batch(batch, mesh))
+                params, opt_state, m = step_fn(params, opt_state, ref_params, global_batch)
                 m = jax.device_get(m)
             if m["skipped_updates"] > 0:
                 skipped_in_a_row += 1
@@ -221,17 +264,21 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             metrics = _rollout_metrics(res.trajectories)
             for k, v in m.items():
                 metrics[("turnsight/" if k in TURNSIGHT_METRICS else "train/") + k] = v
-            tokens = res.stats["tokens"] + bstats["trajectory_tokens"] + bstats.get("view_tokens", 0.0)
-            flops = _step_flops(qcfg, res.stats.get("decoded_tokens", 0.0),
-                                bstats["trajectory_tokens"], bstats.get("view_tokens", 0.0), bstats["policy_tokens"])
+            counts = _summed({**{f"r.{k}": res.stats.get(k, 0.0) for k in ("tokens", "decoded_tokens", "env_errors")},
+                              **{f"b.{k}": bstats.get(k, 0.0) for k in ("trajectory_tokens", "view_tokens",
+                                                                        "policy_tokens")}})
+            tokens = counts["r.tokens"] + counts["b.trajectory_tokens"] + counts["b.view_tokens"]
+            flops = _step_flops(qcfg, counts["r.decoded_tokens"], counts["b.trajectory_tokens"],
+                                counts["b.view_tokens"], counts["b.policy_tokens"])
             metrics.update({"perf/step_s": t_total, "perf/rollout_s": t_roll, "perf/update_s": t_total - t_roll,
                             "perf/tool_s": res.stats["tool_s"], "perf/tokens_per_s": tokens / t_total,
                             # episodes an environment error ended (a raising step or scorer), a count
-                            "rollout/env_errors": res.stats.get("env_errors", 0.0),
+                            "rollout/env_errors": counts["r.env_errors"],
                             "perf/compilations": res.stats.get("compilations", 0.0),
                             "perf/step_compilations": float(step_fn._cache_size()),  # programs compiled so far
                             **{f"shape/{k}": float(v) for k, v in shapes.items()},
-                            "perf/view_overhead": bstats.get("view_overhead", 0.0)})
+                            "perf/view_overhead": counts["b.view_tokens"] / max(counts["b.trajectory_tokens"], 1.0)
+                            if "view_tokens" in bstats else 0.0})
             if "engine/decode_slot_steps" in res.stats:  # the paged engine's occupancy and memory
                 st = res.stats
                 metrics["rollout/slot_occupancy"] = st["engine/decode_row_steps"] / max(st["engine/decode_slot_steps"], 1)
@@ -252,13 +299,16 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                     f"{skipped_in_a_row} steps in a row (to step {step + 1}) had a non-finite loss or gradient; "
                     f"stopped with the last checkpoint ({ckpt.latest_step() or 'none'}) intact")
             last = step + 1 == n_steps
-            if preempt.requested or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or last:
+            # every process stops after the same step (a signal reaches one of them): the save
+            # and the exit are collective
+            stop = distributed.any_process(preempt.requested)
+            if stop or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or last:
                 if not bool(_all_finite(params)):  # never rotate good checkpoints out for a NaN one
                     raise NonFiniteTraining(f"parameters are not finite after step {step + 1}; not checkpointed "
                                             f"(last checkpoint: {ckpt.latest_step() or 'none'})")
                 ckpt.save(step + 1, params, opt_state, {"next_step": step + 1, "seed": cfg.seed,
                                                         "data_position": step + 1, "batch_shapes": shapes})
-            if preempt.requested:
+            if stop:
                 log(f"stopped after step {step + 1}; rerun the same command to resume")
                 return {"preempted_at": step + 1}
     finally:

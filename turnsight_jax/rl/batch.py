@@ -168,13 +168,15 @@ def make_train_batch(
     packed_buckets: Sequence[int] = DEFAULT_PACKED_BUCKETS,
     pad_id: int = 0,
     min_shapes: dict[str, int] | None = None,
+    group_offset: int = 0,
 ) -> tuple[TrainBatch, dict[str, float]]:
     """Assemble a TrainBatch (numpy arrays) and stats (token counts, view overhead).
 
     tasks: the task of each row (len(trajs) of them): the rewards and the hindsight source read
     gold calls and answers from it. min_shapes: floors for the bucketed widths {"T", "N", "P",
     "U"}; the trainer passes the largest widths seen so far, so shapes only grow and the step
-    compiles a handful of times. The widths used are returned in stats as T/N/P/U."""
+    compiles a handful of times. The widths used are returned in stats as T/N/P/U. group_offset:
+    the index of the first group in the whole batch (a process builds its own rows of it)."""
     cfg.validate(len(trajs))
     floor = {"T": 0, "N": 0, "P": 0, "U": 0, **(min_shapes or {})}
     longest = max(t.length for t in trajs)
@@ -209,7 +211,7 @@ def make_train_batch(
         stats["P"], stats["U"] = float(views.tokens.shape[1]), float(views.pred.shape[1])
     batch = TrainBatch(
         tokens=tokens, valid=valid, pol_pos=pol_pos, pol_valid=pol_valid, turn_ids=turn_ids, old_logprobs=old_lp,
-        group_ids=group_index(trajs, cfg.group_size),
+        group_ids=group_index(trajs, cfg.group_size) + np.int32(group_offset),
         num_turns=np.asarray([t.num_turns for t in trajs], np.int32),
         signals=compute_signals(method, trajs, tasks, cfg),
         views=views,

@@ -62,6 +62,7 @@ class RolloutContext:
     progress: Callable[[Any], None] | None = None  # rollout.driver.ProgressCallback, e.g. a ProgressLine
     engine: Any = None  # rollout.engine.EngineConfig: the paged engine; None: the lockstep ModelPolicy
     mesh: Any = None  # the device mesh the paged engine splits its rows and KV pool over (None: one shard)
+    group_offset: int = 0  # global index of the first prompt (a process rolls out its share of a step's prompts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,20 +90,24 @@ def register_rollout(name: str):
 def sampler_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
     """The default: G samples per prompt, `prompts_per_chunk` prompts at a time (0: all), from the
     paged engine (`ctx.engine`: continuous batching over `ctx.engine.slots` slots) or the lockstep
-    `ModelPolicy` (its static cache holds one chunk's rows); the chunks' trajectories and stats joined."""
+    `ModelPolicy` (its static cache holds one chunk's rows); the chunks' trajectories and stats joined.
+    Every episode's draws depend on (seed, its global row) only: chunking and the split of a step
+    over processes (`ctx.group_offset`) change no token."""
     per = ctx.prompts_per_chunk or len(tasks)
     trajs, stats = [], {}
     for i in range(0, len(tasks), per):
         kwargs = {} if ctx.cache_dtype is None else {"cache_dtype": ctx.cache_dtype}
+        first = ctx.group_offset + i
         if ctx.engine is not None:
             policy = PagedEngine(ctx.graphdef, ctx.params, ctx.tokenizer, sampling=ctx.sampling, config=ctx.config,
-                                 engine=ctx.engine, seed=seed + i, mesh=ctx.mesh, **kwargs)
+                                 engine=ctx.engine, seed=seed, mesh=ctx.mesh, row_offset=first * ctx.group_size,
+                                 **kwargs)
         else:
             policy = ModelPolicy(ctx.graphdef, ctx.params, ctx.tokenizer, sampling=ctx.sampling, config=ctx.config,
-                                 seed=seed + i, **kwargs)
+                                 seed=seed, row_offset=first * ctx.group_size, **kwargs)
         with jax.set_mesh(ctx.mesh) if ctx.mesh is not None else contextlib.nullcontext():
             res = rollout(policy, ctx.env, tasks[i:i + per], tokenizer=ctx.tokenizer, group_size=ctx.group_size,
-                          config=ctx.config, seed=seed, group_offset=i, progress=ctx.progress)
+                          config=ctx.config, seed=seed, group_offset=first, progress=ctx.progress)
         trajs.extend(res.trajectories)
         for k, v in res.stats.items():
             stats[k] = stats.get(k, 0.0) + v if k != "compilations" else v

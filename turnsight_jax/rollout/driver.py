@@ -102,14 +102,19 @@ class ModelPolicy:
     """
 
     def __init__(self, graphdef, state, tokenizer, *, sampling: SamplingParams, config: RolloutConfig,
-                 seed: int = 0, cache_dtype=jnp.float32, forced_scripts: Sequence[Sequence[str]] | None = None):
+                 seed: int = 0, cache_dtype=jnp.float32, forced_scripts: Sequence[Sequence[str]] | None = None,
+                 row_offset: int = 0):
         """forced_scripts: optional turn texts per row that override sampling (a scripted policy
-        run through the real decode loop and cache; log-probs remain the model's)."""
+        run through the real decode loop and cache; log-probs remain the model's). Row r's draws
+        come from fold_in(key(seed), row_offset + r), token by token, as the paged engine's: the
+        same episodes sample the same tokens whatever the batch they share (row_offset: the
+        rows' global index, when a step's episodes are split over calls or processes)."""
         self.graphdef, self.state = graphdef, state
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.config = config
         self.key = jax.random.key(seed)
+        self.row_offset = row_offset
         self.cache_dtype = cache_dtype
         ids = tok_lib.special_ids(tokenizer)
         self.stop_ids = jnp.array([ids.im_end, ids.endoftext], jnp.int32)
@@ -149,6 +154,9 @@ class ModelPolicy:
         self.hidden = hidden[take]
         self.turn = 0
         self.lengths = np.asarray(lens)[np.asarray(take)]  # host copy of the filled slots per row
+        self.row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
+            self.key, jnp.arange(self.padded_rows, dtype=jnp.int32) + self.row_offset)
+        self.sampled = np.zeros(self.padded_rows, np.int32)  # tokens each row drew so far
         self.timings["prefill"] += time.perf_counter() - t0
 
     def _window(self, needed: int) -> int:
@@ -168,7 +176,6 @@ class ModelPolicy:
         bud = np.zeros(self.padded_rows, np.int32)
         bud[: self.rows] = np.minimum(budgets, self.config.max_turn_tokens)
         act &= bud > 0
-        self.key, sub = jax.random.split(self.key)
         forced = None
         if self.forced_scripts is not None:
             forced = np.full((self.padded_rows, self.config.max_turn_tokens), -1, np.int32)
@@ -181,13 +188,14 @@ class ModelPolicy:
             forced = jnp.asarray(forced)
         self.turn += 1
         out, self.cache, self.hidden, _ = decode_turn(
-            self.graphdef, self.state, self.cache, self.hidden, sub, self.config.max_turn_tokens, self.sampling,
-            self.stop_ids, jnp.asarray(act), jnp.asarray(bud), forced,
+            self.graphdef, self.state, self.cache, self.hidden, self.row_keys, self.config.max_turn_tokens,
+            self.sampling, self.stop_ids, jnp.asarray(act), jnp.asarray(bud), forced, jnp.asarray(self.sampled),
             window=self._window(int(self.lengths.max()) + self.config.max_turn_tokens),
         )
         tokens, logprobs = to_host(out.tokens), to_host(out.logprobs)
         lengths, stopped = to_host(out.lengths), to_host(out.stopped)
         self.lengths = self.lengths + lengths
+        self.sampled = self.sampled + lengths.astype(np.int32)
         self.timings["decode"] += time.perf_counter() - t0
         result: list[GeneratedTurn | None] = []
         for r in range(self.rows):

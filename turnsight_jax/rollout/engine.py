@@ -207,10 +207,12 @@ class PagedEngine:
     a copy cast to `cache_dtype` when they differ (the decode copy, sharded like the parameters).
     mesh: rows and the pool are split over its (data, fsdp) axes; None: one shard.
     forced_scripts: optional turn texts per row replacing the draws (the model's log-probs are
-    still recorded), as `ModelPolicy`'s."""
+    still recorded), as `ModelPolicy`'s. row_offset: the rows' global index (episode r draws
+    from fold_in(key(seed), row_offset + r)), as `ModelPolicy`'s."""
 
     def __init__(self, graphdef, state, tokenizer, *, sampling: SamplingParams, config, engine: EngineConfig,
-                 seed: int = 0, cache_dtype=jnp.float32, mesh=None, forced_scripts: Sequence[Sequence[str]] | None = None):
+                 seed: int = 0, cache_dtype=jnp.float32, mesh=None, forced_scripts: Sequence[Sequence[str]] | None = None,
+                 row_offset: int = 0):
         self.graphdef, self.tokenizer, self.sampling, self.config = graphdef, tokenizer, sampling, config
         self.engine, self.mesh, self.cache_dtype = engine, mesh, jnp.dtype(cache_dtype)
         self.state = _decode_copy(state, self.cache_dtype)
@@ -230,6 +232,7 @@ class PagedEngine:
         self.stop_ids = jnp.array([ids.im_end, ids.endoftext], jnp.int32)
         self.im_end = ids.im_end
         self.base_key = jax.random.key(seed)
+        self.row_offset = row_offset
         self.forced_scripts = forced_scripts
         self._forced_ids: dict[tuple[int, int], list[int]] = {}
         self.timings = {"prefill": 0.0, "decode": 0.0, "append": 0.0}
@@ -495,7 +498,7 @@ class PagedEngine:
         self.counters["decode_blocks_computed"] += size * self.shards * steps
         live_np = live_blocks(listed, per, self.trash, self.engine.block_size, size)
         live_blocks_arg = LiveBlocks(**{k: self._put(jnp.asarray(v)) for k, v in live_np.items()})
-        keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(self.base_key, jnp.asarray(row_ids))
+        keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(self.base_key, jnp.asarray(row_ids + self.row_offset))
         t0 = time.perf_counter()
         hid_in = self.hidden[jnp.asarray(src)]
         out_tok, out_lp, emitted, stopped, self.kv, hid = _decode(

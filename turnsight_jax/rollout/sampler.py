@@ -178,13 +178,17 @@ def append_tokens(graphdef, state, tokens, num_new, cache: KVCache, last_hidden,
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6), static_argnames=("window",), donate_argnums=(2,))
 def decode_turn(graphdef, state, cache: KVCache, last_hidden, key, max_new: int, params: SamplingParams,
-                stop_ids, active, budget, forced=None, *, window: int | None = None):
+                stop_ids, active, budget, forced=None, counts=None, *, window: int | None = None):
     """Decode up to `max_new` tokens for every active row.
 
     last_hidden [B, D]: hidden state after each row's last cached token; stop_ids [S] int32;
     active [B] bool (inactive rows emit nothing and keep their cache); budget [B] int32 (a row
     emits at most budget[b] tokens); forced: optional [B, max_new] int32 of tokens that replace
     the sampled ones (-1 = sample), a scripted override whose log-probs are still the model's.
+    key: one key, split per step (the draws depend on the batch layout); or, with counts [B]
+    int32 (tokens each row drew before), one key per row [B]: a row's n-th draw uses
+    fold_in(key[b], n), as the paged engine's, so it depends on the row's own key only (the
+    split of episodes over chunks and processes changes nothing).
     Returns (TurnOutput, cache, last_hidden, key). Rows stop at
     a stop token, at their budget, or when the cache is full."""
     model: Qwen3 = nnx.merge(graphdef, state)
@@ -199,9 +203,13 @@ def decode_turn(graphdef, state, cache: KVCache, last_hidden, key, max_new: int,
 
     def body(c):
         step, done, stopped, count, out_tok, out_lp, cache, hidden, key = c
-        key, sub = jax.random.split(key)
         logits = jnp.einsum("bd,dv->bv", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
-        tok, lp = sample(logits, sub, params, None if forced is None else forced[:, step])
+        force = None if forced is None else forced[:, step]
+        if counts is None:
+            key, sub = jax.random.split(key)
+            tok, lp = sample(logits, sub, params, force)
+        else:
+            tok, lp = sample_rows(logits, jax.vmap(jax.random.fold_in)(key, counts + count), params, force)
         live = ~done
         out_tok = out_tok.at[:, step].set(jnp.where(live, tok, 0))
         out_lp = out_lp.at[:, step].set(jnp.where(live, lp, 0.0))
