@@ -405,6 +405,25 @@ def test_local_multiprocess_dry_run(bare_path):
                     *TRAIN] for i in range(2)]
 
 
+def test_local_mode_sets_the_cluster_scripts_per_process_environment(bare_path):
+    """What makes a process part of a job (the launcher flag, the coordinator, the process count
+    and index) is set alike by the SLURM launcher's dry run and the local mode's; the local mode
+    adds only the CPU platform and its device count, the SLURM one only the GPU memory fraction."""
+    slurm = [parse_env_command(c)[0] for c in dry_run("slurm_multinode.sh", "--nodes", "2", "--port", "12400",
+                                                     "--workdir", "/w", bare_path=bare_path)[2:]]
+    local = [parse_env_command(c)[0] for c in dry_run("local_multiprocess.sh", "2", "--port", "12400",
+                                                     bare_path=bare_path)]
+    assert len(slurm) == len(local) == 2
+    job = ("TURNSIGHT_DISTRIBUTED", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+    for pid, (a, b) in enumerate(zip(slurm, local)):
+        assert {k: a[k] for k in job} == {k: b[k] for k in job} == {
+            "TURNSIGHT_DISTRIBUTED": "1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid)}
+        # the same port on the first node / on loopback
+        assert a["JAX_COORDINATOR_ADDRESS"].endswith(":12400") and b["JAX_COORDINATOR_ADDRESS"] == "127.0.0.1:12400"
+        assert set(a) - set(job) - {"JAX_COORDINATOR_ADDRESS"} == {"XLA_PYTHON_CLIENT_MEM_FRACTION"}
+        assert set(b) - set(job) - {"JAX_COORDINATOR_ADDRESS"} == {"JAX_PLATFORMS", "XLA_FLAGS"}
+
+
 def test_local_multiprocess_forms_one_jax_job():
     """2 processes x 4 CPU devices join one 8-device job; an all-reduce spans both processes."""
     proc = launch("local_multiprocess.sh", "2", "--devices", "4", "--port", str(_free_port()), "--",
