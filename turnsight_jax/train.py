@@ -59,7 +59,11 @@ class _Preemption:
         self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM,)}
 
     def _handle(self, signum, frame):
-        log(f"received signal {signum}: checkpointing after this step, then exiting")
+        # every process says it (a preemption may reach only one of them); the stop is agreed
+        # after the step (`distributed.any_process`)
+        who = f"process {jax.process_index()}: " if jax.process_count() > 1 else ""
+        print(f"{who}received signal {signum}: checkpointing after this step, then exiting", file=sys.stderr,
+              flush=True)
         self.requested = True
 
     def restore(self):
@@ -309,7 +313,9 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                 ckpt.save(step + 1, params, opt_state, {"next_step": step + 1, "seed": cfg.seed,
                                                         "data_position": step + 1, "batch_shapes": shapes})
             if stop:
-                log(f"stopped after step {step + 1}; rerun the same command to resume")
+                log(f"stopped after step {step + 1} (checkpoint {step + 1} written by all processes); rerun "
+                    f"the same command to resume" if jax.process_count() > 1 else
+                    f"stopped after step {step + 1}; rerun the same command to resume")
                 return {"preempted_at": step + 1}
     finally:
         preempt.restore()
