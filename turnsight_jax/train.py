@@ -153,6 +153,9 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     step_cfg, method = validate(cfg, jax.device_count())
     log(method.describe())
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    # several processes: a batch that cannot be split into whole groups per process fails now, not
+    # after the warm-start
+    distributed.rollout_share(mesh, cfg.train.prompts_per_step, cfg.train.group_size)
     qcfg = model_setup.model_config(cfg)
     if not cfg.model.hf_path and not cfg.model.allow_random_init:
         raise ConfigError(f"model.preset={cfg.model.preset!r} would start from random weights: set "
