@@ -59,8 +59,9 @@ def maybe_initialize_distributed() -> None:
 
 def to_host(x) -> np.ndarray:
     """A jax.Array as a numpy array on this process, whole. An array that spans other processes'
-    devices (a multi-process run) is all-gathered first: every process then holds the same
-    values, which is how rollout host work runs today (replicated on every process)."""
+    devices is all-gathered first, so every process holds the same values (the held-out
+    evaluation decodes on the global mesh; training rollouts decode on `local_mesh` and need no
+    gather)."""
     if not isinstance(x, jax.Array) or x.is_fully_addressable:
         return np.asarray(x)
     from jax.experimental import multihost_utils
@@ -88,19 +89,13 @@ def any_process(flag: bool) -> bool:
     return bool(gather(np.int32(bool(flag))).any())
 
 
-def _batch_sharding(mesh, rows: int):
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from turnsight_jax.models.sharding import BATCH, fit_spec
-
-    return NamedSharding(mesh, fit_spec(P(BATCH), (rows,), mesh))
-
-
 def process_rows(mesh, rows: int) -> tuple[int, int]:
     """[start, stop) of the rows of a [rows, ...] array split over the mesh's (data, fsdp) axes
     that live on this process's devices. ValueError unless they are one contiguous range and the
     processes' ranges partition the rows (no row on two processes)."""
-    index = _batch_sharding(mesh, rows).addressable_devices_indices_map((rows,))
+    from turnsight_jax.models.sharding import row_sharding
+
+    index = row_sharding((rows,), 0, mesh).addressable_devices_indices_map((rows,))
     spans = sorted({(sl[0].start or 0, rows if sl[0].stop is None else sl[0].stop) for sl in index.values()})
     start, stop = spans[0][0], spans[-1][1]
     if any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
@@ -207,9 +202,7 @@ def assemble_rows(tree, mesh, rows: int, row_axis_of=lambda path: 0):
     """Global arrays from each process's rows: numpy leaves holding this process's
     `process_rows(mesh, rows)` along their row axis become arrays of `rows` rows split over the
     mesh's (data, fsdp) axes (`models.sharding.shard_rows`'s layout). None leaves stay None."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from turnsight_jax.models.sharding import BATCH, fit_spec
+    from turnsight_jax.models.sharding import row_sharding
 
     def put(path, x):
         if x is None:
@@ -217,10 +210,7 @@ def assemble_rows(tree, mesh, rows: int, row_axis_of=lambda path: 0):
         axis = row_axis_of(path)
         shape = list(x.shape)
         shape[axis] = rows
-        spec = [None] * x.ndim
-        spec[axis] = BATCH
-        sharding = NamedSharding(mesh, fit_spec(P(*spec), tuple(shape), mesh))
-        return jax.make_array_from_process_local_data(sharding, np.asarray(x), tuple(shape))
+        return jax.make_array_from_process_local_data(row_sharding(shape, axis, mesh), np.asarray(x), tuple(shape))
 
     return jax.tree_util.tree_map_with_path(put, tree)
 

@@ -87,11 +87,11 @@ def _rollout_metrics(trajs) -> dict[str, float]:
             out[f"rollout/{k}"] = float(np.mean(vals))
     calls = table[:, 1 + _TRAJ_METRICS.index("num_calls")]
     out["rollout/tool_calls"] = float(np.nansum(calls))  # executed over all processes
-    if distributed.is_multiprocess():  # who ran what: the split is whole, disjoint shares
-        per = table.shape[0] // jax.process_count()
-        for p in range(jax.process_count()):
-            out[f"dist/episodes_p{p}"] = float(per)
-            out[f"dist/tool_calls_p{p}"] = float(np.nansum(calls[p * per:(p + 1) * per]))
+    if distributed.is_multiprocess():  # who ran what: each process's own episodes, in process order
+        ends = np.cumsum(distributed.gather(len(trajs)))
+        for p, (a, b) in enumerate(zip(np.concatenate([[0], ends[:-1]]), ends)):
+            out[f"dist/episodes_p{p}"] = float(b - a)
+            out[f"dist/tool_calls_p{p}"] = float(np.nansum(calls[a:b]))
     return out
 
 

@@ -123,15 +123,19 @@ def constrain(x: jax.Array, kind: str) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+def row_sharding(shape: Sequence[int], axis: int, mesh: Mesh) -> NamedSharding:
+    """The sharding of a batch array of `shape`: its row axis split over (data, fsdp), where they divide."""
+    spec = [None] * len(shape)
+    spec[axis] = BATCH
+    return NamedSharding(mesh, fit_spec(P(*spec), tuple(shape), mesh))
+
+
 def shard_rows(tree, mesh: Mesh, row_axis_of=lambda path: 0):
     """device_put every array of `tree` with its row axis (default 0) split over (data, fsdp)."""
 
     def put(path, x):
         if x is None:
             return None
-        axis = row_axis_of(path)
-        spec = [None] * x.ndim
-        spec[axis] = BATCH
-        return jax.device_put(x, NamedSharding(mesh, fit_spec(P(*spec), x.shape, mesh)))
+        return jax.device_put(x, row_sharding(x.shape, row_axis_of(path), mesh))
 
     return jax.tree_util.tree_map_with_path(put, tree)
