@@ -4,15 +4,28 @@ hindsight views, both through a chunked log-softmax that never forms a [B, T, V]
 For each chunk of rows the logits [C, V] are formed in float32, reduced by log-sum-exp and
 gathered at the target, inside a rematerialised `lax.scan` body: the peak extra memory is one
 [C, V] float32 block in the forward and in the backward pass, whatever B * T is.
+
+On a mesh (`jax.set_mesh` with the axes of models.sharding) the projection runs per device
+(`shard_map`): each device gathers the head weight's `fsdp` shards once, runs the chunk loop over
+its *own* rows, and the backward pass reduce-scatters the head gradient once. Left to the
+partitioner, the chunk loop over batch-sharded rows replicated the rows, sharded the contraction
+and all-reduced every chunk's [C, V] float32 logits (and, with the weight gathered outside the
+loop, the [D, V] head gradient once per chunk). With a `tensor` axis the vocabulary stays split
+over it and the log-softmax is distributed: per row, a max, a sum of exponentials and the target
+logit cross devices, [C] values, never [C, V].
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.qwen3 import Qwen3
+from turnsight_jax.models.sharding import AXES, BATCH, fit_spec
 from turnsight_jax.rl.views import PackedViews
 
 
@@ -24,26 +37,40 @@ def chunked_logprobs(
     chunk: int = 1024,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    vocab_axis: str | None = None,
 ):
     """log softmax(hidden @ weight / temperature)[target] per row.
 
     hidden [N, D] (any float dtype); targets [N] int32; weight [D, V]. Returns [N] float32, or
     with `with_entropy` the pair ([N], [N]) with the entropy -Σ_v p_v log p_v of each row's
     tempered distribution, from the same [C, V] logits block (differentiable like the log-probs).
+
+    vocab_axis: inside a `shard_map`, the mesh axis the vocabulary is split over; `weight` is then
+    this device's [D, V / n] columns (device i holds ids [i·V/n, (i+1)·V/n)) and the max, the sum
+    of exponentials and the target logit of each row are combined over that axis.
     """
     n, d = hidden.shape
     inv_t = 1.0 / float(temperature)
     w = weight.astype(hidden.dtype)
+    first_id = 0 if vocab_axis is None else jax.lax.axis_index(vocab_axis) * w.shape[1]
+
+    def across(x, op):
+        return x if vocab_axis is None else op(x, vocab_axis)
 
     def rows(h, t):
         logits = jnp.einsum("nd,dv->nv", h, w, preferred_element_type=jnp.float32) * inv_t
-        picked = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
-        lse = jax.nn.logsumexp(logits, axis=-1)
+        local = t - first_id
+        here = (local >= 0) & (local < w.shape[1])
+        picked = jnp.take_along_axis(logits, jnp.clip(local, 0, w.shape[1] - 1)[:, None], axis=-1)[:, 0]
+        picked = across(jnp.where(here, picked, 0.0), jax.lax.psum)
+        # log-sum-exp from a (stop-gradient) max shared by the vocabulary shards
+        top = across(jax.lax.stop_gradient(jnp.max(logits, axis=-1)), jax.lax.pmax)
+        lse = top + jnp.log(across(jnp.sum(jnp.exp(logits - top[:, None]), axis=-1), jax.lax.psum))
         if not with_entropy:
             return picked - lse
         # H = lse - Σ p·logits (p = softmax): no [C, V] log-prob array beyond p itself
         probs = jnp.exp(logits - lse[:, None])
-        return picked - lse, lse - jnp.sum(probs * logits, axis=-1)
+        return picked - lse, lse - across(jnp.sum(probs * logits, axis=-1), jax.lax.psum)
 
     if n <= chunk:
         return rows(hidden, targets)
@@ -65,15 +92,60 @@ def gather_rows(hidden: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(hidden, index[..., None], axis=1)
 
 
+def _varying(x) -> frozenset:
+    """The mesh axes a value inside `shard_map` varies over (JAX's manual-axis type)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)  # the attribute's name before JAX 0.10
+    return frozenset(vma if vma is not None else aval.manual_axis_type.varying)
+
+
+def _active_mesh():
+    """The mesh set with `jax.set_mesh`, when it has this package's axes and more than one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(AXES) <= set(mesh.axis_names) or math.prod(mesh.axis_sizes) == 1:
+        return None
+    return mesh
+
+
 def logprobs_at(model: Qwen3, hidden: jax.Array, pred_index: jax.Array, targets: jax.Array, *,
                 chunk: int, temperature: float = 1.0, with_entropy: bool = False):
     """log p(targets[b, n] | hidden[b, pred_index[b, n]]); pred_index, targets [B, N] -> [B, N] f32
-    (with `with_entropy`, also the entropy of each predicted distribution [B, N])."""
+    (with `with_entropy`, also the entropy of each predicted distribution [B, N]).
+
+    On a mesh, per device (module docstring): no vocabulary-sized array crosses devices."""
     b, n = targets.shape
-    rows = gather_rows(hidden, pred_index)
-    out = chunked_logprobs(rows.reshape(b * n, -1), targets.reshape(-1), model.output_weight(), chunk=chunk,
-                           temperature=temperature, with_entropy=with_entropy)
-    return jax.tree.map(lambda o: o.reshape(b, n), out)
+    weight = model.output_weight()
+    kw = dict(chunk=chunk, temperature=temperature, with_entropy=with_entropy)
+    mesh = _active_mesh()
+    if mesh is None:
+        rows = gather_rows(hidden, pred_index)
+        out = chunked_logprobs(rows.reshape(b * n, -1), targets.reshape(-1), weight, **kw)
+        return jax.tree.map(lambda o: o.reshape(b, n), out)
+
+    row_spec = fit_spec(P(BATCH, None), (b, n), mesh)
+    hidden_spec = P(row_spec[0], None, None)
+    # the head's own layout ([D, V]: D over fsdp, V over tensor), where the axes divide
+    w_spec = fit_spec(P(*(a if mesh.shape[a] > 1 else None for a in ("fsdp", "tensor"))), weight.shape, mesh)
+    gather_axis, vocab_axis = w_spec[0], w_spec[1]
+
+    def local(h, idx, tgt, w):
+        w = w.astype(h.dtype)  # gather in the compute dtype
+        if gather_axis is not None:
+            w = jax.lax.all_gather(w, gather_axis, axis=0, tiled=True)  # once; its transpose reduce-scatters
+        # Mark the weight as varying over the axes the rows vary over, here, outside the chunk
+        # loop: left implicit, that cast happens inside each chunk, and its transpose (a psum of
+        # the [D, V] gradient) with it.
+        missing = tuple(sorted(_varying(h) - _varying(w)))
+        if missing:
+            w = jax.lax.pcast(w, missing, to="varying")
+        lb, ln = tgt.shape
+        rows = gather_rows(h, idx)
+        out = chunked_logprobs(rows.reshape(lb * ln, -1), tgt.reshape(-1), w, vocab_axis=vocab_axis, **kw)
+        return jax.tree.map(lambda o: o.reshape(lb, ln), out)
+
+    out_spec = (row_spec, row_spec) if with_entropy else row_spec
+    return jax.shard_map(local, mesh=mesh, in_specs=(hidden_spec, row_spec, row_spec, w_spec),
+                         out_specs=out_spec)(hidden, pred_index, targets, weight)
 
 
 def predictor_positions(valid_mask: jax.Array, pol_pos: jax.Array) -> jax.Array:
