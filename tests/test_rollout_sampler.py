@@ -178,3 +178,15 @@ def test_budget_caps_each_row():
     out, cache, _, _ = decode_turn(graphdef, state, cache, hidden, jax.random.key(1), 6, SamplingParams(),
                                    NO_STOP, jnp.ones((3,), bool), jnp.array([2, 6, 0]))
     assert list(np.asarray(out.lengths)) == [2, 6, 0] and list(np.asarray(cache.lengths)) == [4, 8, 1]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(greedy=True), SamplingParams(top_k=3), SamplingParams()],
+                         ids=["greedy", "top_k", "full"])
+def test_tokens_only_draws_the_same_tokens(params):
+    """logprobs=False (what an evaluation decodes) changes no draw; its log-probs are 0."""
+    import dataclasses
+
+    toks, lps, _ = _draws(params, n=512)
+    toks_only, lps_only, _ = _draws(dataclasses.replace(params, logprobs=False), n=512)
+    np.testing.assert_array_equal(toks, toks_only)
+    assert np.all(lps < 0) and np.all(lps_only == 0.0)

@@ -500,11 +500,12 @@ def sampling_params(cfg: mlc.ConfigDict) -> SamplingParams:
 
 
 def eval_sampling(cfg: mlc.ConfigDict, *, greedy: bool = False) -> SamplingParams:
-    """The held-out evaluation's sampling: greedy when eval.temperature is 0 (or `greedy`)."""
+    """The held-out evaluation's sampling: greedy when eval.temperature is 0 (or `greedy`); the
+    tokens only (an evaluation reads no log-probs)."""
     e = cfg.eval
     if greedy or e.temperature <= 0:
-        return SamplingParams(greedy=True)
-    return SamplingParams(temperature=e.temperature, top_k=int(e.top_k), top_p=float(e.top_p))
+        return SamplingParams(greedy=True, logprobs=False)
+    return SamplingParams(temperature=e.temperature, top_k=int(e.top_k), top_p=float(e.top_p), logprobs=False)
 
 
 def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,

@@ -24,12 +24,15 @@ from turnsight_jax.models.qwen3 import KVCache, Qwen3
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """temperature > 0; top_k = 0 disables; top_p = 1.0 disables; greedy ignores the rest."""
+    """temperature > 0; top_k = 0 disables; top_p = 1.0 disables; greedy ignores the rest.
+    logprobs=False: the log-probs returned are 0 (an evaluation needs only the tokens); a greedy
+    decode then skips its log-sum-exp over the vocabulary, and a truncated one its second."""
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     greedy: bool = False
+    logprobs: bool = True
 
     def __post_init__(self):
         if not self.greedy and self.temperature <= 0:
@@ -134,15 +137,17 @@ def sample_uniform(logits: jax.Array, u01: jax.Array | None, params: SamplingPar
     if params.greedy:
         scaled = logits
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        lse = jax.nn.logsumexp(logits, axis=-1)
+        lse = jax.nn.logsumexp(logits, axis=-1) if params.logprobs else None
     else:
         scaled = logits / params.temperature
         truncated = params.top_k > 0 or params.top_p < 1.0
         tokens, lse = _inverse_cdf(truncated_logits(logits, params) if truncated else scaled, u01)
-        if truncated:  # log-probs are of the untruncated tempered distribution (module docstring)
+        if truncated and params.logprobs:  # of the untruncated tempered distribution (module docstring)
             lse = jax.nn.logsumexp(scaled, axis=-1)
     if forced is not None:
         tokens = jnp.where(forced >= 0, forced, tokens).astype(jnp.int32)
+    if not params.logprobs:
+        return tokens, jnp.zeros(tokens.shape, jnp.float32)
     return tokens, jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - lse
 
 
