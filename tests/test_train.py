@@ -290,3 +290,13 @@ def test_exported_folder_loads_in_transformers(uninterrupted):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits.numpy()
     assert np.abs(np.asarray(ours(jnp.asarray([ids]))) - ref).max() < 1e-4
+
+
+def test_the_update_flops_are_logged(uninterrupted):
+    """Every step logs the update's necessary and executed FLOPs (turnsight_jax.flops) and their
+    ratio, the padding the step pays for; MFU counts the necessary work only."""
+    recs = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
+    for r in recs:
+        assert r["perf/update_flops_executed"] > r["perf/update_flops_necessary"] > 0
+        assert r["perf/update_padding_ratio"] == pytest.approx(
+            r["perf/update_flops_executed"] / r["perf/update_flops_necessary"])

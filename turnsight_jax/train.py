@@ -28,7 +28,7 @@ import ml_collections as mlc
 import numpy as np
 from flax import nnx
 
-from turnsight_jax import checkpointing, distributed, model_setup, sources
+from turnsight_jax import checkpointing, distributed, flops, model_setup, sources
 from turnsight_jax.checkpointing import Checkpointer, write_run_config, write_run_files
 from turnsight_jax.config import (engine_config, load_run_config, model_layer_name, rollout_config, sampling_params,
                                   validate)
@@ -37,7 +37,7 @@ from turnsight_jax.errors import ConfigError, NonFiniteTraining
 from turnsight_jax.eval.heldout import evaluate_policy
 from turnsight_jax.models.sharding import make_mesh
 from turnsight_jax.models.weights import save_pretrained
-from turnsight_jax.rl.batch import make_train_batch, row_axis, shard_batch
+from turnsight_jax.rl.batch import make_train_batch, packed_reference, row_axis, shard_batch
 from turnsight_jax.rl.methods import RolloutContext
 from turnsight_jax.rl.step import TURNSIGHT_METRICS, make_optimizer, make_train_step
 from turnsight_jax.rollout.progress import ProgressLine
@@ -117,12 +117,14 @@ def _summed(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, total.tolist()))
 
 
-def _step_flops(qcfg, decoded: float, train_tokens: float, view_tokens: float, policy_tokens: float) -> float:
-    """Model FLOPs of one RL step: decoding (forward), teacher views (forward), update (3x forward)."""
-    per_tok = qcfg.flops_per_token(1024) - 2 * qcfg.hidden_size * qcfg.vocab_size  # trunk only
-    head = 2 * qcfg.hidden_size * qcfg.vocab_size
-    return (decoded * (per_tok + head) + view_tokens * per_tok + policy_tokens * 3 * head
-            + 3 * train_tokens * per_tok + 3 * policy_tokens * head)
+def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg) -> flops.UpdateFlops:
+    """The update's FLOPs (turnsight_jax.flops) for this process's rows, as the step runs them."""
+    one_update = step_cfg.mini_batches * step_cfg.ppo_epochs == 1
+    trainer_old = (not step_cfg.algo.student_sees_observations) or step_cfg.loss.tis_threshold is not None
+    return flops.update_flops(
+        qcfg, batch, updates=step_cfg.ppo_epochs, extra_forwards=int(trainer_old and not one_update),
+        ref_forward=method.needs_ref and not packed_reference(step_cfg, method), q_chunk=cfg.model.attn_q_chunk,
+        remat=cfg.model.remat, teacher_distinct_rows=bstats.get("teacher_distinct_rows"))
 
 
 def _eval_progress(cfg, n_tasks: int, *, greedy: bool = False) -> ProgressLine:
@@ -252,6 +254,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             distributed.settle()  # the rollout's local collectives end before the step's cross-process ones
             t_roll = time.perf_counter() - t_step
             batch, bstats, shapes = _local_batch(res.trajectories, mine, first, tok, step_cfg, method, cfg, shapes)
+            work = _update_flops(qcfg, batch, bstats, step_cfg, method, cfg)
             if step in fault_nan_steps:
                 batch = _poison(batch)
             rows = len(tasks) * cfg.train.group_size
@@ -273,10 +276,16 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                 metrics[("turnsight/" if k in TURNSIGHT_METRICS else "train/") + k] = v
             counts = _summed({**{f"r.{k}": res.stats.get(k, 0.0) for k in ("tokens", "decoded_tokens", "env_errors")},
                               **{f"b.{k}": bstats.get(k, 0.0) for k in ("trajectory_tokens", "view_tokens",
-                                                                        "policy_tokens")}})
+                                                                        "policy_tokens")},
+                              "f.rollout": flops.rollout_flops(qcfg, [t.length for t in res.trajectories],
+                                                               res.stats.get("decoded_tokens", 0.0)),
+                              "f.update_necessary": work.necessary, "f.update_executed": work.executed})
             tokens = counts["r.tokens"] + counts["b.trajectory_tokens"] + counts["b.view_tokens"]
-            flops = _step_flops(qcfg, counts["r.decoded_tokens"], counts["b.trajectory_tokens"],
-                                counts["b.view_tokens"], counts["b.policy_tokens"])
+            necessary = counts["f.rollout"] + counts["f.update_necessary"]
+            metrics.update({"perf/update_flops_necessary": counts["f.update_necessary"],
+                            "perf/update_flops_executed": counts["f.update_executed"],
+                            # executed / necessary FLOPs of the update: the padding it pays for
+                            "perf/update_padding_ratio": counts["f.update_executed"] / max(counts["f.update_necessary"], 1.0)})
             metrics.update({"perf/step_s": t_total, "perf/rollout_s": t_roll, "perf/update_s": t_total - t_roll,
                             "perf/tool_s": res.stats["tool_s"], "perf/tokens_per_s": tokens / t_total,
                             # episodes an environment error ended (a raising step or scorer), a count
@@ -292,7 +301,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                 metrics["rollout/kv_in_use_gib_peak"] = st["engine/kv_in_use_bytes_peak_per_shard"] / 2**30
                 metrics["rollout/prefill_tokens"] = st.get("engine/prefill_tokens", 0.0)
             if peak:
-                metrics["perf/mfu_vs_measured_matmul"] = flops / t_total / peak
+                metrics["perf/mfu_vs_measured_matmul"] = necessary / t_total / peak
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < n_steps and eval_tasks:
                 ev = evaluate_policy(graphdef, params, tok, eval_tasks, cfg, eval_env,
                                      progress=_eval_progress(cfg, len(eval_tasks)))

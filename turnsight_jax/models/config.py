@@ -43,15 +43,6 @@ class Qwen3Config:
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_layers * layer + d + head
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Forward FLOPs per token: 2 x matmul weights (lm_head included, tied or not) plus the
-        causal attention scores and values (QK^T and PV over seq_len/2 keys on average)."""
-        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
-        per_layer = d * h * (2 * self.num_heads + 2 * self.num_kv_heads) + 3 * d * f
-        matmul = self.num_layers * per_layer + d * self.vocab_size
-        attn = 2 * 2 * self.num_layers * self.num_heads * h * (seq_len / 2)
-        return 2.0 * matmul + attn
-
     # ---- Hugging Face config.json ----
     def to_hf_dict(self) -> dict[str, Any]:
         return {

@@ -1,0 +1,166 @@
+"""The one FLOP counter: what a piece of work needs, and what the compiled step executes for it.
+
+Used by the trainer's metrics (`perf/mfu*`, `perf/update_flops_*`) and by every benchmark, so
+their MFU figures agree. Conventions:
+
+* a multiply-add is 2 FLOPs; matmuls only (projections, MLP, attention scores and values, the
+  vocabulary head). Norms, rotary, softmax, the embedding lookup and the optimizer are not counted;
+* a backward pass costs 2 forwards, so forward + backward = 3 forwards;
+* **necessary**: every real token through the trunk once per pass, attention over exactly the
+  (query, key) pairs the token may read (causal, or the packed hindsight layout), the head at the
+  rows whose log-prob is used (policy tokens; the teacher's distinct (predictor, target) pairs).
+  MFU counts these only;
+* **executed**: what the compiled step computes for the batch as shaped: padded rows and slots,
+  the pairs the chunked attention kernel scores (models.attention.chunked_attention: query chunks
+  in at most 4 groups, each scoring every key up to its group's end), and rematerialised forwards
+  (a `jax.checkpoint`ed layer, attention chunk or log-prob chunk runs its forward again in the
+  backward pass: 4 forwards instead of 3).
+
+executed / necessary is the step's padding ratio (1.0 = no wasted work).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from turnsight_jax.models.config import Qwen3Config
+
+_GROUPS = 4  # models.attention._GROUPS: the chunk groups of a causally bounded attention
+
+
+def trunk_flops_per_token(cfg: Qwen3Config) -> float:
+    """Projection and MLP FLOPs of one token through every layer (no attention pairs, no head)."""
+    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    per_layer = d * h * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * d * f
+    return 2.0 * cfg.num_layers * per_layer
+
+
+def attention_flops(cfg: Qwen3Config, pairs: float) -> float:
+    """QK^T and PV over `pairs` (query, key) pairs, every layer and query head."""
+    return 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * pairs
+
+
+def head_flops(cfg: Qwen3Config, rows: float) -> float:
+    return 2.0 * cfg.hidden_size * cfg.vocab_size * rows
+
+
+def forward_flops(cfg: Qwen3Config, tokens: float, pairs: float, head_rows: float) -> float:
+    return trunk_flops_per_token(cfg) * tokens + attention_flops(cfg, pairs) + head_flops(cfg, head_rows)
+
+
+def causal_pairs(length: int) -> float:
+    return length * (length + 1) / 2.0
+
+
+def readable_pairs(valid: np.ndarray) -> float:
+    """Causal pairs among the readable tokens of right-padded rows; valid [B, T] bool."""
+    valid = np.asarray(valid, bool)
+    return float(np.sum(np.where(valid, np.cumsum(valid, axis=1), 0)))
+
+
+def layout_pairs(segment_ids, ctx1_segment, ctx1_end, ctx2_segment, ctx2_end) -> float:
+    """(query, key) pairs a packed layout lets its tokens read (models.attention.packed_mask):
+    its own segment up to itself, plus each context segment up to the context's end. [B, P] int32."""
+    total = 0.0
+    for seg, c1s, c1e, c2s, c2e in zip(*(np.asarray(a) for a in (segment_ids, ctx1_segment, ctx1_end,
+                                                                  ctx2_segment, ctx2_end))):
+        real = seg >= 0
+        if not real.any():
+            continue
+        idx = np.arange(seg.size)
+        ids = np.unique(seg[real])
+        start = {int(s): int(idx[seg == s][0]) for s in ids}
+        end = {int(s): int(idx[seg == s][-1]) + 1 for s in ids}
+        first = np.array([start.get(int(s), 0) for s in seg])
+        count = np.where(real, idx - first + 1, 0).astype(np.float64)
+        for cs, ce in ((c1s, c1e), (c2s, c2e)):
+            lo = np.array([start.get(int(s), 0) for s in cs])
+            hi = np.array([end.get(int(s), 0) for s in cs])
+            count += np.where(real & (cs >= 0), np.clip(np.minimum(ce, hi) - lo, 0, None), 0)
+        total += float(count.sum())
+    return total
+
+
+def chunked_pairs(width: int, q_chunk: int) -> float:
+    """(query, key) pairs the chunked causally bounded kernel scores for one row of `width` tokens."""
+    if width <= q_chunk:
+        return float(width * width)
+    n = -(-width // q_chunk)
+    groups = min(n, _GROUPS)
+    bounds = [round(n * (g + 1) / groups) for g in range(groups)]
+    total, first = 0.0, 0
+    for last in bounds:
+        total += (last - first) * q_chunk * min(last * q_chunk, width)
+        first = last
+    return total
+
+
+@dataclasses.dataclass
+class UpdateFlops:
+    """FLOPs of one update (the fused step on one batch), by part. `parts` maps a part name to
+    (necessary, executed)."""
+
+    parts: dict[str, tuple[float, float]]
+
+    @property
+    def necessary(self) -> float:
+        return sum(n for n, _ in self.parts.values())
+
+    @property
+    def executed(self) -> float:
+        return sum(e for _, e in self.parts.values())
+
+    @property
+    def ratio(self) -> float:
+        """executed / necessary (1.0: nothing wasted)."""
+        return self.executed / max(self.necessary, 1.0)
+
+
+def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int = 0, ref_forward: bool = False,
+                 q_chunk: int, remat: bool, teacher_distinct_rows: float | None = None) -> UpdateFlops:
+    """FLOPs of the fused step (rl.step) on a numpy TrainBatch (rl.batch).
+
+    updates: forward+backward passes over every row (ppo_epochs: each row is in one mini-batch per
+    epoch); extra_forwards: no-gradient student forwards (π_old on the masked context);
+    ref_forward: the reference is scored on the student's context (not in the packed views);
+    teacher_distinct_rows: the real distinct (predictor, target) pairs (build_views' stats); by
+    default every nonzero slot of `pred` counts."""
+    b, t = batch.tokens.shape
+    n_slots = batch.pol_pos.shape[1]
+    trunk = trunk_flops_per_token(cfg)
+    tokens = float(np.asarray(batch.valid).sum())
+    pairs = readable_pairs(batch.valid)
+    policy = float(np.asarray(batch.pol_valid).sum())
+    need_fwd = forward_flops(cfg, tokens, pairs, policy)
+    exec_trunk = trunk * b * t + attention_flops(cfg, b * chunked_pairs(t, q_chunk))
+    exec_head = head_flops(cfg, b * n_slots)
+    # a rematerialised piece runs its forward again in the backward pass; attention and log-prob
+    # chunks are always checkpointed (models.attention, rl.logprobs), the layer only with remat
+    attn_exec = attention_flops(cfg, b * chunked_pairs(t, q_chunk))
+    grad_exec = (4.0 if remat else 3.0) * trunk * b * t + 4.0 * attn_exec + 4.0 * exec_head
+    parts = {"student": (3.0 * need_fwd * updates, grad_exec * updates)}
+    if extra_forwards or ref_forward:
+        k = extra_forwards + int(ref_forward)
+        parts["student_forward"] = (need_fwd * k, (exec_trunk + exec_head) * k)
+    views = getattr(batch, "views", None)
+    if views is not None:
+        lay = views.layout
+        seg = np.asarray(lay.segment_ids)
+        vb, vp = seg.shape
+        distinct = teacher_distinct_rows if teacher_distinct_rows is not None else float(
+            np.count_nonzero(np.asarray(views.pred)))
+        need = forward_flops(cfg, float((seg >= 0).sum()), layout_pairs(seg, lay.ctx1_segment, lay.ctx1_end,
+                                                                        lay.ctx2_segment, lay.ctx2_end), distinct)
+        executed = forward_flops(cfg, vb * vp, vb * chunked_pairs(vp, q_chunk), vb * views.pred.shape[1])
+        parts["teacher"] = (need, executed)
+    return UpdateFlops(parts)
+
+
+def rollout_flops(cfg: Qwen3Config, lengths, decoded: float) -> float:
+    """Necessary FLOPs of producing trajectories of `lengths` tokens (prompt, observations and
+    decoded tokens each through the trunk once, causal attention over each trajectory) with the
+    head at the `decoded` tokens. A group's shared prompt is counted once per trajectory."""
+    lengths = [int(n) for n in lengths]
+    return forward_flops(cfg, float(sum(lengths)), sum(causal_pairs(n) for n in lengths), decoded)
