@@ -98,3 +98,12 @@ def test_update_flops_necessary_and_executed():
     # two epochs: twice the work, the same ratio
     two = flops.update_flops(CFG, batch, updates=2, q_chunk=16, remat=False)
     assert two.necessary == pytest.approx(2 * work.necessary) and two.ratio == pytest.approx(work.ratio)
+
+
+def test_head_rows_executed_counts_live_chunks_per_cell():
+    used = np.zeros((4, 8), bool)
+    used[0, :5] = used[1, :3] = used[2, :8] = True  # 16 used slots of 32
+    assert flops.head_rows_executed(used, 64) == 32  # one chunk holds the whole cell: all of it runs
+    assert flops.head_rows_executed(used, 4) == 16  # 16 used -> 4 live chunks of 4
+    assert flops.head_rows_executed(used, 4, row_shards=2) == 8 + 8  # shard 0: 8 used, shard 1: 8
+    assert flops.head_rows_executed(used, 4, micro_batches=2) == 16 + 4  # rows 0, 2: 13 -> 16; rows 1, 3: 3 -> 4

@@ -111,3 +111,37 @@ def test_masked_student_equals_a_forward_without_the_observation(model):
     # turn 0 is before the observation: the same either way; turn 1 differs (it no longer reads it)
     np.testing.assert_allclose(lp[0, :3], full[0, :3], rtol=1e-5, atol=1e-6)
     assert float(jnp.max(jnp.abs(lp[0, 3:5] - full[0, 3:5]))) > 1e-3
+
+
+@pytest.mark.parametrize("chunk", [4, 64])
+def test_unused_slots_are_skipped_not_changed(chunk):
+    """chunked_logprobs(used=...): the used rows' log-probs, entropies and gradients equal the
+    dense computation; the others are 0; chunks of unused rows do not run (a NaN planted in them
+    does not reach the output or the gradient)."""
+    from turnsight_jax.rl.logprobs import chunked_logprobs
+
+    rng = np.random.default_rng(0)
+    n, d, v = 37, 8, 50
+    h = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(d, v)), jnp.float32)
+    t = jnp.asarray(rng.integers(0, v, n), jnp.int32)
+    used_np = np.arange(n) % 3 == 0
+    used = jnp.asarray(used_np)
+    # the used rows move to the front; the unused rows after the last live chunk are poisoned
+    live_rows = -(-int(used_np.sum()) // chunk) * chunk
+    dead = np.flatnonzero(~used_np)[live_rows - int(used_np.sum()):]
+    planted = h.at[dead].set(jnp.nan)
+
+    def f(hh, ww, u):
+        lp, ent = chunked_logprobs(hh, t, ww, chunk=chunk, with_entropy=True, used=u)
+        return jnp.sum(jnp.where(used, lp + 0.3 * ent, 0.0)), (lp, ent)
+
+    (_, (lp, ent)), (gh, gw) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(h, w, None)
+    (_, (lp_u, ent_u)), (gh_u, gw_u) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(
+        planted if chunk < n else h, w, used)
+    assert chunk >= n or dead.size > 10  # the poison is there to be skipped
+    np.testing.assert_allclose(np.asarray(lp_u)[used], np.asarray(lp)[used], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(ent_u)[used], np.asarray(ent)[used], atol=1e-6)
+    assert np.all(np.asarray(lp_u)[~used] == 0.0) and np.all(np.asarray(ent_u)[~used] == 0.0)
+    np.testing.assert_allclose(np.asarray(gw_u), np.asarray(gw), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(gh_u)[used], np.asarray(gh)[used], atol=1e-6)

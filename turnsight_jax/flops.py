@@ -12,7 +12,8 @@ their MFU figures agree. Conventions:
   MFU counts these only;
 * **executed**: what the compiled step computes for the batch as shaped: padded rows and slots,
   the pairs the chunked attention kernel scores (models.attention.chunked_attention: query chunks
-  in at most 4 groups, each scoring every key up to its group's end), and rematerialised forwards
+  in at most 4 groups, each scoring every key up to its group's end), the head chunks that hold a
+  used row (rl.logprobs skips the others), and rematerialised forwards
   (a `jax.checkpoint`ed layer, attention chunk or log-prob chunk runs its forward again in the
   backward pass: 4 forwards instead of 3).
 
@@ -118,15 +119,36 @@ class UpdateFlops:
         return self.executed / max(self.necessary, 1.0)
 
 
+def head_rows_executed(used: np.ndarray, chunk: int, *, micro_batches: int = 1, row_shards: int = 1) -> float:
+    """Head rows rl.logprobs.chunked_logprobs computes for the slots `used` [B, S] bool: per
+    micro-batch (strided rows) and row shard (contiguous), the used slots are moved to the front and
+    only chunks holding one run; a cell that fits in one chunk runs whole."""
+    used = np.asarray(used, bool)
+    b = used.shape[0]
+    total = 0.0
+    for m in range(micro_batches):
+        rows = used[m::micro_batches]
+        per_shard = max(rows.shape[0] // row_shards, 1)
+        for s in range(0, rows.shape[0], per_shard):
+            cell = rows[s:s + per_shard]
+            if cell.size <= chunk:
+                total += cell.size
+            else:
+                total += -(-int(cell.sum()) // chunk) * chunk
+    return total if b else 0.0
+
+
 def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int = 0, ref_forward: bool = False,
-                 q_chunk: int, remat: bool, teacher_distinct_rows: float | None = None) -> UpdateFlops:
+                 q_chunk: int, remat: bool, teacher_distinct_rows: float | None = None, logprob_chunk: int = 1024,
+                 micro_batches: int = 1, teacher_micro_batches: int = 1, row_shards: int = 1) -> UpdateFlops:
     """FLOPs of the fused step (rl.step) on a numpy TrainBatch (rl.batch).
 
     updates: forward+backward passes over every row (ppo_epochs: each row is in one mini-batch per
     epoch); extra_forwards: no-gradient student forwards (π_old on the masked context);
     ref_forward: the reference is scored on the student's context (not in the packed views);
     teacher_distinct_rows: the real distinct (predictor, target) pairs (build_views' stats); by
-    default every nonzero slot of `pred` counts."""
+    default every used slot of `pred` counts. logprob_chunk, micro_batches, teacher_micro_batches,
+    row_shards (the mesh's data x fsdp): how the head's chunks fall (`head_rows_executed`)."""
     b, t = batch.tokens.shape
     n_slots = batch.pol_pos.shape[1]
     trunk = trunk_flops_per_token(cfg)
@@ -135,7 +157,8 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     policy = float(np.asarray(batch.pol_valid).sum())
     need_fwd = forward_flops(cfg, tokens, pairs, policy)
     exec_trunk = trunk * b * t + attention_flops(cfg, b * chunked_pairs(t, q_chunk))
-    exec_head = head_flops(cfg, b * n_slots)
+    exec_head = head_flops(cfg, head_rows_executed(batch.pol_valid, logprob_chunk, micro_batches=micro_batches,
+                                                   row_shards=row_shards))
     # a rematerialised piece runs its forward again in the backward pass; attention and log-prob
     # chunks are always checkpointed (models.attention, rl.logprobs), the layer only with remat
     attn_exec = attention_flops(cfg, b * chunked_pairs(t, q_chunk))
@@ -149,11 +172,13 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
         lay = views.layout
         seg = np.asarray(lay.segment_ids)
         vb, vp = seg.shape
-        distinct = teacher_distinct_rows if teacher_distinct_rows is not None else float(
-            np.count_nonzero(np.asarray(views.pred)))
+        pred = np.asarray(views.pred)
+        used = (pred > 0) | (np.arange(pred.shape[1]) == 0)[None, :]  # rl.views.PackedViews: ascending, 0-padded
+        distinct = teacher_distinct_rows if teacher_distinct_rows is not None else float(used.sum())
         need = forward_flops(cfg, float((seg >= 0).sum()), layout_pairs(seg, lay.ctx1_segment, lay.ctx1_end,
                                                                         lay.ctx2_segment, lay.ctx2_end), distinct)
-        executed = forward_flops(cfg, vb * vp, vb * chunked_pairs(vp, q_chunk), vb * views.pred.shape[1])
+        executed = forward_flops(cfg, vb * vp, vb * chunked_pairs(vp, q_chunk), head_rows_executed(
+            used, logprob_chunk, micro_batches=teacher_micro_batches, row_shards=row_shards))
         parts["teacher"] = (need, executed)
     return UpdateFlops(parts)
 

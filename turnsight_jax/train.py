@@ -117,14 +117,17 @@ def _summed(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, total.tolist()))
 
 
-def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg) -> flops.UpdateFlops:
+def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh) -> flops.UpdateFlops:
     """The update's FLOPs (turnsight_jax.flops) for this process's rows, as the step runs them."""
     one_update = step_cfg.mini_batches * step_cfg.ppo_epochs == 1
     trainer_old = (not step_cfg.algo.student_sees_observations) or step_cfg.loss.tis_threshold is not None
     return flops.update_flops(
         qcfg, batch, updates=step_cfg.ppo_epochs, extra_forwards=int(trainer_old and not one_update),
         ref_forward=method.needs_ref and not packed_reference(step_cfg, method), q_chunk=cfg.model.attn_q_chunk,
-        remat=cfg.model.remat, teacher_distinct_rows=bstats.get("teacher_distinct_rows"))
+        remat=cfg.model.remat, teacher_distinct_rows=bstats.get("teacher_distinct_rows"),
+        logprob_chunk=step_cfg.logprob_chunk, micro_batches=step_cfg.micro_batches,
+        teacher_micro_batches=step_cfg.teacher_micro_batches,
+        row_shards=max(1, mesh.shape["data"] * mesh.shape["fsdp"] // jax.process_count()))
 
 
 def _eval_progress(cfg, n_tasks: int, *, greedy: bool = False) -> ProgressLine:
@@ -254,7 +257,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             distributed.settle()  # the rollout's local collectives end before the step's cross-process ones
             t_roll = time.perf_counter() - t_step
             batch, bstats, shapes = _local_batch(res.trajectories, mine, first, tok, step_cfg, method, cfg, shapes)
-            work = _update_flops(qcfg, batch, bstats, step_cfg, method, cfg)
+            work = _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh)
             if step in fault_nan_steps:
                 batch = _poison(batch)
             rows = len(tasks) * cfg.train.group_size

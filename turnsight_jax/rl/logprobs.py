@@ -38,6 +38,7 @@ def chunked_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     vocab_axis: str | None = None,
+    used: jax.Array | None = None,
 ):
     """log softmax(hidden @ weight / temperature)[target] per row.
 
@@ -48,6 +49,10 @@ def chunked_logprobs(
     vocab_axis: inside a `shard_map`, the mesh axis the vocabulary is split over; `weight` is then
     this device's [D, V / n] columns (device i holds ids [i·V/n, (i+1)·V/n)) and the max, the sum
     of exponentials and the target logit of each row are combined over that axis.
+
+    used [N] bool: the rows whose values are read (the others come back 0). The used rows are
+    moved to the front, and a chunk holding none is skipped (`lax.cond`), so the projection runs
+    on ceil(used / chunk) chunks, not on every padding slot of a [B, N] layout.
     """
     n, d = hidden.shape
     inv_t = 1.0 / float(temperature)
@@ -73,18 +78,34 @@ def chunked_logprobs(
         return picked - lse, lse - across(jnp.sum(probs * logits, axis=-1), jax.lax.psum)
 
     if n <= chunk:
-        return rows(hidden, targets)
+        out = rows(hidden, targets)
+        return out if used is None else jax.tree.map(lambda o: jnp.where(used, o, 0.0), out)
     num = -(-n // chunk)
     pad = num * chunk - n
+    if used is None:
+        live = jnp.ones((num,), bool)
+    else:
+        order = jnp.argsort(~used, stable=True)  # used rows first, each part in its own order
+        hidden, targets = hidden[order], targets[order]
+        live = jnp.arange(num) * chunk < jnp.sum(used)
     h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(num, chunk, d)
     t = jnp.pad(targets, (0, pad)).reshape(num, chunk)
 
+    def skipped(_h, t_chunk):
+        zero = t_chunk.astype(jnp.float32) * 0.0  # zeros that vary like the computed branch under shard_map
+        return (zero, zero) if with_entropy else zero
+
     @jax.checkpoint
     def body(_, xs):
-        return None, rows(*xs)
+        hc, tc, lc = xs
+        return None, jax.lax.cond(lc, rows, skipped, hc, tc) if used is not None else rows(hc, tc)
 
-    _, out = jax.lax.scan(body, None, (h, t))
-    return jax.tree.map(lambda o: o.reshape(-1)[:n], out)
+    _, out = jax.lax.scan(body, None, (h, t, live))
+    out = jax.tree.map(lambda o: o.reshape(-1)[:n], out)
+    if used is None:
+        return out
+    back = jnp.argsort(order)
+    return jax.tree.map(lambda o: jnp.where(used, o[back], 0.0), out)
 
 
 def gather_rows(hidden: jax.Array, index: jax.Array) -> jax.Array:
@@ -108,18 +129,21 @@ def _active_mesh():
 
 
 def logprobs_at(model: Qwen3, hidden: jax.Array, pred_index: jax.Array, targets: jax.Array, *,
-                chunk: int, temperature: float = 1.0, with_entropy: bool = False):
+                chunk: int, temperature: float = 1.0, with_entropy: bool = False, used: jax.Array | None = None):
     """log p(targets[b, n] | hidden[b, pred_index[b, n]]); pred_index, targets [B, N] -> [B, N] f32
-    (with `with_entropy`, also the entropy of each predicted distribution [B, N]).
+    (with `with_entropy`, also the entropy of each predicted distribution [B, N]). used [B, N]
+    bool: the slots read (others come back 0, and chunks of padding are skipped).
 
     On a mesh, per device (module docstring): no vocabulary-sized array crosses devices."""
     b, n = targets.shape
     weight = model.output_weight()
     kw = dict(chunk=chunk, temperature=temperature, with_entropy=with_entropy)
     mesh = _active_mesh()
+    if used is None:
+        used = jnp.ones((b, n), bool)
     if mesh is None:
         rows = gather_rows(hidden, pred_index)
-        out = chunked_logprobs(rows.reshape(b * n, -1), targets.reshape(-1), weight, **kw)
+        out = chunked_logprobs(rows.reshape(b * n, -1), targets.reshape(-1), weight, used=used.reshape(-1), **kw)
         return jax.tree.map(lambda o: o.reshape(b, n), out)
 
     row_spec = fit_spec(P(BATCH, None), (b, n), mesh)
@@ -128,7 +152,7 @@ def logprobs_at(model: Qwen3, hidden: jax.Array, pred_index: jax.Array, targets:
     w_spec = fit_spec(P(*(a if mesh.shape[a] > 1 else None for a in ("fsdp", "tensor"))), weight.shape, mesh)
     gather_axis, vocab_axis = w_spec[0], w_spec[1]
 
-    def local(h, idx, tgt, w):
+    def local(h, idx, tgt, u, w):
         w = w.astype(h.dtype)  # gather in the compute dtype
         if gather_axis is not None:
             w = jax.lax.all_gather(w, gather_axis, axis=0, tiled=True)  # once; its transpose reduce-scatters
@@ -140,12 +164,13 @@ def logprobs_at(model: Qwen3, hidden: jax.Array, pred_index: jax.Array, targets:
             w = jax.lax.pcast(w, missing, to="varying")
         lb, ln = tgt.shape
         rows = gather_rows(h, idx)
-        out = chunked_logprobs(rows.reshape(lb * ln, -1), tgt.reshape(-1), w, vocab_axis=vocab_axis, **kw)
+        out = chunked_logprobs(rows.reshape(lb * ln, -1), tgt.reshape(-1), w, vocab_axis=vocab_axis,
+                               used=u.reshape(-1), **kw)
         return jax.tree.map(lambda o: o.reshape(lb, ln), out)
 
     out_spec = (row_spec, row_spec) if with_entropy else row_spec
-    return jax.shard_map(local, mesh=mesh, in_specs=(hidden_spec, row_spec, row_spec, w_spec),
-                         out_specs=out_spec)(hidden, pred_index, targets, weight)
+    return jax.shard_map(local, mesh=mesh, in_specs=(hidden_spec, row_spec, row_spec, row_spec, w_spec),
+                         out_specs=out_spec)(hidden, pred_index, targets, used, weight)
 
 
 def predictor_positions(valid_mask: jax.Array, pol_pos: jax.Array) -> jax.Array:
@@ -161,9 +186,11 @@ def predictor_positions(valid_mask: jax.Array, pol_pos: jax.Array) -> jax.Array:
 
 
 def student_logprobs(model: Qwen3, tokens: jax.Array, valid_mask: jax.Array, pol_pos: jax.Array, *,
-                     chunk: int = 1024, temperature: float = 1.0, with_entropy: bool = False):
+                     chunk: int = 1024, temperature: float = 1.0, with_entropy: bool = False,
+                     pol_valid: jax.Array | None = None):
     """Student log-probs of its policy tokens. tokens, valid_mask [B, T]; pol_pos [B, N] -> [B, N]
-    (with `with_entropy`: (log-probs, token entropies), both [B, N]).
+    (with `with_entropy`: (log-probs, token entropies), both [B, N]). pol_valid [B, N]: the real
+    slots; padding slots then come back 0 and the head skips chunks of them.
 
     valid_mask names the tokens the forward reads (rl.batch.TrainBatch.valid); an unreadable token
     is neither attended to nor a predictor. Rotary positions stay the tokens' own indices, so a
@@ -171,7 +198,7 @@ def student_logprobs(model: Qwen3, tokens: jax.Array, valid_mask: jax.Array, pol
     hidden = model.hidden_states(tokens, Layout.causal(valid_mask))
     targets = jnp.take_along_axis(tokens, pol_pos, axis=1)
     return logprobs_at(model, hidden, predictor_positions(valid_mask, pol_pos), targets, chunk=chunk,
-                       temperature=temperature, with_entropy=with_entropy)
+                       temperature=temperature, with_entropy=with_entropy, used=pol_valid)
 
 
 def teacher_logprobs(model: Qwen3, views: PackedViews, *, chunk: int = 1024, temperature: float = 1.0) -> jax.Array:
@@ -181,6 +208,9 @@ def teacher_logprobs(model: Qwen3, views: PackedViews, *, chunk: int = 1024, tem
     One forward over the packed rows; the vocabulary projection runs once per distinct
     (predictor, target) pair and is gathered into [R, B, N] float32, outside the gradient."""
     hidden = model.hidden_states(views.tokens, views.layout)
-    distinct = logprobs_at(model, hidden, views.pred, views.pred_target, chunk=chunk, temperature=temperature)
+    # a row's distinct predictors are ascending from slot 0, then zero padding (rl.views.PackedViews)
+    used = (views.pred > 0) | (jnp.arange(views.pred.shape[1]) == 0)[None, :]
+    distinct = logprobs_at(model, hidden, views.pred, views.pred_target, chunk=chunk, temperature=temperature,
+                           used=used)
     out = jax.vmap(lambda s: jnp.take_along_axis(distinct, s, axis=1))(views.slot)
     return jax.lax.stop_gradient(out)

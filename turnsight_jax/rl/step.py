@@ -147,10 +147,11 @@ def teacher_and_ref_logprobs(ref_model: Qwen3, batch: TrainBatch, cfg: StepConfi
             ref = out[depths]
     if method.needs_ref and ref is None:
         def one_ref(args):
-            tok, valid, pos = args
-            return student_logprobs(ref_model, tok, valid, pos, chunk=chunk, temperature=temp)
+            tok, valid, pos, pv = args
+            return student_logprobs(ref_model, tok, valid, pos, chunk=chunk, temperature=temp, pol_valid=pv)
 
-        ref = jax.lax.stop_gradient(_rows_in_micro_batches(one_ref, (batch.tokens, batch.valid, batch.pol_pos), m))
+        ref = jax.lax.stop_gradient(_rows_in_micro_batches(
+            one_ref, (batch.tokens, batch.valid, batch.pol_pos, batch.pol_valid), m))
     return teacher, ref
 
 
@@ -166,10 +167,11 @@ def masked_old_logprobs(model: Qwen3, batch: TrainBatch, cfg: StepConfig):
     is exactly π_old on that context; the released code recomputes old log-probs the same way
     (verl's compute_log_prob before the update). Micro-batched like the gradient passes."""
     def one(args):
-        tok, valid, pos = args
-        return student_logprobs(model, tok, valid, pos, chunk=cfg.logprob_chunk, temperature=cfg.loss.temperature)
+        tok, valid, pos, pv = args
+        return student_logprobs(model, tok, valid, pos, chunk=cfg.logprob_chunk, temperature=cfg.loss.temperature,
+                                pol_valid=pv)
 
-    lp = _rows_in_micro_batches(one, (batch.tokens, batch.valid, batch.pol_pos), cfg.micro_batches)
+    lp = _rows_in_micro_batches(one, (batch.tokens, batch.valid, batch.pol_pos, batch.pol_valid), cfg.micro_batches)
     return jax.lax.stop_gradient(jnp.where(batch.pol_valid, lp, 0.0))
 
 
@@ -225,7 +227,7 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         (mismatch correction with several updates), else None."""
         model = nnx.merge(graphdef, params)
         out = student_logprobs(model, mb.tokens, mb.valid, mb.pol_pos, chunk=cfg.logprob_chunk,
-                               temperature=cfg.loss.temperature, with_entropy=with_entropy)
+                               temperature=cfg.loss.temperature, with_entropy=with_entropy, pol_valid=mb.pol_valid)
         lp, entropy = out if with_entropy else (out, None)
         current = jax.lax.stop_gradient(lp)  # the step-start policy's log-probs when one update per step
         old = current if old_is_current else mb.old_logprobs

@@ -72,7 +72,8 @@ class PackedViews:
       own context (the original segment) for a KL term. 0 where the policy slot is padding.
     pred, pred_target [B, U] int32: the distinct (predictor, target) pairs of each row — depths
       that clip to the same block, and every depth of an empty block, share one pair, so the
-      vocabulary projection runs once per distinct pair.
+      vocabulary projection runs once per distinct pair. Within a row the predictors ascend from
+      slot 0 and the rest is zero padding (so slot u > 0 is real exactly when pred > 0).
     slot [R, B, N] int32: index into pred of each (view, row, policy token).
     """
 
