@@ -139,11 +139,10 @@ def logprobs_at(model: Qwen3, hidden: jax.Array, pred_index: jax.Array, targets:
     weight = model.output_weight()
     kw = dict(chunk=chunk, temperature=temperature, with_entropy=with_entropy)
     mesh = _active_mesh()
-    if used is None:
-        used = jnp.ones((b, n), bool)
     if mesh is None:
         rows = gather_rows(hidden, pred_index)
-        out = chunked_logprobs(rows.reshape(b * n, -1), targets.reshape(-1), weight, used=used.reshape(-1), **kw)
+        out = chunked_logprobs(rows.reshape(b * n, -1), targets.reshape(-1), weight,
+                               used=None if used is None else used.reshape(-1), **kw)
         return jax.tree.map(lambda o: o.reshape(b, n), out)
 
     row_spec = fit_spec(P(BATCH, None), (b, n), mesh)
@@ -152,7 +151,7 @@ def logprobs_at(model: Qwen3, hidden: jax.Array, pred_index: jax.Array, targets:
     w_spec = fit_spec(P(*(a if mesh.shape[a] > 1 else None for a in ("fsdp", "tensor"))), weight.shape, mesh)
     gather_axis, vocab_axis = w_spec[0], w_spec[1]
 
-    def local(h, idx, tgt, u, w):
+    def local(h, idx, tgt, w, u=None):
         w = w.astype(h.dtype)  # gather in the compute dtype
         if gather_axis is not None:
             w = jax.lax.all_gather(w, gather_axis, axis=0, tiled=True)  # once; its transpose reduce-scatters
@@ -165,12 +164,14 @@ def logprobs_at(model: Qwen3, hidden: jax.Array, pred_index: jax.Array, targets:
         lb, ln = tgt.shape
         rows = gather_rows(h, idx)
         out = chunked_logprobs(rows.reshape(lb * ln, -1), tgt.reshape(-1), w, vocab_axis=vocab_axis,
-                               used=u.reshape(-1), **kw)
+                               used=None if u is None else u.reshape(-1), **kw)
         return jax.tree.map(lambda o: o.reshape(lb, ln), out)
 
     out_spec = (row_spec, row_spec) if with_entropy else row_spec
-    return jax.shard_map(local, mesh=mesh, in_specs=(hidden_spec, row_spec, row_spec, row_spec, w_spec),
-                         out_specs=out_spec)(hidden, pred_index, targets, used, weight)
+    args, specs = (hidden, pred_index, targets, weight), (hidden_spec, row_spec, row_spec, w_spec)
+    if used is not None:
+        args, specs = args + (used,), specs + (row_spec,)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_spec)(*args)
 
 
 def predictor_positions(valid_mask: jax.Array, pol_pos: jax.Array) -> jax.Array:
