@@ -364,11 +364,13 @@ def main() -> int:
     shape = dict(SHAPES["quick" if args.quick else "full"])
     if args.repeats:
         shape["repeats"] = args.repeats
-    py = ensure_venv(args.venv or default_venv())
     work = args.work or pathlib.Path(tempfile.mkdtemp(prefix="peers-"))
     if work.exists() and any(work.iterdir()):
-        shutil.rmtree(work)
+        if not (work / "settings.json").is_file():
+            sys.exit(f"--work {work}: the folder is not empty and holds no earlier peers run; choose another")
+        shutil.rmtree(work)  # an earlier run of this script: replaced
     work.mkdir(parents=True, exist_ok=True)
+    py = ensure_venv(args.venv or default_venv())
     log(f"writing the {shape['preset']} checkpoint and the inputs to {work}")
     write_inputs(work, shape)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
