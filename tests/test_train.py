@@ -300,3 +300,5 @@ def test_the_update_flops_are_logged(uninterrupted):
         assert r["perf/update_flops_executed"] > r["perf/update_flops_necessary"] > 0
         assert r["perf/update_padding_ratio"] == pytest.approx(
             r["perf/update_flops_executed"] / r["perf/update_flops_necessary"])
+        parts = {k: v for k, v in r.items() if k.startswith("perf/update_padding_ratio_")}
+        assert "perf/update_padding_ratio_student" in parts and all(v >= 1.0 for v in parts.values()), parts

@@ -282,13 +282,18 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                                                                         "policy_tokens")},
                               "f.rollout": flops.rollout_flops(qcfg, [t.length for t in res.trajectories],
                                                                res.stats.get("decoded_tokens", 0.0)),
-                              "f.update_necessary": work.necessary, "f.update_executed": work.executed})
+                              "f.update_necessary": work.necessary, "f.update_executed": work.executed,
+                              **{f"f.{part}_{kind}": v for part, pair in work.parts.items()
+                                 for kind, v in zip(("necessary", "executed"), pair)}})
             tokens = counts["r.tokens"] + counts["b.trajectory_tokens"] + counts["b.view_tokens"]
             necessary = counts["f.rollout"] + counts["f.update_necessary"]
             metrics.update({"perf/update_flops_necessary": counts["f.update_necessary"],
                             "perf/update_flops_executed": counts["f.update_executed"],
                             # executed / necessary FLOPs of the update: the padding it pays for
-                            "perf/update_padding_ratio": counts["f.update_executed"] / max(counts["f.update_necessary"], 1.0)})
+                            "perf/update_padding_ratio": counts["f.update_executed"] / max(counts["f.update_necessary"], 1.0),
+                            # and per part (student, teacher, student_forward): where the padding is
+                            **{f"perf/update_padding_ratio_{part}": counts[f"f.{part}_executed"]
+                               / max(counts[f"f.{part}_necessary"], 1.0) for part in work.parts}})
             metrics.update({"perf/step_s": t_total, "perf/rollout_s": t_roll, "perf/update_s": t_total - t_roll,
                             "perf/tool_s": res.stats["tool_s"], "perf/tokens_per_s": tokens / t_total,
                             # episodes an environment error ended (a raising step or scorer), a count
