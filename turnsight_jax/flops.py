@@ -26,9 +26,9 @@ import dataclasses
 
 import numpy as np
 
+from turnsight_jax.models.attention import CHUNK_GROUPS
 from turnsight_jax.models.config import Qwen3Config
-
-_GROUPS = 4  # models.attention._GROUPS: the chunk groups of a causally bounded attention
+from turnsight_jax.rl.views import distinct_slots_used
 
 
 def trunk_flops_per_token(cfg: Qwen3Config) -> float:
@@ -63,7 +63,8 @@ def readable_pairs(valid: np.ndarray) -> float:
 
 def layout_pairs(segment_ids, ctx1_segment, ctx1_end, ctx2_segment, ctx2_end) -> float:
     """(query, key) pairs a packed layout lets its tokens read (models.attention.packed_mask):
-    its own segment up to itself, plus each context segment up to the context's end. [B, P] int32."""
+    its own segment up to itself, plus each context segment up to the context's end. [B, P] int32;
+    segments are contiguous (rl.views builds them so). Vectorised: it runs every training step."""
     total = 0.0
     for seg, c1s, c1e, c2s, c2e in zip(*(np.asarray(a) for a in (segment_ids, ctx1_segment, ctx1_end,
                                                                   ctx2_segment, ctx2_end))):
@@ -71,15 +72,16 @@ def layout_pairs(segment_ids, ctx1_segment, ctx1_end, ctx2_segment, ctx2_end) ->
         if not real.any():
             continue
         idx = np.arange(seg.size)
-        ids = np.unique(seg[real])
-        start = {int(s): int(idx[seg == s][0]) for s in ids}
-        end = {int(s): int(idx[seg == s][-1]) + 1 for s in ids}
-        first = np.array([start.get(int(s), 0) for s in seg])
-        count = np.where(real, idx - first + 1, 0).astype(np.float64)
+        size = int(seg.max()) + 1
+        start = np.zeros(size, np.int64)
+        end = np.zeros(size, np.int64)
+        start[seg[real][::-1]] = idx[real][::-1]  # the first index of each segment
+        end[seg[real]] = idx[real] + 1  # one past its last
+        count = np.where(real, idx - start[np.where(real, seg, 0)] + 1, 0).astype(np.float64)
         for cs, ce in ((c1s, c1e), (c2s, c2e)):
-            lo = np.array([start.get(int(s), 0) for s in cs])
-            hi = np.array([end.get(int(s), 0) for s in cs])
-            count += np.where(real & (cs >= 0), np.clip(np.minimum(ce, hi) - lo, 0, None), 0)
+            ok = real & (cs >= 0) & (cs < size)
+            c = np.where(ok, cs, 0)
+            count += np.where(ok, np.clip(np.minimum(ce, end[c]) - start[c], 0, None), 0)
         total += float(count.sum())
     return total
 
@@ -89,7 +91,7 @@ def chunked_pairs(width: int, q_chunk: int) -> float:
     if width <= q_chunk:
         return float(width * width)
     n = -(-width // q_chunk)
-    groups = min(n, _GROUPS)
+    groups = min(n, CHUNK_GROUPS)
     bounds = [round(n * (g + 1) / groups) for g in range(groups)]
     total, first = 0.0, 0
     for last in bounds:
@@ -124,7 +126,6 @@ def head_rows_executed(used: np.ndarray, chunk: int, *, micro_batches: int = 1, 
     micro-batch (strided rows) and row shard (contiguous), the used slots are moved to the front and
     only chunks holding one run; a cell that fits in one chunk runs whole."""
     used = np.asarray(used, bool)
-    b = used.shape[0]
     total = 0.0
     for m in range(micro_batches):
         rows = used[m::micro_batches]
@@ -135,7 +136,7 @@ def head_rows_executed(used: np.ndarray, chunk: int, *, micro_batches: int = 1, 
                 total += cell.size
             else:
                 total += -(-int(cell.sum()) // chunk) * chunk
-    return total if b else 0.0
+    return total
 
 
 def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int = 0, ref_forward: bool = False,
@@ -150,30 +151,27 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     default every used slot of `pred` counts. logprob_chunk, micro_batches, teacher_micro_batches,
     row_shards (the mesh's data x fsdp): how the head's chunks fall (`head_rows_executed`)."""
     b, t = batch.tokens.shape
-    n_slots = batch.pol_pos.shape[1]
     trunk = trunk_flops_per_token(cfg)
     tokens = float(np.asarray(batch.valid).sum())
     pairs = readable_pairs(batch.valid)
     policy = float(np.asarray(batch.pol_valid).sum())
     need_fwd = forward_flops(cfg, tokens, pairs, policy)
-    exec_trunk = trunk * b * t + attention_flops(cfg, b * chunked_pairs(t, q_chunk))
+    exec_attn = attention_flops(cfg, b * chunked_pairs(t, q_chunk))
     exec_head = head_flops(cfg, head_rows_executed(batch.pol_valid, logprob_chunk, micro_batches=micro_batches,
                                                    row_shards=row_shards))
     # a rematerialised piece runs its forward again in the backward pass; attention and log-prob
     # chunks are always checkpointed (models.attention, rl.logprobs), the layer only with remat
-    attn_exec = attention_flops(cfg, b * chunked_pairs(t, q_chunk))
-    grad_exec = (4.0 if remat else 3.0) * trunk * b * t + 4.0 * attn_exec + 4.0 * exec_head
+    grad_exec = (4.0 if remat else 3.0) * trunk * b * t + 4.0 * exec_attn + 4.0 * exec_head
     parts = {"student": (3.0 * need_fwd * updates, grad_exec * updates)}
     if extra_forwards or ref_forward:
         k = extra_forwards + int(ref_forward)
-        parts["student_forward"] = (need_fwd * k, (exec_trunk + exec_head) * k)
+        parts["student_forward"] = (need_fwd * k, (trunk * b * t + exec_attn + exec_head) * k)
     views = getattr(batch, "views", None)
     if views is not None:
         lay = views.layout
         seg = np.asarray(lay.segment_ids)
         vb, vp = seg.shape
-        pred = np.asarray(views.pred)
-        used = (pred > 0) | (np.arange(pred.shape[1]) == 0)[None, :]  # rl.views.PackedViews: ascending, 0-padded
+        used = distinct_slots_used(np.asarray(views.pred))
         distinct = teacher_distinct_rows if teacher_distinct_rows is not None else float(used.sum())
         need = forward_flops(cfg, float((seg >= 0).sum()), layout_pairs(seg, lay.ctx1_segment, lay.ctx1_end,
                                                                         lay.ctx2_segment, lay.ctx2_end), distinct)

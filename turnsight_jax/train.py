@@ -282,15 +282,15 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                                                                         "policy_tokens")},
                               "f.rollout": flops.rollout_flops(qcfg, [t.length for t in res.trajectories],
                                                                res.stats.get("decoded_tokens", 0.0)),
-                              "f.update_necessary": work.necessary, "f.update_executed": work.executed,
                               **{f"f.{part}_{kind}": v for part, pair in work.parts.items()
                                  for kind, v in zip(("necessary", "executed"), pair)}})
             tokens = counts["r.tokens"] + counts["b.trajectory_tokens"] + counts["b.view_tokens"]
-            necessary = counts["f.rollout"] + counts["f.update_necessary"]
-            metrics.update({"perf/update_flops_necessary": counts["f.update_necessary"],
-                            "perf/update_flops_executed": counts["f.update_executed"],
+            update = {kind: sum(counts[f"f.{part}_{kind}"] for part in work.parts) for kind in ("necessary", "executed")}
+            necessary = counts["f.rollout"] + update["necessary"]
+            metrics.update({"perf/update_flops_necessary": update["necessary"],
+                            "perf/update_flops_executed": update["executed"],
                             # executed / necessary FLOPs of the update: the padding it pays for
-                            "perf/update_padding_ratio": counts["f.update_executed"] / max(counts["f.update_necessary"], 1.0),
+                            "perf/update_padding_ratio": update["executed"] / max(update["necessary"], 1.0),
                             # and per part (student, teacher, student_forward): where the padding is
                             **{f"perf/update_padding_ratio_{part}": counts[f"f.{part}_executed"]
                                / max(counts[f"f.{part}_necessary"], 1.0) for part in work.parts}})

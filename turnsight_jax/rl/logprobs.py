@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.qwen3 import Qwen3
 from turnsight_jax.models.sharding import AXES, BATCH, fit_spec
-from turnsight_jax.rl.views import PackedViews
+from turnsight_jax.rl.views import PackedViews, distinct_slots_used
 
 
 def chunked_logprobs(
@@ -82,12 +82,9 @@ def chunked_logprobs(
         return out if used is None else jax.tree.map(lambda o: jnp.where(used, o, 0.0), out)
     num = -(-n // chunk)
     pad = num * chunk - n
-    if used is None:
-        live = jnp.ones((num,), bool)
-    else:
+    if used is not None:
         order = jnp.argsort(~used, stable=True)  # used rows first, each part in its own order
         hidden, targets = hidden[order], targets[order]
-        live = jnp.arange(num) * chunk < jnp.sum(used)
     h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(num, chunk, d)
     t = jnp.pad(targets, (0, pad)).reshape(num, chunk)
 
@@ -97,10 +94,13 @@ def chunked_logprobs(
 
     @jax.checkpoint
     def body(_, xs):
-        hc, tc, lc = xs
-        return None, jax.lax.cond(lc, rows, skipped, hc, tc) if used is not None else rows(hc, tc)
+        if used is None:
+            return None, rows(*xs)
+        hc, tc, live = xs
+        return None, jax.lax.cond(live, rows, skipped, hc, tc)
 
-    _, out = jax.lax.scan(body, None, (h, t, live))
+    xs = (h, t) if used is None else (h, t, jnp.arange(num) * chunk < jnp.sum(used))
+    _, out = jax.lax.scan(body, None, xs)
     out = jax.tree.map(lambda o: o.reshape(-1)[:n], out)
     if used is None:
         return out
@@ -209,9 +209,7 @@ def teacher_logprobs(model: Qwen3, views: PackedViews, *, chunk: int = 1024, tem
     One forward over the packed rows; the vocabulary projection runs once per distinct
     (predictor, target) pair and is gathered into [R, B, N] float32, outside the gradient."""
     hidden = model.hidden_states(views.tokens, views.layout)
-    # a row's distinct predictors are ascending from slot 0, then zero padding (rl.views.PackedViews)
-    used = (views.pred > 0) | (jnp.arange(views.pred.shape[1]) == 0)[None, :]
     distinct = logprobs_at(model, hidden, views.pred, views.pred_target, chunk=chunk, temperature=temperature,
-                           used=used)
+                           used=distinct_slots_used(views.pred))
     out = jax.vmap(lambda s: jnp.take_along_axis(distinct, s, axis=1))(views.slot)
     return jax.lax.stop_gradient(out)

@@ -93,6 +93,12 @@ class ViewOptions:
     template: HindsightTemplate = HindsightTemplate()
 
 
+def distinct_slots_used(pred):
+    """[B, U] bool: the real slots of PackedViews.pred [B, U] (numpy or jax): slot 0, and every
+    slot whose predictor is > 0 (a row's predictors ascend from slot 0, then zero padding)."""
+    return (pred > 0) | (np.arange(pred.shape[1]) == 0)[None, :]
+
+
 def policy_positions(trajs: Sequence[Trajectory], width: int | None = None):
     """pol_pos [B, N] int32 (policy-token positions, 0-padded), pol_valid [B, N] bool."""
     counts = [int(t.policy_mask.sum()) for t in trajs]
