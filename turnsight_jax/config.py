@@ -25,6 +25,7 @@ import ast
 import dataclasses
 import difflib
 import importlib.util
+import math
 import pathlib
 from typing import Any, Callable, Mapping, Sequence
 
@@ -167,6 +168,10 @@ def base_config() -> mlc.ConfigDict:
     c.train.ppo_epochs = 1  # passes over the step's batch
     c.train.teacher_micro_batches = 1  # micro-batches of the teacher's hindsight forward passes (memory only)
     c.train.logprob_chunk = 1024  # rows per vocabulary-projection chunk (memory/speed only)
+    # Forward passes run the rows in this many length groups, each padded to its own width rather
+    # than to the longest row (rl.length_classes; speed only, same values). Each row shard's rows per
+    # (mini x micro, teacher micro) split must number at least this many.
+    c.train.length_classes = 1
     c.train.max_skipped_steps = 3  # non-finite loss/gradient: the update is skipped; this many in a row stop the run
 
     c.eval = mlc.ConfigDict()  # held-out evaluation (turnsight_jax.eval.heldout)
@@ -468,6 +473,7 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
                           max_grad_norm=o.max_grad_norm),
         group_size=t.group_size, micro_batches=t.micro_batches, mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
         teacher_micro_batches=t.teacher_micro_batches, logprob_chunk=t.logprob_chunk, max_turns=cfg.rollout.max_turns,
+        length_classes=t.length_classes,
     )
 
 
@@ -558,6 +564,19 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
             raise ConfigError(f"rollout: {e}") from None
     sc = step_config(cfg)
     sc.validate(cfg.train.prompts_per_step * cfg.train.group_size)
+    if sc.length_classes > 1 and num_devices is not None:  # every row shard's cells hold every class
+        from turnsight_jax.rl import length_classes
+
+        rows = cfg.train.prompts_per_step * cfg.train.group_size
+        sizes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
+        known = math.prod(x for x in sizes if x != -1)
+        sizes = [num_devices // known if x == -1 else x for x in sizes]
+        shards = sizes[0] * sizes[1]
+        modulus = length_classes.cell_modulus(sc.micro_batches, sc.mini_batches, sc.teacher_micro_batches)
+        if rows % (shards * modulus):
+            raise ConfigError(f"train.length_classes={sc.length_classes}: {rows} rows do not split into {shards} row "
+                              f"shard(s) x {modulus} strided micro-batches")
+        length_classes.split_cell(rows // (shards * modulus), sc.length_classes)
     method = resolve_method(sc)
     # The rewards' inputs must exist for the training tasks (e.g. MatchTIR's gold calls).
     who = f"rl.method={sc.algo.method!r}" + (f" over rl.base={sc.algo.base!r}" if method.base else "")

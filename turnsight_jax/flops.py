@@ -121,22 +121,31 @@ class UpdateFlops:
         return self.executed / max(self.necessary, 1.0)
 
 
-def head_rows_executed(used: np.ndarray, chunk: int, *, micro_batches: int = 1, row_shards: int = 1) -> float:
+def head_rows_executed(used: np.ndarray, chunk: int, *, micro_batches: int = 1, row_shards: int = 1,
+                       row_class: np.ndarray | None = None) -> float:
     """Head rows rl.logprobs.chunked_logprobs computes for the slots `used` [B, S] bool: per
-    micro-batch (strided rows) and row shard (contiguous), the used slots are moved to the front and
-    only chunks holding one run; a cell that fits in one chunk runs whole."""
+    micro-batch (strided rows), row shard (contiguous) and length class (row_class [B], when the
+    batch has them: each class is its own call), the used slots are moved to the front and only
+    chunks holding one run; a cell that fits in one chunk runs whole."""
     used = np.asarray(used, bool)
+    cls = np.zeros(used.shape[0], np.int32) if row_class is None else np.asarray(row_class)
     total = 0.0
     for m in range(micro_batches):
-        rows = used[m::micro_batches]
+        rows, rc = used[m::micro_batches], cls[m::micro_batches]
         per_shard = max(rows.shape[0] // row_shards, 1)
         for s in range(0, rows.shape[0], per_shard):
-            cell = rows[s:s + per_shard]
-            if cell.size <= chunk:
-                total += cell.size
-            else:
-                total += -(-int(cell.sum()) // chunk) * chunk
+            for c in np.unique(rc[s:s + per_shard]):
+                cell = rows[s:s + per_shard][rc[s:s + per_shard] == c]
+                total += cell.size if cell.size <= chunk else -(-int(cell.sum()) // chunk) * chunk
     return total
+
+
+def _row_widths(tokens, classes, row_class) -> np.ndarray:
+    """[B] the width each row's forward runs at: its length class's, or the batch's."""
+    b, t = np.asarray(tokens).shape
+    if classes is None:
+        return np.full(b, t)
+    return np.asarray(classes.widths)[np.asarray(row_class)]
 
 
 def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int = 0, ref_forward: bool = False,
@@ -149,34 +158,38 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     ref_forward: the reference is scored on the student's context (not in the packed views);
     teacher_distinct_rows: the real distinct (predictor, target) pairs (build_views' stats); by
     default every used slot of `pred` counts. logprob_chunk, micro_batches, teacher_micro_batches,
-    row_shards (the mesh's data x fsdp): how the head's chunks fall (`head_rows_executed`)."""
-    b, t = batch.tokens.shape
+    row_shards (the mesh's data x fsdp): how the head's chunks fall (`head_rows_executed`).
+    With length classes (rl.length_classes) each row runs at its class's width."""
     trunk = trunk_flops_per_token(cfg)
     tokens = float(np.asarray(batch.valid).sum())
     pairs = readable_pairs(batch.valid)
     policy = float(np.asarray(batch.pol_valid).sum())
     need_fwd = forward_flops(cfg, tokens, pairs, policy)
-    exec_attn = attention_flops(cfg, b * chunked_pairs(t, q_chunk))
+    widths = _row_widths(batch.tokens, getattr(batch, "classes", None), getattr(batch, "length_class", None))
+    slots = float(widths.sum())
+    exec_attn = attention_flops(cfg, sum(chunked_pairs(int(w), q_chunk) for w in widths))
     exec_head = head_flops(cfg, head_rows_executed(batch.pol_valid, logprob_chunk, micro_batches=micro_batches,
-                                                   row_shards=row_shards))
+                                                   row_shards=row_shards,
+                                                   row_class=getattr(batch, "length_class", None)))
     # a rematerialised piece runs its forward again in the backward pass; attention and log-prob
     # chunks are always checkpointed (models.attention, rl.logprobs), the layer only with remat
-    grad_exec = (4.0 if remat else 3.0) * trunk * b * t + 4.0 * exec_attn + 4.0 * exec_head
+    grad_exec = (4.0 if remat else 3.0) * trunk * slots + 4.0 * exec_attn + 4.0 * exec_head
     parts = {"student": (3.0 * need_fwd * updates, grad_exec * updates)}
     if extra_forwards or ref_forward:
         k = extra_forwards + int(ref_forward)
-        parts["student_forward"] = (need_fwd * k, (trunk * b * t + exec_attn + exec_head) * k)
+        parts["student_forward"] = (need_fwd * k, (trunk * slots + exec_attn + exec_head) * k)
     views = getattr(batch, "views", None)
     if views is not None:
         lay = views.layout
         seg = np.asarray(lay.segment_ids)
-        vb, vp = seg.shape
         used = distinct_slots_used(np.asarray(views.pred))
         distinct = teacher_distinct_rows if teacher_distinct_rows is not None else float(used.sum())
         need = forward_flops(cfg, float((seg >= 0).sum()), layout_pairs(seg, lay.ctx1_segment, lay.ctx1_end,
                                                                         lay.ctx2_segment, lay.ctx2_end), distinct)
-        executed = forward_flops(cfg, vb * vp, vb * chunked_pairs(vp, q_chunk), head_rows_executed(
-            used, logprob_chunk, micro_batches=teacher_micro_batches, row_shards=row_shards))
+        vw = _row_widths(views.tokens, getattr(views, "classes", None), getattr(views, "row_class", None))
+        executed = forward_flops(cfg, float(vw.sum()), sum(chunked_pairs(int(w), q_chunk) for w in vw),
+                                 head_rows_executed(used, logprob_chunk, micro_batches=teacher_micro_batches,
+                                                    row_shards=row_shards, row_class=getattr(views, "row_class", None)))
         parts["teacher"] = (need, executed)
     return UpdateFlops(parts)
 

@@ -37,7 +37,7 @@ from turnsight_jax.errors import ConfigError, NonFiniteTraining
 from turnsight_jax.eval.heldout import evaluate_policy
 from turnsight_jax.models.sharding import make_mesh
 from turnsight_jax.models.weights import save_pretrained
-from turnsight_jax.rl.batch import make_train_batch, packed_reference, row_axis, shard_batch
+from turnsight_jax.rl.batch import make_train_batch, packed_reference, row_axis, shape_keys, shard_batch
 from turnsight_jax.rl.methods import RolloutContext
 from turnsight_jax.rl.step import TURNSIGHT_METRICS, make_optimizer, make_train_step
 from turnsight_jax.rollout.progress import ProgressLine
@@ -95,18 +95,20 @@ def _rollout_metrics(trajs) -> dict[str, float]:
     return out
 
 
-def _local_batch(trajs, tasks, first, tok, step_cfg, method, cfg, shapes):
+def _local_batch(trajs, tasks, first, tok, step_cfg, method, cfg, shapes, row_shards):
     """This process's batch rows (its episodes, groups numbered from `first`), padded to widths
     every process agrees on (the largest of theirs and of the run so far: shapes only grow).
     Returns (batch, stats, the widths now in use)."""
     row_tasks = [t for t in tasks for _ in range(cfg.train.group_size)]
-    batch, bstats = make_train_batch(trajs, row_tasks, tok, step_cfg, method, min_shapes=shapes, group_offset=first)
-    keys = [k for k in ("T", "N", "P", "U") if k in bstats]
+    batch, bstats = make_train_batch(trajs, row_tasks, tok, step_cfg, method, min_shapes=shapes, group_offset=first,
+                                     row_shards=row_shards)
+    keys = shape_keys(bstats)
     mine = np.array([max(shapes.get(k, 0), int(bstats[k])) for k in keys], np.int64)
     agreed = distributed.gather(mine).max(axis=0)
     if np.any(agreed > mine):  # another process's episodes are longer: pad to its widths
         batch, bstats = make_train_batch(trajs, row_tasks, tok, step_cfg, method,
-                                         min_shapes=dict(zip(keys, agreed.tolist())), group_offset=first)
+                                         min_shapes=dict(zip(keys, agreed.tolist())), group_offset=first,
+                                         row_shards=row_shards)
     return batch, bstats, {k: int(v) for k, v in zip(keys, agreed)}
 
 
@@ -127,7 +129,12 @@ def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh) -> flops.Upd
         remat=cfg.model.remat, teacher_distinct_rows=bstats.get("teacher_distinct_rows"),
         logprob_chunk=step_cfg.logprob_chunk, micro_batches=step_cfg.micro_batches,
         teacher_micro_batches=step_cfg.teacher_micro_batches,
-        row_shards=max(1, mesh.shape["data"] * mesh.shape["fsdp"] // jax.process_count()))
+        row_shards=local_row_shards(mesh))
+
+
+def local_row_shards(mesh) -> int:
+    """This process's share of the mesh's row shards (data x fsdp)."""
+    return max(1, mesh.shape["data"] * mesh.shape["fsdp"] // jax.process_count())
 
 
 def _eval_progress(cfg, n_tasks: int, *, greedy: bool = False) -> ProgressLine:
@@ -256,7 +263,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             res = method.rollout.fn(ctx, mine, cfg.seed * 100_003 + step)
             distributed.settle()  # the rollout's local collectives end before the step's cross-process ones
             t_roll = time.perf_counter() - t_step
-            batch, bstats, shapes = _local_batch(res.trajectories, mine, first, tok, step_cfg, method, cfg, shapes)
+            batch, bstats, shapes = _local_batch(res.trajectories, mine, first, tok, step_cfg, method, cfg, shapes,
+                                                  local_row_shards(mesh))
             work = _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh)
             if step in fault_nan_steps:
                 batch = _poison(batch)

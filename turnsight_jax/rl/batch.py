@@ -18,6 +18,10 @@ tokens per row, K = max turns):
                                            "turn_rewards", ...; turnsight_jax.rl.methods)
   views: PackedViews or None               packed hindsight rows of the frozen teacher
                                            (turnsight_jax.rl.views), when the advantage needs them
+  length_class [B] int32 or None           the row's length class (rl.length_classes): with
+                                           train.length_classes > 1 the student's forward runs each
+                                           class cut to its own width, classes.widths[i] <= T
+  classes: LengthClasses or None (static)  the classes' rows per cell and widths
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.sharding import BATCH, fit_spec, shard_rows
+from turnsight_jax.rl import length_classes
 from turnsight_jax.rl.config import StepConfig
+from turnsight_jax.rl.length_classes import LengthClasses
 from turnsight_jax.rl.methods import ResolvedMethod
 from turnsight_jax.rl.views import (DEFAULT_PACKED_BUCKETS, PackedViews, ViewOptions, build_views, pick_bucket,
                                     policy_bucket, policy_positions)
@@ -65,6 +71,8 @@ class TrainBatch:
     num_turns: Any
     signals: dict[str, Any]
     views: Any = None
+    length_class: Any = None
+    classes: LengthClasses | None = struct.field(pytree_node=False, default=None)
 
     @property
     def size(self) -> int:
@@ -169,19 +177,32 @@ def make_train_batch(
     pad_id: int = 0,
     min_shapes: dict[str, int] | None = None,
     group_offset: int = 0,
+    row_shards: int = 1,
 ) -> tuple[TrainBatch, dict[str, float]]:
     """Assemble a TrainBatch (numpy arrays) and stats (token counts, view overhead).
 
     tasks: the task of each row (len(trajs) of them): the rewards and the hindsight source read
-    gold calls and answers from it. min_shapes: floors for the bucketed widths {"T", "N", "P",
-    "U"}; the trainer passes the largest widths seen so far, so shapes only grow and the step
-    compiles a handful of times. The widths used are returned in stats as T/N/P/U. group_offset:
-    the index of the first group in the whole batch (a process builds its own rows of it)."""
+    gold calls and answers from it. min_shapes: floors for the bucketed widths (`shape_keys`:
+    "T", "N", "P", "U", and per length class "T0", "T1", ..., "P0", ...); the trainer passes the
+    largest widths seen so far, so shapes only grow and the step compiles a handful of times. The
+    widths used are returned in stats under the same keys. group_offset: the index of the first
+    group in the whole batch (a process builds its own rows of it). row_shards: the row shards of
+    the mesh the batch will be placed on (this process's share), for the length classes' cells."""
     cfg.validate(len(trajs))
     floor = {"T": 0, "N": 0, "P": 0, "U": 0, **(min_shapes or {})}
-    longest = max(t.length for t in trajs)
-    buckets = [b for b in length_buckets if b >= max(floor["T"], 1)] or list(length_buckets)
-    width = pick_bucket(longest, buckets if longest <= buckets[-1] else length_buckets, "trajectory")
+    lengths = [t.length for t in trajs]
+    classes = cls_widths = None
+    if cfg.length_classes > 1:
+        modulus = length_classes.cell_modulus(cfg.micro_batches, cfg.mini_batches, cfg.teacher_micro_batches)
+        if len(trajs) % (row_shards * modulus):
+            raise ConfigError(f"{len(trajs)} rows do not split into {row_shards} row shard(s) x {modulus} strided "
+                              "micro-batches for train.length_classes")
+        rows = length_classes.split_cell(len(trajs) // (row_shards * modulus), cfg.length_classes)
+        classes = length_classes.assign(lengths, rows, shards=row_shards, modulus=modulus)
+        cls_widths = [_bucket(n, length_buckets, floor.get(f"T{i}", 0), "trajectory")
+                      for i, n in enumerate(length_classes.class_widths(lengths, classes, len(rows)))]
+        floor["T"] = max(floor["T"], *cls_widths)
+    width = _bucket(max(lengths), length_buckets, floor["T"], "trajectory")
     tokens, valid = pad_tokens(trajs, width, pad_id)
     if not cfg.algo.student_sees_observations:
         valid &= student_context(trajs, width)
@@ -194,11 +215,17 @@ def make_train_batch(
         turn_ids[i, :n] = t.turn_ids[pol_pos[i, :n]]
         old_lp[i, :n] = t.old_logprobs[pol_pos[i, :n]]
     views = None
-    stats = {"trajectory_tokens": float(sum(t.length for t in trajs)), "policy_tokens": float(pol_valid.sum()),
+    stats = {"trajectory_tokens": float(sum(lengths)), "policy_tokens": float(pol_valid.sum()),
              "batch_width": float(width), "policy_width": float(pol_pos.shape[1]),
              "T": float(width), "N": float(pol_pos.shape[1])}
+    spec = None
+    if classes is not None:
+        spec = LengthClasses(rows, tuple(cls_widths), row_shards)
+        stats.update({f"T{i}": float(w) for i, w in enumerate(cls_widths)})
     if method.needs_views:
         a = cfg.algo
+        if classes is not None:  # the rows are as wide as their widest class
+            floor["P"] = max([floor["P"]] + [floor.get(f"P{i}", 0) for i in range(len(rows))])
         views, vstats = build_views(
             trajs, tokenizer,
             options=ViewOptions(depths=tuple(a.depths), source=a.source, turns=a.turns,
@@ -208,15 +235,33 @@ def make_train_batch(
             positions=(pol_pos, pol_valid),
         )
         stats.update(vstats)
+        if classes is not None:
+            packed = (np.asarray(views.layout.segment_ids) >= 0).sum(axis=1)
+            vclass = length_classes.assign(packed, rows, shards=row_shards, modulus=modulus)
+            pw = [_bucket(n, packed_buckets, floor.get(f"P{i}", 0), "packed hindsight row")
+                  for i, n in enumerate(length_classes.class_widths(packed, vclass, len(rows)))]
+            views = views.replace(row_class=vclass, classes=LengthClasses(rows, tuple(pw), row_shards))
+            stats.update({f"P{i}": float(w) for i, w in enumerate(pw)})
         stats["P"], stats["U"] = float(views.tokens.shape[1]), float(views.pred.shape[1])
     batch = TrainBatch(
         tokens=tokens, valid=valid, pol_pos=pol_pos, pol_valid=pol_valid, turn_ids=turn_ids, old_logprobs=old_lp,
         group_ids=group_index(trajs, cfg.group_size) + np.int32(group_offset),
         num_turns=np.asarray([t.num_turns for t in trajs], np.int32),
         signals=compute_signals(method, trajs, tasks, cfg),
-        views=views,
+        views=views, length_class=classes, classes=spec,
     )
     return batch, stats
+
+
+def _bucket(n: int, buckets: Sequence[int], floor: int, what: str) -> int:
+    """The bucket of a width n at or above `floor` (any bucket when n exceeds them all: it raises)."""
+    above = [b for b in buckets if b >= max(floor, 1)] or list(buckets)
+    return pick_bucket(n, above if n <= above[-1] else buckets, what)
+
+
+def shape_keys(stats: dict[str, float]) -> list[str]:
+    """The width keys of make_train_batch's stats (the floors `min_shapes` takes), in order."""
+    return [k for k in stats if k[:1] in "TNPU" and (len(k) == 1 or k[1:].isdigit())]
 
 
 # ---- the worst-case geometry, for the dry-run memory plan ----
@@ -230,6 +275,8 @@ class Geometry:
     distinct: int  # U: distinct teacher predictors per row
     views: int  # R: teacher views (depths, + reference row with KL)
     turns: int  # K
+    class_rows: tuple[int, ...] | None = None  # rows per cell of each length class (rl.length_classes)
+    row_shards: int = 1
 
 
 def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod) -> Geometry:
@@ -239,7 +286,12 @@ def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod) -> Geometry
     packed = pick_bucket(int(length * cfg.plan.packed_factor), DEFAULT_PACKED_BUCKETS, "plan: packed row")
     views = len(cfg.rl.depths) + int(method.needs_ref and cfg.rl.student_sees_observations)  # packed_reference
     distinct = policy_bucket(int(policy * min(views, cfg.plan.distinct_factor)))
-    return Geometry(t.prompts_per_step * t.group_size, length, policy, packed, distinct, views, r.max_turns)
+    batch = t.prompts_per_step * t.group_size
+    class_rows, shards = None, cfg.mesh.data * cfg.mesh.fsdp
+    if t.length_classes > 1:  # the worst case: every class as wide as the widest row
+        modulus = length_classes.cell_modulus(t.micro_batches, t.mini_batches, t.teacher_micro_batches)
+        class_rows = length_classes.split_cell(batch // (shards * modulus), t.length_classes)
+    return Geometry(batch, length, policy, packed, distinct, views, r.max_turns, class_rows, shards)
 
 
 def abstract_batch(g: Geometry, mesh, method: ResolvedMethod) -> TrainBatch:
@@ -250,15 +302,19 @@ def abstract_batch(g: Geometry, mesh, method: ResolvedMethod) -> TrainBatch:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, fit_spec(P(*spec), shape, mesh)))
 
     b, i32 = g.batch, jnp.int32
-    views = None
+    classes = row_class = views = None
+    if g.class_rows is not None:
+        classes, row_class = LengthClasses(g.class_rows, (g.length,) * len(g.class_rows), g.row_shards), arr((b,), i32)
     if method.needs_views:
         lay = Layout(*(arr((b, g.packed), i32) for _ in range(6)))
         views = PackedViews(arr((b, g.packed), i32), lay, arr((g.views, b, g.policy), i32, axis=1),
-                            arr((b, g.distinct), i32), arr((b, g.distinct), i32), arr((g.views, b, g.policy), i32, axis=1))
+                            arr((b, g.distinct), i32), arr((b, g.distinct), i32), arr((g.views, b, g.policy), i32, axis=1),
+                            row_class=row_class, classes=None if classes is None else LengthClasses(
+                                g.class_rows, (g.packed,) * len(g.class_rows), g.row_shards))
     signals = {r.output: arr((b,) if r.per == "trajectory" else (b, g.turns), jnp.float32) for r in method.rewards}
     return TrainBatch(
         tokens=arr((b, g.length), i32), valid=arr((b, g.length), bool), pol_pos=arr((b, g.policy), i32),
         pol_valid=arr((b, g.policy), bool), turn_ids=arr((b, g.policy), i32),
         old_logprobs=arr((b, g.policy), jnp.float32), group_ids=arr((b,), i32), num_turns=arr((b,), i32),
-        signals=signals, views=views,
+        signals=signals, views=views, length_class=row_class, classes=classes,
     )

@@ -132,6 +132,7 @@ class StepConfig:
     teacher_micro_batches: int = 1
     logprob_chunk: int = 1024
     max_turns: int = 10
+    length_classes: int = 1  # rows run in this many length groups, each padded to its own width (rl.length_classes)
 
     def validate(self, batch_size: int | None = None) -> None:
         """Raise ConfigError (one line) for any structurally invalid value or combination."""
@@ -192,7 +193,8 @@ class StepConfig:
             raise ConfigError(f"optim.lr must be finite and > 0, got {opt.lr}")
         if self.group_size < 1:
             raise ConfigError(f"group_size must be >= 1, got {self.group_size}")
-        for name in ("micro_batches", "mini_batches", "ppo_epochs", "teacher_micro_batches", "max_turns"):
+        for name in ("micro_batches", "mini_batches", "ppo_epochs", "teacher_micro_batches", "max_turns",
+                     "length_classes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if batch_size is not None:

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.qwen3 import Qwen3
 from turnsight_jax.models.sharding import AXES, BATCH, fit_spec
+from turnsight_jax.rl.length_classes import run_by_class
 from turnsight_jax.rl.views import PackedViews, distinct_slots_used
 
 
@@ -202,14 +203,46 @@ def student_logprobs(model: Qwen3, tokens: jax.Array, valid_mask: jax.Array, pol
                        temperature=temperature, with_entropy=with_entropy, used=pol_valid)
 
 
+def policy_logprobs(model: Qwen3, batch, *, chunk: int = 1024, temperature: float = 1.0,
+                    with_entropy: bool = False):
+    """student_logprobs of a TrainBatch's (or a micro-batch's) rows [B, N], each length class
+    (rl.length_classes) run at its own width when the batch has them; the same values either way."""
+    kw = dict(chunk=chunk, temperature=temperature, with_entropy=with_entropy)
+    if batch.classes is None:
+        return student_logprobs(model, batch.tokens, batch.valid, batch.pol_pos, pol_valid=batch.pol_valid, **kw)
+
+    def one(_, pos, pv, tokens, valid):
+        return student_logprobs(model, tokens, valid, pos, pol_valid=pv, **kw)
+
+    return run_by_class(one, batch.classes, batch.length_class, (batch.pol_pos, batch.pol_valid),
+                        (batch.tokens, batch.valid))
+
+
 def teacher_logprobs(model: Qwen3, views: PackedViews, *, chunk: int = 1024, temperature: float = 1.0) -> jax.Array:
     """Frozen-teacher log-probs of the policy tokens under every view of `views.view_pred`
-    (the hindsight depths, then the plain reference row when built with_reference).
+    (the hindsight depths, then the plain reference row when built with_reference): [R, B, N].
 
-    One forward over the packed rows; the vocabulary projection runs once per distinct
-    (predictor, target) pair and is gathered into [R, B, N] float32, outside the gradient."""
-    hidden = model.hidden_states(views.tokens, views.layout)
-    distinct = logprobs_at(model, hidden, views.pred, views.pred_target, chunk=chunk, temperature=temperature,
-                           used=distinct_slots_used(views.pred))
-    out = jax.vmap(lambda s: jnp.take_along_axis(distinct, s, axis=1))(views.slot)
+    One forward over the packed rows (per length class, each at its own width, when the views
+    have them); the vocabulary projection runs once per distinct (predictor, target) pair and is
+    gathered into [R, B, N] float32, outside the gradient."""
+    if views.classes is None:
+        return _teacher_logprobs(model, views.tokens, views.layout, views.pred, views.pred_target, views.slot,
+                                 chunk=chunk, temperature=temperature)
+
+    def one(_, pred, target, slot, tokens, *layout):
+        return _teacher_logprobs(model, tokens, Layout(*layout), pred, target, jnp.moveaxis(slot, 0, 1),
+                                 chunk=chunk, temperature=temperature)
+
+    lay = views.layout
+    return run_by_class(one, views.classes, views.row_class, (views.pred, views.pred_target,
+                                                              jnp.moveaxis(views.slot, 1, 0)),
+                        (views.tokens, lay.positions, lay.segment_ids, lay.ctx1_segment, lay.ctx1_end,
+                         lay.ctx2_segment, lay.ctx2_end), out_axis=1)
+
+
+def _teacher_logprobs(model, tokens, layout, pred, pred_target, slot, *, chunk, temperature):
+    hidden = model.hidden_states(tokens, layout)
+    distinct = logprobs_at(model, hidden, pred, pred_target, chunk=chunk, temperature=temperature,
+                           used=distinct_slots_used(pred))
+    out = jax.vmap(lambda s: jnp.take_along_axis(distinct, s, axis=1))(slot)
     return jax.lax.stop_gradient(out)

@@ -35,7 +35,7 @@ from turnsight_jax.models.qwen3 import Qwen3
 from turnsight_jax.rl.advantages import make_advantage_fn
 from turnsight_jax.rl.batch import TrainBatch, packed_reference, row_axis
 from turnsight_jax.rl.config import OptimConfig, StepConfig
-from turnsight_jax.rl.logprobs import student_logprobs, teacher_logprobs
+from turnsight_jax.rl.logprobs import policy_logprobs, teacher_logprobs
 from turnsight_jax.rl.losses import aggregation_weights, term_losses, tis_weights
 from turnsight_jax.rl.methods import ResolvedMethod, resolve_method
 
@@ -121,11 +121,16 @@ def split_batch(batch, m: int):
     return jax.tree_util.tree_map_with_path(f, batch)
 
 
-def _rows_in_micro_batches(fn, arrays: tuple, m: int):
-    """fn(*arrays) over strided micro-batches of the rows (lax.map), merged back; m = 1: one call."""
+def _student_rows(batch: TrainBatch) -> TrainBatch:
+    """The arrays a no-gradient student forward reads (no views, no signals)."""
+    return batch.replace(views=None, signals={})
+
+
+def _in_micro_batches(fn, batch: TrainBatch, m: int):
+    """fn(batch) over strided micro-batches of its rows (lax.map), merged back; m = 1: one call."""
     if m == 1:
-        return fn(arrays)
-    return _merge(jax.lax.map(fn, tuple(_split(a, m) for a in arrays)))
+        return fn(batch)
+    return _merge(jax.lax.map(fn, split_batch(batch, m)))
 
 
 def teacher_and_ref_logprobs(ref_model: Qwen3, batch: TrainBatch, cfg: StepConfig, method: ResolvedMethod):
@@ -146,12 +151,10 @@ def teacher_and_ref_logprobs(ref_model: Qwen3, batch: TrainBatch, cfg: StepConfi
         if packed_reference(cfg, method):
             ref = out[depths]
     if method.needs_ref and ref is None:
-        def one_ref(args):
-            tok, valid, pos, pv = args
-            return student_logprobs(ref_model, tok, valid, pos, chunk=chunk, temperature=temp, pol_valid=pv)
+        def one_ref(rows):
+            return policy_logprobs(ref_model, rows, chunk=chunk, temperature=temp)
 
-        ref = jax.lax.stop_gradient(_rows_in_micro_batches(
-            one_ref, (batch.tokens, batch.valid, batch.pol_pos, batch.pol_valid), m))
+        ref = jax.lax.stop_gradient(_in_micro_batches(one_ref, _student_rows(batch), m))
     return teacher, ref
 
 
@@ -166,12 +169,10 @@ def masked_old_logprobs(model: Qwen3, batch: TrainBatch, cfg: StepConfig):
     The step-start parameters are the rollout's parameters (the sampler ran them), so this forward
     is exactly π_old on that context; the released code recomputes old log-probs the same way
     (verl's compute_log_prob before the update). Micro-batched like the gradient passes."""
-    def one(args):
-        tok, valid, pos, pv = args
-        return student_logprobs(model, tok, valid, pos, chunk=cfg.logprob_chunk, temperature=cfg.loss.temperature,
-                                pol_valid=pv)
+    def one(rows):
+        return policy_logprobs(model, rows, chunk=cfg.logprob_chunk, temperature=cfg.loss.temperature)
 
-    lp = _rows_in_micro_batches(one, (batch.tokens, batch.valid, batch.pol_pos, batch.pol_valid), cfg.micro_batches)
+    lp = _in_micro_batches(one, _student_rows(batch), cfg.micro_batches)
     return jax.lax.stop_gradient(jnp.where(batch.pol_valid, lp, 0.0))
 
 
@@ -226,8 +227,8 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         """`sampler_lp`: the sampler's log-probs when mb.old_logprobs was replaced by the trainer's
         (mismatch correction with several updates), else None."""
         model = nnx.merge(graphdef, params)
-        out = student_logprobs(model, mb.tokens, mb.valid, mb.pol_pos, chunk=cfg.logprob_chunk,
-                               temperature=cfg.loss.temperature, with_entropy=with_entropy, pol_valid=mb.pol_valid)
+        out = policy_logprobs(model, mb, chunk=cfg.logprob_chunk, temperature=cfg.loss.temperature,
+                              with_entropy=with_entropy)
         lp, entropy = out if with_entropy else (out, None)
         current = jax.lax.stop_gradient(lp)  # the step-start policy's log-probs when one update per step
         old = current if old_is_current else mb.old_logprobs

@@ -75,6 +75,8 @@ class PackedViews:
       vocabulary projection runs once per distinct pair. Within a row the predictors ascend from
       slot 0 and the rest is zero padding (so slot u > 0 is real exactly when pred > 0).
     slot [R, B, N] int32: index into pred of each (view, row, policy token).
+    row_class [B] int32 or None, classes (static): the rows' length classes by packed length
+      (rl.length_classes): the teacher's forward runs each class cut to classes.widths[i] <= P.
     """
 
     tokens: Any
@@ -83,6 +85,8 @@ class PackedViews:
     pred: Any
     pred_target: Any
     slot: Any
+    row_class: Any = None
+    classes: Any = struct.field(pytree_node=False, default=None)
 
 
 @dataclasses.dataclass(frozen=True)
