@@ -1,16 +1,27 @@
 """Train-step benchmark: time split (teacher views / student forward+backward / optimizer) and
-MFU against a matmul peak measured in the same run.
+MFU against a matmul peak measured in the same run; and the padding the update pays for.
 
     python benchmarks/train_step.py                      # CPU: bench-100m trunk, 16 trajectories
     python benchmarks/train_step.py --preset qwen3-0.6b --bf16 --rows 64 --peak-tflops 989   # GPU
+    python benchmarks/train_step.py --geometry default       # one width vs length classes, same run
+    python benchmarks/train_step.py --geometry paper-like    # the same at a paper-like length spread
 
 Trajectories are real: built-in multi-hop tasks replayed through the environment (gold chains),
 so the packed hindsight views have the real layout.
+
+`--geometry` compares, on one batch, the fused step with every row padded to the longest
+(train.length_classes = 1) against the step with `--classes` length classes: wall time (median),
+and the executed / necessary FLOPs of the update (turnsight_jax.flops) for the timed model and,
+counted only, for Qwen3-8B at the same geometry. "default": the embedded default's batch (8
+built-in tasks x 4 siblings, its data and step settings, tiny-default). "paper-like": FTRL-like
+spread scaled to CPU: 2-10 turns per episode (the gold chain cut at a random hop), a <think>
+block of lognormal length per turn (median 60 tokens), and tool results padded to 50-500 tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import jax
@@ -36,6 +47,109 @@ from turnsight_jax.rl.methods import resolve_method  # noqa: E402
 from turnsight_jax.rl.step import make_optimizer, make_train_step  # noqa: E402
 
 
+WORDS = "so the next step is to look up the value then compare it with what the question asks".split()
+
+
+class _LongResults:
+    """An environment whose tool results are padded to a drawn length (50-500 tokens): FTRL's
+    results are longer than the built-in tables'. Wraps FTRLEnv; observations only change."""
+
+    def __init__(self, env, rng):
+        self.env, self.rng = env, rng
+
+    def start(self, task, *, seed=0):
+        episode, rng = self.env.start(task, seed=seed), self.rng
+
+        class Padded:
+            def __getattr__(self, name):
+                return getattr(episode, name)
+
+            def step(self, calls):
+                res = episode.step(calls)
+                obs = tuple(o + " " + " ".join(rng.choice(WORDS, size=int(rng.integers(50, 500))))
+                            for o in res.observations)
+                return dataclasses.replace(res, observations=obs)
+
+        return Padded()
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+
+def geometry_batch(kind: str, tok, rng):
+    """(trajectories, row tasks, StepConfig kwargs, preset, attention q chunk) of a geometry."""
+    if kind == "default":  # the embedded default: data, rollout and step settings of experiments.tiny_cpu
+        cfg = SyntheticConfig(max_distractors=1, vocab_size=10, entity_style="names", num_relations=4,
+                              extra_rows=1)
+        tasks = generate_tasks(8, seed=3, categories=("single_hop", "multi_hop"), config=cfg)
+        scripts = [gold_turn_texts(t) for t in tasks for _ in range(4)]
+        env, rcfg = FTRLEnv(num_workers=1), RolloutConfig(max_turns=4, max_response_tokens=256)
+        step = dict(group_size=4, max_turns=4, logprob_chunk=256)
+        wrap = lambda e: e  # noqa: E731
+    else:
+        tasks = generate_tasks(4, seed=7, categories=("multi_hop",), config=SyntheticConfig(hops=9))
+        scripts = []
+        for task in tasks:
+            gold = gold_turn_texts(task)
+            for _ in range(4):
+                k = int(rng.integers(1, len(gold)))  # 1..9 tool turns, then the answer: 2-10 turns
+                scripts.append([f"<think>\n{' '.join(rng.choice(WORDS, size=int(min(np.exp(rng.normal(np.log(60), 0.8)), 400))))}"
+                                f"\n</think>\n\n{t}" for t in gold[:k] + [gold[-1]]])
+        env, rcfg = FTRLEnv(num_workers=1), RolloutConfig(max_turns=10, max_response_tokens=8192)
+        step = dict(group_size=4, max_turns=10, logprob_chunk=256)
+        wrap = lambda e: _LongResults(e, rng)  # noqa: E731
+    with env:
+        trajs = rollout(ReplayPolicy(tok, scripts), wrap(env), tasks, tokenizer=tok, group_size=4,
+                        config=rcfg).trajectories
+    for t in trajs:
+        t.reward = float(rng.random())
+        t.old_logprobs = np.where(t.policy_mask, -1.0, 0.0).astype(np.float32)
+    return trajs, [t for t in tasks for _ in range(4)], step, "tiny-default", 128
+
+
+def compare_classes(args):
+    """One width vs length classes on one batch: time and executed / necessary FLOPs."""
+    print(f"machine: {machine()}")
+    tok, rng = default_tokenizer(), np.random.default_rng(0)
+    trajs, row_tasks, step_kw, preset, q_chunk = geometry_batch(args.geometry, tok, rng)
+    lengths = np.array([t.length for t in trajs])
+    cfg = get_preset(preset)
+    model = Qwen3(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32,
+                  options=RuntimeOptions(compute_dtype=jnp.float32, attn_q_chunk=q_chunk))
+    graphdef, params = nnx.split(model)
+    rows, walls = [], {}
+    for k in (1, args.classes):
+        sc = StepConfig(algo=AlgoConfig(method="turnsight", base="grpo"), length_classes=k, **step_kw)
+        method = resolve_method(sc)
+        batch, stats = make_train_batch(trajs, row_tasks, tok, sc, method)
+        optimizer = make_optimizer(sc.optim)
+        step = make_train_step(graphdef, sc, optimizer, method)
+        dev = jax.tree.map(jnp.asarray, batch)
+        holder = {"p": jax.tree.map(jnp.copy, params), "s": optimizer.init(params)}
+
+        def full():
+            holder["p"], holder["s"], m = step(holder["p"], holder["s"], params, dev)
+            return m
+
+        walls[k] = time_fn(full, repeats=args.repeats)
+        counts = {name: update_flops(get_preset(name), batch, updates=1, q_chunk=q_chunk, remat=False,
+                                     teacher_distinct_rows=stats["teacher_distinct_rows"], logprob_chunk=256)
+                  for name in (preset, "qwen3-8b")}
+        widths = (f"T={stats['T']:.0f}, P={stats['P']:.0f}" if k == 1 else
+                  "T=" + "/".join(f"{stats[f'T{i}']:.0f}" for i in range(k)) + ", P=" +
+                  "/".join(f"{stats[f'P{i}']:.0f}" for i in range(k)))
+        rows.append([f"{k} class{'es' if k > 1 else ''} ({widths})", f"{walls[k]:.2f} s",
+                     *(" / ".join(f"{e / n:.2f}" for n, e in (c.parts["student"], c.parts["teacher"]))
+                       + f" / **{c.ratio:.2f}**" for c in counts.values())])
+    print(f"geometry {args.geometry}: {len(trajs)} trajectories of {lengths.min()}-{lengths.max()} tokens "
+          f"(mean {lengths.mean():.0f}), {sum(t.num_turns for t in trajs) / len(trajs):.1f} turns on average; "
+          f"timed model {preset} (f32, attention query chunk {q_chunk}), TurnSight over GRPO, one update")
+    print(table(rows, ["rows padded to", f"fused step ({preset})",
+                       f"executed / necessary: student / teacher / update ({preset})",
+                       "same, counted for qwen3-8b"]))
+    print(f"speed-up of {args.classes} length classes over one width: {walls[1] / walls[args.classes]:.2f}x")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="bench-100m")
@@ -46,7 +160,12 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peak-tflops", type=float, default=0.0,
                     help="device peak for MFU; 0 = measure a float32 matmul peak in this run (CPU)")
+    ap.add_argument("--geometry", choices=("default", "paper-like"), default=None,
+                    help="compare one width with length classes on this geometry instead")
+    ap.add_argument("--classes", type=int, default=2, help="length classes of the --geometry comparison")
     args = ap.parse_args()
+    if args.geometry:
+        return compare_classes(args)
     print(f"machine: {machine()}")
     tok = default_tokenizer()
     n_tasks = args.rows // args.group

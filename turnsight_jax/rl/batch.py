@@ -51,8 +51,10 @@ from turnsight_jax.rl.views import (DEFAULT_PACKED_BUCKETS, PackedViews, ViewOpt
 
 log = logging.getLogger(__name__)
 
-# Trajectory widths T: multiples of 128 up to 2,048, then 4,096 ... 32,768.
-DEFAULT_BUCKETS: tuple[int, ...] = tuple(range(128, 2049, 128)) + tuple(4096 * 2**i for i in range(4))
+# Trajectory widths T: multiples of 128 up to 2,048, of 512 up to 8,192, of 2,048 up to 32,768
+# (at most 1/8 padding past 2,048; powers of two padded a 17k-token row to 32k).
+DEFAULT_BUCKETS: tuple[int, ...] = (tuple(range(128, 2049, 128)) + tuple(range(2560, 8193, 512))
+                                    + tuple(range(10240, 32769, 2048)))
 # Leaves whose trajectory axis is 1 ([R, B, N]); every other leaf has it first.
 _VIEW_AXIS_LEAVES = ("view_pred", "slot")
 

@@ -34,8 +34,10 @@ from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.models.attention import NO_SEGMENT, PAD_SEGMENT, Layout
 from turnsight_jax.rl.config import parse_turn_coverage
 
-# multiples of 256 up to 4096 (little padding on short rows), then powers of two up to 131072
-DEFAULT_PACKED_BUCKETS: tuple[int, ...] = tuple(range(256, 4097, 256)) + tuple(8192 * 2**i for i in range(5))
+# multiples of 256 up to 4,096, of 1,024 up to 16,384, of 4,096 up to 131,072 (at most 1/4 padding
+# past 4,096; powers of two padded a 4.3k-token packed row to 8k)
+DEFAULT_PACKED_BUCKETS: tuple[int, ...] = (tuple(range(256, 4097, 256)) + tuple(range(5120, 16385, 1024))
+                                           + tuple(range(20480, 131073, 4096)))
 
 
 def pick_bucket(n: int, buckets: Sequence[int], what: str) -> int:
