@@ -117,11 +117,14 @@ def compare_classes(args):
     model = Qwen3(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32,
                   options=RuntimeOptions(compute_dtype=jnp.float32, attn_q_chunk=q_chunk))
     graphdef, params = nnx.split(model)
+    # before issue 21: one width, and the widths past 2,048 / 4,096 were powers of two
+    before = dict(length_buckets=tuple(range(128, 2049, 128)) + tuple(4096 * 2**i for i in range(4)),
+                  packed_buckets=tuple(range(256, 4097, 256)) + tuple(8192 * 2**i for i in range(5)))
     rows, walls = [], {}
-    for k in (1, args.classes):
+    for name, k, buckets in (("before", 1, before), ("one width", 1, {}), ("classes", args.classes, {})):
         sc = StepConfig(algo=AlgoConfig(method="turnsight", base="grpo"), length_classes=k, **step_kw)
         method = resolve_method(sc)
-        batch, stats = make_train_batch(trajs, row_tasks, tok, sc, method)
+        batch, stats = make_train_batch(trajs, row_tasks, tok, sc, method, **buckets)
         optimizer = make_optimizer(sc.optim)
         step = make_train_step(graphdef, sc, optimizer, method)
         dev = jax.tree.map(jnp.asarray, batch)
@@ -131,23 +134,30 @@ def compare_classes(args):
             holder["p"], holder["s"], m = step(holder["p"], holder["s"], params, dev)
             return m
 
-        walls[k] = time_fn(full, repeats=args.repeats)
+        walls[name] = time_fn(full, repeats=args.repeats)
         counts = {name: update_flops(get_preset(name), batch, updates=1, q_chunk=q_chunk, remat=False,
                                      teacher_distinct_rows=stats["teacher_distinct_rows"], logprob_chunk=256)
                   for name in (preset, "qwen3-8b")}
         widths = (f"T={stats['T']:.0f}, P={stats['P']:.0f}" if k == 1 else
                   "T=" + "/".join(f"{stats[f'T{i}']:.0f}" for i in range(k)) + ", P=" +
                   "/".join(f"{stats[f'P{i}']:.0f}" for i in range(k)))
-        rows.append([f"{k} class{'es' if k > 1 else ''} ({widths})", f"{walls[k]:.2f} s",
+        b_, v_ = len(trajs), batch.views
+        slots_t = sum(batch.classes.widths[c] for c in batch.length_class) if k > 1 else b_ * batch.tokens.shape[1]
+        slots_p = sum(v_.classes.widths[c] for c in v_.row_class) if k > 1 else b_ * v_.tokens.shape[1]
+        label = ("one width, power-of-two buckets past 2,048 / 4,096 (before)" if name == "before" else
+                 f"{k} class{'es' if k > 1 else ''}")
+        rows.append([f"{label} ({widths})", f"{walls[name]:.2f} s",
+                     f"{slots_t / lengths.sum():.2f} / {slots_p / stats['view_tokens']:.2f}",
                      *(" / ".join(f"{e / n:.2f}" for n, e in (c.parts["student"], c.parts["teacher"]))
                        + f" / **{c.ratio:.2f}**" for c in counts.values())])
     print(f"geometry {args.geometry}: {len(trajs)} trajectories of {lengths.min()}-{lengths.max()} tokens "
           f"(mean {lengths.mean():.0f}), {sum(t.num_turns for t in trajs) / len(trajs):.1f} turns on average; "
           f"timed model {preset} (f32, attention query chunk {q_chunk}), TurnSight over GRPO, one update")
-    print(table(rows, ["rows padded to", f"fused step ({preset})",
+    print(table(rows, ["rows padded to", f"fused step ({preset})", "token slots / real tokens: student / teacher",
                        f"executed / necessary: student / teacher / update ({preset})",
                        "same, counted for qwen3-8b"]))
-    print(f"speed-up of {args.classes} length classes over one width: {walls[1] / walls[args.classes]:.2f}x")
+    print(f"speed-up of {args.classes} length classes over one width: {walls['one width'] / walls['classes']:.2f}x; "
+          f"over the step before: {walls['before'] / walls['classes']:.2f}x")
 
 
 def main():
