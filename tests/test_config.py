@@ -118,6 +118,8 @@ TODAY_DEFAULT["loss"].update(clip_ratio_c=None, entropy_coef=0.0)
 # The sampler/trainer mismatch correction, off: the default run does not move.
 TODAY_DEFAULT["loss"].update(tis_threshold=None)
 TODAY_DEFAULT["rollout"].update(end_on_unparsable_turn=False, calls_in_think=False)
+# Length classes (issue 21), off: every row padded to the batch's width, as the run was measured.
+TODAY_DEFAULT["train"].update(length_classes=1)
 # The non-finite guard (issue 19): a bound on skipped steps, not a training value.
 TODAY_DEFAULT["train"].update(max_skipped_steps=3)
 TODAY_DEFAULT["rl"].update(norm_pool="turn_mean", uncovered_in_stats=True, student_sees_observations=True,

@@ -168,10 +168,8 @@ def base_config() -> mlc.ConfigDict:
     c.train.ppo_epochs = 1  # passes over the step's batch
     c.train.teacher_micro_batches = 1  # micro-batches of the teacher's hindsight forward passes (memory only)
     c.train.logprob_chunk = 1024  # rows per vocabulary-projection chunk (memory/speed only)
-    # Forward passes run the rows in this many length groups, each padded to its own width rather
-    # than to the longest row (rl.length_classes; speed only, same values). Each row shard's rows per
-    # (mini x micro, teacher micro) split must number at least this many.
-    c.train.length_classes = 1
+    # Each row shard's rows per (mini x micro, teacher micro) split must number at least this many:
+    c.train.length_classes = 1  # forwards run the rows in this many length groups, each padded to its own width (speed only)
     c.train.max_skipped_steps = 3  # non-finite loss/gradient: the update is skipped; this many in a row stop the run
 
     c.eval = mlc.ConfigDict()  # held-out evaluation (turnsight_jax.eval.heldout)
