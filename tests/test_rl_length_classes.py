@@ -1,7 +1,8 @@
 """Length classes (rl.length_classes): every cell holds its classes in the configured sizes, the
 shortest rows first; running a forward by class equals running it on the whole batch; the fused
-step with classes equals the step without them (full, micro-/mini-batched, masked context, KL
-reference, sharded); the FLOP counter counts the classes' widths."""
+step with classes equals the step without them (micro-/mini-batched, masked context, KL reference;
+sharded: tests/test_rl_step.py::test_sharded_step_equals_unsharded); the FLOP counter counts the
+classes' widths."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import pytest
 
 from turnsight_jax import flops
 from turnsight_jax.errors import ConfigError
-from turnsight_jax.models.sharding import make_mesh
 from turnsight_jax.rl import length_classes as lc
 from turnsight_jax.rl.batch import make_train_batch, shape_keys
 from turnsight_jax.rl.methods import resolve_method
@@ -131,16 +131,6 @@ def test_masked_context_step_with_classes_equals_without(setup, tok):  # noqa: F
     got, m1 = _sgd_step(classed, policy, ref, _batch(trajs, row_tasks, tok, classed)[0])
     assert _max_diff(got, want) < 1e-6
     np.testing.assert_allclose(float(m1["kl"]), float(m0["kl"]), atol=1e-7)
-
-
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 fake devices (tests/conftest.py)")
-def test_sharded_step_with_classes_equals_unsharded(setup, tok):  # noqa: F811
-    trajs, row_tasks, policy, ref = setup
-    cfg = dataclasses.replace(_cfg(method="turnsight"), length_classes=2)
-    batch, _ = _batch(trajs, row_tasks, tok, cfg, row_shards=2)
-    plain, _ = _sgd_step(cfg, policy, ref, batch)
-    sharded, _ = _sgd_step(cfg, policy, ref, batch, mesh=make_mesh(fsdp=2, tensor=4))
-    assert _max_diff(plain, sharded) < 1e-6
 
 
 def test_rows_that_do_not_form_cells_are_refused(setup, tok):  # noqa: F811

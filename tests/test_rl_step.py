@@ -229,11 +229,15 @@ def test_micro_batched_equals_full_batch(setup, tok):
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 fake devices (tests/conftest.py)")
 @pytest.mark.parametrize("fsdp,tensor", [(2, 4)])  # both axes split; (4, 2) adds nothing new
 def test_sharded_step_equals_unsharded(setup, tok, fsdp, tensor):
+    """The sharded step runs its batch in two length classes laid out for the mesh's row shards
+    (rl.length_classes; each class's gather stays on its devices): it equals the unsharded step
+    on the plain batch."""
     trajs, row_tasks, policy, ref = setup
     cfg = _cfg(method="turnsight")
-    batch = _batch(trajs, row_tasks, tok, cfg)
-    plain, m0 = _sgd_step(cfg, policy, ref, batch)
-    sharded, m1 = _sgd_step(cfg, policy, ref, batch, mesh=make_mesh(fsdp=fsdp, tensor=tensor))
+    plain, m0 = _sgd_step(cfg, policy, ref, _batch(trajs, row_tasks, tok, cfg))
+    classed = dataclasses.replace(cfg, length_classes=2)
+    batch, _ = make_train_batch(trajs, row_tasks, tok, classed, resolve_method(classed), row_shards=fsdp)
+    sharded, m1 = _sgd_step(classed, policy, ref, fold_batch(batch), mesh=make_mesh(fsdp=fsdp, tensor=tensor))
     assert _max_diff(plain, sharded) < 1e-6
     assert abs(float(m0["pg_loss"]) - float(m1["pg_loss"])) < 1e-6
 
