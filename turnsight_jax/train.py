@@ -101,14 +101,14 @@ def _local_batch(trajs, tasks, first, tok, step_cfg, method, cfg, shapes, row_sh
     Returns (batch, stats, the widths now in use)."""
     row_tasks = [t for t in tasks for _ in range(cfg.train.group_size)]
     batch, bstats = make_train_batch(trajs, row_tasks, tok, step_cfg, method, min_shapes=shapes, group_offset=first,
-                                     row_shards=row_shards)
+                                     row_shards=row_shards, processes=jax.process_count())
     keys = shape_keys(bstats)
     mine = np.array([max(shapes.get(k, 0), int(bstats[k])) for k in keys], np.int64)
     agreed = distributed.gather(mine).max(axis=0)
     if np.any(agreed > mine):  # another process's episodes are longer: pad to its widths
         batch, bstats = make_train_batch(trajs, row_tasks, tok, step_cfg, method,
                                          min_shapes=dict(zip(keys, agreed.tolist())), group_offset=first,
-                                         row_shards=row_shards)
+                                         row_shards=row_shards, processes=jax.process_count())
     return batch, bstats, {k: int(v) for k, v in zip(keys, agreed)}
 
 

@@ -180,6 +180,7 @@ def make_train_batch(
     min_shapes: dict[str, int] | None = None,
     group_offset: int = 0,
     row_shards: int = 1,
+    processes: int = 1,
 ) -> tuple[TrainBatch, dict[str, float]]:
     """Assemble a TrainBatch (numpy arrays) and stats (token counts, view overhead).
 
@@ -189,7 +190,9 @@ def make_train_batch(
     largest widths seen so far, so shapes only grow and the step compiles a handful of times. The
     widths used are returned in stats under the same keys. group_offset: the index of the first
     group in the whole batch (a process builds its own rows of it). row_shards: the row shards of
-    the mesh the batch will be placed on (this process's share), for the length classes' cells."""
+    the mesh the batch will be placed on (this process's share), for the length classes' cells;
+    processes: how many processes build rows alike (the step sees processes x row_shards shard
+    blocks, each one process's local block)."""
     cfg.validate(len(trajs))
     floor = {"T": 0, "N": 0, "P": 0, "U": 0, **(min_shapes or {})}
     lengths = [t.length for t in trajs]
@@ -222,7 +225,7 @@ def make_train_batch(
              "T": float(width), "N": float(pol_pos.shape[1])}
     spec = None
     if classes is not None:
-        spec = LengthClasses(rows, tuple(cls_widths), row_shards)
+        spec = LengthClasses(rows, tuple(cls_widths), row_shards * processes)
         stats.update({f"T{i}": float(w) for i, w in enumerate(cls_widths)})
     if method.needs_views:
         a = cfg.algo
@@ -242,7 +245,7 @@ def make_train_batch(
             vclass = length_classes.assign(packed, rows, shards=row_shards, modulus=modulus)
             pw = [_bucket(n, packed_buckets, floor.get(f"P{i}", 0), "packed hindsight row")
                   for i, n in enumerate(length_classes.class_widths(packed, vclass, len(rows)))]
-            views = views.replace(row_class=vclass, classes=LengthClasses(rows, tuple(pw), row_shards))
+            views = views.replace(row_class=vclass, classes=LengthClasses(rows, tuple(pw), row_shards * processes))
             stats.update({f"P{i}": float(w) for i, w in enumerate(pw)})
         stats["P"], stats["U"] = float(views.tokens.shape[1]), float(views.pred.shape[1])
     batch = TrainBatch(

@@ -38,7 +38,8 @@ class LengthClasses:
     """Static description of a batch's length classes (hashable: part of the step's signature).
 
     rows: rows of each class in every cell (ascending length); widths: each class's width
-    (tokens of the arrays it cuts); shards: the row shards the cells were laid out for."""
+    (tokens of the arrays it cuts); shards: the row-shard blocks of the whole (global) batch the
+    cells were laid out in (with several processes, each process's rows are whole blocks)."""
 
     rows: tuple[int, ...]
     widths: tuple[int, ...]
