@@ -141,3 +141,18 @@ def test_rows_that_do_not_form_cells_are_refused(setup, tok):  # noqa: F811
     with pytest.raises(ConfigError, match="length_classes=5 but each cell of the batch holds 4 rows"):
         make_train_batch(trajs, row_tasks, tok, dataclasses.replace(cfg, length_classes=5), resolve_method(cfg),
                          row_shards=2)
+
+
+def test_dry_run_geometry_plans_every_class_at_the_widest_width():
+    """The memory plan's worst case for a mesh given as fsdp = -1 (every device): the classes'
+    cells come from the resolved row shards, each class as wide as the widest row."""
+    from turnsight_jax import config as C
+    from turnsight_jax.rl.batch import worst_case_geometry
+
+    cfg = C.default_config()
+    cfg.train.length_classes = 2
+    sc, method = C.validate(cfg, 8, check_data=False)
+    geo = worst_case_geometry(cfg, method, sc, 8)  # 32 rows over 8 row shards: cells of 4
+    assert geo.class_rows == (2, 2) and geo.row_shards == 8
+    with pytest.raises(ConfigError, match="32 rows do not split into 64 row shard"):
+        worst_case_geometry(cfg, method, sc, 64)

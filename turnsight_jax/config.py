@@ -25,7 +25,6 @@ import ast
 import dataclasses
 import difflib
 import importlib.util
-import math
 import pathlib
 from typing import Any, Callable, Mapping, Sequence
 
@@ -563,18 +562,11 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
     sc = step_config(cfg)
     sc.validate(cfg.train.prompts_per_step * cfg.train.group_size)
     if sc.length_classes > 1 and num_devices is not None:  # every row shard's cells hold every class
-        from turnsight_jax.rl import length_classes
+        from turnsight_jax.models.sharding import mesh_shape
+        from turnsight_jax.rl.length_classes import cell_rows
 
-        rows = cfg.train.prompts_per_step * cfg.train.group_size
-        sizes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
-        known = math.prod(x for x in sizes if x != -1)
-        sizes = [num_devices // known if x == -1 else x for x in sizes]
-        shards = sizes[0] * sizes[1]
-        modulus = length_classes.cell_modulus(sc.micro_batches, sc.mini_batches, sc.teacher_micro_batches)
-        if rows % (shards * modulus):
-            raise ConfigError(f"train.length_classes={sc.length_classes}: {rows} rows do not split into {shards} row "
-                              f"shard(s) x {modulus} strided micro-batches")
-        length_classes.split_cell(rows // (shards * modulus), sc.length_classes)
+        data, fsdp, _ = mesh_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices)
+        cell_rows(cfg.train.prompts_per_step * cfg.train.group_size, data * fsdp, sc)
     method = resolve_method(sc)
     # The rewards' inputs must exist for the training tasks (e.g. MatchTIR's gold calls).
     who = f"rl.method={sc.algo.method!r}" + (f" over rl.base={sc.algo.base!r}" if method.base else "")

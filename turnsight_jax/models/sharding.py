@@ -45,13 +45,9 @@ ACTIVATION_SPECS: dict[str, P] = {
 }
 
 
-def make_mesh(
-    data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[jax.Device] | None = None
-) -> Mesh:
-    """A (data, fsdp, tensor) mesh over `devices` (all devices by default). One axis may be -1
-    (takes what is left). The product must equal the device count."""
-    devices = list(devices if devices is not None else jax.devices())
-    n = len(devices)
+def mesh_shape(data: int, fsdp: int, tensor: int, n: int) -> list[int]:
+    """The (data, fsdp, tensor) sizes of a mesh over n devices, the one axis given as -1 (if any)
+    taking what is left. Raises ValueError when the sizes do not fit n."""
     shape = [data, fsdp, tensor]
     if shape.count(-1) > 1:
         raise ValueError(f"mesh {dict(zip(AXES, shape))}: at most one axis may be -1")
@@ -64,7 +60,16 @@ def make_mesh(
         raise ValueError(
             f"mesh {dict(zip(AXES, shape))} has {math.prod(shape)} slots but {n} devices are available"
         )
-    return Mesh(np.asarray(devices).reshape(shape), AXES)
+    return shape
+
+
+def make_mesh(
+    data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
+    """A (data, fsdp, tensor) mesh over `devices` (all devices by default). One axis may be -1
+    (takes what is left). The product must equal the device count."""
+    devices = list(devices if devices is not None else jax.devices())
+    return Mesh(np.asarray(devices).reshape(mesh_shape(data, fsdp, tensor, len(devices))), AXES)
 
 
 def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:

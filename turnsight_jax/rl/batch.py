@@ -198,14 +198,15 @@ def make_train_batch(
     lengths = [t.length for t in trajs]
     classes = cls_widths = None
     if cfg.length_classes > 1:
-        modulus = length_classes.cell_modulus(cfg.micro_batches, cfg.mini_batches, cfg.teacher_micro_batches)
-        if len(trajs) % (row_shards * modulus):
-            raise ConfigError(f"{len(trajs)} rows do not split into {row_shards} row shard(s) x {modulus} strided "
-                              "micro-batches for train.length_classes")
-        rows = length_classes.split_cell(len(trajs) // (row_shards * modulus), cfg.length_classes)
-        classes = length_classes.assign(lengths, rows, shards=row_shards, modulus=modulus)
-        cls_widths = [_bucket(n, length_buckets, floor.get(f"T{i}", 0), "trajectory")
-                      for i, n in enumerate(length_classes.class_widths(lengths, classes, len(rows)))]
+        rows, modulus = length_classes.cell_rows(len(trajs), row_shards, cfg)
+
+        def classify(sizes, buckets, key, what):
+            """(class of each row, bucketed width of each class) by `sizes` [B]."""
+            ids = length_classes.assign(sizes, rows, shards=row_shards, modulus=modulus)
+            return ids, tuple(_bucket(n, buckets, floor.get(f"{key}{i}", 0), what)
+                              for i, n in enumerate(length_classes.class_widths(sizes, ids, len(rows))))
+
+        classes, cls_widths = classify(lengths, length_buckets, "T", "trajectory")
         floor["T"] = max(floor["T"], *cls_widths)
     width = _bucket(max(lengths), length_buckets, floor["T"], "trajectory")
     tokens, valid = pad_tokens(trajs, width, pad_id)
@@ -225,7 +226,7 @@ def make_train_batch(
              "T": float(width), "N": float(pol_pos.shape[1])}
     spec = None
     if classes is not None:
-        spec = LengthClasses(rows, tuple(cls_widths), row_shards * processes)
+        spec = LengthClasses(rows, cls_widths, row_shards * processes)
         stats.update({f"T{i}": float(w) for i, w in enumerate(cls_widths)})
     if method.needs_views:
         a = cfg.algo
@@ -241,11 +242,9 @@ def make_train_batch(
         )
         stats.update(vstats)
         if classes is not None:
-            packed = (np.asarray(views.layout.segment_ids) >= 0).sum(axis=1)
-            vclass = length_classes.assign(packed, rows, shards=row_shards, modulus=modulus)
-            pw = [_bucket(n, packed_buckets, floor.get(f"P{i}", 0), "packed hindsight row")
-                  for i, n in enumerate(length_classes.class_widths(packed, vclass, len(rows)))]
-            views = views.replace(row_class=vclass, classes=LengthClasses(rows, tuple(pw), row_shards * processes))
+            vclass, pw = classify((np.asarray(views.layout.segment_ids) >= 0).sum(axis=1), packed_buckets, "P",
+                                  "packed hindsight row")
+            views = views.replace(row_class=vclass, classes=LengthClasses(rows, pw, row_shards * processes))
             stats.update({f"P{i}": float(w) for i, w in enumerate(pw)})
         stats["P"], stats["U"] = float(views.tokens.shape[1]), float(views.pred.shape[1])
     batch = TrainBatch(
@@ -284,7 +283,9 @@ class Geometry:
     row_shards: int = 1
 
 
-def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod) -> Geometry:
+def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod, step_cfg: StepConfig,
+                        row_shards: int) -> Geometry:
+    """The config's widest batch for a mesh of `row_shards` (data x fsdp) row shards."""
     r, t = cfg.rollout, cfg.train
     length = pick_bucket(r.max_prompt_tokens + r.max_response_tokens, DEFAULT_BUCKETS, "plan: trajectory")
     policy = policy_bucket(r.max_response_tokens)
@@ -292,11 +293,10 @@ def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod) -> Geometry
     views = len(cfg.rl.depths) + int(method.needs_ref and cfg.rl.student_sees_observations)  # packed_reference
     distinct = policy_bucket(int(policy * min(views, cfg.plan.distinct_factor)))
     batch = t.prompts_per_step * t.group_size
-    class_rows, shards = None, cfg.mesh.data * cfg.mesh.fsdp
-    if t.length_classes > 1:  # the worst case: every class as wide as the widest row
-        modulus = length_classes.cell_modulus(t.micro_batches, t.mini_batches, t.teacher_micro_batches)
-        class_rows = length_classes.split_cell(batch // (shards * modulus), t.length_classes)
-    return Geometry(batch, length, policy, packed, distinct, views, r.max_turns, class_rows, shards)
+    class_rows = None
+    if step_cfg.length_classes > 1:  # the worst case: every class as wide as the widest row
+        class_rows, _ = length_classes.cell_rows(batch, row_shards, step_cfg)
+    return Geometry(batch, length, policy, packed, distinct, views, r.max_turns, class_rows, row_shards)
 
 
 def abstract_batch(g: Geometry, mesh, method: ResolvedMethod) -> TrainBatch:

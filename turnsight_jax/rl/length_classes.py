@@ -67,6 +67,17 @@ def cell_modulus(micro_batches: int, mini_batches: int, teacher_micro_batches: i
     return math.lcm(mini_batches * micro_batches, micro_batches, teacher_micro_batches)
 
 
+def cell_rows(batch: int, shards: int, cfg) -> tuple[tuple[int, ...], int]:
+    """(rows per class of a cell, the cell modulus) for `batch` rows over `shards` row shards under
+    StepConfig `cfg` (its splits and length_classes). Raises ConfigError when the rows do not form
+    whole cells or a cell holds fewer rows than classes."""
+    modulus = cell_modulus(cfg.micro_batches, cfg.mini_batches, cfg.teacher_micro_batches)
+    if batch % (shards * modulus):
+        raise ConfigError(f"train.length_classes={cfg.length_classes}: {batch} rows do not split into {shards} row "
+                          f"shard(s) x {modulus} strided micro-batches")
+    return split_cell(batch // (shards * modulus), cfg.length_classes), modulus
+
+
 def assign(lengths: Sequence[int], rows: tuple[int, ...], *, shards: int, modulus: int) -> np.ndarray:
     """class [B] int32 of each row: within every cell (rl.length_classes module docstring) the
     shortest rows[0] rows get class 0, the next rows[1] class 1, ... (ties keep row order)."""

@@ -61,7 +61,7 @@ def compile_step(cfg: mlc.ConfigDict):
     optimizer = make_optimizer(step_cfg.optim)
     opt = jax.eval_shape(optimizer.init, params)
     opt = _with_shardings(opt, opt_state_shardings(opt, mesh))
-    geo = worst_case_geometry(cfg, method)
+    geo = worst_case_geometry(cfg, method, step_cfg, mesh.shape["data"] * mesh.shape["fsdp"])
     batch = abstract_batch(geo, mesh, method)
     step = make_train_step(graphdef, step_cfg, optimizer, method)
     t0 = time.perf_counter()
