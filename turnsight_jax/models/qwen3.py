@@ -77,6 +77,16 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
+def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] @ w [in, out] -> [..., out], as one 2-D matmul over the flattened leading axes.
+
+    The same product as einsum("...i,io->...o"), but XLA on CPU runs the backward pass of a
+    3-D dot (its weight gradient contracts two axes, batch and time) about 5x slower than the
+    2-D one (benchmarks/train_step.py --geometry default); accelerators see no difference."""
+    lead = x.shape[:-1]
+    return (x.reshape(-1, x.shape[-1]) @ w).reshape(*lead, w.shape[-1])
+
+
 def _init(rngs: nnx.Rngs, shape, dtype, std=0.02):
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
@@ -135,9 +145,9 @@ class Qwen3(nnx.Module):
         cfg, dt = self.config, self.options.compute_dtype
         b, t, _ = x.shape
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-        q = jnp.einsum("btd,dh->bth", h, p["q"].astype(dt)).reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = jnp.einsum("btd,dh->bth", h, p["k"].astype(dt)).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = jnp.einsum("btd,dh->bth", h, p["v"].astype(dt)).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        q = dense(h, p["q"].astype(dt)).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = dense(h, p["k"].astype(dt)).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = dense(h, p["v"].astype(dt)).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         q = rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
         k = rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
         return constrain(q, "heads"), constrain(k, "heads"), constrain(v, "heads")
@@ -145,12 +155,12 @@ class Qwen3(nnx.Module):
     def _finish_layer(self, p, x, attn):
         cfg, dt = self.config, self.options.compute_dtype
         b, t = x.shape[:2]
-        x = x + jnp.einsum("bth,hd->btd", attn.reshape(b, t, -1), p["o"].astype(dt))
+        x = x + dense(attn.reshape(b, t, -1), p["o"].astype(dt))
         x = constrain(x, "activation")
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-        gate = jnp.einsum("btd,df->btf", h, p["gate"].astype(dt))
-        up = jnp.einsum("btd,df->btf", h, p["up"].astype(dt))
-        mlp = jnp.einsum("btf,fd->btd", constrain(jax.nn.silu(gate) * up, "mlp"), p["down"].astype(dt))
+        gate = dense(h, p["gate"].astype(dt))
+        up = dense(h, p["up"].astype(dt))
+        mlp = dense(constrain(jax.nn.silu(gate) * up, "mlp"), p["down"].astype(dt))
         return constrain(x + mlp, "activation")
 
     # ---- forward passes ----
