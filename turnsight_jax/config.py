@@ -166,7 +166,8 @@ def base_config() -> mlc.ConfigDict:
     c.train.mini_batches = 1  # optimizer updates per epoch over the step's batch (paper: one mini-batch)
     c.train.ppo_epochs = 1  # passes over the step's batch
     c.train.teacher_micro_batches = 1  # micro-batches of the teacher's hindsight forward passes (memory only)
-    c.train.logprob_chunk = 1024  # rows per vocabulary-projection chunk (memory/speed only)
+    c.train.logprob_chunk = 1024  # rows per vocabulary-projection chunk of the update (memory/speed only)
+    c.train.score_chunk = 0  # rows per projection chunk of the no-gradient forwards (teacher, reference, π_old); 0: logprob_chunk
     # Each row shard's rows per (mini x micro, teacher micro) split must number at least this many:
     c.train.length_classes = 1  # forwards run the rows in this many length groups, each padded to its own width (speed only)
     c.train.max_skipped_steps = 3  # non-finite loss/gradient: the update is skipped; this many in a row stop the run
@@ -469,7 +470,8 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
                           min_lr_ratio=o.min_lr_ratio, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay,
                           max_grad_norm=o.max_grad_norm),
         group_size=t.group_size, micro_batches=t.micro_batches, mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
-        teacher_micro_batches=t.teacher_micro_batches, logprob_chunk=t.logprob_chunk, max_turns=cfg.rollout.max_turns,
+        teacher_micro_batches=t.teacher_micro_batches, logprob_chunk=t.logprob_chunk,
+        score_chunk=t.score_chunk, max_turns=cfg.rollout.max_turns,
         length_classes=t.length_classes,
     )
 

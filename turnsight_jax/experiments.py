@@ -58,7 +58,8 @@ def tiny_cpu(c: mlc.ConfigDict) -> None:
     c.train.steps = 12
     c.train.prompts_per_step = 8
     c.train.group_size = 4
-    c.train.logprob_chunk = 256  # 256 is fastest on CPU
+    c.train.logprob_chunk = 256  # 128-256 are fastest for the update's forward + backward on CPU
+    c.train.score_chunk = 32  # no-gradient forwards: a [32, V] f32 logits block stays in cache (2.4x faster than 256)
 
     c.eval.every = 0  # only before and after RL
     c.eval.max_turns = 4

@@ -150,17 +150,19 @@ def _row_widths(tokens, classes, row_class) -> np.ndarray:
 
 def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int = 0, ref_forward: bool = False,
                  q_chunk: int, remat: bool, teacher_distinct_rows: float | None = None, logprob_chunk: int = 1024,
-                 micro_batches: int = 1, teacher_micro_batches: int = 1, row_shards: int = 1) -> UpdateFlops:
+                 score_chunk: int | None = None, micro_batches: int = 1, teacher_micro_batches: int = 1, row_shards: int = 1) -> UpdateFlops:
     """FLOPs of the fused step (rl.step) on a numpy TrainBatch (rl.batch).
 
     updates: forward+backward passes over every row (ppo_epochs: each row is in one mini-batch per
     epoch); extra_forwards: no-gradient student forwards (π_old on the masked context);
     ref_forward: the reference is scored on the student's context (not in the packed views);
     teacher_distinct_rows: the real distinct (predictor, target) pairs (build_views' stats); by
-    default every used slot of `pred` counts. logprob_chunk, micro_batches, teacher_micro_batches,
-    row_shards (the mesh's data x fsdp): how the head's chunks fall (`head_rows_executed`).
+    default every used slot of `pred` counts. logprob_chunk (the update's), score_chunk (the
+    no-gradient forwards'; None: logprob_chunk), micro_batches, teacher_micro_batches, row_shards
+    (the mesh's data x fsdp): how the head's chunks fall (`head_rows_executed`).
     With length classes (rl.length_classes) each row runs at its class's width."""
     trunk = trunk_flops_per_token(cfg)
+    score_chunk = score_chunk or logprob_chunk
     tokens = float(np.asarray(batch.valid).sum())
     pairs = readable_pairs(batch.valid)
     policy = float(np.asarray(batch.pol_valid).sum())
@@ -177,7 +179,10 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     parts = {"student": (3.0 * need_fwd * updates, grad_exec * updates)}
     if extra_forwards or ref_forward:
         k = extra_forwards + int(ref_forward)
-        parts["student_forward"] = (need_fwd * k, (trunk * slots + exec_attn + exec_head) * k)
+        score_head = head_flops(cfg, head_rows_executed(batch.pol_valid, score_chunk, micro_batches=micro_batches,
+                                                        row_shards=row_shards,
+                                                        row_class=getattr(batch, "length_class", None)))
+        parts["student_forward"] = (need_fwd * k, (trunk * slots + exec_attn + score_head) * k)
     views = getattr(batch, "views", None)
     if views is not None:
         lay = views.layout
@@ -188,7 +193,7 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
                                                                         lay.ctx2_segment, lay.ctx2_end), distinct)
         vw = _row_widths(views.tokens, getattr(views, "classes", None), getattr(views, "row_class", None))
         executed = forward_flops(cfg, float(vw.sum()), sum(chunked_pairs(int(w), q_chunk) for w in vw),
-                                 head_rows_executed(used, logprob_chunk, micro_batches=teacher_micro_batches,
+                                 head_rows_executed(used, score_chunk, micro_batches=teacher_micro_batches,
                                                     row_shards=row_shards, row_class=getattr(views, "row_class", None)))
         parts["teacher"] = (need, executed)
     return UpdateFlops(parts)

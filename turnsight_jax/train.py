@@ -127,7 +127,7 @@ def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh) -> flops.Upd
         qcfg, batch, updates=step_cfg.ppo_epochs, extra_forwards=int(trainer_old and not one_update),
         ref_forward=method.needs_ref and not packed_reference(step_cfg, method), q_chunk=cfg.model.attn_q_chunk,
         remat=cfg.model.remat, teacher_distinct_rows=bstats.get("teacher_distinct_rows"),
-        logprob_chunk=step_cfg.logprob_chunk, micro_batches=step_cfg.micro_batches,
+        logprob_chunk=step_cfg.logprob_chunk, score_chunk=step_cfg.scoring_chunk, micro_batches=step_cfg.micro_batches,
         teacher_micro_batches=step_cfg.teacher_micro_batches,
         row_shards=local_row_shards(mesh))
 

@@ -130,13 +130,22 @@ class StepConfig:
     mini_batches: int = 1  # optimizer updates per epoch
     ppo_epochs: int = 1
     teacher_micro_batches: int = 1
-    logprob_chunk: int = 1024
+    logprob_chunk: int = 1024  # rows per head chunk of the update's forward/backward
+    score_chunk: int = 0  # rows per head chunk of the no-gradient forwards (teacher, reference, π_old); 0: logprob_chunk
     max_turns: int = 10
     length_classes: int = 1  # rows run in this many length groups, each padded to its own width (rl.length_classes)
+
+    @property
+    def scoring_chunk(self) -> int:
+        """Rows per head chunk of the no-gradient forwards (score_chunk, or logprob_chunk when 0)."""
+        return self.score_chunk or self.logprob_chunk
 
     def validate(self, batch_size: int | None = None) -> None:
         """Raise ConfigError (one line) for any structurally invalid value or combination."""
         algo, loss, opt = self.algo, self.loss, self.optim
+        if self.logprob_chunk < 1 or self.score_chunk < 0:
+            raise ConfigError(f"train.logprob_chunk must be >= 1 and train.score_chunk >= 0 (0: logprob_chunk), got "
+                              f"{self.logprob_chunk} and {self.score_chunk}")
         if not algo.depths:
             raise ConfigError("rl.depths is empty: TurnSight needs at least one hindsight depth")
         if any(int(d) < 1 for d in algo.depths):

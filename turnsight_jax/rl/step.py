@@ -139,7 +139,7 @@ def teacher_and_ref_logprobs(ref_model: Qwen3, batch: TrainBatch, cfg: StepConfi
     With views, one packed forward gives both when the views carry the reference row
     (rl.batch.packed_reference); otherwise the reference is scored on the student's context
     (`batch.valid`, which masks the observations when rl.student_sees_observations is False)."""
-    temp, chunk, m = cfg.loss.temperature, cfg.logprob_chunk, cfg.teacher_micro_batches
+    temp, chunk, m = cfg.loss.temperature, cfg.scoring_chunk, cfg.teacher_micro_batches
     teacher = ref = None
     if method.needs_views:
         def one(v):
@@ -170,7 +170,7 @@ def masked_old_logprobs(model: Qwen3, batch: TrainBatch, cfg: StepConfig):
     is exactly π_old on that context; the released code recomputes old log-probs the same way
     (verl's compute_log_prob before the update). Micro-batched like the gradient passes."""
     def one(rows):
-        return policy_logprobs(model, rows, chunk=cfg.logprob_chunk, temperature=cfg.loss.temperature)
+        return policy_logprobs(model, rows, chunk=cfg.scoring_chunk, temperature=cfg.loss.temperature)
 
     lp = _in_micro_batches(one, _student_rows(batch), cfg.micro_batches)
     return jax.lax.stop_gradient(jnp.where(batch.pol_valid, lp, 0.0))
