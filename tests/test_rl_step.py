@@ -224,6 +224,9 @@ def test_micro_batched_equals_full_batch(setup, tok):
     full, _ = _sgd_step(cfg, policy, ref, batch)
     micro, _ = _sgd_step(dataclasses.replace(cfg, micro_batches=4, teacher_micro_batches=2), policy, ref, batch)
     assert _max_diff(full, micro) < 1e-6
+    # the no-gradient forwards (teacher views, KL reference) in head chunks of 8 rows, not 64
+    scored, m_scored = _sgd_step(dataclasses.replace(cfg, score_chunk=8), policy, ref, batch)
+    assert _max_diff(full, scored) < 1e-6 and np.isfinite(float(m_scored["pg_loss"]))
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 fake devices (tests/conftest.py)")
@@ -302,6 +305,7 @@ def test_reference_unused_without_views_or_kl(setup, tok):
     (dict(algo=AlgoConfig(eps_w=1.0)), "eps_w must be in"),
     (dict(group_size=3), "not divisible by group_size 3"),
     (dict(loss=LossConfig(aggregation="mean")), "loss.aggregation 'mean' unknown"),
+    (dict(score_chunk=-1), "train.score_chunk >= 0"),
 ])
 def test_invalid_configs_fail_with_one_line(change, message):
     cfg = dataclasses.replace(StepConfig(group_size=2), **change)

@@ -150,7 +150,8 @@ def _row_widths(tokens, classes, row_class) -> np.ndarray:
 
 def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int = 0, ref_forward: bool = False,
                  q_chunk: int, remat: bool, teacher_distinct_rows: float | None = None, logprob_chunk: int = 1024,
-                 score_chunk: int | None = None, micro_batches: int = 1, teacher_micro_batches: int = 1, row_shards: int = 1) -> UpdateFlops:
+                 score_chunk: int | None = None, micro_batches: int = 1, teacher_micro_batches: int = 1,
+                 row_shards: int = 1) -> UpdateFlops:
     """FLOPs of the fused step (rl.step) on a numpy TrainBatch (rl.batch).
 
     updates: forward+backward passes over every row (ppo_epochs: each row is in one mini-batch per

@@ -82,7 +82,7 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
 
     The same product as einsum("...i,io->...o"), but XLA on CPU runs the backward pass of a
     3-D dot (its weight gradient contracts two axes, batch and time) about 5x slower than the
-    2-D one (benchmarks/train_step.py --geometry default); accelerators see no difference."""
+    2-D one (BENCHMARKS.md, "Train step on CPU"); accelerators see no difference."""
     lead = x.shape[:-1]
     return (x.reshape(-1, x.shape[-1]) @ w).reshape(*lead, w.shape[-1])
 
