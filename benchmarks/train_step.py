@@ -3,36 +3,45 @@ MFU against a matmul peak measured in the same run; and the padding the update p
 
     python benchmarks/train_step.py                      # CPU: bench-100m trunk, 16 trajectories
     python benchmarks/train_step.py --preset qwen3-0.6b --bf16 --rows 64 --peak-tflops 989   # GPU
-    python benchmarks/train_step.py --geometry default       # one width vs length classes, same run
+    python benchmarks/train_step.py --geometry default       # the filing revision vs today's, same run
     python benchmarks/train_step.py --geometry paper-like    # the same at a paper-like length spread
 
 Trajectories are real: built-in multi-hop tasks replayed through the environment (gold chains),
 so the packed hindsight views have the real layout.
 
-`--geometry` compares, on one batch, the fused step with every row padded to the longest
-(train.length_classes = 1) against the step with `--classes` length classes: wall time (median),
-and the executed / necessary FLOPs of the update (turnsight_jax.flops) for the timed model and,
-counted only, for Qwen3-8B at the same geometry. "default": the embedded default's batch (8
-built-in tasks x 4 siblings, its data and step settings, tiny-default). "paper-like": FTRL-like
-spread scaled to CPU: 2-10 turns per episode (the gold chain cut at a random hop), a <think>
-block of lognormal length per turn (median 60 tokens), and tool results padded to 50-500 tokens.
+`--geometry` compares, on one batch, the fused step at the revision issue 21 was filed against
+(BEFORE_REV, extracted with `git archive`), today's with every row padded to the longest
+(train.length_classes = 1) and today's with `--classes` length classes, each timed in its own
+process by benchmarks/_step_worker.py (the embedded default's step and model settings); for
+today's rows also the executed / necessary FLOPs of the update (turnsight_jax.flops) for the timed
+model and, counted only, for Qwen3-8B at the same geometry. The geometries: benchmarks/geometries.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
+import json
+import os
+import pathlib
+import subprocess
 import sys
+import tarfile
+import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 from common import machine, table, time_fn  # noqa: E402
+from geometries import GEOMETRIES, geometry_batch  # noqa: E402
 
 from turnsight_jax.assets import default_tokenizer  # noqa: E402
+from turnsight_jax.config import default_config, step_config  # noqa: E402
 from turnsight_jax.rl.batch import make_train_batch  # noqa: E402
 from turnsight_jax.envs.ftrl import FTRLEnv  # noqa: E402
 from turnsight_jax.flops import update_flops  # noqa: E402
@@ -47,117 +56,84 @@ from turnsight_jax.rl.methods import resolve_method  # noqa: E402
 from turnsight_jax.rl.step import make_optimizer, make_train_step  # noqa: E402
 
 
-WORDS = "so the next step is to look up the value then compare it with what the question asks".split()
+BEFORE_REV = "f375277"  # the step issue 21 was filed against
 
 
-class _LongResults:
-    """An environment whose tool results are padded to a drawn length (50-500 tokens): FTRL's
-    results are longer than the built-in tables'. Wraps FTRLEnv; observations only change."""
-
-    def __init__(self, env, rng):
-        self.env, self.rng = env, rng
-
-    def start(self, task, *, seed=0):
-        episode, rng = self.env.start(task, seed=seed), self.rng
-
-        class Padded:
-            def __getattr__(self, name):
-                return getattr(episode, name)
-
-            def step(self, calls):
-                res = episode.step(calls)
-                obs = tuple(o + " " + " ".join(rng.choice(WORDS, size=int(rng.integers(50, 500))))
-                            for o in res.observations)
-                return dataclasses.replace(res, observations=obs)
-
-        return Padded()
-
-    def __getattr__(self, name):
-        return getattr(self.env, name)
+def _worker(geometry: str, repeats: int, *, classes: int = 1, tree: str | None = None) -> dict:
+    """Time one fused step in a fresh process (benchmarks/_step_worker.py), with the package of
+    `tree` first on the path (an extracted revision) or the current one."""
+    env = dict(os.environ)
+    if tree:
+        env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, str(HERE / "_step_worker.py"), "--geometry", geometry, "--repeats", str(repeats)]
+    if classes > 1:
+        cmd += ["--set", f"length_classes={classes}"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise SystemExit(f"step worker failed ({' '.join(cmd)}):\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def geometry_batch(kind: str, tok, rng):
-    """(trajectories, row tasks, StepConfig kwargs, preset, attention q chunk) of a geometry."""
-    if kind == "default":  # the embedded default: data, rollout and step settings of experiments.tiny_cpu
-        cfg = SyntheticConfig(max_distractors=1, vocab_size=10, entity_style="names", num_relations=4,
-                              extra_rows=1)
-        tasks = generate_tasks(8, seed=3, categories=("single_hop", "multi_hop"), config=cfg)
-        scripts = [gold_turn_texts(t) for t in tasks for _ in range(4)]
-        env, rcfg = FTRLEnv(num_workers=1), RolloutConfig(max_turns=4, max_response_tokens=256)
-        step = dict(group_size=4, max_turns=4, logprob_chunk=256)
-        wrap = lambda e: e  # noqa: E731
-    else:
-        tasks = generate_tasks(4, seed=7, categories=("multi_hop",), config=SyntheticConfig(hops=9))
-        scripts = []
-        for task in tasks:
-            gold = gold_turn_texts(task)
-            for _ in range(4):
-                k = int(rng.integers(1, len(gold)))  # 1..9 tool turns, then the answer: 2-10 turns
-                scripts.append([f"<think>\n{' '.join(rng.choice(WORDS, size=int(min(np.exp(rng.normal(np.log(60), 0.8)), 400))))}"
-                                f"\n</think>\n\n{t}" for t in gold[:k] + [gold[-1]]])
-        env, rcfg = FTRLEnv(num_workers=1), RolloutConfig(max_turns=10, max_response_tokens=8192)
-        step = dict(group_size=4, max_turns=10, logprob_chunk=256)
-        wrap = lambda e: _LongResults(e, rng)  # noqa: E731
-    with env:
-        trajs = rollout(ReplayPolicy(tok, scripts), wrap(env), tasks, tokenizer=tok, group_size=4,
-                        config=rcfg).trajectories
-    for t in trajs:
-        t.reward = float(rng.random())
-        t.old_logprobs = np.where(t.policy_mask, -1.0, 0.0).astype(np.float32)
-    return trajs, [t for t in tasks for _ in range(4)], step, "tiny-default", 128
+def _extract(rev: str, into: str) -> str | None:
+    """The package at git revision `rev`, extracted under `into`; None when git or the revision is missing."""
+    repo = HERE.parent
+    try:
+        archive = subprocess.run(["git", "-C", str(repo), "archive", rev, "turnsight_jax"], capture_output=True,
+                                 check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into
 
 
 def compare_classes(args):
-    """One width vs length classes on one batch: time and executed / necessary FLOPs."""
+    """The step at the filing revision vs today's (one width, and length classes) on one batch:
+    wall time (each in its own process) and, for today's rows, executed / necessary FLOPs."""
     print(f"machine: {machine()}")
-    tok, rng = default_tokenizer(), np.random.default_rng(0)
-    trajs, row_tasks, step_kw, preset, q_chunk = geometry_batch(args.geometry, tok, rng)
+    tok = default_tokenizer()
+    trajs, row_tasks, turns = geometry_batch(args.geometry, tok)
     lengths = np.array([t.length for t in trajs])
-    cfg = get_preset(preset)
-    model = Qwen3(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32,
-                  options=RuntimeOptions(compute_dtype=jnp.float32, attn_q_chunk=q_chunk))
-    graphdef, params = nnx.split(model)
-    # before issue 21: one width, and the widths past 2,048 / 4,096 were powers of two
-    before = dict(length_buckets=tuple(range(128, 2049, 128)) + tuple(4096 * 2**i for i in range(4)),
-                  packed_buckets=tuple(range(256, 4097, 256)) + tuple(8192 * 2**i for i in range(5)))
+    cfg = default_config()
+    q_chunk = cfg.model.attn_q_chunk
     rows, walls = [], {}
-    for name, k, buckets in (("before", 1, before), ("one width", 1, {}), ("classes", args.classes, {})):
-        sc = StepConfig(algo=AlgoConfig(method="turnsight", base="grpo"), length_classes=k, **step_kw)
-        method = resolve_method(sc)
-        batch, stats = make_train_batch(trajs, row_tasks, tok, sc, method, **buckets)
-        optimizer = make_optimizer(sc.optim)
-        step = make_train_step(graphdef, sc, optimizer, method)
-        dev = jax.tree.map(jnp.asarray, batch)
-        holder = {"p": jax.tree.map(jnp.copy, params), "s": optimizer.init(params)}
-
-        def full():
-            holder["p"], holder["s"], m = step(holder["p"], holder["s"], params, dev)
-            return m
-
-        walls[name] = time_fn(full, repeats=args.repeats)
-        counts = {name: update_flops(get_preset(name), batch, updates=1, q_chunk=q_chunk, remat=False,
-                                     teacher_distinct_rows=stats["teacher_distinct_rows"], logprob_chunk=256)
-                  for name in (preset, "qwen3-8b")}
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = _extract(BEFORE_REV, tmp)
+        if tree is None:
+            print(f"(git revision {BEFORE_REV} not available: the filing revision's row is left out)")
+        else:
+            res = _worker(args.geometry, args.repeats, tree=tree)
+            walls["before"] = res["wall"]
+            rows.append([f"the step at {BEFORE_REV}, issue 21's filing (T={res['T']:.0f}, P={res['P']:.0f})",
+                         f"{res['wall']:.2f} s", "-", "(not counted: an earlier revision)", "-"])
+    for name, k in (("one width", 1), ("classes", args.classes)):
+        sc = dataclasses.replace(step_config(cfg), max_turns=turns, length_classes=k)
+        batch, stats = make_train_batch(trajs, row_tasks, tok, sc, resolve_method(sc))
+        walls[name] = _worker(args.geometry, args.repeats, classes=k)["wall"]
+        counts = {p: update_flops(get_preset(p), batch, updates=1, q_chunk=q_chunk, remat=cfg.model.remat,
+                                  teacher_distinct_rows=stats["teacher_distinct_rows"], logprob_chunk=sc.logprob_chunk,
+                                  score_chunk=sc.scoring_chunk)
+                  for p in ("tiny-default", "qwen3-8b")}
         widths = (f"T={stats['T']:.0f}, P={stats['P']:.0f}" if k == 1 else
                   "T=" + "/".join(f"{stats[f'T{i}']:.0f}" for i in range(k)) + ", P=" +
                   "/".join(f"{stats[f'P{i}']:.0f}" for i in range(k)))
         b_, v_ = len(trajs), batch.views
         slots_t = sum(batch.classes.widths[c] for c in batch.length_class) if k > 1 else b_ * batch.tokens.shape[1]
         slots_p = sum(v_.classes.widths[c] for c in v_.row_class) if k > 1 else b_ * v_.tokens.shape[1]
-        label = ("one width, power-of-two buckets past 2,048 / 4,096 (before)" if name == "before" else
-                 f"{k} class{'es' if k > 1 else ''}")
-        rows.append([f"{label} ({widths})", f"{walls[name]:.2f} s",
+        rows.append([f"today, {k} class{'es' if k > 1 else ''} ({widths})", f"{walls[name]:.2f} s",
                      f"{slots_t / lengths.sum():.2f} / {slots_p / stats['view_tokens']:.2f}",
                      *(" / ".join(f"{e / n:.2f}" for n, e in (c.parts["student"], c.parts["teacher"]))
                        + f" / **{c.ratio:.2f}**" for c in counts.values())])
     print(f"geometry {args.geometry}: {len(trajs)} trajectories of {lengths.min()}-{lengths.max()} tokens "
           f"(mean {lengths.mean():.0f}), {sum(t.num_turns for t in trajs) / len(trajs):.1f} turns on average; "
-          f"timed model {preset} (f32, attention query chunk {q_chunk}), TurnSight over GRPO, one update")
-    print(table(rows, ["rows padded to", f"fused step ({preset})", "token slots / real tokens: student / teacher",
-                       f"executed / necessary: student / teacher / update ({preset})",
+          f"timed model tiny-default (f32, the embedded default's step and model settings), one update")
+    print(table(rows, ["step", "fused step (tiny-default)", "token slots / real tokens: student / teacher",
+                       "executed / necessary: student / teacher / update (tiny-default)",
                        "same, counted for qwen3-8b"]))
-    print(f"speed-up of {args.classes} length classes over one width: {walls['one width'] / walls['classes']:.2f}x; "
-          f"over the step before: {walls['before'] / walls['classes']:.2f}x")
+    print(f"speed-up of {args.classes} length classes over one width: {walls['one width'] / walls['classes']:.2f}x")
+    if "before" in walls:
+        print(f"today's step over the step at {BEFORE_REV}: {walls['before'] / walls['one width']:.2f}x (one width), "
+              f"{walls['before'] / walls['classes']:.2f}x ({args.classes} classes)")
 
 
 def main():
@@ -170,8 +146,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peak-tflops", type=float, default=0.0,
                     help="device peak for MFU; 0 = measure a float32 matmul peak in this run (CPU)")
-    ap.add_argument("--geometry", choices=("default", "paper-like"), default=None,
-                    help="compare one width with length classes on this geometry instead")
+    ap.add_argument("--geometry", choices=GEOMETRIES, default=None,
+                    help="compare the step at the filing revision, one width and length classes on this geometry")
     ap.add_argument("--classes", type=int, default=2, help="length classes of the --geometry comparison")
     args = ap.parse_args()
     if args.geometry:
