@@ -2,7 +2,7 @@
 whatever `turnsight_jax` is importable: the current tree, or an earlier revision that
 benchmarks/train_step.py extracted and put first on PYTHONPATH. Prints one JSON line.
 
-    python benchmarks/_step_worker.py --geometry default --repeats 3 [--set length_classes=2]
+    python benchmarks/_step_worker.py --geometry default --repeats 3 [--set length_classes=2] [--set pack_rows=true]
 
 The step's and the model's settings are the embedded default's (`step_config(default_config())`,
 its model options; tiny-default, f32), with max_turns from the geometry and `--set` fields of
@@ -35,17 +35,26 @@ from turnsight_jax.rl.methods import resolve_method  # noqa: E402
 from turnsight_jax.rl.step import make_optimizer, make_train_step  # noqa: E402
 
 
+def _value(text: str):
+    """A `--set` value: true / false, else an int."""
+    return {"true": True, "false": False}.get(text.lower(), None) if text.lower() in ("true", "false") else int(text)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--geometry", choices=GEOMETRIES, required=True)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--set", action="append", default=[], metavar="FIELD=INT", help="a StepConfig field")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a StepConfig field (an int, true or false)")
+    ap.add_argument("--model", action="append", default=[], metavar="FIELD=INT",
+                    help="a model option of the config (cfg.model, e.g. attn_q_chunk=128)")
     args = ap.parse_args()
     tok = default_tokenizer()
     trajs, row_tasks, turns = geometry_batch(args.geometry, tok)
     cfg = default_config()
+    for key, v in (s.split("=", 1) for s in args.model):
+        cfg.model[key] = int(v)
     sc = dataclasses.replace(step_config(cfg), max_turns=turns,
-                             **{k: int(v) for k, v in (s.split("=", 1) for s in args.set)})
+                             **{k: _value(v) for k, v in (s.split("=", 1) for s in args.set)})
     method = resolve_method(sc)
     batch, stats = make_train_batch(trajs, row_tasks, tok, sc, method)
     model = Qwen3(get_preset("tiny-default"), rngs=nnx.Rngs(0), param_dtype=jnp.float32,

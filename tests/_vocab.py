@@ -22,12 +22,20 @@ def fold(ids, vocab: int = SMALL_VOCAB) -> np.ndarray:
     return (np.asarray(ids) % vocab).astype(np.int32)
 
 
+def _fold_packed(packed, vocab):
+    """rl.packing.PackedRows (or None) with its token ids folded."""
+    return None if packed is None else dataclasses.replace(packed, tokens=fold(packed.tokens, vocab))
+
+
 def fold_views(views, vocab: int = SMALL_VOCAB):
     """PackedViews with its token ids and scored targets folded (layout and indices unchanged)."""
-    return dataclasses.replace(views, tokens=fold(views.tokens, vocab), pred_target=fold(views.pred_target, vocab))
+    tokens = None if views.tokens is None else fold(views.tokens, vocab)
+    return dataclasses.replace(views, tokens=tokens, pred_target=fold(views.pred_target, vocab),
+                               packed=_fold_packed(views.packed, vocab))
 
 
 def fold_batch(batch, vocab: int = SMALL_VOCAB):
-    """TrainBatch with its tokens (and packed views, when present) folded."""
+    """TrainBatch with its tokens (and packed rows and views, when present) folded."""
     views = None if batch.views is None else fold_views(batch.views, vocab)
-    return dataclasses.replace(batch, tokens=fold(batch.tokens, vocab), views=views)
+    return dataclasses.replace(batch, tokens=fold(batch.tokens, vocab), views=views,
+                               packed=_fold_packed(batch.packed, vocab))

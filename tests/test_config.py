@@ -120,6 +120,8 @@ TODAY_DEFAULT["loss"].update(tis_threshold=None)
 TODAY_DEFAULT["rollout"].update(end_on_unparsable_turn=False, calls_in_think=False)
 # Length classes (issue 21), off: every row padded to the batch's width, as the run was measured.
 TODAY_DEFAULT["train"].update(length_classes=1)
+# Row packing (issue 21), off: one trajectory per row, as the run was measured.
+TODAY_DEFAULT["train"].update(pack_rows=False, pack_width=0)
 # The no-gradient forwards' head chunk (issue 21): speed only (the same log-probs to float rounding, ~2e-6).
 TODAY_DEFAULT["train"].update(score_chunk=32)
 # The non-finite guard (issue 19): a bound on skipped steps, not a training value.

@@ -78,19 +78,20 @@ def parse_collectives(hlo: str) -> list[tuple[str, list[tuple[int, ...]], bool]]
     return out
 
 
-def _compiled_hlo(method: str, tied: bool) -> str:
+def _compiled_hlo(method: str, tied: bool, packed: bool = False) -> str:
     cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16, tie_word_embeddings=tied)
     mesh = make_mesh(fsdp=8)
     step_cfg = StepConfig(algo=AlgoConfig(method=method), loss=LossConfig(kl_coef=0.01), group_size=4, max_turns=4,
-                          logprob_chunk=CHUNK)
+                          logprob_chunk=CHUNK, pack_rows=packed)
     m = resolve_method(step_cfg)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0))))
     shard = state_shardings(params, mesh)
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shard)
     optimizer = make_optimizer(step_cfg.optim)
     opt = jax.eval_shape(optimizer.init, params)
-    geo = Geometry(batch=16, length=256, policy=192, packed=512, distinct=320, views=3 + int(m.needs_ref), turns=4)
+    geo = Geometry(batch=16, length=256, policy=192, packed=512, distinct=320, views=3 + int(m.needs_ref), turns=4,
+                   row_shards=8, pack_cell=2 if packed else None)  # packed: 16 rows / 8 shards, cells of 2
     batch = abstract_batch(geo, mesh, m)
     step = make_train_step(graphdef, step_cfg, optimizer, m)
     with jax.set_mesh(mesh):
@@ -120,9 +121,12 @@ def test_parser_finds_collectives_in_loops():
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 fake devices (tests/conftest.py)")
-@pytest.mark.parametrize("method,tied", [("turnsight", True), ("grpo", False)])
-def test_no_vocabulary_sized_collective_in_the_fused_step(method, tied):
-    found = _vocab_collectives(_compiled_hlo(method, tied))
+@pytest.mark.parametrize("method,tied,packed", [("turnsight", True, False), ("grpo", False, False),
+                                                ("turnsight", False, True)])
+def test_no_vocabulary_sized_collective_in_the_fused_step(method, tied, packed):
+    """packed: rows packed several per row (rl.packing): the per-shard gather from the packed
+    rows keeps the head's chunk loop on each device's own rows."""
+    found = _vocab_collectives(_compiled_hlo(method, tied, packed))
     in_loops = [f for f in found if f[2]]
     assert not in_loops, f"vocabulary-sized collectives inside a loop: {in_loops}"
     # outside loops only the weight itself ([D, V] or an fsdp shard of it) crosses devices

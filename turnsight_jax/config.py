@@ -170,6 +170,8 @@ def base_config() -> mlc.ConfigDict:
     c.train.score_chunk = 0  # rows per projection chunk of the no-gradient forwards (teacher, reference, π_old); 0: logprob_chunk
     # Each row shard's rows per (mini x micro, teacher micro) split must number at least this many:
     c.train.length_classes = 1  # forwards run the rows in this many length groups, each padded to its own width (speed only)
+    c.train.pack_rows = False  # forwards run several trajectories (teacher: hindsight rows) per row, by segment ids (speed only)
+    c.train.pack_width = 0  # with pack_rows: packed rows at least this many tokens wide (0: the batch's bucketed width)
     c.train.max_skipped_steps = 3  # non-finite loss/gradient: the update is skipped; this many in a row stop the run
 
     c.eval = mlc.ConfigDict()  # held-out evaluation (turnsight_jax.eval.heldout)
@@ -472,7 +474,7 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
         group_size=t.group_size, micro_batches=t.micro_batches, mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
         teacher_micro_batches=t.teacher_micro_batches, logprob_chunk=t.logprob_chunk,
         score_chunk=t.score_chunk, max_turns=cfg.rollout.max_turns,
-        length_classes=t.length_classes,
+        length_classes=t.length_classes, pack_rows=t.pack_rows, pack_width=t.pack_width,
     )
 
 
@@ -563,12 +565,17 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
             raise ConfigError(f"rollout: {e}") from None
     sc = step_config(cfg)
     sc.validate(cfg.train.prompts_per_step * cfg.train.group_size)
-    if sc.length_classes > 1 and num_devices is not None:  # every row shard's cells hold every class
+    if (sc.length_classes > 1 or sc.pack_rows) and num_devices is not None:  # whole cells on every row shard
         from turnsight_jax.models.sharding import mesh_shape
+        from turnsight_jax.rl.batch import packing_modulus
         from turnsight_jax.rl.length_classes import cell_rows
 
         data, fsdp, _ = mesh_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices)
-        cell_rows(cfg.train.prompts_per_step * cfg.train.group_size, data * fsdp, sc)
+        rows = cfg.train.prompts_per_step * cfg.train.group_size
+        if sc.pack_rows:
+            packing_modulus(rows, data * fsdp, sc)
+        else:
+            cell_rows(rows, data * fsdp, sc)
     method = resolve_method(sc)
     # The rewards' inputs must exist for the training tasks (e.g. MatchTIR's gold calls).
     who = f"rl.method={sc.algo.method!r}" + (f" over rl.base={sc.algo.base!r}" if method.base else "")

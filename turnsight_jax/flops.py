@@ -140,8 +140,12 @@ def head_rows_executed(used: np.ndarray, chunk: int, *, micro_batches: int = 1, 
     return total
 
 
-def _row_widths(tokens, classes, row_class) -> np.ndarray:
-    """[B] the width each row's forward runs at: its length class's, or the batch's."""
+def _row_widths(tokens, classes, row_class, packed=None) -> np.ndarray:
+    """The width each row's forward runs at: [B] its length class's, or the batch's; [Rp] each
+    packed row's when the rows are packed (rl.packing)."""
+    if packed is not None:
+        rp, w = np.asarray(packed.tokens).shape
+        return np.full(rp, w)
     b, t = np.asarray(tokens).shape
     if classes is None:
         return np.full(b, t)
@@ -161,14 +165,16 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     default every used slot of `pred` counts. logprob_chunk (the update's), score_chunk (the
     no-gradient forwards'; None: logprob_chunk), micro_batches, teacher_micro_batches, row_shards
     (the mesh's data x fsdp): how the head's chunks fall (`head_rows_executed`).
-    With length classes (rl.length_classes) each row runs at its class's width."""
+    With length classes (rl.length_classes) each row runs at its class's width; packed rows
+    (rl.packing) each at the packed width."""
     trunk = trunk_flops_per_token(cfg)
     score_chunk = score_chunk or logprob_chunk
     tokens = float(np.asarray(batch.valid).sum())
     pairs = readable_pairs(batch.valid)
     policy = float(np.asarray(batch.pol_valid).sum())
     need_fwd = forward_flops(cfg, tokens, pairs, policy)
-    widths = _row_widths(batch.tokens, getattr(batch, "classes", None), getattr(batch, "length_class", None))
+    widths = _row_widths(batch.tokens, getattr(batch, "classes", None), getattr(batch, "length_class", None),
+                         getattr(batch, "packed", None))
     slots = float(widths.sum())
     exec_attn = attention_flops(cfg, sum(chunked_pairs(int(w), q_chunk) for w in widths))
     exec_head = head_flops(cfg, head_rows_executed(batch.pol_valid, logprob_chunk, micro_batches=micro_batches,
@@ -186,13 +192,14 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
         parts["student_forward"] = (need_fwd * k, (trunk * slots + exec_attn + score_head) * k)
     views = getattr(batch, "views", None)
     if views is not None:
-        lay = views.layout
+        packed = getattr(views, "packed", None)
+        lay = views.layout if packed is None else packed.layout
         seg = np.asarray(lay.segment_ids)
         used = distinct_slots_used(np.asarray(views.pred))
         distinct = teacher_distinct_rows if teacher_distinct_rows is not None else float(used.sum())
         need = forward_flops(cfg, float((seg >= 0).sum()), layout_pairs(seg, lay.ctx1_segment, lay.ctx1_end,
                                                                         lay.ctx2_segment, lay.ctx2_end), distinct)
-        vw = _row_widths(views.tokens, getattr(views, "classes", None), getattr(views, "row_class", None))
+        vw = _row_widths(views.tokens, getattr(views, "classes", None), getattr(views, "row_class", None), packed)
         executed = forward_flops(cfg, float(vw.sum()), sum(chunked_pairs(int(w), q_chunk) for w in vw),
                                  head_rows_executed(used, score_chunk, micro_batches=teacher_micro_batches,
                                                     row_shards=row_shards, row_class=getattr(views, "row_class", None)))

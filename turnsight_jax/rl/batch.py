@@ -22,6 +22,11 @@ tokens per row, K = max turns):
                                            train.length_classes > 1 the student's forward runs each
                                            class cut to its own width, classes.widths[i] <= T
   classes: LengthClasses or None (static)  the classes' rows per cell and widths
+  packed: PackedRows or None               with train.pack_rows: the student's forward runs the
+                                           trajectories packed several per row (rl.packing):
+                                           tokens [Rp, T], Layout [Rp, T], row/offset [B]; the
+                                           [B, T] arrays above still describe each trajectory
+                                           (targets, predictors); the views are packed alike
 """
 
 from __future__ import annotations
@@ -40,12 +45,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
-from turnsight_jax.models.attention import Layout
+from turnsight_jax.models.attention import PAD_SEGMENT, Layout
 from turnsight_jax.models.sharding import BATCH, fit_spec, shard_rows
 from turnsight_jax.rl import length_classes
 from turnsight_jax.rl.config import StepConfig
 from turnsight_jax.rl.length_classes import LengthClasses
 from turnsight_jax.rl.methods import ResolvedMethod
+from turnsight_jax.rl.packing import PackedRows, RowPacking, assemble, plan_packing
 from turnsight_jax.rl.views import (DEFAULT_PACKED_BUCKETS, PackedViews, ViewOptions, build_views, pick_bucket,
                                     policy_bucket, policy_positions)
 
@@ -75,6 +81,7 @@ class TrainBatch:
     views: Any = None
     length_class: Any = None
     classes: LengthClasses | None = struct.field(pytree_node=False, default=None)
+    packed: Any = None
 
     @property
     def size(self) -> int:
@@ -186,7 +193,8 @@ def make_train_batch(
 
     tasks: the task of each row (len(trajs) of them): the rewards and the hindsight source read
     gold calls and answers from it. min_shapes: floors for the bucketed widths (`shape_keys`:
-    "T", "N", "P", "U", and per length class "T0", "T1", ..., "P0", ...); the trainer passes the
+    "T", "N", "P", "U", per length class "T0", "T1", ..., "P0", ..., and with train.pack_rows the
+    packed rows per cell "RT" (student) and "RP" (teacher)); the trainer passes the
     largest widths seen so far, so shapes only grow and the step compiles a handful of times. The
     widths used are returned in stats under the same keys. group_offset: the index of the first
     group in the whole batch (a process builds its own rows of it). row_shards: the row shards of
@@ -196,6 +204,7 @@ def make_train_batch(
     cfg.validate(len(trajs))
     floor = {"T": 0, "N": 0, "P": 0, "U": 0, **(min_shapes or {})}
     lengths = [t.length for t in trajs]
+    modulus = packing_modulus(len(trajs), row_shards, cfg) if cfg.pack_rows else 1
     classes = cls_widths = None
     if cfg.length_classes > 1:
         rows, modulus = length_classes.cell_rows(len(trajs), row_shards, cfg)
@@ -224,6 +233,13 @@ def make_train_batch(
     stats = {"trajectory_tokens": float(sum(lengths)), "policy_tokens": float(pol_valid.sum()),
              "batch_width": float(width), "policy_width": float(pol_pos.shape[1]),
              "T": float(width), "N": float(pol_pos.shape[1])}
+    packed = None
+    if cfg.pack_rows:
+        items = [{"tokens": t.tokens, "positions": np.arange(t.length, dtype=np.int32),
+                  "segment_ids": np.where(valid[i, :t.length], 0, PAD_SEGMENT)} for i, t in enumerate(trajs)]
+        packed = _pack(items, _packed_width(width, cfg.pack_width, length_buckets), floor.get("RT", 0), row_shards,
+                       processes, modulus, pad_id)
+        stats["RT"] = float(packed.plan.rows)
     spec = None
     if classes is not None:
         spec = LengthClasses(rows, cls_widths, row_shards * processes)
@@ -247,14 +263,55 @@ def make_train_batch(
             views = views.replace(row_class=vclass, classes=LengthClasses(rows, pw, row_shards * processes))
             stats.update({f"P{i}": float(w) for i, w in enumerate(pw)})
         stats["P"], stats["U"] = float(views.tokens.shape[1]), float(views.pred.shape[1])
+        if cfg.pack_rows:
+            views = _pack_views(views, _packed_width(views.tokens.shape[1], cfg.pack_width, packed_buckets),
+                                floor.get("RP", 0), row_shards, processes, modulus, pad_id)
+            stats["RP"] = float(views.packed.plan.rows)
     batch = TrainBatch(
         tokens=tokens, valid=valid, pol_pos=pol_pos, pol_valid=pol_valid, turn_ids=turn_ids, old_logprobs=old_lp,
         group_ids=group_index(trajs, cfg.group_size) + np.int32(group_offset),
         num_turns=np.asarray([t.num_turns for t in trajs], np.int32),
         signals=compute_signals(method, trajs, tasks, cfg),
-        views=views, length_class=classes, classes=spec,
+        views=views, length_class=classes, classes=spec, packed=packed,
     )
     return batch, stats
+
+
+def packing_modulus(b: int, row_shards: int, cfg: StepConfig) -> int:
+    """The cell modulus of train.pack_rows (rl.packing: cells as rl.length_classes lays them out);
+    ConfigError when `b` rows do not form whole cells on `row_shards` shards."""
+    modulus = length_classes.cell_modulus(cfg.micro_batches, cfg.mini_batches, cfg.teacher_micro_batches)
+    if b % (row_shards * modulus):
+        raise ConfigError(f"train.pack_rows: {b} rows do not split into {row_shards} row shard(s) x {modulus} "
+                          "strided micro-batches")
+    return modulus
+
+
+def _pack(items, width: int, min_rows: int, row_shards: int, processes: int, modulus: int, pad_id: int) -> PackedRows:
+    """PackedRows of per-item arrays (rl.packing.assemble) in rows of `width`."""
+    row, offset, plan = plan_packing([len(it["tokens"]) for it in items], width, shards=row_shards, modulus=modulus,
+                                     min_rows=min_rows, total_shards=row_shards * processes)
+    tokens, layout = assemble(items, row, offset, plan, width, shards=row_shards, modulus=modulus, pad_id=pad_id)
+    return PackedRows(tokens, layout, row, offset, plan)
+
+
+def _packed_width(width: int, pack_width: int, buckets: Sequence[int]) -> int:
+    """Packed rows' width: the batch's (bucketed) width, or train.pack_width's bucket when wider."""
+    return max(width, pick_bucket(pack_width, buckets, "train.pack_width")) if pack_width else width
+
+
+def _pack_views(views: PackedViews, width: int, min_rows: int, row_shards: int, processes: int, modulus: int,
+                pad_id: int) -> PackedViews:
+    """The views with their rows packed several per row in rows of `width` (tokens and layout then
+    live in .packed)."""
+    lay = views.layout
+    fields = {"tokens": np.asarray(views.tokens), **{f.name: np.asarray(getattr(lay, f.name))
+                                                   for f in dataclasses.fields(Layout)}}
+    real = fields["segment_ids"] >= 0
+    ends = np.where(real.any(axis=1), real.shape[1] - np.argmax(real[:, ::-1], axis=1), 0)  # one past the last real token
+    items = [{k: v[i, :ends[i]] for k, v in fields.items()} for i in range(real.shape[0])]
+    packed = _pack(items, width, min_rows, row_shards, processes, modulus, pad_id)
+    return views.replace(tokens=None, layout=None, packed=packed)
 
 
 def _bucket(n: int, buckets: Sequence[int], floor: int, what: str) -> int:
@@ -265,7 +322,7 @@ def _bucket(n: int, buckets: Sequence[int], floor: int, what: str) -> int:
 
 def shape_keys(stats: dict[str, float]) -> list[str]:
     """The width keys of make_train_batch's stats (the floors `min_shapes` takes), in order."""
-    return [k for k in stats if k[:1] in "TNPU" and (len(k) == 1 or k[1:].isdigit())]
+    return [k for k in stats if k in ("RT", "RP") or (k[:1] in "TNPU" and (len(k) == 1 or k[1:].isdigit()))]
 
 
 # ---- the worst-case geometry, for the dry-run memory plan ----
@@ -281,6 +338,7 @@ class Geometry:
     turns: int  # K
     class_rows: tuple[int, ...] | None = None  # rows per cell of each length class (rl.length_classes)
     row_shards: int = 1
+    pack_cell: int | None = None  # train.pack_rows: rows per cell (rl.packing; the worst case: one per packed row)
 
 
 def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod, step_cfg: StepConfig,
@@ -293,10 +351,12 @@ def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod, step_cfg: S
     views = len(cfg.rl.depths) + int(method.needs_ref and cfg.rl.student_sees_observations)  # packed_reference
     distinct = policy_bucket(int(policy * min(views, cfg.plan.distinct_factor)))
     batch = t.prompts_per_step * t.group_size
-    class_rows = None
+    class_rows = pack_cell = None
     if step_cfg.length_classes > 1:  # the worst case: every class as wide as the widest row
         class_rows, _ = length_classes.cell_rows(batch, row_shards, step_cfg)
-    return Geometry(batch, length, policy, packed, distinct, views, r.max_turns, class_rows, row_shards)
+    if step_cfg.pack_rows:  # the worst case: every row as wide as the widest, one per packed row
+        pack_cell = batch // (row_shards * packing_modulus(batch, row_shards, step_cfg))
+    return Geometry(batch, length, policy, packed, distinct, views, r.max_turns, class_rows, row_shards, pack_cell)
 
 
 def abstract_batch(g: Geometry, mesh, method: ResolvedMethod) -> TrainBatch:
@@ -310,16 +370,23 @@ def abstract_batch(g: Geometry, mesh, method: ResolvedMethod) -> TrainBatch:
     classes = row_class = views = None
     if g.class_rows is not None:
         classes, row_class = LengthClasses(g.class_rows, (g.length,) * len(g.class_rows), g.row_shards), arr((b,), i32)
+    def packed_rows(width):  # rl.packing's arrays at the worst case: one row per packed row
+        return PackedRows(arr((b, width), i32), Layout(*(arr((b, width), i32) for _ in range(6))), arr((b,), i32),
+                          arr((b,), i32), RowPacking(g.pack_cell, g.pack_cell, g.row_shards))
+
     if method.needs_views:
         lay = Layout(*(arr((b, g.packed), i32) for _ in range(6)))
         views = PackedViews(arr((b, g.packed), i32), lay, arr((g.views, b, g.policy), i32, axis=1),
                             arr((b, g.distinct), i32), arr((b, g.distinct), i32), arr((g.views, b, g.policy), i32, axis=1),
                             row_class=row_class, classes=None if classes is None else LengthClasses(
                                 g.class_rows, (g.packed,) * len(g.class_rows), g.row_shards))
+        if g.pack_cell is not None:
+            views = views.replace(tokens=None, layout=None, packed=packed_rows(g.packed))
     signals = {r.output: arr((b,) if r.per == "trajectory" else (b, g.turns), jnp.float32) for r in method.rewards}
     return TrainBatch(
         tokens=arr((b, g.length), i32), valid=arr((b, g.length), bool), pol_pos=arr((b, g.policy), i32),
         pol_valid=arr((b, g.policy), bool), turn_ids=arr((b, g.policy), i32),
         old_logprobs=arr((b, g.policy), jnp.float32), group_ids=arr((b,), i32), num_turns=arr((b,), i32),
         signals=signals, views=views, length_class=row_class, classes=classes,
+        packed=None if g.pack_cell is None else packed_rows(g.length),
     )

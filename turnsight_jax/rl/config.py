@@ -134,6 +134,8 @@ class StepConfig:
     score_chunk: int = 0  # rows per head chunk of the no-gradient forwards (teacher, reference, π_old); 0: logprob_chunk
     max_turns: int = 10
     length_classes: int = 1  # rows run in this many length groups, each padded to its own width (rl.length_classes)
+    pack_rows: bool = False  # forwards run several trajectories (teacher: packed views) per row (rl.packing)
+    pack_width: int = 0  # with pack_rows: packed rows at least this wide (0: the batch's bucketed width)
 
     @property
     def scoring_chunk(self) -> int:
@@ -206,6 +208,13 @@ class StepConfig:
                      "length_classes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not isinstance(self.pack_rows, bool):
+            raise ConfigError(f"train.pack_rows must be True or False, got {self.pack_rows!r}")
+        if isinstance(self.pack_width, bool) or not isinstance(self.pack_width, int) or self.pack_width < 0:
+            raise ConfigError(f"train.pack_width must be an int >= 0 (0: the batch's width), got {self.pack_width!r}")
+        if self.pack_rows and self.length_classes > 1:
+            raise ConfigError(f"train.pack_rows=True and train.length_classes={self.length_classes}: choose one "
+                              "(both cut the padding of the forwards; packing leaves less)")
         if batch_size is not None:
             if batch_size % self.group_size:
                 raise ConfigError(f"batch of {batch_size} trajectories is not divisible by group_size {self.group_size}")

@@ -27,6 +27,7 @@ from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.qwen3 import Qwen3
 from turnsight_jax.models.sharding import AXES, BATCH, fit_spec
 from turnsight_jax.rl.length_classes import run_by_class
+from turnsight_jax.rl.packing import PackedRows, packed_index
 from turnsight_jax.rl.views import PackedViews, distinct_slots_used
 
 
@@ -175,6 +176,23 @@ def logprobs_at(model: Qwen3, hidden: jax.Array, pred_index: jax.Array, targets:
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_spec)(*args)
 
 
+def packed_logprobs_at(model: Qwen3, hidden: jax.Array, packed: PackedRows, cols: jax.Array, targets: jax.Array, *,
+                       chunk: int, temperature: float = 1.0, with_entropy: bool = False,
+                       used: jax.Array | None = None):
+    """logprobs_at for items packed into rows (rl.packing): hidden [Rc, W, D] of the call's packed
+    rows; cols, targets [Bc, K]: each item's predictor columns in its own coordinates and the
+    targets -> [Bc, K] f32 (and entropies with `with_entropy`). Each shard block's rows are
+    flattened and gathered from by the block's items only, so on a mesh the gather stays on the
+    device that holds both."""
+    s = packed.plan.shards
+    bc, k = targets.shape
+    flat = packed_index(packed, cols)
+    out = logprobs_at(model, hidden.reshape(s, -1, hidden.shape[-1]), flat, targets.reshape(s, -1), chunk=chunk,
+                      temperature=temperature, with_entropy=with_entropy,
+                      used=None if used is None else used.reshape(s, -1))
+    return jax.tree.map(lambda o: o.reshape(bc, k), out)
+
+
 def predictor_positions(valid_mask: jax.Array, pol_pos: jax.Array) -> jax.Array:
     """Index of the token whose hidden state predicts each policy token: the last readable token
     before it. valid_mask [B, T] bool (the tokens the forward reads), pol_pos [B, N] -> [B, N] int32.
@@ -206,8 +224,15 @@ def student_logprobs(model: Qwen3, tokens: jax.Array, valid_mask: jax.Array, pol
 def policy_logprobs(model: Qwen3, batch, *, chunk: int = 1024, temperature: float = 1.0,
                     with_entropy: bool = False):
     """student_logprobs of a TrainBatch's (or a micro-batch's) rows [B, N], each length class
-    (rl.length_classes) run at its own width when the batch has them; the same values either way."""
+    (rl.length_classes) run at its own width when the batch has them, or several trajectories
+    per row when it is packed (rl.packing); the same values every way."""
     kw = dict(chunk=chunk, temperature=temperature, with_entropy=with_entropy)
+    if batch.packed is not None:  # several trajectories per row (rl.packing)
+        pk = batch.packed
+        hidden = model.hidden_states(pk.tokens, pk.layout)
+        targets = jnp.take_along_axis(batch.tokens, batch.pol_pos, axis=1)
+        return packed_logprobs_at(model, hidden, pk, predictor_positions(batch.valid, batch.pol_pos), targets,
+                                  used=batch.pol_valid, **kw)
     if batch.classes is None:
         return student_logprobs(model, batch.tokens, batch.valid, batch.pol_pos, pol_valid=batch.pol_valid, **kw)
 
@@ -224,7 +249,14 @@ def teacher_logprobs(model: Qwen3, views: PackedViews, *, chunk: int = 1024, tem
 
     One forward over the packed rows (per length class, each at its own width, when the views
     have them); the vocabulary projection runs once per distinct (predictor, target) pair and is
-    gathered into [R, B, N] float32, outside the gradient."""
+    gathered into [R, B, N] float32, outside the gradient. Packed views (views.packed, rl.packing)
+    run several trajectories' rows per row."""
+    if views.packed is not None:
+        pk = views.packed
+        hidden = model.hidden_states(pk.tokens, pk.layout)
+        distinct = packed_logprobs_at(model, hidden, pk, views.pred, views.pred_target, chunk=chunk,
+                                      temperature=temperature, used=distinct_slots_used(views.pred))
+        return _gather_slots(distinct, views.slot)
     if views.classes is None:
         return _teacher_logprobs(model, views.tokens, views.layout, views.pred, views.pred_target, views.slot,
                                  chunk=chunk, temperature=temperature)
@@ -244,5 +276,10 @@ def _teacher_logprobs(model, tokens, layout, pred, pred_target, slot, *, chunk, 
     hidden = model.hidden_states(tokens, layout)
     distinct = logprobs_at(model, hidden, pred, pred_target, chunk=chunk, temperature=temperature,
                            used=distinct_slots_used(pred))
+    return _gather_slots(distinct, slot)
+
+
+def _gather_slots(distinct, slot):
+    """distinct [B, U] log-probs, slot [R, B, N] -> [R, B, N], no gradient."""
     out = jax.vmap(lambda s: jnp.take_along_axis(distinct, s, axis=1))(slot)
     return jax.lax.stop_gradient(out)

@@ -79,6 +79,9 @@ class PackedViews:
     slot [R, B, N] int32: index into pred of each (view, row, policy token).
     row_class [B] int32 or None, classes (static): the rows' length classes by packed length
       (rl.length_classes): the teacher's forward runs each class cut to classes.widths[i] <= P.
+    packed: rl.packing.PackedRows or None: the rows packed several per row (train.pack_rows);
+      tokens and layout are then None (the packed rows replace them; pred and view_pred stay in
+      each row's own coordinates).
     """
 
     tokens: Any
@@ -89,6 +92,7 @@ class PackedViews:
     slot: Any
     row_class: Any = None
     classes: Any = struct.field(pytree_node=False, default=None)
+    packed: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
