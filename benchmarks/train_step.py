@@ -11,7 +11,8 @@ so the packed hindsight views have the real layout.
 
 `--geometry` compares, on one batch, the fused step at the revision issue 21 was filed against
 (BEFORE_REV, extracted with `git archive`), today's with every row padded to the longest
-(train.length_classes = 1) and today's with `--classes` length classes, each timed in its own
+(train.length_classes = 1), today's with `--classes` length classes and today's with the rows packed
+(train.pack_rows, train.pack_width = `--pack-width`), each timed in its own
 process by benchmarks/_step_worker.py (the embedded default's step and model settings); for
 today's rows also the executed / necessary FLOPs of the update (turnsight_jax.flops) for the timed
 model and, counted only, for Qwen3-8B at the same geometry. The geometries: benchmarks/geometries.py.
@@ -59,15 +60,15 @@ from turnsight_jax.rl.step import make_optimizer, make_train_step  # noqa: E402
 BEFORE_REV = "f375277"  # the step issue 21 was filed against
 
 
-def _worker(geometry: str, repeats: int, *, classes: int = 1, tree: str | None = None) -> dict:
+def _worker(geometry: str, repeats: int, *, sets: dict | None = None, tree: str | None = None) -> dict:
     """Time one fused step in a fresh process (benchmarks/_step_worker.py), with the package of
-    `tree` first on the path (an extracted revision) or the current one."""
+    `tree` first on the path (an extracted revision) or the current one; `sets`: StepConfig fields."""
     env = dict(os.environ)
     if tree:
         env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, str(HERE / "_step_worker.py"), "--geometry", geometry, "--repeats", str(repeats)]
-    if classes > 1:
-        cmd += ["--set", f"length_classes={classes}"]
+    for key, value in (sets or {}).items():
+        cmd += ["--set", f"{key}={str(value).lower()}"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode:
         raise SystemExit(f"step worker failed ({' '.join(cmd)}):\n{out.stderr[-2000:]}")
@@ -106,10 +107,13 @@ def compare_classes(args):
             walls["before"] = res["wall"]
             rows.append([f"the step at {BEFORE_REV}, issue 21's filing (T={res['T']:.0f}, P={res['P']:.0f})",
                          f"{res['wall']:.2f} s", "-", "(not counted: an earlier revision)", "-"])
-    for name, k in (("one width", 1), ("classes", args.classes)):
-        sc = dataclasses.replace(step_config(cfg), max_turns=turns, length_classes=k)
+    variants = (("one width", {}), ("classes", {"length_classes": args.classes}),
+                ("packed", {"pack_rows": True, "pack_width": args.pack_width}))
+    for name, sets in variants:
+        k = sets.get("length_classes", 1)
+        sc = dataclasses.replace(step_config(cfg), max_turns=turns, **sets)
         batch, stats = make_train_batch(trajs, row_tasks, tok, sc, resolve_method(sc))
-        walls[name] = _worker(args.geometry, args.repeats, classes=k)["wall"]
+        walls[name] = _worker(args.geometry, args.repeats, sets=sets)["wall"]
         counts = {p: update_flops(get_preset(p), batch, updates=1, q_chunk=q_chunk, remat=cfg.model.remat,
                                   teacher_distinct_rows=stats["teacher_distinct_rows"], logprob_chunk=sc.logprob_chunk,
                                   score_chunk=sc.scoring_chunk)
@@ -118,9 +122,17 @@ def compare_classes(args):
                   "T=" + "/".join(f"{stats[f'T{i}']:.0f}" for i in range(k)) + ", P=" +
                   "/".join(f"{stats[f'P{i}']:.0f}" for i in range(k)))
         b_, v_ = len(trajs), batch.views
-        slots_t = sum(batch.classes.widths[c] for c in batch.length_class) if k > 1 else b_ * batch.tokens.shape[1]
-        slots_p = sum(v_.classes.widths[c] for c in v_.row_class) if k > 1 else b_ * v_.tokens.shape[1]
-        rows.append([f"today, {k} class{'es' if k > 1 else ''} ({widths})", f"{walls[name]:.2f} s",
+        if batch.packed is not None:
+            (rt, wt), (rp, wp) = batch.packed.tokens.shape, v_.packed.tokens.shape
+            slots_t, slots_p = rt * wt, rp * wp
+            label = (f"today, packed (train.pack_rows, pack_width={args.pack_width}): {b_} trajectories in {rt} rows "
+                     f"of {wt}, {b_} hindsight rows in {rp} of {wp}")
+        else:
+            slots_t = sum(batch.classes.widths[c] for c in batch.length_class) if k > 1 else b_ * batch.tokens.shape[1]
+            slots_p = sum(v_.classes.widths[c] for c in v_.row_class) if k > 1 else b_ * v_.tokens.shape[1]
+            label = f"today, {k} class{'es' if k > 1 else ''} ({widths})"
+        print(f"  {label}: {walls[name]:.2f} s", flush=True)
+        rows.append([label, f"{walls[name]:.2f} s",
                      f"{slots_t / lengths.sum():.2f} / {slots_p / stats['view_tokens']:.2f}",
                      *(" / ".join(f"{e / n:.2f}" for n, e in (c.parts["student"], c.parts["teacher"]))
                        + f" / **{c.ratio:.2f}**" for c in counts.values())])
@@ -130,10 +142,12 @@ def compare_classes(args):
     print(table(rows, ["step", "fused step (tiny-default)", "token slots / real tokens: student / teacher",
                        "executed / necessary: student / teacher / update (tiny-default)",
                        "same, counted for qwen3-8b"]))
-    print(f"speed-up of {args.classes} length classes over one width: {walls['one width'] / walls['classes']:.2f}x")
+    print(f"speed-up over one width: {walls['one width'] / walls['classes']:.2f}x ({args.classes} length classes), "
+          f"{walls['one width'] / walls['packed']:.2f}x (packed)")
     if "before" in walls:
         print(f"today's step over the step at {BEFORE_REV}: {walls['before'] / walls['one width']:.2f}x (one width), "
-              f"{walls['before'] / walls['classes']:.2f}x ({args.classes} classes)")
+              f"{walls['before'] / walls['classes']:.2f}x ({args.classes} classes), "
+              f"{walls['before'] / walls['packed']:.2f}x (packed)")
 
 
 def main():
@@ -149,6 +163,8 @@ def main():
     ap.add_argument("--geometry", choices=GEOMETRIES, default=None,
                     help="compare the step at the filing revision, one width and length classes on this geometry")
     ap.add_argument("--classes", type=int, default=2, help="length classes of the --geometry comparison")
+    ap.add_argument("--pack-width", type=int, default=0,
+                    help="train.pack_width of the --geometry comparison's packed row (0: the batch's width)")
     args = ap.parse_args()
     if args.geometry:
         return compare_classes(args)

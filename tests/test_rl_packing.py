@@ -1,5 +1,5 @@
-"""Row packing (rl.packing): first-fit decreasing fills rows without overflow; every cell's items
-land in that cell's own packed rows, found again by `packed_index` after any strided split; a
+"""Row packing (rl.packing): first-fit decreasing fills rows without overflow; rows are reordered
+only within their mini-batch, to even the cells; every cell's items land in that cell's own packed rows, found again by `packed_index` after any strided split; a
 packed row lets no token read another item; the fused step on packed batches (several
 trajectories, and several hindsight rows, per row) equals the step on the plain batch
 (micro-/mini-batched, masked context with the KL reference, sharded); the FLOP counter counts
@@ -73,6 +73,30 @@ def test_packed_index_finds_every_item_after_a_strided_split(shards, modulus, sp
         flat = pk.packed_index(sub, c)
         got = jnp.take_along_axis(sub.tokens.reshape(shards, -1), flat, axis=1).reshape(c.shape)
         np.testing.assert_array_equal(got, want[part::split])
+
+
+@pytest.mark.parametrize("shards,modulus,keep", [(1, 4, 1), (2, 4, 2), (2, 6, 3), (1, 2, 2)])
+def test_balanced_order_keeps_mini_batches_and_evens_the_cells(shards, modulus, keep):
+    """Rows move only within their shard block and mini-batch (residue modulo `keep`); the
+    fullest cell needs no more packed rows than in the given order, and with lopsided cells
+    (every long row in one cell) strictly fewer where rows may move between cells."""
+    rng = np.random.default_rng(modulus * 10 + keep)
+    b = shards * modulus * 4
+    block = b // shards
+    lopsided = np.arange(b) % block % modulus == 0  # the first cell of every block gets every long row
+    lengths = np.where(lopsided, rng.integers(150, 200, b), rng.integers(10, 40, b))
+    order = pk.balanced_order(lengths, shards=shards, modulus=modulus, keep=keep)
+    assert sorted(order.tolist()) == list(range(b))
+    pos = np.arange(b)
+    np.testing.assert_array_equal(order // block, pos // block)
+    np.testing.assert_array_equal(order % block % keep, pos % block % keep)
+
+    def rows_needed(ls):
+        return max(pk.first_fit_decreasing(ls[idx], 256)[2] for idx in pk.cell_items(b, shards, modulus))
+
+    assert rows_needed(lengths[order]) <= rows_needed(lengths)
+    if modulus > keep:
+        assert rows_needed(lengths[order]) < rows_needed(lengths)
 
 
 def test_assemble_offsets_segments_and_context_ends():
@@ -152,6 +176,10 @@ def test_packed_step_equals_the_plain_step(setup, tok):  # noqa: F811
     packed = dataclasses.replace(cfg, **WIDE)
     batch, _ = _batch(trajs, row_tasks, tok, packed)
     assert batch.packed.plan.rows < batch.packed.plan.cell  # several trajectories per row in each cell
+    plain = _batch(trajs, row_tasks, tok, cfg)[0]
+    # the rows were reordered across the two micro-batches (balanced_order), not changed
+    assert not np.array_equal(batch.tokens, plain.tokens)
+    assert sorted(map(tuple, np.asarray(batch.tokens))) == sorted(map(tuple, np.asarray(plain.tokens)))
     got, m1 = _sgd_step(packed, policy, ref, batch)
     assert _max_diff(got, want) < 1e-6
     for k in ("pg_loss", "adv_mean", "kl", "delta_mean"):

@@ -302,3 +302,22 @@ def test_the_update_flops_are_logged(uninterrupted):
             r["perf/update_flops_executed"] / r["perf/update_flops_necessary"])
         parts = {k: v for k, v in r.items() if k.startswith("perf/update_padding_ratio_")}
         assert "perf/update_padding_ratio_student" in parts and all(v >= 1.0 for v in parts.values()), parts
+
+
+def test_a_packed_run_equals_the_plain_run(uninterrupted, tmp_path):
+    """train.pack_rows with rows wider than the batch's (several trajectories and hindsight rows
+    per row): the run's every logged value (rollouts, rewards, losses, advantages, eval) equals
+    the plain run's to float rounding; only the shapes and the padding it pays for differ."""
+    proc = _run(FAST + ["--config.train.pack_rows=True", "--config.train.pack_width=512", "--config.train.steps=2"],
+                tmp_path)
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    packed, plain = _records(tmp_path), _records(uninterrupted)
+    assert sorted(packed) == sorted(plain)[:len(packed)] and len(packed) >= 2
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["shape/RT"] < 4 for r in recs if "shape/RT" in r) and any("shape/RT" in r for r in recs)
+    for step, rec in packed.items():
+        for key, value in rec.items():
+            if key.startswith("shape/") or not isinstance(value, (int, float)):
+                continue
+            assert value == pytest.approx(plain[step][key], rel=1e-4, abs=1e-5), (step, key)

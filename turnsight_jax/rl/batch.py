@@ -51,7 +51,7 @@ from turnsight_jax.rl import length_classes
 from turnsight_jax.rl.config import StepConfig
 from turnsight_jax.rl.length_classes import LengthClasses
 from turnsight_jax.rl.methods import ResolvedMethod
-from turnsight_jax.rl.packing import PackedRows, RowPacking, assemble, plan_packing
+from turnsight_jax.rl.packing import PackedRows, RowPacking, assemble, balanced_order, plan_packing
 from turnsight_jax.rl.views import (DEFAULT_PACKED_BUCKETS, PackedViews, ViewOptions, build_views, pick_bucket,
                                     policy_bucket, policy_positions)
 
@@ -200,11 +200,19 @@ def make_train_batch(
     group in the whole batch (a process builds its own rows of it). row_shards: the row shards of
     the mesh the batch will be placed on (this process's share), for the length classes' cells;
     processes: how many processes build rows alike (the step sees processes x row_shards shard
-    blocks, each one process's local block)."""
+    blocks, each one process's local block).
+
+    With train.pack_rows the rows may come in another order than `trajs` (each stays in its
+    shard block and mini-batch: rl.packing.balanced_order), so every value of the step is the
+    same as without packing."""
     cfg.validate(len(trajs))
     floor = {"T": 0, "N": 0, "P": 0, "U": 0, **(min_shapes or {})}
     lengths = [t.length for t in trajs]
     modulus = packing_modulus(len(trajs), row_shards, cfg) if cfg.pack_rows else 1
+    if cfg.pack_rows:  # rows move between micro-batches (never mini-batches) so cells pack alike
+        order = balanced_order(lengths, shards=row_shards, modulus=modulus, keep=cfg.mini_batches)
+        trajs, tasks = [trajs[i] for i in order], [tasks[i] for i in order]
+        lengths = [lengths[i] for i in order]
     classes = cls_widths = None
     if cfg.length_classes > 1:
         rows, modulus = length_classes.cell_rows(len(trajs), row_shards, cfg)

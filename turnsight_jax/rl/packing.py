@@ -96,6 +96,38 @@ def cell_items(b: int, shards: int, modulus: int) -> list[np.ndarray]:
     return [s * block + np.arange(r, block, modulus) for s in range(shards) for r in range(modulus)]
 
 
+def balanced_order(lengths: Sequence[int], *, shards: int, modulus: int, keep: int) -> np.ndarray:
+    """A row order [B] (position i holds item order[i]) that balances the cells' token totals.
+
+    An item only moves between positions of the same shard block and the same residue modulo
+    `keep` (the mini-batch count: an item stays in its mini-batch, so every update sees the same
+    rows and the step's values do not change; moving between micro-batches only reorders a sum).
+    Within each such group, items go longest first to the cell with the fewest tokens that still
+    has a free slot, so no cell needs many more packed rows than the others (the fullest cell
+    sets every cell's row count)."""
+    lengths = np.asarray(lengths, np.int64)
+    b = lengths.size
+    if b % (shards * modulus) or modulus % keep:
+        raise ValueError(f"{b} items, {shards} shard(s), modulus {modulus}, keep {keep}: no whole cells")
+    block, order = b // shards, np.arange(b)
+    for s in range(shards):
+        for a in range(keep):
+            cells = [s * block + np.arange(r, block, modulus) for r in range(a, modulus, keep)]
+            if len(cells) == 1:
+                continue
+            pool = np.concatenate(cells)
+            total = np.zeros(len(cells), np.int64)
+            filled: list[list[int]] = [[] for _ in cells]
+            for i in pool[np.argsort(-lengths[pool], kind="stable")]:
+                open_ = [c for c in range(len(cells)) if len(filled[c]) < cells[c].size]
+                c = min(open_, key=lambda c: (total[c], c))
+                filled[c].append(int(i))
+                total[c] += lengths[i]
+            for slots, items in zip(cells, filled):
+                order[slots] = sorted(items)  # within a cell, the items keep their order
+    return order
+
+
 def plan_packing(lengths: Sequence[int], width: int, *, shards: int, modulus: int, min_rows: int = 0,
                  total_shards: int | None = None) -> tuple[np.ndarray, np.ndarray, RowPacking]:
     """(row [B], offset [B], plan): every cell's items packed by first-fit decreasing into rows of
