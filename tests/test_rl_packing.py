@@ -24,7 +24,7 @@ from turnsight_jax.rl.config import StepConfig
 from turnsight_jax.rl.methods import resolve_method
 from turnsight_jax.rl.step import _split
 
-from test_rl_step import CFG, _cfg, _max_diff, _sgd_step, setup  # noqa: F401  (the module fixture)
+from test_rl_step import CFG, _cfg, _max_diff, _reference_grads, _sgd_step, setup  # noqa: F401  (the module fixture)
 from _vocab import fold_batch
 
 
@@ -44,9 +44,10 @@ def test_first_fit_decreasing_never_overflows_and_never_overlaps(seed):
 
 
 def test_rows_bucket_takes_few_values():
-    assert [pk.rows_bucket(n, 32) for n in (1, 4, 5, 31, 32)] == [4, 4, 8, 32, 32]
-    assert len({pk.rows_bucket(n, 64) for n in range(1, 65)}) == 8
-    assert pk.rows_bucket(3, 3) == 3
+    assert [pk.rows_bucket(n, 32) for n in (1, 4, 8, 9, 13, 31, 32)] == [1, 4, 8, 12, 16, 32, 32]
+    assert len({pk.rows_bucket(n, 64) for n in range(1, 65)}) <= 16
+    assert all(n <= pk.rows_bucket(n, 64) <= 64 for n in range(1, 65))
+    assert pk.rows_bucket(3, 3) == 3 and pk.rows_bucket(5, 4) == 4
 
 
 @pytest.mark.parametrize("shards,modulus,split", [(1, 1, 1), (2, 2, 2), (1, 4, 2), (2, 4, 4)])
@@ -166,6 +167,20 @@ def test_batch_packs_several_per_row_and_counts_the_flops(setup, tok):  # noqa: 
     # the student's executed work moves by exactly the packed rows' slots and attention pairs
     assert f_pack.parts["student"][1] - f_plain.parts["student"][1] == pytest.approx(
         3.0 * trunk * extra_slots + 4.0 * flops.attention_flops(CFG, extra_pairs), rel=1e-9)
+
+
+def test_packed_step_equals_the_unfused_reference(setup, tok):  # noqa: F811
+    """Several trajectories and hindsight rows per row: the fused step's gradient equals the
+    unfused reference's, which scores every trajectory and every hindsight view on its own."""
+    trajs, row_tasks, policy, ref = setup
+    cfg = dataclasses.replace(_cfg(method="turnsight", depths=(1, 2, 3)), **WIDE)
+    batch, _ = _batch(trajs, row_tasks, tok, cfg)
+    assert batch.packed.plan.rows < len(trajs) and batch.views.packed.plan.rows < len(trajs)
+    grads, _ = _sgd_step(cfg, policy, ref, batch)
+    want = _reference_grads(cfg, policy, ref, trajs, [t.answer for t in row_tasks], tok)
+    scale = max(jax.tree.leaves(jax.tree.map(lambda x: float(np.abs(np.asarray(x)).max()), want)))
+    assert scale > 1e-4
+    assert _max_diff(grads, want) < 1e-5 * max(1.0, scale) + 1e-6
 
 
 def test_packed_step_equals_the_plain_step(setup, tok):  # noqa: F811

@@ -16,7 +16,7 @@ offset past the row's earlier items (context segments too, context ends by the i
 column), so the attention mask (models.attention.packed_mask) lets no token read another item.
 
 Shapes are few: the width is the batch's bucketed width (the longest item fits), the rows per
-cell a bucket of the fullest cell's count (`rows_bucket`: at most eight values per cell size),
+cell a bucket of the fullest cell's count (`rows_bucket`: at most 16 values per cell size),
 and both only grow through the trainer's floors.
 """
 
@@ -62,10 +62,12 @@ class PackedRows:
 
 
 def rows_bucket(n: int, cell: int) -> int:
-    """Packed rows per cell for a fullest cell of n rows: a multiple of ceil(cell / 8), at most
-    `cell` (one item per row never needs more)."""
+    """Packed rows per cell for a fullest cell of n rows: n itself up to 8, then a multiple of
+    ceil(cell / 8); at most `cell` (one item per row never needs more). At most 16 values."""
+    if n <= 8:
+        return max(1, min(n, cell))
     step = -(-cell // 8)
-    return min(cell, max(step, -(-n // step) * step))
+    return min(cell, -(-n // step) * step)
 
 
 def first_fit_decreasing(lengths: Sequence[int], width: int) -> tuple[np.ndarray, np.ndarray, int]:
