@@ -308,7 +308,7 @@ def test_a_packed_run_equals_the_plain_run(uninterrupted, tmp_path):
     """train.pack_rows with rows wider than the batch's (several trajectories and hindsight rows
     per row): the run's every logged value (rollouts, rewards, losses, advantages, eval) equals
     the plain run's to float rounding; only the shapes and the padding it pays for differ."""
-    proc = _run(FAST + ["--config.train.pack_rows=True", "--config.train.pack_width=512", "--config.train.steps=2"],
+    proc = _run(FAST + ["--config.train.pack_rows=True", "--config.train.pack_width=2048", "--config.train.steps=2"],
                 tmp_path)
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
