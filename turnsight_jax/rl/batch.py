@@ -24,9 +24,10 @@ tokens per row, K = max turns):
   classes: LengthClasses or None (static)  the classes' rows per cell and widths
   packed: PackedRows or None               with train.pack_rows: the student's forward runs the
                                            trajectories packed several per row (rl.packing):
-                                           tokens [Rp, T], Layout [Rp, T], row/offset [B]; the
-                                           [B, T] arrays above still describe each trajectory
-                                           (targets, predictors); the views are packed alike
+                                           tokens [Rp, W], Layout [Rp, W] (W >= T), row/offset
+                                           [B]; the [B, T] arrays above still describe each
+                                           trajectory (targets, predictors); the views are packed
+                                           alike (views.packed)
 """
 
 from __future__ import annotations

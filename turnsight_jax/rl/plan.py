@@ -89,7 +89,9 @@ def dry_run(cfg: mlc.ConfigDict) -> dict:
           f"packed teacher row P={geo.packed}, distinct teacher rows U={geo.distinct}; micro-batches "
           f"{step_cfg.micro_batches} (student), {step_cfg.teacher_micro_batches} (teacher); remat={cfg.model.remat}; "
           f"attention query chunk {cfg.model.attn_q_chunk}; log-prob chunk {cfg.train.logprob_chunk} "
-          f"(no-gradient forwards: {step_cfg.scoring_chunk})")
+          f"(no-gradient forwards: {step_cfg.scoring_chunk})"
+          + ("; packed rows (train.pack_rows) planned at their worst, one trajectory per row"
+             if geo.pack_cell is not None else ""))
     print("| per device | GiB |\n|---|---|")
     for k, v in fields.items():
         print(f"| {k} | {v / gib:.2f} |")
