@@ -20,7 +20,7 @@ from turnsight_jax.models.attention import PAD_SEGMENT, Layout
 from turnsight_jax.models.sharding import make_mesh
 from turnsight_jax.rl import packing as pk
 from turnsight_jax.rl.batch import make_train_batch, shape_keys
-from turnsight_jax.rl.config import StepConfig
+from turnsight_jax.rl.config import LossConfig, StepConfig
 from turnsight_jax.rl.methods import resolve_method
 from turnsight_jax.rl.step import _split
 
@@ -255,3 +255,15 @@ def test_dry_run_geometry_plans_one_trajectory_per_packed_row():
     cfg.train.length_classes = 2
     with pytest.raises(ConfigError, match="choose one"):
         C.validate(cfg, 8, check_data=False)
+
+
+def test_packed_step_with_the_entropy_term_equals_the_plain_step(setup, tok):  # noqa: F811
+    """The entropy of each predicted distribution comes back through the packed gather too."""
+    trajs, row_tasks, policy, ref = setup
+    cfg = dataclasses.replace(_cfg(method="grpo"), loss=LossConfig(kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01))
+    want, m0 = _sgd_step(cfg, policy, ref, _batch(trajs, row_tasks, tok, cfg)[0])
+    packed = dataclasses.replace(cfg, **WIDE)
+    got, m1 = _sgd_step(packed, policy, ref, _batch(trajs, row_tasks, tok, packed)[0])
+    assert float(m0["entropy"]) > 0.1
+    np.testing.assert_allclose(float(m1["entropy"]), float(m0["entropy"]), rtol=1e-6)
+    assert _max_diff(got, want) < 1e-6
