@@ -154,7 +154,7 @@ def test_batch_packs_several_per_row_and_counts_the_flops(setup, tok):  # noqa: 
         k = int(r)  # one cell: the packed row is the bin
         np.testing.assert_array_equal(np.asarray(batch.packed.tokens)[k, o:o + t.length], np.asarray(t.tokens) % 1024)
     # the floors only grow the rows per cell
-    again, st2 = _batch(trajs, row_tasks, tok, cfg, min_shapes={"RT": len(trajs), "RP": len(trajs)})
+    again, _ = _batch(trajs, row_tasks, tok, cfg, min_shapes={"RT": len(trajs), "RP": len(trajs)})
     assert again.packed.plan.rows == len(trajs) and again.views.packed.plan.rows == len(trajs)
     # necessary FLOPs do not move; executed ones count the packed rows
     plain, _ = _batch(trajs, row_tasks, tok, _cfg(method="turnsight"))

@@ -289,11 +289,7 @@ def make_train_batch(
 def packing_modulus(b: int, row_shards: int, cfg: StepConfig) -> int:
     """The cell modulus of train.pack_rows (rl.packing: cells as rl.length_classes lays them out);
     ConfigError when `b` rows do not form whole cells on `row_shards` shards."""
-    modulus = length_classes.cell_modulus(cfg.micro_batches, cfg.mini_batches, cfg.teacher_micro_batches)
-    if b % (row_shards * modulus):
-        raise ConfigError(f"train.pack_rows: {b} rows do not split into {row_shards} row shard(s) x {modulus} "
-                          "strided micro-batches")
-    return modulus
+    return length_classes.whole_cells(b, row_shards, cfg, "train.pack_rows")
 
 
 def _pack(items, width: int, min_rows: int, row_shards: int, processes: int, modulus: int, pad_id: int) -> PackedRows:

@@ -71,11 +71,27 @@ def cell_rows(batch: int, shards: int, cfg) -> tuple[tuple[int, ...], int]:
     """(rows per class of a cell, the cell modulus) for `batch` rows over `shards` row shards under
     StepConfig `cfg` (its splits and length_classes). Raises ConfigError when the rows do not form
     whole cells or a cell holds fewer rows than classes."""
+    modulus = whole_cells(batch, shards, cfg, f"train.length_classes={cfg.length_classes}")
+    return split_cell(batch // (shards * modulus), cfg.length_classes), modulus
+
+
+def whole_cells(batch: int, shards: int, cfg, what: str) -> int:
+    """The cell modulus for `batch` rows over `shards` row shards under StepConfig `cfg`;
+    ConfigError, naming `what` (the setting that needs cells), when the rows form no whole cells."""
     modulus = cell_modulus(cfg.micro_batches, cfg.mini_batches, cfg.teacher_micro_batches)
     if batch % (shards * modulus):
-        raise ConfigError(f"train.length_classes={cfg.length_classes}: {batch} rows do not split into {shards} row "
-                          f"shard(s) x {modulus} strided micro-batches")
-    return split_cell(batch // (shards * modulus), cfg.length_classes), modulus
+        raise ConfigError(f"{what}: {batch} rows do not split into {shards} row shard(s) x {modulus} strided "
+                          "micro-batches")
+    return modulus
+
+
+def cell_items(b: int, shards: int, modulus: int) -> list[np.ndarray]:
+    """Row indices of each cell (module docstring), cells in the order (shard block, residue); b
+    must split into shards x modulus equal cells."""
+    if b % (shards * modulus):
+        raise ValueError(f"{b} rows do not form cells for {shards} shard(s) x modulus {modulus}")
+    block = b // shards
+    return [s * block + np.arange(r, block, modulus) for s in range(shards) for r in range(modulus)]
 
 
 def assign(lengths: Sequence[int], rows: tuple[int, ...], *, shards: int, modulus: int) -> np.ndarray:
@@ -85,13 +101,10 @@ def assign(lengths: Sequence[int], rows: tuple[int, ...], *, shards: int, modulu
     b = lengths.size
     if b % (shards * modulus) or b // (shards * modulus) != sum(rows):
         raise ValueError(f"{b} rows do not form cells of {sum(rows)} rows for {shards} shard(s) x modulus {modulus}")
-    block = b // shards
     labels = np.repeat(np.arange(len(rows), dtype=np.int32), rows)
     out = np.zeros(b, np.int32)
-    for s in range(shards):
-        for r in range(modulus):
-            idx = s * block + np.arange(r, block, modulus)
-            out[idx[np.argsort(lengths[idx], kind="stable")]] = labels
+    for idx in cell_items(b, shards, modulus):
+        out[idx[np.argsort(lengths[idx], kind="stable")]] = labels
     return out
 
 

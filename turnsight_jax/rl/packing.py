@@ -31,6 +31,7 @@ import numpy as np
 from flax import struct
 
 from turnsight_jax.models.attention import NO_SEGMENT, PAD_SEGMENT, Layout
+from turnsight_jax.rl.length_classes import cell_items
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,15 +88,6 @@ def first_fit_decreasing(lengths: Sequence[int], width: int) -> tuple[np.ndarray
         bins[i], offset[i] = j, fill[j]
         fill[j] += n
     return bins, offset, len(fill)
-
-
-def cell_items(b: int, shards: int, modulus: int) -> list[np.ndarray]:
-    """Item indices of each cell, cells in the order (shard block, residue); b must split into
-    shards x modulus equal cells."""
-    if b % (shards * modulus):
-        raise ValueError(f"{b} items do not form cells for {shards} shard(s) x modulus {modulus}")
-    block = b // shards
-    return [s * block + np.arange(r, block, modulus) for s in range(shards) for r in range(modulus)]
 
 
 def balanced_order(lengths: Sequence[int], *, shards: int, modulus: int, keep: int) -> np.ndarray:
