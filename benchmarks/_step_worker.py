@@ -37,7 +37,8 @@ from turnsight_jax.rl.step import make_optimizer, make_train_step  # noqa: E402
 
 def _value(text: str):
     """A `--set` value: true / false, else an int."""
-    return {"true": True, "false": False}.get(text.lower(), None) if text.lower() in ("true", "false") else int(text)
+    flags = {"true": True, "false": False}
+    return flags[text.lower()] if text.lower() in flags else int(text)
 
 
 def main():
