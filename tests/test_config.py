@@ -133,6 +133,12 @@ TODAY_DEFAULT["rl"].update(norm_pool="turn_mean", uncovered_in_stats=True, stude
                                                "call": "<tool_call>\n{call}\n</tool_call>\n",
                                                "result": "<tool_response>\n{result}\n</tool_response>\n",
                                                "message_close": "</hindsight><|im_end|>\n"})
+# The self-distillation baselines (issue 23): their coefficients and the teacher section; no effect on
+# the default method (TurnSight reads none of them, and its teacher is the frozen reference).
+TODAY_DEFAULT["rl"].update(sdpo_coef=1.0, sdpo_tail=True, sdar_coef=1.0, sdar_beta=1.0, sod_coef=1.0, sod_tau=1.0)
+TODAY_DEFAULT["teacher"] = {"weights": "reference", "ema_decay": 0.99, "checkpoint": "", "preset": "",
+                            "source": "gold_answer", "placement": "prompt", "skills": "",
+                            "sibling_min_reward": 1.0, "top_k": 20}
 
 # Keys where configs/qwen3_8b.py's experiment departs from base + its model layer: how the run
 # fits 8 x 80 GB devices and how it evaluates. Anything else would be a value from somewhere else.

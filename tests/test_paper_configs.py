@@ -37,6 +37,14 @@ ABLATIONS = {
     **{f"figure_lambda_{v.replace('.', '')}": {"rl.lam": float(v)} for v in ("0.1", "0.3", "0.7", "0.9")},
     **{f"figure_eps_w_{v.replace('.', '')}": {"rl.eps_w": float(v)} for v in ("0.1", "0.3", "0.7", "0.9")},
 }
+# The self-distillation baselines (docs/baselines.md): method, advantage, loss terms, teacher
+# (weights, source, placement).
+BASELINES = {
+    "rlsd": ("rlsd", "rlsd", ["clipped_surrogate"], ("policy", "gold_answer", "prompt")),
+    "sdpo": ("sdpo", "base", ["clipped_surrogate", "sdpo_kl"], ("policy", "sibling", "prompt")),
+    "sdar": ("sdar", "base", ["clipped_surrogate", "sdar"], ("policy", "skill", "prompt")),
+    "sod": ("sod", "base", ["clipped_surrogate", "sod"], ("external", "none", "prompt")),
+}
 # Table 2's numbers (docs/spec.md §1), which each file's docstring must carry.
 TABLE2 = {"table2_no_turn_aggregation": "43.23", "table2_no_group_norm": "43.65", "table2_no_multi_teacher": "45.62",
           "table2_depth_1": "45.62", "table2_depth_2": "44.83", "table2_depth_3": "42.30", "table2_fusion": "45.70",
@@ -60,7 +68,8 @@ def _load(path):
 
 def test_the_rows_are_the_papers():
     stems = {p.stem for p in FILES}
-    table1 = {f"table1_{m}_{s}" for m in ("vanilla", "grpo", "toolrl", "matchtir", "turnsight") for s in ("4b", "8b")}
+    table1 = {f"table1_{m}_{s}" for m in ("vanilla", "grpo", "toolrl", "matchtir", "turnsight", *BASELINES)
+              for s in ("4b", "8b")}
     assert stems == table1 | set(ABLATIONS)
 
 
@@ -97,6 +106,13 @@ def test_methods_of_table1():
     assert kinds["turnsight"][:3] == ("turnsight", "turnsight", ["clipped_surrogate"])  # no KL, no entropy
     m = _load(PAPER / "table1_matchtir_8b.py").loss
     assert (m.kl_coef, m.kl_estimator, m.entropy_coef) == (0.001, "low_var_kl", 0.001)
+    for name, (meth, adv, terms, teacher) in BASELINES.items():
+        for size in ("4b", "8b"):
+            step_cfg, method = C.validate(_load(PAPER / f"table1_{name}_{size}.py"), 8)
+            assert (step_cfg.algo.method, method.advantage.name, [t.name for t in method.loss_terms]) == (meth, adv, terms)
+            te = step_cfg.teacher
+            assert (te.weights, te.source, te.placement) == teacher and method.teacher == "privileged"
+    assert C.validate(_load(PAPER / "table1_rlsd_8b.py"), 8)[1].base.name == "matchtir"  # as the paper runs RLSD
 
 
 @pytest.mark.parametrize("stem", sorted(ABLATIONS))

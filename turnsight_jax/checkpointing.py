@@ -165,16 +165,13 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
 
-    def save(self, step: int, params, opt_state, meta: dict[str, Any]) -> None:
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardSave(params),
-                opt_state=ocp.args.StandardSave(opt_state),
-                meta=ocp.args.JsonSave(meta),
-            ),
-            force=True,
-        )
+    def save(self, step: int, params, opt_state, meta: dict[str, Any], *, teacher=None) -> None:
+        """`teacher`: the EMA teacher's parameters (teacher.weights='ema'), saved as their own item."""
+        items = dict(params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
+                     meta=ocp.args.JsonSave(meta))
+        if teacher is not None:
+            items["teacher"] = ocp.args.StandardSave(teacher)
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
         self.manager.wait_until_finished()
         if os.environ.get("TURNSIGHT_FAULT_KILL_BEFORE_MANIFEST") == str(step):
             # Test hook (tests/test_train.py chaos test): the worst moment to die, every file of
@@ -195,6 +192,14 @@ class Checkpointer:
             ),
         )
         return out["params"], out["opt_state"], dict(out["meta"])
+
+    def restore_teacher(self, step: int, template):
+        """The EMA teacher saved with step `step` onto `template`'s shardings/dtypes; None when the
+        step has none (a run that switched teacher.weights to 'ema': it starts from the policy)."""
+        if not (self.workdir / "checkpoints" / str(step) / "teacher").is_dir():
+            return None
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        return self.manager.restore(step, args=ocp.args.Composite(teacher=ocp.args.StandardRestore(abstract)))["teacher"]
 
     def restore_params(self, step: int, params_template):
         out = self.manager.restore(

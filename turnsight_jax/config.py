@@ -32,7 +32,7 @@ import ml_collections as mlc
 
 from turnsight_jax.chat.hindsight_template import HindsightTemplate
 from turnsight_jax.errors import ConfigError
-from turnsight_jax.rl.config import AlgoConfig, LossConfig, OptimConfig, StepConfig
+from turnsight_jax.rl.config import AlgoConfig, LossConfig, OptimConfig, StepConfig, TeacherConfig
 from turnsight_jax.rl.methods import ResolvedMethod, resolve_method
 from turnsight_jax.rollout.driver import RolloutConfig
 from turnsight_jax.rollout.engine import EngineConfig
@@ -131,7 +131,25 @@ def base_config() -> mlc.ConfigDict:
     c.rl.matchtir_semantics = "clean"  # MatchTIR reward conventions: clean | released (quchangle1/MatchTIR's code; turnsight_jax/rewards.py)
     c.rl.matchtir_singleton = "zero"  # MatchTIR advantage of a group / (group, turn) of one: zero | raw (mean 0, std 1: the released code)
     c.rl.toolrl_format = True  # ToolRL reward R_format + R_correct (docs/spec.md §1.12); False: R_correct only (the released compute_toolrl)
+    # Self-distillation baselines (turnsight_jax.rl.distill, docs/baselines.md); RLSD mixes with rl.lam and rl.eps_w:
+    c.rl.sdpo_coef = 1.0  # SDPO: coefficient of the top-K KL to the feedback teacher (sdpo_advantage: of its gap in the advantage)
+    c.rl.sdpo_tail = True  # SDPO/SOD top-K KL: the rest of the vocabulary as one extra category; False: renormalised over the K
+    c.rl.sdar_coef = 1.0  # SDAR: coefficient of the gated auxiliary NLL
+    c.rl.sdar_beta = 1.0  # SDAR: gate sigmoid(beta * (teacher - student log-prob)) sharpness
+    c.rl.sod_coef = 1.0  # SOD: coefficient of the turn-weighted top-K KL to the external teacher
+    c.rl.sod_tau = 1.0  # SOD: turn weight exp(-turn divergence / tau) (the SOD paper gives no formula: ours)
     c.rl.args = mlc.ConfigDict()  # free-form knobs of plug-in methods (--config.rl.args.<key>=<value>)
+
+    c.teacher = mlc.ConfigDict()  # who scores the teacher views, and what privileged context they show (rl.config.TeacherConfig)
+    c.teacher.weights = "reference"  # reference (frozen initial policy; TurnSight) | policy (current, no gradient) | ema | external
+    c.teacher.ema_decay = 0.99  # weights=ema: teacher <- decay * teacher + (1 - decay) * policy after every step
+    c.teacher.checkpoint = ""  # weights=external: a Hugging Face Qwen3 folder with the policy's tokenizer | warm_start
+    c.teacher.preset = ""  # weights=external: its architecture (a preset) for --dry_run where the folder is absent
+    c.teacher.source = "gold_answer"  # privileged block: gold_answer | sibling | feedback | skill | none (RLSD/SDPO/SDAR/SOD)
+    c.teacher.placement = "prompt"  # privileged block: prompt (once, after the prompt) | turn (before every turn)
+    c.teacher.skills = ""  # source=skill: JSON file {task category: skill text}; "": the bundled skills
+    c.teacher.sibling_min_reward = 1.0  # source=sibling: a sibling rollout counts as successful at this reward or above
+    c.teacher.top_k = 20  # teacher tokens the top-K KL (SDPO, SOD) is computed on
 
     c.loss = mlc.ConfigDict()  # the clipped surrogate (turnsight_jax.rl.losses)
     c.loss.clip_eps = 0.2  # ratio clipped below at 1 - clip_eps (paper silent)
@@ -453,7 +471,7 @@ def hindsight_template(node: mlc.ConfigDict) -> HindsightTemplate:
 
 def step_config(cfg: mlc.ConfigDict) -> StepConfig:
     """The train step's typed config from a run config."""
-    r, l, o, t = cfg.rl, cfg.loss, cfg.optim, cfg.train
+    r, l, o, t, te = cfg.rl, cfg.loss, cfg.optim, cfg.train, cfg.teacher
     args = tuple(sorted(r.args.items())) if "args" in r else ()
     return StepConfig(
         algo=AlgoConfig(method=r.method, base=r.base, gamma=r.gamma, lam=r.lam, eps_w=r.eps_w, selection=r.selection,
@@ -463,7 +481,12 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
                         hindsight_template=hindsight_template(r.hindsight_template),
                         student_sees_observations=r.student_sees_observations,
                         matchtir_matching=r.matchtir_matching, matchtir_semantics=r.matchtir_semantics,
-                        matchtir_singleton=r.matchtir_singleton, toolrl_format=r.toolrl_format, args=args),
+                        matchtir_singleton=r.matchtir_singleton, toolrl_format=r.toolrl_format,
+                        sdpo_coef=r.sdpo_coef, sdpo_tail=r.sdpo_tail, sdar_coef=r.sdar_coef, sdar_beta=r.sdar_beta,
+                        sod_coef=r.sod_coef, sod_tau=r.sod_tau, args=args),
+        teacher=TeacherConfig(weights=te.weights, ema_decay=te.ema_decay, checkpoint=te.checkpoint,
+                              source=te.source, placement=te.placement, skills=te.skills,
+                              sibling_min_reward=te.sibling_min_reward, top_k=te.top_k),
         loss=LossConfig(clip_eps=l.clip_eps, clip_eps_high=l.clip_eps_high, clip_ratio_c=l.clip_ratio_c,
                         entropy_coef=l.entropy_coef, kl_coef=l.kl_coef,
                         kl_estimator=l.kl_estimator, kl_clip=l.kl_clip, aggregation=l.aggregation,
@@ -577,6 +600,21 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
         else:
             cell_rows(rows, data * fsdp, sc)
     method = resolve_method(sc)
+    if method.needs_views and sc.teacher.weights == "external":  # architecture and vocabulary, before any load
+        from turnsight_jax.models.config import Qwen3Config, get_preset, teacher_architecture
+
+        try:
+            policy = Qwen3Config.from_pretrained(cfg.model.hf_path) if cfg.model.hf_path else get_preset(cfg.model.preset)
+            teacher_architecture(cfg.teacher.checkpoint, cfg.teacher.preset, policy)
+        except (OSError, ValueError) as e:
+            raise ConfigError(str(e)) from None
+    if method.needs_views and method.teacher == "privileged" and sc.teacher.source == "skill" and cfg.teacher.skills:
+        from turnsight_jax.chat.privileged import load_skills
+
+        try:
+            load_skills(cfg.teacher.skills)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"teacher.skills: {e}") from None
     # The rewards' inputs must exist for the training tasks (e.g. MatchTIR's gold calls).
     who = f"rl.method={sc.algo.method!r}" + (f" over rl.base={sc.algo.base!r}" if method.base else "")
     for field in method.task_needs:

@@ -155,7 +155,7 @@ def _row_widths(tokens, classes, row_class, packed=None) -> np.ndarray:
 def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int = 0, ref_forward: bool = False,
                  q_chunk: int, remat: bool, teacher_distinct_rows: float | None = None, logprob_chunk: int = 1024,
                  score_chunk: int | None = None, micro_batches: int = 1, teacher_micro_batches: int = 1,
-                 row_shards: int = 1) -> UpdateFlops:
+                 row_shards: int = 1, teacher_cfg: Qwen3Config | None = None) -> UpdateFlops:
     """FLOPs of the fused step (rl.step) on a numpy TrainBatch (rl.batch).
 
     updates: forward+backward passes over every row (ppo_epochs: each row is in one mini-batch per
@@ -166,7 +166,8 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     no-gradient forwards'; None: logprob_chunk), micro_batches, teacher_micro_batches, row_shards
     (the mesh's data x fsdp): how the head's chunks fall (`head_rows_executed`).
     With length classes (rl.length_classes) each row runs at its class's width; packed rows
-    (rl.packing) each at the packed width."""
+    (rl.packing) each at the packed width. teacher_cfg: the teacher's architecture when it is
+    another model (teacher.weights='external'; default `cfg`)."""
     trunk = trunk_flops_per_token(cfg)
     score_chunk = score_chunk or logprob_chunk
     tokens = float(np.asarray(batch.valid).sum())
@@ -197,10 +198,11 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
         seg = np.asarray(lay.segment_ids)
         used = distinct_slots_used(np.asarray(views.pred))
         distinct = teacher_distinct_rows if teacher_distinct_rows is not None else float(used.sum())
-        need = forward_flops(cfg, float((seg >= 0).sum()), layout_pairs(seg, lay.ctx1_segment, lay.ctx1_end,
+        tcfg = teacher_cfg or cfg
+        need = forward_flops(tcfg, float((seg >= 0).sum()), layout_pairs(seg, lay.ctx1_segment, lay.ctx1_end,
                                                                         lay.ctx2_segment, lay.ctx2_end), distinct)
         vw = _row_widths(views.tokens, getattr(views, "classes", None), getattr(views, "row_class", None), packed)
-        executed = forward_flops(cfg, float(vw.sum()), sum(chunked_pairs(int(w), q_chunk) for w in vw),
+        executed = forward_flops(tcfg, float(vw.sum()), sum(chunked_pairs(int(w), q_chunk) for w in vw),
                                  head_rows_executed(used, score_chunk, micro_batches=teacher_micro_batches,
                                                     row_shards=row_shards, row_class=getattr(views, "row_class", None)))
         parts["teacher"] = (need, executed)

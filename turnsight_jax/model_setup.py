@@ -12,7 +12,7 @@ from flax import nnx
 from turnsight_jax.assets import default_tokenizer_dir
 from turnsight_jax.chat.tokenizer import check_vocab_fits, load_tokenizer
 from turnsight_jax.errors import ConfigError
-from turnsight_jax.models.config import Qwen3Config, get_preset
+from turnsight_jax.models.config import Qwen3Config, get_preset, teacher_architecture
 from turnsight_jax.models.qwen3 import Qwen3, RuntimeOptions
 from turnsight_jax.models.sharding import state_shardings
 from turnsight_jax.models.weights import load_pretrained
@@ -106,3 +106,27 @@ def setup_tokenizer(cfg: mlc.ConfigDict, vocab_size: int):
     except ValueError as e:
         raise ConfigError(f"tokenizer {path} does not fit the model: {e}") from None
     return tok, path
+
+
+def teacher_config(cfg: mlc.ConfigDict, policy: Qwen3Config) -> Qwen3Config:
+    """The external teacher's architecture (models.config.teacher_architecture) as a ConfigError."""
+    try:
+        return teacher_architecture(cfg.teacher.checkpoint, cfg.teacher.preset, policy)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def external_teacher(cfg: mlc.ConfigDict, mesh, policy: Qwen3Config, warm_start: str | None):
+    """(graphdef, params) of teacher.weights='external', loaded in model.ref_dtype and sharded
+    over `mesh` like the reference: teacher.checkpoint, or the run's own warm-start (the SFT
+    stage's folder, or model.hf_path) for 'warm_start'."""
+    teacher_config(cfg, policy)  # the vocabulary check, before anything is loaded
+    path = warm_start if cfg.teacher.checkpoint == "warm_start" else cfg.teacher.checkpoint
+    if not path:
+        raise ConfigError("teacher.checkpoint='warm_start' but the run has no warm-start folder (no model.hf_path, "
+                          "no SFT stage): name a Hugging Face Qwen3 folder")
+    if not (pathlib.Path(path) / "config.json").is_file():
+        raise ConfigError(f"teacher.checkpoint={path!r} is not a Hugging Face Qwen3 folder on this machine (no "
+                          f"config.json): pass --config.teacher.checkpoint=/path/to/the/teacher")
+    model = load_pretrained(path, dtype=DTYPES[cfg.model.ref_dtype], mesh=mesh, options=runtime_options(cfg))
+    return nnx.split(model)

@@ -119,7 +119,7 @@ def _summed(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, total.tolist()))
 
 
-def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh) -> flops.UpdateFlops:
+def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_cfg=None) -> flops.UpdateFlops:
     """The update's FLOPs (turnsight_jax.flops) for this process's rows, as the step runs them."""
     one_update = step_cfg.mini_batches * step_cfg.ppo_epochs == 1
     trainer_old = (not step_cfg.algo.student_sees_observations) or step_cfg.loss.tis_threshold is not None
@@ -129,7 +129,7 @@ def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh) -> flops.Upd
         remat=cfg.model.remat, teacher_distinct_rows=bstats.get("teacher_distinct_rows"),
         logprob_chunk=step_cfg.logprob_chunk, score_chunk=step_cfg.scoring_chunk, micro_batches=step_cfg.micro_batches,
         teacher_micro_batches=step_cfg.teacher_micro_batches,
-        row_shards=local_row_shards(mesh))
+        row_shards=local_row_shards(mesh), teacher_cfg=teacher_cfg)
 
 
 def local_row_shards(mesh) -> int:
@@ -199,8 +199,25 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     optimizer = make_optimizer(step_cfg.optim)
     with jax.set_mesh(mesh):
         opt_state = jax.jit(optimizer.init, out_shardings=None)(params)
+    # The teacher when it is neither the reference nor the current policy (teacher.weights):
+    # an EMA of the policy (kept here, checkpointed) or an external Hugging Face model.
+    tw = step_cfg.teacher.weights if method.needs_views else "reference"
+    teacher_graphdef = teacher_params = teacher_qcfg = None
+    if tw == "ema":
+        teacher_params = jax.tree.map(jnp.copy, params)
+    elif tw == "external":
+        teacher_graphdef, teacher_params = model_setup.external_teacher(cfg, mesh, qcfg, start_path)
+        teacher_qcfg = model_setup.teacher_config(cfg, qcfg)
+        log(f"external teacher: {cfg.teacher.checkpoint} ({sum(x.size for x in jax.tree.leaves(teacher_params)):,} "
+            f"parameters)")
+    ema_fn = None
+    if tw == "ema":
+        decay = step_cfg.teacher.ema_decay
+        ema_fn = jax.jit(lambda t, p: jax.tree.map(lambda a, b: (decay * a + (1.0 - decay) * b).astype(a.dtype), t, p),
+                         donate_argnums=0)
     step_fn = make_train_step(graphdef, step_cfg, optimizer, method,
-                              state_shardings=jax.tree.map(lambda x: x.sharding, (params, opt_state)))
+                              state_shardings=jax.tree.map(lambda x: x.sharding, (params, opt_state)),
+                              teacher_graphdef=teacher_graphdef)
 
     latest = checkpointing.resume_step(workdir, log)  # the newest valid step; invalid newer ones moved aside
     ckpt = Checkpointer(workdir, keep=cfg.checkpoint.keep)
@@ -208,6 +225,9 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     resumed_shapes: dict[str, int] = {}
     if latest is not None:
         params, opt_state, meta = ckpt.restore(latest, params, opt_state)
+        if tw == "ema":
+            saved = ckpt.restore_teacher(latest, teacher_params)
+            teacher_params = saved if saved is not None else jax.tree.map(jnp.copy, params)
         start = int(meta["next_step"])
         resumed_shapes = {k: int(v) for k, v in meta.get("batch_shapes", {}).items()}
         log(f"resumed from {workdir}/checkpoints/{latest} (next step {start})")
@@ -265,14 +285,16 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             t_roll = time.perf_counter() - t_step
             batch, bstats, shapes = _local_batch(res.trajectories, mine, first, tok, step_cfg, method, cfg, shapes,
                                                   local_row_shards(mesh))
-            work = _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh)
+            work = _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_qcfg)
             if step in fault_nan_steps:
                 batch = _poison(batch)
             rows = len(tasks) * cfg.train.group_size
             global_batch = (distributed.assemble_rows(batch, mesh, rows, row_axis) if distributed.is_multiprocess()
                             else shard_batch(batch, mesh))
             with jax.set_mesh(mesh):
-                params, opt_state, m = step_fn(params, opt_state, ref_params, global_batch)
+                params, opt_state, m = step_fn(params, opt_state, ref_params, global_batch, teacher_params)
+                if ema_fn is not None:
+                    teacher_params = ema_fn(teacher_params, params)
                 m = jax.device_get(m)
             if m["skipped_updates"] > 0:
                 skipped_in_a_row += 1
@@ -284,7 +306,11 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             t_total = time.perf_counter() - t_step
             metrics = _rollout_metrics(res.trajectories)
             for k, v in m.items():
-                metrics[("turnsight/" if k in TURNSIGHT_METRICS else "train/") + k] = v
+                # a plug-in method's own diagnostics carry their prefix ("rlsd/...", "teacher/...")
+                metrics[k if "/" in k else ("turnsight/" if k in TURNSIGHT_METRICS else "train/") + k] = v
+            if "views_skipped" in bstats:  # privileged views without a block (e.g. no successful sibling)
+                metrics["teacher/views_skipped"] = bstats["views_skipped"]
+                metrics["teacher/views_built"] = bstats.get("views_built", 0.0)
             counts = _summed({**{f"r.{k}": res.stats.get(k, 0.0) for k in ("tokens", "decoded_tokens", "env_errors")},
                               **{f"b.{k}": bstats.get(k, 0.0) for k in ("trajectory_tokens", "view_tokens",
                                                                         "policy_tokens")},
@@ -339,7 +365,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                     raise NonFiniteTraining(f"parameters are not finite after step {step + 1}; not checkpointed "
                                             f"(last checkpoint: {ckpt.latest_step() or 'none'})")
                 ckpt.save(step + 1, params, opt_state, {"next_step": step + 1, "seed": cfg.seed,
-                                                        "data_position": step + 1, "batch_shapes": shapes})
+                                                        "data_position": step + 1, "batch_shapes": shapes},
+                          teacher=teacher_params if tw == "ema" else None)
             if stop:
                 log(f"stopped after step {step + 1} (checkpoint {step + 1} written by all processes); rerun "
                     f"the same command to resume" if jax.process_count() > 1 else

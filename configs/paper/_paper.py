@@ -21,7 +21,20 @@ from turnsight_jax.config import layered, load_config_module, model_file
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1]
 MODELS = {"8b": "qwen3_8b", "4b": "qwen3_4b"}
-METHODS = ("vanilla", "grpo", "toolrl", "matchtir", "turnsight")
+METHODS = ("vanilla", "grpo", "toolrl", "matchtir", "turnsight", "rlsd", "sdpo", "sdar", "sod")
+# The self-distillation baselines (docs/baselines.md; docs/reproducing.md says what was chosen
+# where their papers are silent): method, base, teacher.* values, method knobs.
+BASELINES = {
+    "rlsd": dict(base="matchtir", weights="policy", source="gold_answer", placement="prompt"),
+    "sdpo": dict(base="grpo", weights="policy", source="sibling", placement="prompt", knobs={"sdpo_coef": 0.1}),
+    "sdar": dict(base="grpo", weights="policy", source="skill", placement="prompt",
+                 knobs={"sdar_coef": 0.1, "sdar_beta": 1.0}),
+    "sod": dict(base="grpo", weights="external", source="none", placement="prompt",
+                knobs={"sod_coef": 0.1, "sod_tau": 1.0}),
+}
+# SOD's external teacher: a larger Qwen3 with the same tokenizer (pass its folder with
+# --config.teacher.checkpoint=/path/to/Qwen3-32B; the preset lets --dry_run plan it without the folder).
+SOD_TEACHER = dict(checkpoint="Qwen/Qwen3-32B", preset="qwen3-32b")
 
 
 def released(c) -> None:
@@ -52,7 +65,8 @@ def _experiment():
 
 
 def row(method: str, model: str = "8b"):
-    """Table 1: `method` (vanilla | grpo | toolrl | matchtir | turnsight on MatchTIR) on Qwen3-`model`."""
+    """Table 1: `method` (vanilla | grpo | toolrl | matchtir | turnsight on MatchTIR | the
+    self-distillation baselines rlsd, sdpo, sdar, sod) on Qwen3-`model`."""
     if method not in METHODS or model not in MODELS:
         raise ValueError(f"row({method!r}, {model!r}): method in {METHODS}, model in {tuple(MODELS)}")
     c = layered(model=model_file(CONFIGS / "qwen3_8b.py", MODELS[model]), experiment=[_experiment(), released])
@@ -62,6 +76,14 @@ def row(method: str, model: str = "8b"):
         c.train.steps = 0
     elif method == "turnsight":
         c.rl.method, c.rl.base = "turnsight", "matchtir"
+    elif method in BASELINES:
+        b = BASELINES[method]
+        c.rl.method, c.rl.base = method, b["base"]
+        c.teacher.weights, c.teacher.source, c.teacher.placement = b["weights"], b["source"], b["placement"]
+        for key, value in b.get("knobs", {}).items():
+            c.rl[key] = value
+        if method == "sod":
+            c.teacher.checkpoint, c.teacher.preset = SOD_TEACHER["checkpoint"], SOD_TEACHER["preset"]
     else:
         c.rl.method = method
         c.rl.base = method if method != "toolrl" else "grpo"

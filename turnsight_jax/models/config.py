@@ -170,3 +170,23 @@ def get_preset(name: str) -> Qwen3Config:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown Qwen3 preset {name!r}; known: {sorted(PRESETS)}") from None
+
+
+def teacher_architecture(checkpoint: str, preset: str, policy: Qwen3Config) -> Qwen3Config:
+    """The architecture of an external teacher (teacher.weights='external'): `checkpoint`'s
+    config.json, the policy's for 'warm_start' (the run's own warm-start folder), else `preset`
+    (a dry run on a machine without the folder). ValueError unless its vocabulary is the policy's:
+    the teacher scores the policy's token ids."""
+    if checkpoint == "warm_start":
+        qcfg = policy
+    elif checkpoint and (pathlib.Path(checkpoint) / "config.json").is_file():
+        qcfg = Qwen3Config.from_pretrained(checkpoint)
+    elif preset:
+        qcfg = get_preset(preset)
+    else:
+        raise ValueError(f"teacher.checkpoint={checkpoint!r} is not a Hugging Face folder with a config.json (and no "
+                         f"teacher.preset names its architecture)")
+    if qcfg.vocab_size != policy.vocab_size:
+        raise ValueError(f"the external teacher's vocabulary has {qcfg.vocab_size} ids, the policy's "
+                         f"{policy.vocab_size}: the teacher must share the policy's tokenizer")
+    return qcfg

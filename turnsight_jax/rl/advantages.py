@@ -195,7 +195,7 @@ def _matchtir_estimator(turn_rewards, num_turns, turn_ids, policy_mask, group_id
 # Knobs an estimator may ask for, and where they come from: the AlgoConfig field of the same name,
 # or the step geometry (num_groups = B / G, max_turns = the rollout's turn budget).
 KNOBS = ("eps", "gamma", "num_groups", "max_turns", "lam", "eps_w", "selection", "aggregation",
-         "group_norm", "turns", "norm_pool", "uncovered_in_stats", "matchtir_singleton")
+         "group_norm", "turns", "norm_pool", "uncovered_in_stats", "matchtir_singleton", "sdpo_coef")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +207,8 @@ class Estimator:
     `rl.batch.advantage_inputs`: rewards, group_ids, policy_mask, turn_ids, turn_rewards,
     num_turns, delta, base_advantages, and any key a registered reward fills); `knobs` name
     entries of KNOBS. An estimator that takes "base_advantages" wraps a base estimator; one that
-    takes "delta" needs the frozen teacher's hindsight views.
+    takes "delta" needs the teacher's views (hindsight or privileged, as the method declares;
+    "teacher_covered" [B, N] bool marks the tokens a privileged view covers).
     """
 
     name: str

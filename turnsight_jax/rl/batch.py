@@ -33,6 +33,7 @@ tokens per row, K = max turns):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Sequence
 
@@ -52,6 +53,8 @@ from turnsight_jax.rl import length_classes
 from turnsight_jax.rl.config import StepConfig
 from turnsight_jax.rl.length_classes import LengthClasses
 from turnsight_jax.rl.methods import ResolvedMethod
+from turnsight_jax.chat.privileged import default_skills_path, load_skills, privileged_blocks
+from turnsight_jax.rl.privileged_views import build_privileged_views
 from turnsight_jax.rl.packing import PackedRows, RowPacking, assemble, balanced_order, plan_packing
 from turnsight_jax.rl.views import (DEFAULT_PACKED_BUCKETS, PackedViews, ViewOptions, build_views, pick_bucket,
                                     policy_bucket, policy_positions)
@@ -171,8 +174,9 @@ def compute_signals(method: ResolvedMethod, trajs: Sequence[Trajectory], tasks: 
 def packed_reference(cfg: StepConfig, method: ResolvedMethod) -> bool:
     """Whether the packed views carry the reference row (view D) for a loss term that reads the
     reference. Its segment is the whole trajectory, so it serves only a student that sees the
-    observations; otherwise the step scores the reference on the student's masked context."""
-    return method.needs_ref and cfg.algo.student_sees_observations
+    observations, and the views are scored by the teacher, so only a teacher that is the reference
+    (teacher.weights); otherwise the step scores the reference on the student's context."""
+    return method.needs_ref and cfg.algo.student_sees_observations and cfg.teacher.weights == "reference"
 
 
 def make_train_batch(
@@ -257,14 +261,27 @@ def make_train_batch(
         a = cfg.algo
         if classes is not None:  # the rows are as wide as their widest class
             floor["P"] = max([floor["P"]] + [floor.get(f"P{i}", 0) for i in range(len(rows))])
-        views, vstats = build_views(
-            trajs, tokenizer,
-            options=ViewOptions(depths=tuple(a.depths), source=a.source, turns=a.turns,
-                                template=a.hindsight_template),
-            gold_answers=[t.answer for t in tasks], buckets=packed_buckets,
-            with_reference=packed_reference(cfg, method), min_widths=(floor["P"], floor["U"]),
-            positions=(pol_pos, pol_valid),
-        )
+        if method.teacher == "privileged":
+            te = cfg.teacher
+            blocks = privileged_blocks(trajs, tasks, tokenizer, source=te.source, placement=te.placement,
+                                       skills=_skills(te.skills) if te.source == "skill" else None,
+                                       rewards=[float(t.reward) for t in trajs],
+                                       group_ids=[t.group_id for t in trajs], min_reward=te.sibling_min_reward)
+            views, vstats = build_privileged_views(
+                trajs, tokenizer, blocks, placement=te.placement, with_reference=packed_reference(cfg, method),
+                positions=(pol_pos, pol_valid), buckets=packed_buckets, min_widths=(floor["P"], floor["U"]))
+            if te.source == "none":  # no block by design: the teacher (another model) covers every token
+                views = views.replace(covered=np.asarray(pol_valid, bool))
+                vstats = {k: v for k, v in vstats.items() if k not in ("views_skipped", "views_built")}
+        else:
+            views, vstats = build_views(
+                trajs, tokenizer,
+                options=ViewOptions(depths=tuple(a.depths), source=a.source, turns=a.turns,
+                                    template=a.hindsight_template),
+                gold_answers=[t.answer for t in tasks], buckets=packed_buckets,
+                with_reference=packed_reference(cfg, method), min_widths=(floor["P"], floor["U"]),
+                positions=(pol_pos, pol_valid),
+            )
         stats.update(vstats)
         if classes is not None:
             vclass, pw = classify((np.asarray(views.layout.segment_ids) >= 0).sum(axis=1), packed_buckets, "P",
@@ -284,6 +301,12 @@ def make_train_batch(
         views=views, length_class=classes, classes=spec, packed=packed,
     )
     return batch, stats
+
+
+@functools.lru_cache(maxsize=8)
+def _skills(path: str) -> dict[str, str]:
+    """teacher.skills' texts ("": the bundled file), read once per run."""
+    return load_skills(path or default_skills_path())
 
 
 def packing_modulus(b: int, row_shards: int, cfg: StepConfig) -> int:
@@ -353,7 +376,7 @@ def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod, step_cfg: S
     length = pick_bucket(r.max_prompt_tokens + r.max_response_tokens, DEFAULT_BUCKETS, "plan: trajectory")
     policy = policy_bucket(r.max_response_tokens)
     packed = pick_bucket(int(length * cfg.plan.packed_factor), DEFAULT_PACKED_BUCKETS, "plan: packed row")
-    views = len(cfg.rl.depths) + int(method.needs_ref and cfg.rl.student_sees_observations)  # packed_reference
+    views = method.teacher_views(step_cfg.algo) + int(packed_reference(step_cfg, method))
     distinct = policy_bucket(int(policy * min(views, cfg.plan.distinct_factor)))
     batch = t.prompts_per_step * t.group_size
     class_rows = pack_cell = None
@@ -385,6 +408,8 @@ def abstract_batch(g: Geometry, mesh, method: ResolvedMethod) -> TrainBatch:
                             arr((b, g.distinct), i32), arr((b, g.distinct), i32), arr((g.views, b, g.policy), i32, axis=1),
                             row_class=row_class, classes=None if classes is None else LengthClasses(
                                 g.class_rows, (g.packed,) * len(g.class_rows), g.row_shards))
+        if method.teacher == "privileged":
+            views = views.replace(covered=arr((b, g.policy), bool))
         if g.pack_cell is not None:
             views = views.replace(tokens=None, layout=None, packed=packed_rows(g.packed))
     signals = {r.output: arr((b,) if r.per == "trajectory" else (b, g.turns), jnp.float32) for r in method.rewards}

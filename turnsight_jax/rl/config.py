@@ -25,6 +25,11 @@ MATCHTIR_SEMANTICS = ("clean", "released")
 # 0 (no sibling to compare with); "raw" normalises it with mean 0, std 1 (the released code).
 MATCHTIR_SINGLETONS = ("zero", "raw")
 NORM_POOLS = ("turn_mean", "token_gap")
+# The teacher (docs/baselines.md): whose weights score the teacher views, and for the
+# privileged-context methods (RLSD, SDPO, SDAR, SOD) what block is shown where (chat.privileged).
+TEACHER_WEIGHTS = ("reference", "policy", "ema", "external")
+PRIVILEGED_SOURCES = ("gold_answer", "sibling", "feedback", "skill", "none")
+PRIVILEGED_PLACEMENTS = ("prompt", "turn")
 
 
 def parse_turn_coverage(turns: str) -> tuple[str, int]:
@@ -55,7 +60,13 @@ class AlgoConfig:
     ("greedy" | "assignment" | "transport") and matchtir_semantics ("clean" | "released") of the
     turn rewards (turnsight_jax.rewards), matchtir_singleton ("zero" | "raw") of the advantage
     (rl.advantages.matchtir_advantage_parts). toolrl_format: the ToolRL reward adds its format
-    term (rewards.toolrl_reward). args: free-form knobs of plug-in methods, as (key, value) pairs.
+    term (rewards.toolrl_reward). Self-distillation baselines (rl.distill; RLSD reuses lam and
+    eps_w): sdpo_coef (SDPO's KL coefficient, or its advantage's with the sdpo_advantage form),
+    sdpo_tail (the top-K KL keeps the rest of the vocabulary as one extra category; False:
+    both distributions renormalised over the top K), sdar_coef / sdar_beta (SDAR's auxiliary NLL
+    and its gate's sharpness), sod_coef / sod_tau (SOD's distillation coefficient and the
+    temperature of its turn weights exp(-divergence / tau)). args: free-form knobs of plug-in
+    methods, as (key, value) pairs.
     """
 
     method: str = "turnsight"
@@ -78,6 +89,12 @@ class AlgoConfig:
     matchtir_semantics: str = "clean"
     matchtir_singleton: str = "zero"
     toolrl_format: bool = True
+    sdpo_coef: float = 1.0
+    sdpo_tail: bool = True
+    sdar_coef: float = 1.0
+    sdar_beta: float = 1.0
+    sod_coef: float = 1.0
+    sod_tau: float = 1.0
     args: tuple[tuple[str, Any], ...] = ()
 
     def arg(self, key: str, default: Any = None) -> Any:
@@ -121,8 +138,47 @@ class OptimConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TeacherConfig:
+    """Who scores the teacher views, and (privileged-context methods) what they show.
+
+    weights: "reference" (the frozen initial policy, TurnSight's teacher), "policy" (the current
+    policy at the step's start, no gradient), "ema" (an exponential moving average of the policy,
+    `ema_decay` per step, kept by the trainer and checkpointed), "external" (another Hugging Face
+    Qwen3 with the same tokenizer, `checkpoint`). source / placement: the privileged block
+    (chat.privileged) and where it goes: once after the prompt, or before every turn.
+    skills: a JSON file {task category: text} for source "skill" ("": the bundled one).
+    sibling_min_reward: source "sibling" takes a sibling whose reward is at least this.
+    top_k: teacher tokens the top-K KL terms (SDPO, SOD) compare on."""
+
+    weights: str = "reference"
+    ema_decay: float = 0.99
+    checkpoint: str = ""
+    source: str = "gold_answer"
+    placement: str = "prompt"
+    skills: str = ""
+    sibling_min_reward: float = 1.0
+    top_k: int = 20
+
+    def validate(self) -> None:
+        if self.weights not in TEACHER_WEIGHTS:
+            raise ConfigError(f"teacher.weights must be one of {TEACHER_WEIGHTS}, got {self.weights!r}")
+        if self.source not in PRIVILEGED_SOURCES:
+            raise ConfigError(f"teacher.source must be one of {PRIVILEGED_SOURCES}, got {self.source!r}")
+        if self.placement not in PRIVILEGED_PLACEMENTS:
+            raise ConfigError(f"teacher.placement must be one of {PRIVILEGED_PLACEMENTS}, got {self.placement!r}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError(f"teacher.ema_decay must be in [0, 1), got {self.ema_decay}")
+        if self.weights == "external" and not self.checkpoint:
+            raise ConfigError("teacher.weights='external' needs teacher.checkpoint: a Hugging Face Qwen3 folder "
+                              "with the policy's tokenizer (or 'warm_start': the run's own warm-start)")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
+            raise ConfigError(f"teacher.top_k must be an int >= 1, got {self.top_k!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class StepConfig:
     algo: AlgoConfig = AlgoConfig()
+    teacher: TeacherConfig = TeacherConfig()
     loss: LossConfig = LossConfig()
     optim: OptimConfig = OptimConfig()
     group_size: int = 16
@@ -182,6 +238,17 @@ class StepConfig:
             if not isinstance(getattr(algo, name), bool):
                 raise ConfigError(f"rl.{name} must be True or False, got {getattr(algo, name)!r}")
         check_template(algo.hindsight_template, "rl.hindsight_template")
+        for name in ("sdpo_coef", "sdar_coef", "sod_coef"):
+            v = getattr(algo, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ConfigError(f"rl.{name} must be finite and >= 0, got {v}")
+        for name in ("sdar_beta", "sod_tau"):
+            v = getattr(algo, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ConfigError(f"rl.{name} must be finite and > 0, got {v}")
+        if not isinstance(algo.sdpo_tail, bool):
+            raise ConfigError(f"rl.sdpo_tail must be True or False, got {algo.sdpo_tail!r}")
+        self.teacher.validate()
         if loss.aggregation not in LOSS_AGGREGATIONS:
             raise ConfigError(f"loss.aggregation {loss.aggregation!r} unknown; expected one of {LOSS_AGGREGATIONS}")
         if loss.kl_estimator not in KL_ESTIMATORS:

@@ -31,6 +31,50 @@ from turnsight_jax.rl.packing import PackedRows, packed_index
 from turnsight_jax.rl.views import PackedViews, distinct_slots_used
 
 
+def _scan_rows(rows, skipped, args, *, chunk: int, used):
+    """rows(*chunk_args) over chunks of `chunk` rows of `args` (each [N, ...]), in a
+    rematerialised lax.scan; with `used` [N] bool the used rows go first and a chunk holding none
+    runs `skipped` (the same output structure) instead. Returns rows' outputs [N, ...] in the
+    rows' own order, 0 on unused rows."""
+    n = args[0].shape[0]
+    if n <= chunk:
+        out = rows(*args)
+        return out if used is None else jax.tree.map(lambda o: _zero_unused(o, used), out)
+    num = -(-n // chunk)
+    pad = num * chunk - n
+    if used is not None:
+        order = jnp.argsort(~used, stable=True)  # used rows first, each part in its own order
+        args = tuple(a[order] for a in args)
+    xs = tuple(jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)).reshape(num, chunk, *a.shape[1:]) for a in args)
+
+    @jax.checkpoint
+    def body(_, x):
+        if used is None:
+            return None, rows(*x)
+        *chunk_args, live = x
+        return None, jax.lax.cond(live, rows, skipped, *chunk_args)
+
+    if used is not None:
+        xs = xs + (jnp.arange(num) * chunk < jnp.sum(used),)
+    _, out = jax.lax.scan(body, None, xs)
+    out = jax.tree.map(lambda o: o.reshape(num * chunk, *o.shape[2:])[:n], out)
+    if used is None:
+        return out
+    back = jnp.argsort(order)
+    return jax.tree.map(lambda o: _zero_unused(o[back], used), out)
+
+
+def _zero_unused(o, used):
+    return jnp.where(used.reshape(used.shape + (1,) * (o.ndim - 1)), o, jnp.zeros((), o.dtype))
+
+
+def _zeros_like_rows(t_chunk, shape, dtype):
+    """Zeros [C, *shape] that vary like the computed branch under shard_map (derived from a
+    chunk input, not a constant)."""
+    z = (t_chunk * 0).astype(dtype)
+    return z.reshape(z.shape + (1,) * len(shape)) + jnp.zeros((1,) + tuple(shape), dtype)
+
+
 def chunked_logprobs(
     hidden: jax.Array,
     targets: jax.Array,
@@ -41,73 +85,101 @@ def chunked_logprobs(
     with_entropy: bool = False,
     vocab_axis: str | None = None,
     used: jax.Array | None = None,
+    extra_targets: jax.Array | None = None,
 ):
     """log softmax(hidden @ weight / temperature)[target] per row.
 
-    hidden [N, D] (any float dtype); targets [N] int32; weight [D, V]. Returns [N] float32, or
-    with `with_entropy` the pair ([N], [N]) with the entropy -Σ_v p_v log p_v of each row's
-    tempered distribution, from the same [C, V] logits block (differentiable like the log-probs).
+    hidden [N, D] (any float dtype); targets [N] int32; weight [D, V]. Returns [N] float32, or a
+    tuple (log-probs [N], entropy [N] with `with_entropy`, extra [N, J] with `extra_targets`) in
+    that order: the entropy -Σ_v p_v log p_v of each row's tempered distribution, and the
+    log-probs of extra_targets [N, J] int32 (e.g. a teacher's top-K ids) under the same
+    log-softmax, all from the same [C, V] logits block and differentiable like the log-probs.
 
     vocab_axis: inside a `shard_map`, the mesh axis the vocabulary is split over; `weight` is then
     this device's [D, V / n] columns (device i holds ids [i·V/n, (i+1)·V/n)) and the max, the sum
-    of exponentials and the target logit of each row are combined over that axis.
+    of exponentials and the target logits of each row are combined over that axis.
 
     used [N] bool: the rows whose values are read (the others come back 0). The used rows are
     moved to the front, and a chunk holding none is skipped (`lax.cond`), so the projection runs
     on ceil(used / chunk) chunks, not on every padding slot of a [B, N] layout.
     """
-    n, d = hidden.shape
     inv_t = 1.0 / float(temperature)
     w = weight.astype(hidden.dtype)
     first_id = 0 if vocab_axis is None else jax.lax.axis_index(vocab_axis) * w.shape[1]
+    with_extra = extra_targets is not None
 
     def across(x, op):
         return x if vocab_axis is None else op(x, vocab_axis)
 
-    def rows(h, t):
-        logits = jnp.einsum("nd,dv->nv", h, w, preferred_element_type=jnp.float32) * inv_t
-        local = t - first_id
+    def pick(logits, ids):
+        """logits at global ids [C] or [C, J], combined over the vocabulary shards."""
+        local = ids - first_id
         here = (local >= 0) & (local < w.shape[1])
-        picked = jnp.take_along_axis(logits, jnp.clip(local, 0, w.shape[1] - 1)[:, None], axis=-1)[:, 0]
-        picked = across(jnp.where(here, picked, 0.0), jax.lax.psum)
+        flat = local.reshape(local.shape[0], -1)
+        got = jnp.take_along_axis(logits, jnp.clip(flat, 0, w.shape[1] - 1), axis=-1).reshape(local.shape)
+        return across(jnp.where(here, got, 0.0), jax.lax.psum)
+
+    def rows(h, t, *e):
+        logits = jnp.einsum("nd,dv->nv", h, w, preferred_element_type=jnp.float32) * inv_t
         # log-sum-exp from a (stop-gradient) max shared by the vocabulary shards
         top = across(jax.lax.stop_gradient(jnp.max(logits, axis=-1)), jax.lax.pmax)
         lse = top + jnp.log(across(jnp.sum(jnp.exp(logits - top[:, None]), axis=-1), jax.lax.psum))
-        if not with_entropy:
-            return picked - lse
-        # H = lse - Σ p·logits (p = softmax): no [C, V] log-prob array beyond p itself
-        probs = jnp.exp(logits - lse[:, None])
-        return picked - lse, lse - across(jnp.sum(probs * logits, axis=-1), jax.lax.psum)
+        out = [pick(logits, t) - lse]
+        if with_entropy:
+            # H = lse - Σ p·logits (p = softmax): no [C, V] log-prob array beyond p itself
+            probs = jnp.exp(logits - lse[:, None])
+            out.append(lse - across(jnp.sum(probs * logits, axis=-1), jax.lax.psum))
+        if with_extra:
+            out.append(pick(logits, e[0]) - lse[:, None])
+        return out[0] if len(out) == 1 else tuple(out)
 
-    if n <= chunk:
-        out = rows(hidden, targets)
-        return out if used is None else jax.tree.map(lambda o: jnp.where(used, o, 0.0), out)
-    num = -(-n // chunk)
-    pad = num * chunk - n
-    if used is not None:
-        order = jnp.argsort(~used, stable=True)  # used rows first, each part in its own order
-        hidden, targets = hidden[order], targets[order]
-    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(num, chunk, d)
-    t = jnp.pad(targets, (0, pad)).reshape(num, chunk)
+    def skipped(_h, t, *e):
+        out = [_zeros_like_rows(t, (), jnp.float32)]
+        if with_entropy:
+            out.append(_zeros_like_rows(t, (), jnp.float32))
+        if with_extra:
+            out.append(_zeros_like_rows(t, e[0].shape[1:], jnp.float32))
+        return out[0] if len(out) == 1 else tuple(out)
 
-    def skipped(_h, t_chunk):
-        zero = t_chunk.astype(jnp.float32) * 0.0  # zeros that vary like the computed branch under shard_map
-        return (zero, zero) if with_entropy else zero
+    args = (hidden, targets) + ((extra_targets,) if with_extra else ())
+    return _scan_rows(rows, skipped, args, chunk=chunk, used=used)
 
-    @jax.checkpoint
-    def body(_, xs):
-        if used is None:
-            return None, rows(*xs)
-        hc, tc, live = xs
-        return None, jax.lax.cond(live, rows, skipped, hc, tc)
 
-    xs = (h, t) if used is None else (h, t, jnp.arange(num) * chunk < jnp.sum(used))
-    _, out = jax.lax.scan(body, None, xs)
-    out = jax.tree.map(lambda o: o.reshape(-1)[:n], out)
-    if used is None:
-        return out
-    back = jnp.argsort(order)
-    return jax.tree.map(lambda o: jnp.where(used, o[back], 0.0), out)
+def chunked_topk(hidden: jax.Array, weight: jax.Array, k: int, *, chunk: int = 1024, temperature: float = 1.0,
+                 vocab_axis: str | None = None, used: jax.Array | None = None):
+    """The k most likely tokens of each row's tempered distribution softmax(hidden @ weight / T):
+    (ids [N, k] int32, log-probs [N, k] float32), descending, without gradient; lax.top_k's order
+    among equal logits (the lower id first). Chunked like chunked_logprobs (no [N, V] array;
+    unused rows skipped and 0). With vocab_axis each shard takes its local top k, then the [C, k]
+    candidates of every shard (values and global ids, [C, k·n]) are gathered and the top k of
+    those kept: never a [C, V] array across devices."""
+    inv_t = 1.0 / float(temperature)
+    w = jax.lax.stop_gradient(weight).astype(hidden.dtype)
+    first_id = 0 if vocab_axis is None else jax.lax.axis_index(vocab_axis) * w.shape[1]
+    if k > w.shape[1]:
+        raise ValueError(f"top_k={k} exceeds the vocabulary ({w.shape[1]} ids per shard)")
+
+    def rows(h, t):
+        logits = jnp.einsum("nd,dv->nv", jax.lax.stop_gradient(h), w, preferred_element_type=jnp.float32) * inv_t
+        top = jnp.max(logits, axis=-1)
+        if vocab_axis is not None:
+            top = jax.lax.pmax(top, vocab_axis)
+        lse = jnp.log(jnp.sum(jnp.exp(logits - top[:, None]), axis=-1))
+        vals, idx = jax.lax.top_k(logits, k)
+        ids = idx.astype(jnp.int32) + first_id
+        if vocab_axis is not None:
+            lse = jnp.log(jax.lax.psum(jnp.exp(lse), vocab_axis))
+            vals = jax.lax.all_gather(vals, vocab_axis, axis=1, tiled=True)  # [C, k·n]
+            ids = jax.lax.all_gather(ids, vocab_axis, axis=1, tiled=True)
+            vals, pos = jax.lax.top_k(vals, k)
+            ids = jnp.take_along_axis(ids, pos, axis=1)
+        return ids, vals - (top + lse)[:, None]
+
+    def skipped(_h, t):
+        return _zeros_like_rows(t, (k,), jnp.int32), _zeros_like_rows(t, (k,), jnp.float32)
+
+    dummy = (hidden[:, 0] * 0).astype(jnp.int32)  # varies like the rows under shard_map
+    return jax.tree.map(jax.lax.stop_gradient, _scan_rows(rows, skipped, (hidden, dummy), chunk=chunk, used=used))
 
 
 def gather_rows(hidden: jax.Array, index: jax.Array) -> jax.Array:
@@ -131,29 +203,45 @@ def _active_mesh():
 
 
 def logprobs_at(model: Qwen3, hidden: jax.Array, pred_index: jax.Array, targets: jax.Array, *,
-                chunk: int, temperature: float = 1.0, with_entropy: bool = False, used: jax.Array | None = None):
-    """log p(targets[b, n] | hidden[b, pred_index[b, n]]); pred_index, targets [B, N] -> [B, N] f32
-    (with `with_entropy`, also the entropy of each predicted distribution [B, N]). used [B, N]
-    bool: the slots read (others come back 0, and chunks of padding are skipped).
+                chunk: int, temperature: float = 1.0, with_entropy: bool = False, used: jax.Array | None = None,
+                extra_targets: jax.Array | None = None, top_k: int = 0):
+    """log p(targets[b, n] | hidden[b, pred_index[b, n]]); pred_index, targets [B, N] -> [B, N] f32.
+    Options add outputs, in this order (a tuple when any is on): with_entropy, the entropy of
+    each predicted distribution [B, N]; extra_targets [B, N, J] int32, their log-probs [B, N, J]
+    under the same distribution; top_k = K > 0, the distribution's K most likely tokens
+    (ids [B, N, K] int32, log-probs [B, N, K] f32; no gradient). used [B, N] bool: the slots
+    read (others come back 0, and chunks of padding are skipped).
 
     On a mesh, per device (module docstring): no vocabulary-sized array crosses devices."""
     b, n = targets.shape
     weight = model.output_weight()
-    kw = dict(chunk=chunk, temperature=temperature, with_entropy=with_entropy)
+    kw = dict(chunk=chunk, temperature=temperature)
+    with_extra = extra_targets is not None
+
+    def compute(rows, tgt, w, u, extra, vocab_axis):
+        lb, ln = tgt.shape
+        flat = rows.reshape(lb * ln, -1)
+        uf = None if u is None else u.reshape(-1)
+        out = chunked_logprobs(flat, tgt.reshape(-1), w, with_entropy=with_entropy, vocab_axis=vocab_axis, used=uf,
+                               extra_targets=None if extra is None else extra.reshape(lb * ln, -1), **kw)
+        out = list(out) if (with_entropy or with_extra) else [out]
+        if top_k:
+            out.extend(chunked_topk(flat, w, top_k, vocab_axis=vocab_axis, used=uf, **kw))
+        out = [o.reshape(lb, ln, *o.shape[1:]) for o in out]
+        return out[0] if len(out) == 1 else tuple(out)
+
     mesh = _active_mesh()
     if mesh is None:
-        rows = gather_rows(hidden, pred_index)
-        out = chunked_logprobs(rows.reshape(b * n, -1), targets.reshape(-1), weight,
-                               used=None if used is None else used.reshape(-1), **kw)
-        return jax.tree.map(lambda o: o.reshape(b, n), out)
+        return compute(gather_rows(hidden, pred_index), targets, weight, used, extra_targets, None)
 
     row_spec = fit_spec(P(BATCH, None), (b, n), mesh)
     hidden_spec = P(row_spec[0], None, None)
+    extra_spec = P(row_spec[0], None, None)
     # the head's own layout ([D, V]: D over fsdp, V over tensor), where the axes divide
     w_spec = fit_spec(P(*(a if mesh.shape[a] > 1 else None for a in ("fsdp", "tensor"))), weight.shape, mesh)
     gather_axis, vocab_axis = w_spec[0], w_spec[1]
 
-    def local(h, idx, tgt, w, u=None):
+    def local(h, idx, tgt, w, u=None, extra=None):
         w = w.astype(h.dtype)  # gather in the compute dtype
         if gather_axis is not None:
             w = jax.lax.all_gather(w, gather_axis, axis=0, tiled=True)  # once; its transpose reduce-scatters
@@ -163,25 +251,27 @@ def logprobs_at(model: Qwen3, hidden: jax.Array, pred_index: jax.Array, targets:
         missing = tuple(sorted(_varying(h) - _varying(w)))
         if missing:
             w = jax.lax.pcast(w, missing, to="varying")
-        lb, ln = tgt.shape
-        rows = gather_rows(h, idx)
-        out = chunked_logprobs(rows.reshape(lb * ln, -1), tgt.reshape(-1), w, vocab_axis=vocab_axis,
-                               used=None if u is None else u.reshape(-1), **kw)
-        return jax.tree.map(lambda o: o.reshape(lb, ln), out)
+        return compute(gather_rows(h, idx), tgt, w, u, extra, vocab_axis)
 
-    out_spec = (row_spec, row_spec) if with_entropy else row_spec
-    args, specs = (hidden, pred_index, targets, weight), (hidden_spec, row_spec, row_spec, w_spec)
-    if used is not None:
-        args, specs = args + (used,), specs + (row_spec,)
-    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_spec)(*args)
+    out_spec = [row_spec] + [row_spec] * with_entropy + [extra_spec] * with_extra + [extra_spec, extra_spec] * bool(top_k)
+    out_spec = out_spec[0] if len(out_spec) == 1 else tuple(out_spec)
+    args, specs = [hidden, pred_index, targets, weight], [hidden_spec, row_spec, row_spec, w_spec]
+    fn = local
+    if used is not None or with_extra:
+        args.append(used if used is not None else jnp.ones((b, n), bool))
+        specs.append(row_spec)
+    if with_extra:
+        args.append(extra_targets)
+        specs.append(extra_spec)
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(specs), out_specs=out_spec)(*args)
 
 
 def packed_logprobs_at(model: Qwen3, hidden: jax.Array, packed: PackedRows, cols: jax.Array, targets: jax.Array, *,
                        chunk: int, temperature: float = 1.0, with_entropy: bool = False,
-                       used: jax.Array | None = None):
+                       used: jax.Array | None = None, extra_targets: jax.Array | None = None, top_k: int = 0):
     """logprobs_at for items packed into rows (rl.packing): hidden [Rc, W, D] of the call's packed
     rows; cols, targets [Bc, K]: each item's predictor columns in its own coordinates and the
-    targets -> [Bc, K] f32 (and entropies with `with_entropy`). Each shard block's rows are
+    targets -> [Bc, K] f32 (and logprobs_at's optional outputs). Each shard block's rows are
     flattened and gathered from by the block's items only, so on a mesh the gather stays on the
     device that holds both."""
     s = packed.plan.shards
@@ -189,8 +279,10 @@ def packed_logprobs_at(model: Qwen3, hidden: jax.Array, packed: PackedRows, cols
     flat = packed_index(packed, cols)
     out = logprobs_at(model, hidden.reshape(s, -1, hidden.shape[-1]), flat, targets.reshape(s, -1), chunk=chunk,
                       temperature=temperature, with_entropy=with_entropy,
-                      used=None if used is None else used.reshape(s, -1))
-    return jax.tree.map(lambda o: o.reshape(bc, k), out)
+                      used=None if used is None else used.reshape(s, -1),
+                      extra_targets=None if extra_targets is None else extra_targets.reshape(s, bc * k // s, -1),
+                      top_k=top_k)
+    return jax.tree.map(lambda o: o.reshape(bc, k, *o.shape[2:]), out)
 
 
 def predictor_positions(valid_mask: jax.Array, pol_pos: jax.Array) -> jax.Array:
@@ -207,7 +299,7 @@ def predictor_positions(valid_mask: jax.Array, pol_pos: jax.Array) -> jax.Array:
 
 def student_logprobs(model: Qwen3, tokens: jax.Array, valid_mask: jax.Array, pol_pos: jax.Array, *,
                      chunk: int = 1024, temperature: float = 1.0, with_entropy: bool = False,
-                     pol_valid: jax.Array | None = None):
+                     pol_valid: jax.Array | None = None, extra_targets: jax.Array | None = None):
     """Student log-probs of its policy tokens. tokens, valid_mask [B, T]; pol_pos [B, N] -> [B, N]
     (with `with_entropy`: (log-probs, token entropies), both [B, N]). pol_valid [B, N]: the real
     slots; padding slots then come back 0 and the head skips chunks of them.
@@ -218,52 +310,59 @@ def student_logprobs(model: Qwen3, tokens: jax.Array, valid_mask: jax.Array, pol
     hidden = model.hidden_states(tokens, Layout.causal(valid_mask))
     targets = jnp.take_along_axis(tokens, pol_pos, axis=1)
     return logprobs_at(model, hidden, predictor_positions(valid_mask, pol_pos), targets, chunk=chunk,
-                       temperature=temperature, with_entropy=with_entropy, used=pol_valid)
+                       temperature=temperature, with_entropy=with_entropy, used=pol_valid,
+                       extra_targets=extra_targets)
 
 
 def policy_logprobs(model: Qwen3, batch, *, chunk: int = 1024, temperature: float = 1.0,
-                    with_entropy: bool = False):
+                    with_entropy: bool = False, extra_targets: jax.Array | None = None):
     """student_logprobs of a TrainBatch's (or a micro-batch's) rows [B, N], each length class
     (rl.length_classes) run at its own width when the batch has them, or several trajectories
-    per row when it is packed (rl.packing); the same values every way."""
+    per row when it is packed (rl.packing); the same values every way. extra_targets [B, N, J]:
+    also their log-probs [B, N, J] (the last output; logprobs_at)."""
     kw = dict(chunk=chunk, temperature=temperature, with_entropy=with_entropy)
     if batch.packed is not None:  # several trajectories per row (rl.packing)
         pk = batch.packed
         hidden = model.hidden_states(pk.tokens, pk.layout)
         targets = jnp.take_along_axis(batch.tokens, batch.pol_pos, axis=1)
         return packed_logprobs_at(model, hidden, pk, predictor_positions(batch.valid, batch.pol_pos), targets,
-                                  used=batch.pol_valid, **kw)
+                                  used=batch.pol_valid, extra_targets=extra_targets, **kw)
     if batch.classes is None:
-        return student_logprobs(model, batch.tokens, batch.valid, batch.pol_pos, pol_valid=batch.pol_valid, **kw)
+        return student_logprobs(model, batch.tokens, batch.valid, batch.pol_pos, pol_valid=batch.pol_valid,
+                                extra_targets=extra_targets, **kw)
 
-    def one(_, pos, pv, tokens, valid):
-        return student_logprobs(model, tokens, valid, pos, pol_valid=pv, **kw)
+    def one(_, pos, pv, *rest):
+        *extra, tokens, valid = rest
+        return student_logprobs(model, tokens, valid, pos, pol_valid=pv, extra_targets=extra[0] if extra else None,
+                                **kw)
 
-    return run_by_class(one, batch.classes, batch.length_class, (batch.pol_pos, batch.pol_valid),
-                        (batch.tokens, batch.valid))
+    per_row = (batch.pol_pos, batch.pol_valid) + (() if extra_targets is None else (extra_targets,))
+    return run_by_class(one, batch.classes, batch.length_class, per_row, (batch.tokens, batch.valid))
 
 
-def teacher_logprobs(model: Qwen3, views: PackedViews, *, chunk: int = 1024, temperature: float = 1.0) -> jax.Array:
-    """Frozen-teacher log-probs of the policy tokens under every view of `views.view_pred`
-    (the hindsight depths, then the plain reference row when built with_reference): [R, B, N].
+def teacher_logprobs(model: Qwen3, views: PackedViews, *, chunk: int = 1024, temperature: float = 1.0,
+                     top_k: int = 0):
+    """Teacher log-probs of the policy tokens under every view of `views.view_pred` (the
+    hindsight depths or the privileged view, then the plain reference row when built
+    with_reference): [R, B, N]. With top_k = K > 0 the tuple (log-probs, top-K ids [R, B, N, K]
+    int32, top-K log-probs [R, B, N, K]): each predicted distribution's K most likely tokens.
 
     One forward over the packed rows (per length class, each at its own width, when the views
     have them); the vocabulary projection runs once per distinct (predictor, target) pair and is
     gathered into [R, B, N] float32, outside the gradient. Packed views (views.packed, rl.packing)
     run several trajectories' rows per row."""
+    kw = dict(chunk=chunk, temperature=temperature, top_k=top_k)
     if views.packed is not None:
         pk = views.packed
         hidden = model.hidden_states(pk.tokens, pk.layout)
-        distinct = packed_logprobs_at(model, hidden, pk, views.pred, views.pred_target, chunk=chunk,
-                                      temperature=temperature, used=distinct_slots_used(views.pred))
+        distinct = packed_logprobs_at(model, hidden, pk, views.pred, views.pred_target,
+                                      used=distinct_slots_used(views.pred), **kw)
         return _gather_slots(distinct, views.slot)
     if views.classes is None:
-        return _teacher_logprobs(model, views.tokens, views.layout, views.pred, views.pred_target, views.slot,
-                                 chunk=chunk, temperature=temperature)
+        return _teacher_logprobs(model, views.tokens, views.layout, views.pred, views.pred_target, views.slot, **kw)
 
     def one(_, pred, target, slot, tokens, *layout):
-        return _teacher_logprobs(model, tokens, Layout(*layout), pred, target, jnp.moveaxis(slot, 0, 1),
-                                 chunk=chunk, temperature=temperature)
+        return _teacher_logprobs(model, tokens, Layout(*layout), pred, target, jnp.moveaxis(slot, 0, 1), **kw)
 
     lay = views.layout
     return run_by_class(one, views.classes, views.row_class, (views.pred, views.pred_target,
@@ -272,14 +371,18 @@ def teacher_logprobs(model: Qwen3, views: PackedViews, *, chunk: int = 1024, tem
                          lay.ctx2_segment, lay.ctx2_end), out_axis=1)
 
 
-def _teacher_logprobs(model, tokens, layout, pred, pred_target, slot, *, chunk, temperature):
+def _teacher_logprobs(model, tokens, layout, pred, pred_target, slot, *, chunk, temperature, top_k):
     hidden = model.hidden_states(tokens, layout)
     distinct = logprobs_at(model, hidden, pred, pred_target, chunk=chunk, temperature=temperature,
-                           used=distinct_slots_used(pred))
+                           used=distinct_slots_used(pred), top_k=top_k)
     return _gather_slots(distinct, slot)
 
 
 def _gather_slots(distinct, slot):
-    """distinct [B, U] log-probs, slot [R, B, N] -> [R, B, N], no gradient."""
-    out = jax.vmap(lambda s: jnp.take_along_axis(distinct, s, axis=1))(slot)
-    return jax.lax.stop_gradient(out)
+    """distinct [B, U] log-probs (or a tuple of [B, U, ...] arrays), slot [R, B, N] -> [R, B, N, ...],
+    no gradient."""
+    def one(d):
+        idx = slot.reshape(*slot.shape, *([1] * (d.ndim - 2)))
+        return jax.vmap(lambda s: jnp.take_along_axis(d, s, axis=1))(idx)
+
+    return jax.lax.stop_gradient(jax.tree.map(one, distinct))

@@ -30,6 +30,7 @@ from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.rewards import matchtir_turn_rewards, toolrl_reward
+from turnsight_jax.rl import distill  # noqa: F401  (registers the self-distillation baselines)
 from turnsight_jax.rl.advantages import Estimator, get_estimator
 from turnsight_jax.rl.config import AlgoConfig, StepConfig
 from turnsight_jax.rl.losses import LossTerm, get_loss_term
@@ -42,6 +43,12 @@ CORE_ARRAYS = ("policy_mask", "turn_ids", "group_ids", "num_turns")
 # What a loss term may read besides the core arrays and the rewards' outputs ("entropy": the
 # student's token entropy, computed in the step only when a term reads it).
 LOSS_ARRAYS = ("logprobs", "old_logprobs", "advantages", "ref_logprobs", "pol_valid", "entropy")
+# What the teacher's views give a loss term (the step computes each only when a term reads it):
+# "teacher_logprobs" [B, N] (view 0, no gradient), "teacher_covered" [B, N] bool (a privileged block
+# was shown), "teacher_topk_logprobs" [B, N, K] (the teacher's top-K tokens' log-probs) and
+# "topk_logprobs" [B, N, K] (the student's log-probs of those tokens, differentiated).
+TEACHER_ARRAYS = ("teacher_logprobs", "teacher_covered", "teacher_topk_logprobs", "topk_logprobs")
+TEACHER_KINDS = ("hindsight", "privileged")
 
 
 # ---- rollout controllers ----
@@ -189,12 +196,15 @@ class Method:
     loss_terms: tuple[str, ...] = ("clipped_surrogate",)
     rollout: str = "sampler"
     description: str = ""
+    teacher: str = "hindsight"  # the views the teacher scores, when anything reads them (TEACHER_KINDS)
 
 
 METHODS: dict[str, Method] = {}
 
 
 def register_method(method: Method) -> Method:
+    if method.teacher not in TEACHER_KINDS:
+        raise ValueError(f"method {method.name!r}: teacher must be one of {TEACHER_KINDS}, got {method.teacher!r}")
     if method.name in METHODS:
         raise ValueError(f"method {method.name!r} already registered")
     METHODS[method.name] = method
@@ -208,6 +218,18 @@ register_method(Method("toolrl", advantage="grpo", rewards=("toolrl",),
                        description="ToolRL's format + call-match reward, group-normalised"))
 register_method(Method("turnsight", advantage="turnsight", rewards=(),
                        description="turn-level hindsight weighting of the base method's advantage"))
+# The self-distillation baselines of Table 1 (rl.distill, docs/baselines.md); their teachers
+# score privileged views (rl.privileged_views) with the teacher.* config.
+register_method(Method("rlsd", advantage="rlsd", rewards=(), teacher="privileged",
+                       description="RLSD: the base advantage modulated by clip(exp(sign(A) * teacher gap))"))
+register_method(Method("sdpo", advantage="base", rewards=(), loss_terms=("clipped_surrogate", "sdpo_kl"), teacher="privileged",
+                       description="SDPO: the base method + top-K KL to the feedback-conditioned teacher"))
+register_method(Method("sdpo_advantage", advantage="sdpo_advantage", rewards=(), teacher="privileged",
+                       description="SDPO, sampled-token form: base advantage + coef * teacher gap"))
+register_method(Method("sdar", advantage="base", rewards=(), loss_terms=("clipped_surrogate", "sdar"), teacher="privileged",
+                       description="SDAR: the base method + the sigmoid-gated NLL toward a skill-text teacher"))
+register_method(Method("sod", advantage="base", rewards=(), loss_terms=("clipped_surrogate", "sod"), teacher="privileged",
+                       description="SOD: the base method + turn-weighted top-K KL to an external teacher"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,10 +242,26 @@ class ResolvedMethod:
     advantage: Estimator
     base: Estimator | None
     loss_terms: tuple[LossTerm, ...]
+    teacher: str = "hindsight"
+
+    def reads(self, name: str) -> bool:
+        """Whether a loss term reads array `name`."""
+        return any(name in t.inputs for t in self.loss_terms)
 
     @property
     def needs_views(self) -> bool:
-        return self.advantage.needs_views or bool(self.base and self.base.needs_views)
+        return (self.advantage.needs_views or bool(self.base and self.base.needs_views)
+                or any(self.reads(k) for k in TEACHER_ARRAYS))
+
+    def teacher_views(self, algo: AlgoConfig) -> int:
+        """Teacher views (before the packed reference row): the hindsight depths, or the one
+        privileged view."""
+        return len(algo.depths) if self.teacher == "hindsight" else 1
+
+    @property
+    def top_k(self) -> bool:
+        """Whether the teacher's top-K tokens (and the student's log-probs of them) are computed."""
+        return self.reads("teacher_topk_logprobs") or self.reads("topk_logprobs")
 
     @property
     def task_needs(self) -> tuple[str, ...]:
@@ -292,7 +330,7 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
     dup = sorted({o for o in outputs if outputs.count(o) > 1})
     if dup:
         raise ConfigError(f"method {m.name!r}: several rewards fill {dup}")
-    provided = set(CORE_ARRAYS) | set(outputs) | {"delta", "base_advantages"}
+    provided = set(CORE_ARRAYS) | set(outputs) | {"delta", "base_advantages", "teacher_covered"}
     for est in (advantage, base):
         missing = [k for k in (est.inputs if est else ()) if k not in provided]
         if missing:
@@ -300,9 +338,9 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
                               f"[{', '.join(reward_names)}] fills")
     # The step hands a loss term the core arrays, the rewards' outputs and LOSS_ARRAYS only (not
     # delta / base_advantages, which exist only inside the advantage computation).
-    term_provided = set(CORE_ARRAYS) | set(outputs) | set(LOSS_ARRAYS)
+    term_provided = set(CORE_ARRAYS) | set(outputs) | set(LOSS_ARRAYS) | set(TEACHER_ARRAYS)
     for term in terms:
         missing = [k for k in term.inputs if k not in term_provided]
         if missing:
             raise ConfigError(f"method {m.name!r}: loss term {term.name!r} reads {missing}, which nothing fills")
-    return ResolvedMethod(m.name, ROLLOUTS[rollout_name], rewards, advantage, base, tuple(terms))
+    return ResolvedMethod(m.name, ROLLOUTS[rollout_name], rewards, advantage, base, tuple(terms), m.teacher)

@@ -63,10 +63,20 @@ def compile_step(cfg: mlc.ConfigDict):
     opt = _with_shardings(opt, opt_state_shardings(opt, mesh))
     geo = worst_case_geometry(cfg, method, step_cfg, mesh.shape["data"] * mesh.shape["fsdp"])
     batch = abstract_batch(geo, mesh, method)
-    step = make_train_step(graphdef, step_cfg, optimizer, method)
+    # the teacher's own parameters when it is an EMA of the policy or another model (teacher.weights)
+    tw = step_cfg.teacher.weights if method.needs_views else "reference"
+    teacher = teacher_graphdef = None
+    if tw == "ema":
+        teacher = params
+    elif tw == "external":
+        tq = model_setup.teacher_config(cfg, qcfg)
+        t_abstract = nnx.eval_shape(lambda: Qwen3(tq, rngs=nnx.Rngs(0), param_dtype=rdtype, options=opts))
+        teacher_graphdef, teacher = nnx.split(t_abstract)
+        teacher = _with_shardings(teacher, state_shardings(teacher, mesh))
+    step = make_train_step(graphdef, step_cfg, optimizer, method, teacher_graphdef=teacher_graphdef)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
-        compiled = step.lower(params, opt, ref, batch).compile()
+        compiled = step.lower(params, opt, ref, batch, teacher).compile()
     return compiled, geo, time.perf_counter() - t0, mesh, step_cfg
 
 
@@ -77,7 +87,7 @@ def dry_run(cfg: mlc.ConfigDict) -> dict:
     mem = compiled.memory_analysis()
     gib = 1024**3
     fields = {
-        "arguments (params, optimizer, reference, batch)": mem.argument_size_in_bytes,
+        "arguments (params, optimizer, reference, batch, teacher)": mem.argument_size_in_bytes,
         "outputs": mem.output_size_in_bytes,
         "aliased (donated) outputs": mem.alias_size_in_bytes,
         "temporaries (activations, logits chunks)": mem.temp_size_in_bytes,

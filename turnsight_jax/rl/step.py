@@ -69,7 +69,14 @@ def advantage_knobs(cfg: StepConfig, batch_size: int) -> dict:
     return {"eps": a.eps, "gamma": a.gamma, "num_groups": batch_size // cfg.group_size, "max_turns": cfg.max_turns,
             "lam": a.lam, "eps_w": a.eps_w, "selection": a.selection, "aggregation": a.aggregation,
             "group_norm": a.group_norm, "turns": a.turns, "matchtir_singleton": a.matchtir_singleton,
-            "norm_pool": a.norm_pool, "uncovered_in_stats": a.uncovered_in_stats}
+            "norm_pool": a.norm_pool, "uncovered_in_stats": a.uncovered_in_stats, "sdpo_coef": a.sdpo_coef}
+
+
+def teacher_covered(batch: TrainBatch):
+    """[B, N] bool: the policy tokens whose teacher view showed its block (privileged views
+    record it; hindsight views cover every policy token)."""
+    covered = None if batch.views is None else batch.views.covered
+    return batch.pol_valid if covered is None else covered & batch.pol_valid
 
 
 def advantage_inputs(batch: TrainBatch, teacher_lp) -> dict:
@@ -78,6 +85,7 @@ def advantage_inputs(batch: TrainBatch, teacher_lp) -> dict:
               "num_turns": batch.num_turns, **batch.signals}
     if teacher_lp is not None:
         arrays["delta"] = teacher_lp - batch.old_logprobs[None]
+        arrays["teacher_covered"] = teacher_covered(batch)
     return arrays
 
 
@@ -86,12 +94,21 @@ def compute_advantages(batch: TrainBatch, teacher_lp, cfg: StepConfig, method: R
     fn = make_advantage_fn(method.advantage.name, base=method.base.name if method.base else None,
                            knobs=advantage_knobs(cfg, batch.pol_valid.shape[0]))
     out = fn(advantage_inputs(batch, teacher_lp))
-    diag = {k: out[k] for k in TURNSIGHT_METRICS if k in out}
+    # TurnSight's diagnostics by name; a plug-in estimator's under its own "<method>/" prefix
+    diag = {k: out[k] for k in out if k in TURNSIGHT_METRICS or "/" in k}
     if teacher_lp is not None:
         mask = batch.pol_valid
         n = jnp.maximum(mask.sum(), 1)
-        diag["delta_mean"] = jnp.sum(jnp.where(mask[None], teacher_lp - batch.old_logprobs[None], 0.0),
-                                     axis=(1, 2)) / n  # per depth
+        gap = jnp.where(mask[None], teacher_lp - batch.old_logprobs[None], 0.0)
+        diag["delta_mean"] = jnp.sum(gap, axis=(1, 2)) / n  # per view (TurnSight: per depth)
+        if method.teacher == "privileged":  # the teacher-student gap of the privileged view
+            covered = teacher_covered(batch)
+            m = jnp.maximum(covered.sum(), 1)
+            diag["teacher/covered_frac"] = covered.sum() / n
+            diag["teacher/gap_mean"] = jnp.sum(jnp.where(covered, gap[0], 0.0)) / m
+            diag["teacher/gap_abs_mean"] = jnp.sum(jnp.where(covered, jnp.abs(gap[0]), 0.0)) / m
+            diag["teacher/frac_teacher_higher"] = jnp.sum(covered & (gap[0] > 0)) / m
+            diag["teacher/frac_teacher_lower"] = jnp.sum(covered & (gap[0] < 0)) / m
     return out["advantages"], diag
 
 
@@ -133,29 +150,43 @@ def _in_micro_batches(fn, batch: TrainBatch, m: int):
     return _merge(jax.lax.map(fn, split_batch(batch, m)))
 
 
-def teacher_and_ref_logprobs(ref_model: Qwen3, batch: TrainBatch, cfg: StepConfig, method: ResolvedMethod):
-    """(teacher log-probs [D, B, N] or None, reference log-probs [B, N] or None), no gradient.
+def teacher_and_ref_logprobs(teacher_model: Qwen3, ref_model: Qwen3, batch: TrainBatch, cfg: StepConfig,
+                             method: ResolvedMethod):
+    """(teacher log-probs [R, B, N] or None, reference log-probs [B, N] or None, top-K or None),
+    no gradient. R: the hindsight depths, or the one privileged view. top-K (when a loss term
+    reads it, teacher.top_k = K): the privileged view's (ids [B, N, K] int32, log-probs [B, N, K]).
 
     With views, one packed forward gives both when the views carry the reference row
-    (rl.batch.packed_reference); otherwise the reference is scored on the student's context
-    (`batch.valid`, which masks the observations when rl.student_sees_observations is False)."""
+    (rl.batch.packed_reference: only when the teacher is the reference); otherwise the reference
+    is scored on the student's context (`batch.valid`, which masks the observations when
+    rl.student_sees_observations is False)."""
     temp, chunk, m = cfg.loss.temperature, cfg.scoring_chunk, cfg.teacher_micro_batches
-    teacher = ref = None
+    teacher = ref = topk = None
     if method.needs_views:
-        def one(v):
-            return teacher_logprobs(ref_model, v, chunk=chunk, temperature=temp)
+        k = cfg.teacher.top_k if method.top_k else 0
 
-        out = one(batch.views) if m == 1 else _merge(jax.lax.map(one, split_batch(batch.views, m)), axis=1)
-        depths = len(cfg.algo.depths)
-        teacher = out[:depths]
+        def one(v):
+            return teacher_logprobs(teacher_model, v, chunk=chunk, temperature=temp, top_k=k)
+
+        out = one(batch.views) if m == 1 else _merge_views(jax.lax.map(one, split_batch(batch.views, m)))
+        if k:
+            out, ids, lps = out
+            topk = (ids[0], lps[0])
+        views = method.teacher_views(cfg.algo)
+        teacher = out[:views]
         if packed_reference(cfg, method):
-            ref = out[depths]
+            ref = out[views]
     if method.needs_ref and ref is None:
         def one_ref(rows):
             return policy_logprobs(ref_model, rows, chunk=chunk, temperature=temp)
 
         ref = jax.lax.stop_gradient(_in_micro_batches(one_ref, _student_rows(batch), m))
-    return teacher, ref
+    return teacher, ref, topk
+
+
+def _merge_views(out):
+    """_merge of teacher_logprobs' outputs over teacher micro-batches: each leaf [m, R, B/m, ...]."""
+    return jax.tree.map(lambda x: _merge(x, axis=1), out)
 
 
 def masked_old_logprobs(model: Qwen3, batch: TrainBatch, cfg: StepConfig):
@@ -191,11 +222,31 @@ def mismatch_metrics(trainer_lp, sampler_lp, valid, threshold: float | None) -> 
     return out
 
 
+def teacher_arrays(batch: TrainBatch, teacher_lp, topk, method: ResolvedMethod) -> dict:
+    """The teacher arrays the method's loss terms read (rl.methods.TEACHER_ARRAYS), each with the
+    rows first: "teacher_logprobs" [B, N] (view 0), "teacher_covered" [B, N] bool, and with top-K
+    "teacher_topk_ids" / "teacher_topk_logprobs" [B, N, K]; no gradient."""
+    out = {}
+    if method.reads("teacher_logprobs"):
+        out["teacher_logprobs"] = jax.lax.stop_gradient(teacher_lp[0])
+    if method.reads("teacher_covered"):
+        out["teacher_covered"] = teacher_covered(batch)
+    if topk is not None:
+        out["teacher_topk_ids"], out["teacher_topk_logprobs"] = jax.tree.map(jax.lax.stop_gradient, topk)
+    return out
+
+
 def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransformation,
-                    method: ResolvedMethod | None = None, *, state_shardings=None):
-    """Returns step(params, opt_state, ref_params, batch) -> (params, opt_state, metrics), jitted
-    with params and opt_state donated. `params`/`ref_params` are nnx.State of the policy and the
-    frozen reference (same graphdef). `method` defaults to resolve_method(cfg).
+                    method: ResolvedMethod | None = None, *, state_shardings=None, teacher_graphdef=None):
+    """Returns step(params, opt_state, ref_params, batch, teacher_params=None) -> (params,
+    opt_state, metrics), jitted with params and opt_state donated. `params`/`ref_params` are
+    nnx.State of the policy and the frozen reference (same graphdef). `method` defaults to
+    resolve_method(cfg).
+
+    The teacher that scores the views (cfg.teacher.weights): "reference" -> ref_params; "policy"
+    -> params at the step's start (no gradient; every update of the step reads the same teacher);
+    "ema" -> teacher_params (the trainer's moving average, same graphdef); "external" ->
+    teacher_params of `teacher_graphdef` (another Qwen3 with the same vocabulary).
 
     `state_shardings` (the shardings of (params, opt_state), e.g. `jax.tree.map(lambda x:
     x.sharding, (params, opt_state))`) pins the updated state to them. Left to the compiler, the
@@ -204,6 +255,10 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
     compile again."""
     method = method or resolve_method(cfg)
     terms = method.loss_terms
+    weights_kind = cfg.teacher.weights
+    if weights_kind == "external" and teacher_graphdef is None:
+        raise ConfigError("teacher.weights='external': make_train_step needs the external teacher's teacher_graphdef")
+    reads_topk = method.reads("topk_logprobs")
     metric_names = tuple(dict.fromkeys(k for t in terms for k in t.metrics))
     with_entropy = any("entropy" in t.inputs for t in terms)  # the full-vocab entropy only when read
     # Observation masking (rl.student_sees_observations=False) needs π_old on the masked context.
@@ -223,12 +278,18 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         raise ConfigError(f"loss.tis_threshold={tis} but no loss term of method {method.name!r} reads the "
                           "importance weights (rl.losses: optional_inputs 'is_weights')")
 
-    def loss_fn(params, mb: TrainBatch, adv, ref_lp, weights, sampler_lp):
+    def loss_fn(params, mb: TrainBatch, adv, ref_lp, weights, sampler_lp, tx):
         """`sampler_lp`: the sampler's log-probs when mb.old_logprobs was replaced by the trainer's
-        (mismatch correction with several updates), else None."""
+        (mismatch correction with several updates), else None. `tx`: the teacher arrays of these
+        rows ({} when no term reads them; "teacher_topk_ids" [B, N, K] only to score them)."""
         model = nnx.merge(graphdef, params)
+        tx = dict(tx)
+        topk_ids = tx.pop("teacher_topk_ids", None)
         out = policy_logprobs(model, mb, chunk=cfg.logprob_chunk, temperature=cfg.loss.temperature,
-                              with_entropy=with_entropy)
+                              with_entropy=with_entropy, extra_targets=topk_ids if reads_topk else None)
+        if reads_topk:
+            *out, tx["topk_logprobs"] = out
+            out = tuple(out) if with_entropy else out[0]
         lp, entropy = out if with_entropy else (out, None)
         current = jax.lax.stop_gradient(lp)  # the step-start policy's log-probs when one update per step
         old = current if old_is_current else mb.old_logprobs
@@ -238,7 +299,7 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         x = {"logprobs": lp, "old_logprobs": old, "advantages": adv, "ref_logprobs": ref_lp,
              "pol_valid": mb.pol_valid, "turn_ids": mb.turn_ids, "policy_mask": mb.pol_valid,
              "group_ids": mb.group_ids, "num_turns": mb.num_turns, "entropy": entropy, **mb.signals,
-             "is_weights": is_w}
+             "is_weights": is_w, **tx}
         loss_tok, parts = term_losses(terms, x, cfg.loss, cfg.algo)
         loss = jnp.sum(loss_tok * weights)
         sums = {k: jnp.sum(parts[k] * weights) for k in metric_names}
@@ -248,15 +309,16 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
 
     grad_fn = jax.grad(loss_fn, has_aux=True)
 
-    def minibatch_update(params, opt_state, mb: TrainBatch, adv, ref_lp, sampler_lp):
+    def minibatch_update(params, opt_state, mb: TrainBatch, adv, ref_lp, sampler_lp, tx):
         """Accumulate gradients over strided micro-batches, then one optimizer update."""
         m = cfg.micro_batches
         weights = aggregation_weights(mb.pol_valid, cfg.loss.aggregation)
         if m == 1:
-            grads, (sums, current) = grad_fn(params, mb, adv, ref_lp, weights, sampler_lp)
+            grads, (sums, current) = grad_fn(params, mb, adv, ref_lp, weights, sampler_lp, tx)
         else:
             opt_split = lambda a: None if a is None else _split(a, m)
-            xs = (split_batch(mb, m), _split(adv, m), opt_split(ref_lp), _split(weights, m), opt_split(sampler_lp))
+            xs = (split_batch(mb, m), _split(adv, m), opt_split(ref_lp), _split(weights, m), opt_split(sampler_lp),
+                  jax.tree.map(lambda a: _split(a, m), tx))
 
             def acc(carry, x):
                 g_acc, s_acc = carry
@@ -281,10 +343,19 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         sums["skipped_updates"] = 1.0 - finite.astype(jnp.float32)
         return params, opt_state, sums, current
 
-    def step(params, opt_state, ref_params, batch: TrainBatch):
+    def step(params, opt_state, ref_params, batch: TrainBatch, teacher_params=None):
         ref_model = nnx.merge(graphdef, ref_params)
-        teacher_lp, ref_lp = teacher_and_ref_logprobs(ref_model, batch, cfg, method)
+        if weights_kind == "reference":
+            teacher_model = ref_model
+        elif weights_kind == "policy":  # the step-start policy; teacher_logprobs stops the gradient
+            teacher_model = nnx.merge(graphdef, params)
+        else:
+            if teacher_params is None:
+                raise ConfigError(f"teacher.weights={weights_kind!r}: the step needs teacher_params")
+            teacher_model = nnx.merge(teacher_graphdef if weights_kind == "external" else graphdef, teacher_params)
+        teacher_lp, ref_lp, topk = teacher_and_ref_logprobs(teacher_model, ref_model, batch, cfg, method)
         adv, diag = compute_advantages(batch, teacher_lp, cfg, method)
+        tx = teacher_arrays(batch, teacher_lp, topk, method)
         adv = jax.lax.stop_gradient(adv)
         sampler_lp, mismatch = None, {}
         if trainer_old and not old_is_current:
@@ -296,18 +367,19 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
             batch = batch.replace(old_logprobs=old)
         nm = cfg.mini_batches
         if nm == 1:
-            minis = [(batch, adv, ref_lp, sampler_lp)]
+            minis = [(batch, adv, ref_lp, sampler_lp, tx)]
         else:
             sb = split_batch(batch, nm)
             sa = _split(adv, nm)
             sr = None if ref_lp is None else _split(ref_lp, nm)
             ss = None if sampler_lp is None else _split(sampler_lp, nm)
+            st = jax.tree.map(lambda x: _split(x, nm), tx)
             minis = [(jax.tree.map(lambda x: x[i], sb), sa[i], None if sr is None else sr[i],
-                      None if ss is None else ss[i]) for i in range(nm)]
+                      None if ss is None else ss[i], jax.tree.map(lambda x: x[i], st)) for i in range(nm)]
         logs = []
         for _ in range(cfg.ppo_epochs):
-            for mb, a, r, sl in minis:
-                params, opt_state, sums, current = minibatch_update(params, opt_state, mb, a, r, sl)
+            for mb, a, r, sl, t in minis:
+                params, opt_state, sums, current = minibatch_update(params, opt_state, mb, a, r, sl, t)
                 logs.append(sums)
         if one_update:  # the update's forward ran the step-start parameters: the mismatch for free
             mismatch = mismatch_metrics(current, batch.old_logprobs, batch.pol_valid, tis)

@@ -82,6 +82,8 @@ class PackedViews:
     packed: rl.packing.PackedRows or None: the rows packed several per row (train.pack_rows);
       tokens and layout are then None (the packed rows replace them; pred and view_pred stay in
       each row's own coordinates).
+    covered [B, N] bool or None: privileged views (rl.privileged_views) only: True where the
+      token's view 0 showed a privileged block (False: no block, the student's own context).
     """
 
     tokens: Any
@@ -93,6 +95,7 @@ class PackedViews:
     row_class: Any = None
     classes: Any = struct.field(pytree_node=False, default=None)
     packed: Any = None
+    covered: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

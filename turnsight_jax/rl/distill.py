@@ -1,0 +1,168 @@
+"""The self-distillation baselines of the TurnSight paper's Table 1: RLSD, SDPO, SDAR and SOD
+(docs/baselines.md), as small pure functions registered by name (advantage estimators and loss
+terms), so they run in the same fused step as TurnSight.
+
+Their teachers score *privileged views* (rl.privileged_views): each policy token y_t under the
+student's context plus a privileged block (the gold answer, a successful sibling rollout, the
+environment's feedback or a skill text; chat.privileged), or, for SOD, under another model on the
+student's own context. All arrays are in the compact policy layout of rl.batch ([B, N] per policy
+token); `covered` [B, N] bool marks the tokens whose view had a block (a missing block, e.g. no
+successful sibling, leaves the token to the base method: no modulation, no distillation).
+
+* RLSD (arXiv 2604.03128): Δ_t = log π_T(y_t | x, privileged) − log π_θ(y_t | x),
+  w_t = clip(exp(sign(A_t)·Δ_t), 1 − ε_w, 1 + ε_w), Ã_t = A_t·((1 − λ) + λ·w_t).
+* SDPO (arXiv 2601.20802): KL(π_θ(·|x, y<t) ‖ sg π_T(·|x, f, y<t)) per sampled position on the
+  teacher's top-K tokens (`topk_kl`), times a coefficient; or, as the "sdpo_advantage" method,
+  the sampled-token form Ã_t = A_t + c·Δ_t.
+* SDAR (arXiv 2605.15155): gate g_t = σ(β·δ_t) (detached), δ_t = log π_θ(y_t | r, x) −
+  log π_θ(y_t | x) with r a skill text; L = −c·Σ_t g_t·log π_θ(y_t | x) next to GRPO.
+* SOD (arXiv 2605.07725): the top-K KL to an external teacher, each turn's strength multiplied by
+  ω_k = exp(−D̄_k / τ), D̄_k the turn's mean KL (detached): turns where student and teacher
+  diverge most are attenuated. The paper states the attenuation, not its formula; this one is ours.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from turnsight_jax.rl.advantages import register_advantage
+from turnsight_jax.rl.config import AlgoConfig, LossConfig
+from turnsight_jax.rl.losses import register_loss_term
+
+Array = jax.Array
+_TINY = 1e-12  # floor of a tail probability before its log (the tail's term then vanishes)
+
+
+def _masked_mean(x: Array, mask: Array) -> Array:
+    return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def _share(cond: Array, mask: Array) -> Array:
+    return jnp.sum(cond & mask) / jnp.maximum(jnp.sum(mask), 1)
+
+
+# ---- RLSD ----
+
+def rlsd_weights(delta: Array, base_adv: Array, covered: Array, eps_w: float) -> Array:
+    """w_t = clip(exp(sign(A_t)·Δ_t), 1 − ε_w, 1 + ε_w) on covered tokens, 1 elsewhere.
+    delta, base_adv [B, N] float32, covered [B, N] bool -> [B, N] float32 (no gradient)."""
+    d = jax.lax.stop_gradient(jnp.where(covered, delta, 0.0))
+    w = jnp.clip(jnp.exp(jnp.sign(base_adv) * d), 1.0 - eps_w, 1.0 + eps_w)
+    return jnp.where(covered, w, 1.0)
+
+
+def rlsd_advantages(delta: Array, base_advantages: Array, policy_mask: Array, teacher_covered: Array, *,
+                    lam: float, eps_w: float) -> dict[str, Array]:
+    """RLSD's modulated advantage. delta [1, B, N] (the privileged view's teacher − student
+    log-probs), base_advantages [B, N] (MatchTIR in the paper), policy_mask, teacher_covered [B, N]
+    bool -> {"advantages": Ã [B, N], "rlsd_weights": w, diagnostics}. λ = 0 gives A exactly."""
+    base = jax.lax.stop_gradient(jnp.where(policy_mask, base_advantages, 0.0))
+    covered = policy_mask & teacher_covered
+    w = rlsd_weights(delta[0], base, covered, eps_w)
+    adv = jnp.where(policy_mask, base * ((1.0 - lam) + lam * w), 0.0)
+    moved = covered & (base != 0)
+    return {"advantages": adv, "rlsd_weights": w,
+            "rlsd/weight_mean": _masked_mean(w, policy_mask),
+            "rlsd/weight_min": jnp.min(jnp.where(policy_mask, w, jnp.inf)),
+            "rlsd/weight_max": jnp.max(jnp.where(policy_mask, w, -jnp.inf)),
+            "rlsd/frac_strengthened": _share(w > 1.0, moved), "rlsd/frac_weakened": _share(w < 1.0, moved)}
+
+
+# ---- SDPO (sampled-token advantage form) ----
+
+def sdpo_advantages(delta: Array, base_advantages: Array, policy_mask: Array, teacher_covered: Array, *,
+                    sdpo_coef: float) -> dict[str, Array]:
+    """Ã_t = A_t + c·Δ_t on covered policy tokens (Δ the feedback teacher's gap, [1, B, N]);
+    c = 0 gives A exactly."""
+    base = jax.lax.stop_gradient(jnp.where(policy_mask, base_advantages, 0.0))
+    covered = policy_mask & teacher_covered
+    gap = jax.lax.stop_gradient(jnp.where(covered, delta[0], 0.0))
+    adv = jnp.where(policy_mask, base + sdpo_coef * gap, 0.0)
+    return {"advantages": adv, "sdpo/gap_mean": _masked_mean(gap, covered),
+            "sdpo/frac_strengthened": _share(gap > 0, covered), "sdpo/frac_weakened": _share(gap < 0, covered)}
+
+
+def base_passthrough(base_advantages: Array) -> Array:
+    """The base method's advantage unchanged: the methods whose mechanism is a loss term (SDPO,
+    SDAR, SOD) run over rl.base (GRPO, MatchTIR, ...) through it."""
+    return base_advantages
+
+
+register_advantage("base", ("base_advantages",))(base_passthrough)
+register_advantage("rlsd", ("delta", "base_advantages", "policy_mask", "teacher_covered"),
+                   ("lam", "eps_w"))(rlsd_advantages)
+register_advantage("sdpo_advantage", ("delta", "base_advantages", "policy_mask", "teacher_covered"),
+                   ("sdpo_coef",))(sdpo_advantages)
+
+
+# ---- the top-K KL (SDPO, SOD) ----
+
+def topk_kl(student: Array, teacher: Array, *, tail: bool = True) -> Array:
+    """KL(student ‖ teacher) per position on the teacher's top-K tokens.
+
+    student [..., K]: the student's log-probs of the teacher's K tokens (differentiated);
+    teacher [..., K]: the teacher's (no gradient). tail=True: the K tokens and one more category
+    holding the rest of the vocabulary (1 − Σ p), a proper KL between the two coarsened
+    distributions (never above the full-vocabulary KL); tail=False: both renormalised over the K.
+    Returns [...] float32 >= 0."""
+    s = jnp.asarray(student, jnp.float32)
+    q = jax.lax.stop_gradient(jnp.asarray(teacher, jnp.float32))
+    if not tail:
+        s = s - jax.nn.logsumexp(s, axis=-1, keepdims=True)
+        q = q - jax.nn.logsumexp(q, axis=-1, keepdims=True)
+        return jnp.sum(jnp.exp(s) * (s - q), axis=-1)
+    ps = jnp.exp(s)
+    rest_s = jnp.maximum(1.0 - jnp.sum(ps, axis=-1), 0.0)
+    rest_q = jnp.maximum(1.0 - jnp.sum(jnp.exp(q), axis=-1), 0.0)
+    tail_kl = rest_s * (jnp.log(jnp.maximum(rest_s, _TINY)) - jnp.log(jnp.maximum(rest_q, _TINY)))
+    return jnp.sum(ps * (s - q), axis=-1) + tail_kl
+
+
+def turn_mean(values: Array, turn_ids: Array, mask: Array) -> Array:
+    """Each token's turn mean of `values` over the masked tokens of its (row, turn): [B, N] ->
+    [B, N] (0 off the mask). Turn ids are < N (a turn holds at least one policy token)."""
+    b, n = values.shape
+    ok = mask & (turn_ids >= 0)
+    seg = jnp.where(ok, jnp.arange(b)[:, None] * n + jnp.clip(turn_ids, 0, n - 1), b * n).reshape(-1)
+    total = jax.ops.segment_sum(jnp.where(ok, values, 0.0).reshape(-1), seg, num_segments=b * n + 1)
+    count = jax.ops.segment_sum(ok.reshape(-1).astype(jnp.float32), seg, num_segments=b * n + 1)
+    mean = total / jnp.maximum(count, 1.0)
+    return jnp.where(ok, mean[seg].reshape(b, n), 0.0)
+
+
+def sod_turn_weights(kl: Array, turn_ids: Array, mask: Array, tau: float) -> Array:
+    """ω = exp(−D̄_k / τ) per token, D̄_k its turn's mean top-K KL (detached): [B, N]."""
+    d = turn_mean(jax.lax.stop_gradient(kl), turn_ids, mask)
+    return jnp.where(mask, jnp.exp(-d / tau), 0.0)
+
+
+@register_loss_term("sdpo_kl", ("topk_logprobs", "teacher_topk_logprobs", "teacher_covered", "pol_valid"),
+                    ("sdpo_kl",))
+def _sdpo_term(x, cfg: LossConfig, algo: AlgoConfig):
+    """SDPO's distillation: c·KL(student ‖ sg feedback teacher) on the teacher's top-K, per token."""
+    mask = x["pol_valid"] & x["teacher_covered"]
+    kl = jnp.where(mask, topk_kl(x["topk_logprobs"], x["teacher_topk_logprobs"], tail=algo.sdpo_tail), 0.0)
+    return algo.sdpo_coef * kl, {"sdpo_kl": kl}
+
+
+@register_loss_term("sdar", ("logprobs", "teacher_logprobs", "teacher_covered", "pol_valid"),
+                    ("sdar_gate", "sdar_nll"))
+def _sdar_term(x, cfg: LossConfig, algo: AlgoConfig):
+    """SDAR's gated NLL: −c·σ(β·(log π_T − log π_θ))·log π_θ, the gate detached."""
+    mask = x["pol_valid"] & x["teacher_covered"]
+    lp = x["logprobs"]
+    gap = jax.lax.stop_gradient(x["teacher_logprobs"] - lp)
+    gate = jnp.where(mask, jax.nn.sigmoid(algo.sdar_beta * gap), 0.0)
+    nll = jnp.where(mask, -lp, 0.0)
+    return algo.sdar_coef * gate * nll, {"sdar_gate": gate, "sdar_nll": nll}
+
+
+@register_loss_term("sod", ("topk_logprobs", "teacher_topk_logprobs", "turn_ids", "pol_valid"),
+                    ("sod_kl", "sod_weight"))
+def _sod_term(x, cfg: LossConfig, algo: AlgoConfig):
+    """SOD: c·ω_k·KL_t, ω_k = exp(−D̄_k / τ) of the token's turn (sod_turn_weights)."""
+    mask = x["pol_valid"]
+    kl = jnp.where(mask, topk_kl(x["topk_logprobs"], x["teacher_topk_logprobs"], tail=algo.sdpo_tail), 0.0)
+    w = sod_turn_weights(kl, x["turn_ids"], mask, algo.sod_tau)
+    return algo.sod_coef * w * kl, {"sod_kl": kl, "sod_weight": w}

@@ -1,0 +1,91 @@
+"""Packed privileged views (docs/baselines.md): the teacher's rows of RLSD, SDPO, SDAR and SOD.
+
+The same `PackedViews` contract as the hindsight views (rl.views), with one view (plus the
+reference row when built `with_reference`). One packed row per trajectory holds:
+
+  [original trajectory (segment 0)]
+  placement "prompt": [block + trajectory[hs:L-1]]   reads original[:hs], hs = turn 0's header
+  placement "turn":   for each turn k with a block,
+                      [block_k + trajectory[header_k : policy_end_k - 1]]   reads original[:header_k]
+
+so every policy token sees exactly what it sees in the plain sequence original[:hs] + block +
+original[hs:] (rotary positions continue from hs), and the prompt is never copied. A trajectory
+(or turn) without a block keeps the student's own context (its predictors stay in segment 0) and
+is marked uncovered (`PackedViews.covered`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from turnsight_jax.chat.trajectory import Trajectory
+from turnsight_jax.models.attention import Layout
+from turnsight_jax.rl.views import (DEFAULT_PACKED_BUCKETS, PackedViews, _distinct_predictors, _Row, pick_bucket,
+                                    policy_positions)
+
+
+def build_privileged_views(
+    trajs: Sequence[Trajectory],
+    tokenizer,
+    blocks: Sequence,
+    *,
+    placement: str,
+    with_reference: bool = False,
+    positions: tuple[np.ndarray, np.ndarray] | None = None,
+    policy_width: int | None = None,
+    buckets: Sequence[int] = DEFAULT_PACKED_BUCKETS,
+    min_widths: tuple[int, int] = (0, 0),
+) -> tuple[PackedViews, dict[str, float]]:
+    """Packed rows of the privileged views (numpy). blocks: chat.privileged.privileged_blocks'
+    output (per trajectory ids or None for "prompt"; per turn for "turn"). Returns (views, stats):
+    views.view_pred [R, B, N] with R = 1 (+1 reference row), views.covered [B, N] bool; stats count
+    the packed tokens, the views built and skipped."""
+    del tokenizer  # the blocks are already token ids; kept for build_views' signature
+    if placement not in ("prompt", "turn"):
+        raise ValueError(f"unknown privileged placement {placement!r}; expected one of ('prompt', 'turn')")
+    if len(blocks) != len(trajs):
+        raise ValueError(f"{len(trajs)} trajectories but {len(blocks)} privileged blocks")
+    pol_pos, pol_valid = positions if positions is not None else policy_positions(trajs, policy_width)
+    n_views = 1 + int(with_reference)
+    view_pred = np.zeros((n_views, len(trajs), pol_pos.shape[1]), np.int32)
+    covered = np.zeros(pol_pos.shape, bool)
+    rows, built, skipped = [], 0, 0
+    for b, (traj, blk) in enumerate(zip(trajs, blocks)):
+        row = _Row(traj)
+        where = {int(p): j for j, p in enumerate(pol_pos[b, : int(pol_valid[b].sum())])}
+        for p, j in where.items():
+            view_pred[:, b, j] = p - 1  # the student's own context (the reference row keeps it)
+        if placement == "prompt":
+            spans = [(blk, traj.turns[0].header_start if traj.turns else traj.prompt_len, traj.length - 1,
+                      range(traj.prompt_len, traj.length))]
+        else:
+            if len(blk) != traj.num_turns:
+                raise ValueError(f"trajectory {b} has {traj.num_turns} turns but {len(blk)} privileged blocks")
+            spans = [(bk, t.header_start, t.policy_end - 1, range(t.policy_start, t.policy_end))
+                     for bk, t in zip(blk, traj.turns)]
+        for ids, hs, end, scored in spans:
+            if ids is None or not len(ids):
+                skipped += 1
+                continue
+            built += 1
+            _, start = row.add(list(ids) + [int(x) for x in traj.tokens[hs:end]], hs, hs)
+            for p in scored:
+                j = where.get(p)
+                if j is not None:
+                    view_pred[0, b, j] = start + len(ids) + (p - 1 - hs)
+                    covered[b, j] = True
+        rows.append(row)
+    width = pick_bucket(max([r.length for r in rows] + [min_widths[0]]), buckets, "packed privileged row")
+    tok, pos, seg, c1s, c1e, c2s, c2e = [np.stack(c) for c in zip(*(r.arrays(width) for r in rows))]
+    pred, pred_target, slot = _distinct_predictors(trajs, view_pred, pol_pos, pol_valid, min_widths[1])
+    views = PackedViews(tok, Layout(pos, seg, c1s, c1e, c2s, c2e), view_pred, pred, pred_target, slot,
+                        covered=covered)
+    own, packed = sum(t.length for t in trajs), sum(r.length for r in rows)
+    stats = {"view_tokens": float(packed), "trajectory_tokens": float(own), "view_overhead": packed / max(own, 1),
+             "packed_width": float(width), "teacher_rows": float(pol_valid.sum() * n_views),
+             "teacher_distinct_rows": float(sum(len(set(view_pred[:, b, pol_valid[b]].ravel()))
+                                                for b in range(len(trajs)))),
+             "views_built": float(built), "views_skipped": float(skipped)}
+    return views, stats
