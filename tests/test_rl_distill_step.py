@@ -23,7 +23,8 @@ from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import init_model
 from turnsight_jax.rl import advantages as adv_lib
 from turnsight_jax.rl import distill
-from turnsight_jax.rl.batch import make_train_batch
+from turnsight_jax.models.sharding import make_mesh, state_shardings
+from turnsight_jax.rl.batch import make_train_batch, shard_batch
 from turnsight_jax.rl.config import AlgoConfig, LossConfig, StepConfig, TeacherConfig
 from turnsight_jax.rl.losses import aggregation_weights, clipped_surrogate
 from turnsight_jax.rl.methods import resolve_method
@@ -91,14 +92,21 @@ def _cfg(method, *, base="grpo", weights="policy", source="gold_answer", **algo)
                       loss=LossConfig(clip_eps=0.2, clip_eps_high=0.28), group_size=G, max_turns=5, logprob_chunk=64)
 
 
-def _step(cfg, policy, ref, batch, teacher=None):
-    """The fused step with SGD(lr=1) -> (grads, metrics)."""
+def _step(cfg, policy, ref, batch, teacher=None, mesh=None):
+    """The fused step with SGD(lr=1) -> (grads, metrics); on `mesh` with every state sharded."""
     graphdef, params = nnx.split(policy)
+    ref_params = nnx.split(ref)[1]
     tgraph, tparams = (None, None) if teacher is None else nnx.split(teacher)
     opt = optax.sgd(1.0)
     step = make_train_step(graphdef, cfg, opt, teacher_graphdef=tgraph if cfg.teacher.weights == "external" else None)
     before = jax.tree.map(np.asarray, params)
-    new, _, metrics = step(params, opt.init(params), nnx.split(ref)[1], jax.tree.map(jnp.asarray, batch), tparams)
+    if mesh is None:
+        new, _, metrics = step(params, opt.init(params), ref_params, jax.tree.map(jnp.asarray, batch), tparams)
+    else:
+        put = lambda tree: None if tree is None else jax.device_put(tree, state_shardings(tree, mesh))
+        params, ref_params, tparams = put(params), put(ref_params), put(tparams)
+        with jax.set_mesh(mesh):
+            new, _, metrics = step(params, opt.init(params), ref_params, shard_batch(batch, mesh), tparams)
     return jax.tree.map(lambda a, b: a - np.asarray(b), before, new), metrics
 
 
@@ -235,3 +243,21 @@ def test_coefficient_zero_is_the_base_method(setup, tok, method, zero):
     g2, m2 = _step(base, policy, ref, _batch(base, trajs, row_tasks, tok)[0])
     assert float(m1["adv_mean"]) == float(m2["adv_mean"]) and float(m1["adv_abs_mean"]) == float(m2["adv_abs_mean"])
     assert _max_diff(g1, g2) < 1e-7
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 fake devices (tests/conftest.py)")
+@pytest.mark.parametrize("method", ["sdpo", "sod"])
+def test_sharded_step_equals_unsharded(setup, tok, method):
+    """fsdp=2 x tensor=4: the vocabulary-sharded head's top-K (each shard's candidates combined)
+    and the student's log-probs at the teacher's ids, and SOD's external teacher sharded like the
+    reference, give the unsharded step's update."""
+    trajs, row_tasks, policy, ref, big = setup
+    algo, teacher_kw, who = CASES[method]
+    cfg = _cfg(method, **algo, **teacher_kw)
+    batch, _ = _batch(cfg, trajs, row_tasks, tok)
+    teacher = big if who == "big" else None
+    plain, m0 = _step(cfg, policy, ref, batch, teacher=teacher)
+    sharded, m1 = _step(cfg, policy, ref, batch, teacher=teacher, mesh=make_mesh(fsdp=2, tensor=4))
+    assert _max_diff(plain, sharded) < 1e-6
+    name = {"sdpo": "sdpo_kl", "sod": "sod_weight"}[method]
+    assert abs(float(m0[name]) - float(m1[name])) < 1e-6 and float(m0[name]) != 0.0

@@ -17,7 +17,7 @@ from flax import nnx
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import Qwen3
 from turnsight_jax.models.sharding import make_mesh, state_shardings
-from turnsight_jax.rl.batch import Geometry, abstract_batch
+from turnsight_jax.rl.batch import Geometry, abstract_batch, packed_reference
 from turnsight_jax.rl.config import AlgoConfig, LossConfig, StepConfig
 from turnsight_jax.rl.methods import resolve_method
 from turnsight_jax.rl.step import make_optimizer, make_train_step
@@ -78,10 +78,10 @@ def parse_collectives(hlo: str) -> list[tuple[str, list[tuple[int, ...]], bool]]
     return out
 
 
-def _compiled_hlo(method: str, tied: bool, packed: bool = False) -> str:
+def _compiled_hlo(method: str, tied: bool, packed: bool = False, tensor: int = 1) -> str:
     cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16, tie_word_embeddings=tied)
-    mesh = make_mesh(fsdp=8)
+    mesh = make_mesh(fsdp=8 // tensor, tensor=tensor)
     step_cfg = StepConfig(algo=AlgoConfig(method=method), loss=LossConfig(kl_coef=0.01), group_size=4, max_turns=4,
                           logprob_chunk=CHUNK, pack_rows=packed)
     m = resolve_method(step_cfg)
@@ -90,8 +90,9 @@ def _compiled_hlo(method: str, tied: bool, packed: bool = False) -> str:
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shard)
     optimizer = make_optimizer(step_cfg.optim)
     opt = jax.eval_shape(optimizer.init, params)
-    geo = Geometry(batch=16, length=256, policy=192, packed=512, distinct=320, views=3 + int(m.needs_ref), turns=4,
-                   row_shards=8, pack_cell=2 if packed else None)  # packed: 16 rows / 8 shards, cells of 2
+    views = m.teacher_views(step_cfg.algo) + int(packed_reference(step_cfg, m))
+    geo = Geometry(batch=16, length=256, policy=192, packed=512, distinct=320, views=views, turns=4,
+                   row_shards=8 // tensor, pack_cell=2 if packed else None)  # packed: 16 rows / 8 shards, cells of 2
     batch = abstract_batch(geo, mesh, m)
     step = make_train_step(graphdef, step_cfg, optimizer, m)
     with jax.set_mesh(mesh):
@@ -121,12 +122,15 @@ def test_parser_finds_collectives_in_loops():
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 fake devices (tests/conftest.py)")
-@pytest.mark.parametrize("method,tied,packed", [("turnsight", True, False), ("grpo", False, False),
-                                                ("turnsight", False, True)])
-def test_no_vocabulary_sized_collective_in_the_fused_step(method, tied, packed):
+@pytest.mark.parametrize("method,tied,packed,tensor", [("turnsight", True, False, 1), ("grpo", False, False, 1),
+                                                       ("turnsight", False, True, 1), ("sdpo", False, False, 1),
+                                                       ("sdpo", False, False, 4)])
+def test_no_vocabulary_sized_collective_in_the_fused_step(method, tied, packed, tensor):
     """packed: rows packed several per row (rl.packing): the per-shard gather from the packed
-    rows keeps the head's chunk loop on each device's own rows."""
-    found = _vocab_collectives(_compiled_hlo(method, tied, packed))
+    rows keeps the head's chunk loop on each device's own rows. sdpo: the teacher's top-K and the
+    student's log-probs at those K ids run in the same per-device loops (the K candidates, not
+    the vocabulary, are what a tensor-sharded head would gather)."""
+    found = _vocab_collectives(_compiled_hlo(method, tied, packed, tensor))
     in_loops = [f for f in found if f[2]]
     assert not in_loops, f"vocabulary-sized collectives inside a loop: {in_loops}"
     # outside loops only the weight itself ([D, V] or an fsdp shard of it) crosses devices

@@ -151,7 +151,7 @@ def chunked_topk(hidden: jax.Array, weight: jax.Array, k: int, *, chunk: int = 1
     (ids [N, k] int32, log-probs [N, k] float32), descending, without gradient; lax.top_k's order
     among equal logits (the lower id first). Chunked like chunked_logprobs (no [N, V] array;
     unused rows skipped and 0). With vocab_axis each shard takes its local top k, then the [C, k]
-    candidates of every shard (values and global ids, [C, k·n]) are gathered and the top k of
+    candidates of every shard (values and global ids, [C, k·n]) are combined and the top k of
     those kept: never a [C, V] array across devices."""
     inv_t = 1.0 / float(temperature)
     w = jax.lax.stop_gradient(weight).astype(hidden.dtype)
@@ -169,11 +169,18 @@ def chunked_topk(hidden: jax.Array, weight: jax.Array, k: int, *, chunk: int = 1
         ids = idx.astype(jnp.int32) + first_id
         if vocab_axis is not None:
             lse = jnp.log(jax.lax.psum(jnp.exp(lse), vocab_axis))
-            vals = jax.lax.all_gather(vals, vocab_axis, axis=1, tiled=True)  # [C, k·n]
-            ids = jax.lax.all_gather(ids, vocab_axis, axis=1, tiled=True)
+            vals, ids = gather_candidates(vals), gather_candidates(ids)  # [C, n·k]
             vals, pos = jax.lax.top_k(vals, k)
             ids = jnp.take_along_axis(ids, pos, axis=1)
         return ids, vals - (top + lse)[:, None]
+
+    def gather_candidates(x):
+        """[C, k] per shard -> [C, n·k], every shard's block at its index. A psum of one-hot
+        placed blocks rather than an all_gather: the result is the same on every shard and typed
+        so (shard_map's replication check), as the log-probs' psums are."""
+        n = jax.lax.axis_size(vocab_axis)
+        here = (jnp.arange(n) == jax.lax.axis_index(vocab_axis)).astype(x.dtype)
+        return jax.lax.psum(here[None, :, None] * x[:, None, :], vocab_axis).reshape(x.shape[0], n * k)
 
     def skipped(_h, t):
         return _zeros_like_rows(t, (k,), jnp.int32), _zeros_like_rows(t, (k,), jnp.float32)
