@@ -119,6 +119,11 @@ def _summed(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, total.tolist()))
 
 
+# The progress line's view of the method's own mechanism: the metric that shows it acting.
+MECHANISM_METRICS = {"turnsight/weight_max": "w_max", "rlsd/weight_max": "w_max", "train/sdpo_kl": "sdpo_kl",
+                     "sdpo/gap_mean": "sdpo_gap", "train/sdar_gate": "gate", "train/sod_weight": "sod_w"}
+
+
 def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_cfg=None) -> flops.UpdateFlops:
     """The update's FLOPs (turnsight_jax.flops) for this process's rows, as the step runs them."""
     one_update = step_cfg.mini_batches * step_cfg.ppo_epochs == 1
@@ -351,7 +356,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             mlog.write(step, metrics)
             progress.update(step, {"reward": metrics["rollout/reward_mean"],
                                    "solve_f1": metrics.get("rollout/solve_f1", float("nan")),
-                                   "w_max": float(metrics.get("turnsight/weight_max", 1.0))})
+                                   **{label: float(metrics[key]) for key, label in MECHANISM_METRICS.items()
+                                      if key in metrics}})
             if skipped_in_a_row >= cfg.train.max_skipped_steps:
                 raise NonFiniteTraining(
                     f"{skipped_in_a_row} steps in a row (to step {step + 1}) had a non-finite loss or gradient; "

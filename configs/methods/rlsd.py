@@ -1,6 +1,6 @@
 """RLSD (Self-Distilled RLVR; docs/baselines.md) on the tiny CPU experiment: the embedded default's
 model, built-in tasks and warm-start, with the method switched to `rlsd`: the base advantage
-(GRPO here: the built-in tasks carry no per-turn gold calls for MatchTIR) modulated per token by
+(MatchTIR, as the paper runs RLSD: the built-in tasks carry their gold call chains) modulated per token by
 w = clip(exp(sign(A) * gap), 1 - eps_w, 1 + eps_w), where gap is the teacher's log-prob of the
 token with the gold answer shown after the prompt minus the student's.
 
@@ -16,7 +16,7 @@ from turnsight_jax.config import default_config
 def get_config():
     c = default_config()
     c.name = "rlsd_tiny"
-    c.rl.method, c.rl.base = "rlsd", "grpo"
+    c.rl.method, c.rl.base = "rlsd", "matchtir"
     c.teacher.weights = "policy"  # the same model, given the privileged context (RLSD)
     c.teacher.source, c.teacher.placement = "gold_answer", "prompt"
     c.train.steps = 8

@@ -132,8 +132,9 @@ def turn_mean(values: Array, turn_ids: Array, mask: Array) -> Array:
 
 
 def sod_turn_weights(kl: Array, turn_ids: Array, mask: Array, tau: float) -> Array:
-    """ω = exp(−D̄_k / τ) per token, D̄_k its turn's mean top-K KL (detached): [B, N]."""
-    d = turn_mean(jax.lax.stop_gradient(kl), turn_ids, mask)
+    """ω = exp(−D̄_k / τ) per token, D̄_k its turn's mean top-K KL (detached): [B, N]. D̄_k is a
+    KL (>= 0); floored at 0 so that float rounding (teacher = student, D̄ ~ −1e-8) keeps ω <= 1."""
+    d = jnp.maximum(turn_mean(jax.lax.stop_gradient(kl), turn_ids, mask), 0.0)
     return jnp.where(mask, jnp.exp(-d / tau), 0.0)
 
 

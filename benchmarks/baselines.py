@@ -1,0 +1,112 @@
+"""The self-distillation baselines' train step (issue 23) against GRPO's, in one process, at the
+embedded default's geometry (8 built-in tasks x 4 replayed gold chains, random rewards).
+
+    python benchmarks/baselines.py [--repeats 5] [--methods grpo,turnsight,rlsd,sdpo,sdar,sod]
+
+Each method's step and teacher settings are its tiny config's (configs/methods/<name>.py; GRPO
+and TurnSight are the embedded default's): the same model (tiny-default, f32), the same batch of
+trajectories, one fused update each. SOD's external teacher is the `warm_start` of its tiny config:
+a second model of the policy's architecture (its own parameters; another random init here). The
+rewards are uniform in [0, 1), so SDPO's sibling source counts a sibling as successful at reward
+>= 0.5 (the tiny config's 1.0 would skip every view on these rewards). Prints a table: median
+wall seconds per step, the ratio to GRPO, the packed teacher tokens and the teacher's share of the
+update's necessary FLOPs (turnsight_jax.flops, the counter the trainer logs)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from common import machine, table, time_fn  # noqa: E402
+from geometries import geometry_batch  # noqa: E402
+
+from turnsight_jax import flops  # noqa: E402
+from turnsight_jax.assets import default_tokenizer  # noqa: E402
+from turnsight_jax.config import default_config, load_config_file, step_config  # noqa: E402
+from turnsight_jax.model_setup import runtime_options  # noqa: E402
+from turnsight_jax.models.config import get_preset  # noqa: E402
+from turnsight_jax.models.qwen3 import Qwen3  # noqa: E402
+from turnsight_jax.rl.batch import make_train_batch, packed_reference  # noqa: E402
+from turnsight_jax.rl.methods import resolve_method  # noqa: E402
+from turnsight_jax.rl.step import make_optimizer, make_train_step  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+METHODS = ("grpo", "turnsight", "rlsd", "sdpo", "sdpo_advantage", "sdar", "sod")
+
+
+def method_config(name: str):
+    """The run config of a method: its tiny config file, the default for grpo / turnsight."""
+    if name in ("grpo", "turnsight"):
+        cfg = default_config()
+        cfg.rl.method = name
+        return cfg
+    cfg = load_config_file(REPO / "configs" / "methods" / f"{'sdpo' if name == 'sdpo_advantage' else name}.py")
+    if name == "sdpo_advantage":
+        cfg.rl.method = name
+    if cfg.teacher.source == "sibling":
+        cfg.teacher.sibling_min_reward = 0.5
+    return cfg
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    args = ap.parse_args()
+    names = args.methods.split(",")
+    if "grpo" not in names:
+        names.insert(0, "grpo")
+    tok = default_tokenizer()
+    trajs, row_tasks, turns = geometry_batch("default", tok)
+    qcfg = get_preset("tiny-default")
+    rows, walls = [], {}
+    for name in names:
+        cfg = method_config(name)
+        sc = dataclasses.replace(step_config(cfg), max_turns=turns)
+        method = resolve_method(sc)
+        batch, stats = make_train_batch(trajs, row_tasks, tok, sc, method)
+        model = Qwen3(qcfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32, options=runtime_options(cfg))
+        graphdef, params = nnx.split(model)
+        external = method.needs_views and sc.teacher.weights == "external"
+        tgraph = tparams = None
+        if external:
+            tgraph, tparams = nnx.split(Qwen3(qcfg, rngs=nnx.Rngs(1), param_dtype=jnp.float32,
+                                              options=runtime_options(cfg)))
+        optimizer = make_optimizer(sc.optim)
+        step = make_train_step(graphdef, sc, optimizer, method, teacher_graphdef=tgraph)
+        dev = jax.tree.map(jnp.asarray, batch)
+        holder = {"p": jax.tree.map(jnp.copy, params), "s": optimizer.init(params)}
+
+        def full():
+            holder["p"], holder["s"], m = step(holder["p"], holder["s"], params, dev, tparams)
+            return m
+
+        walls[name] = time_fn(full, repeats=args.repeats)
+        work = flops.update_flops(qcfg, batch, updates=sc.ppo_epochs,
+                                  ref_forward=method.needs_ref and not packed_reference(sc, method),
+                                  q_chunk=cfg.model.attn_q_chunk, remat=cfg.model.remat,
+                                  teacher_distinct_rows=stats.get("teacher_distinct_rows"),
+                                  logprob_chunk=sc.logprob_chunk, score_chunk=sc.scoring_chunk,
+                                  teacher_cfg=qcfg if external else None)
+        teacher = work.parts.get("teacher", (0.0, 0.0))[0]
+        rows.append([name, sc.teacher.weights if method.needs_views else "-",
+                     sc.teacher.source if method.teacher == "privileged" and method.needs_views else "-",
+                     f"{walls[name]:.3f}", None, f"{int(stats.get('view_tokens', 0)):,}",
+                     f"{teacher / max(work.necessary, 1.0):.0%}"])
+        print(f"{name}: {walls[name]:.3f} s/step", file=sys.stderr)
+    for r in rows:
+        r[4] = f"{walls[r[0]] / walls['grpo']:.2f}"
+    print(f"# train step per method, default geometry ({len(trajs)} trajectories), {machine()}")
+    print(table(rows, ["method", "teacher", "block", "s/step", "vs GRPO", "teacher tokens", "teacher FLOP share"]))
+
+
+if __name__ == "__main__":
+    main()
