@@ -44,6 +44,22 @@ def opt_state_shardings(abstract_opt, mesh):
     return jax.tree_util.tree_map_with_path(leaf, abstract_opt)
 
 
+def abstract_teacher(cfg, step_cfg, method, qcfg, params, mesh):
+    """(graphdef or None, abstract parameters or None) of the teacher's own weights, kept next to
+    the policy's through the run when it is an EMA of the policy or another model (teacher.weights;
+    train.py): sharded like the reference, in model.ref_dtype for an external model."""
+    tw = step_cfg.teacher.weights if method.needs_views else "reference"
+    if tw == "ema":
+        return None, params
+    if tw != "external":
+        return None, None
+    tq = model_setup.teacher_config(cfg, qcfg)
+    rdtype = model_setup.DTYPES[cfg.model.ref_dtype]
+    opts = model_setup.runtime_options(cfg)
+    graphdef, teacher = nnx.split(nnx.eval_shape(lambda: Qwen3(tq, rngs=nnx.Rngs(0), param_dtype=rdtype, options=opts)))
+    return graphdef, _with_shardings(teacher, state_shardings(teacher, mesh))
+
+
 def compile_step(cfg: mlc.ConfigDict):
     """(compiled step, geometry, seconds to compile) for the config on the current devices."""
     step_cfg, method = validate(cfg, jax.device_count(), check_data=False)
@@ -63,16 +79,7 @@ def compile_step(cfg: mlc.ConfigDict):
     opt = _with_shardings(opt, opt_state_shardings(opt, mesh))
     geo = worst_case_geometry(cfg, method, step_cfg, mesh.shape["data"] * mesh.shape["fsdp"])
     batch = abstract_batch(geo, mesh, method)
-    # the teacher's own parameters when it is an EMA of the policy or another model (teacher.weights)
-    tw = step_cfg.teacher.weights if method.needs_views else "reference"
-    teacher = teacher_graphdef = None
-    if tw == "ema":
-        teacher = params
-    elif tw == "external":
-        tq = model_setup.teacher_config(cfg, qcfg)
-        t_abstract = nnx.eval_shape(lambda: Qwen3(tq, rngs=nnx.Rngs(0), param_dtype=rdtype, options=opts))
-        teacher_graphdef, teacher = nnx.split(t_abstract)
-        teacher = _with_shardings(teacher, state_shardings(teacher, mesh))
+    teacher_graphdef, teacher = abstract_teacher(cfg, step_cfg, method, qcfg, params, mesh)
     step = make_train_step(graphdef, step_cfg, optimizer, method, teacher_graphdef=teacher_graphdef)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
@@ -143,7 +150,7 @@ def rollout_plan(cfg: mlc.ConfigDict) -> dict:
     params = _with_shardings(params, state_shardings(params, mesh))
     rdtype = model_setup.DTYPES[cfg.model.ref_dtype]
     ref = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, rdtype, sharding=x.sharding), params)
-    step_cfg, _ = validate(cfg, jax.device_count(), check_data=False)
+    step_cfg, method = validate(cfg, jax.device_count(), check_data=False)
     opt = jax.eval_shape(make_optimizer(step_cfg.optim).init, params)
     opt = _with_shardings(opt, opt_state_shardings(opt, mesh))
     decode = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cdtype, sharding=x.sharding), params)
@@ -175,7 +182,9 @@ def rollout_plan(cfg: mlc.ConfigDict) -> dict:
     secs = time.perf_counter() - t0
     temps = compiled.memory_analysis().temp_size_in_bytes
     gib = 1024**3
+    _, teacher = abstract_teacher(cfg, step_cfg, method, qcfg, params, mesh)
     resident = _per_device_bytes(params) + _per_device_bytes(opt) + _per_device_bytes(ref)
+    resident += 0 if teacher is None else _per_device_bytes(teacher)
     copy = 0 if pdtype == cdtype else _per_device_bytes(decode)
     pool = _per_device_bytes(kv)
     peak = resident + copy + pool + temps
@@ -186,7 +195,8 @@ def rollout_plan(cfg: mlc.ConfigDict) -> dict:
           f"lengths: prompt <= {rc.max_prompt_tokens:,}, response <= {rc.max_response_tokens:,} (decode compiled in "
           f"{secs:.0f}s)")
     print("| per device | GiB |\n|---|---|")
-    for name, v in (("trainer state kept while rolling out (params, optimizer, reference)", resident),
+    kept = "params, optimizer, reference" + ("" if teacher is None else f", {step_cfg.teacher.weights} teacher")
+    for name, v in ((f"trainer state kept while rolling out ({kept})", resident),
                     (f"decode copy of the weights ({cfg.model.compute_dtype})", copy),
                     ("KV block pool", pool), ("decode temporaries (widest program)", temps)):
         print(f"| {name} | {v / gib:.2f} |")
