@@ -231,16 +231,23 @@ def test_an_ema_teacher_is_the_parameters_passed_in(setup, tok):
     assert _max_diff(grads, as_policy) > 1e-5  # another teacher, another gradient
 
 
+@pytest.fixture(scope="module")
+def grpo_step(setup, tok):
+    """The base method's step on the same trajectories (every method here runs over GRPO)."""
+    trajs, row_tasks, policy, ref, _ = setup
+    base = _cfg("grpo")
+    return _step(base, policy, ref, _batch(base, trajs, row_tasks, tok)[0])
+
+
 @pytest.mark.parametrize("method,zero", [("rlsd", dict(lam=0.0)), ("sdpo", dict(sdpo_coef=0.0)),
                                          ("sdpo_advantage", dict(sdpo_coef=0.0)), ("sdar", dict(sdar_coef=0.0)),
                                          ("sod", dict(sod_coef=0.0))])
-def test_coefficient_zero_is_the_base_method(setup, tok, method, zero):
+def test_coefficient_zero_is_the_base_method(setup, tok, grpo_step, method, zero):
     trajs, row_tasks, policy, ref, big = setup
     algo, teacher_kw, who = CASES[method]
     cfg = _cfg(method, **{**algo, **zero}, **teacher_kw)
-    base = _cfg("grpo")
     g1, m1 = _step(cfg, policy, ref, _batch(cfg, trajs, row_tasks, tok)[0], teacher=big if who == "big" else None)
-    g2, m2 = _step(base, policy, ref, _batch(base, trajs, row_tasks, tok)[0])
+    g2, m2 = grpo_step
     assert float(m1["adv_mean"]) == float(m2["adv_mean"]) and float(m1["adv_abs_mean"]) == float(m2["adv_abs_mean"])
     assert _max_diff(g1, g2) < 1e-7
 

@@ -4,11 +4,12 @@ method's mechanism shows in the logged metrics.
 
 A random model never solves a built-in task, and every advantage would then be 0 (RLSD's weights
 all 1, no successful sibling for SDPO). So the runs share one short supervised warm-start, built
-by the first run (a smaller version of the configs' own: 200 + 30 steps of 4 rows instead of
-250 + 60 of 16) and reused by the others from their run folders (the trainer reuses a completed
+by the first run (a smaller version of the configs' own: 200 + 60 steps of 4 rows instead of
+250 + 60 of 16, from 128 tasks) and reused by the others from their run folders (the trainer reuses a completed
 `sft/` folder); SOD's external teacher is that warm-start (`teacher.checkpoint=warm_start`, its
 tiny config's default). Only sizes are overridden, plus SDPO's sibling threshold: on this weak
-warm-start few rollouts solve a task fully, so any sibling with a higher reward than 0 counts."""
+warm-start few rollouts solve a task fully, so any sibling with a higher reward than 0 counts.
+(Named to be collected early: the longest file of the suite starts first under pytest-xdist.)"""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ from conftest import SUBPROCESS_XLA_FLAGS
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SIZES = ["--config.data.num_eval=0", "--config.train.steps=3", "--config.train.prompts_per_step=2",
          "--config.train.group_size=4", "--config.checkpoint.every=0", "--config.log.tensorboard=False",
-         "--config.sft.curriculum_steps=200", "--config.sft.steps=30", "--config.sft.batch_size=4",
-         "--config.sft.num_tasks=256"]
+         "--config.sft.curriculum_steps=200", "--config.sft.steps=60", "--config.sft.batch_size=4",
+         "--config.sft.num_tasks=128", "--config.data.num_train=64"]
 EXTRA = {"sdpo": ["--config.teacher.sibling_min_reward=0.01"]}
 METHODS = ("rlsd", "sdpo", "sdar", "sod")
 
@@ -83,6 +84,6 @@ def test_every_baseline_trains_three_steps_with_its_mechanism_acting(runs):
     sod = runs["sod"]
     # the teacher starts as the policy's warm-start (KL 0, weight 1); once the policy has moved,
     # per-turn weights exp(-divergence / tau) fall below 1 and the KL is positive
-    assert all(0.0 < r["train/sod_weight"] <= 1.0 for r in sod)
+    assert all(0.0 < r["train/sod_weight"] <= 1.0 + 1e-5 for r in sod)  # a token mean of weights <= 1
     assert abs(sod[0]["train/sod_kl"]) < 1e-5 and abs(sod[0]["train/sod_weight"] - 1.0) < 1e-5
     assert _any(sod, "train/sod_weight", lambda v: v < 1.0) and _any(sod, "train/sod_kl", lambda v: v > 1e-5)
