@@ -61,6 +61,9 @@ def test_every_baseline_trains_three_steps_with_its_mechanism_acting(runs):
     for method, records in runs.items():
         assert [r["step"] for r in records] == [0, 1, 2], method
         assert all(r["train/skipped_updates"] == 0.0 and r["perf/update_flops_necessary"] > 0 for r in records)
+        # the teacher forward's FLOPs, a share of the update's
+        assert all(0 < r["perf/teacher_flops_necessary"] <= r["perf/teacher_flops_executed"] for r in records)
+        assert all(0 < r["perf/teacher_flops_share"] < 1 for r in records)
         # the teacher's views were scored and differ from the student somewhere (the privileged
         # block, or SOD's other model once the policy has moved away from it)
         assert _any(records, "teacher/gap_abs_mean", lambda v: v > 1e-3), method

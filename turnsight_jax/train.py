@@ -333,6 +333,10 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                             # and per part (student, teacher, student_forward): where the padding is
                             **{f"perf/update_padding_ratio_{part}": counts[f"f.{part}_executed"]
                                / max(counts[f"f.{part}_necessary"], 1.0) for part in work.parts}})
+            if "teacher" in work.parts:  # the teacher's forward (on its own architecture when external)
+                metrics.update({"perf/teacher_flops_necessary": counts["f.teacher_necessary"],
+                                "perf/teacher_flops_executed": counts["f.teacher_executed"],
+                                "perf/teacher_flops_share": counts["f.teacher_necessary"] / max(update["necessary"], 1.0)})
             metrics.update({"perf/step_s": t_total, "perf/rollout_s": t_roll, "perf/update_s": t_total - t_roll,
                             "perf/tool_s": res.stats["tool_s"], "perf/tokens_per_s": tokens / t_total,
                             # episodes an environment error ended (a raising step or scorer), a count
