@@ -5,7 +5,7 @@ method's mechanism shows in the logged metrics.
 A random model never solves a built-in task, and every advantage would then be 0 (RLSD's weights
 all 1, no successful sibling for SDPO). So the runs share one short supervised warm-start, built
 by the first run (a smaller version of the configs' own: 200 + 60 steps of 4 rows instead of
-250 + 60 of 16, from 128 tasks) and reused by the others from their run folders (the trainer reuses a completed
+250 + 60 of 16, from 128 tasks, gold demonstrations only) and reused by the others from their run folders (the trainer reuses a completed
 `sft/` folder); SOD's external teacher is that warm-start (`teacher.checkpoint=warm_start`, its
 tiny config's default). Only sizes are overridden, plus SDPO's sibling threshold: on this weak
 warm-start few rollouts solve a task fully, so any sibling with a higher reward than 0 counts.
@@ -27,7 +27,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 SIZES = ["--config.data.num_eval=0", "--config.train.steps=3", "--config.train.prompts_per_step=2",
          "--config.train.group_size=4", "--config.checkpoint.every=0", "--config.log.tensorboard=False",
          "--config.sft.curriculum_steps=200", "--config.sft.steps=60", "--config.sft.batch_size=4",
-         "--config.sft.num_tasks=128", "--config.data.num_train=64"]
+         "--config.sft.num_tasks=128", "--config.sft.wrong_call_rate=0.0", "--config.data.num_train=64"]
 EXTRA = {"sdpo": ["--config.teacher.sibling_min_reward=0.01"]}
 METHODS = ("rlsd", "sdpo", "sdar", "sod")
 
@@ -66,7 +66,7 @@ def test_every_baseline_trains_three_steps_with_its_mechanism_acting(runs):
         assert all(0 < r["perf/teacher_flops_share"] < 1 for r in records)
         # the teacher's views were scored and differ from the student somewhere (the privileged
         # block, or SOD's other model once the policy has moved away from it)
-        assert _any(records, "teacher/gap_abs_mean", lambda v: v > 1e-3), method
+        assert _any(records, "teacher/gap_abs_mean", lambda v: v > (1e-4 if method == "sod" else 1e-3)), method
     rlsd = runs["rlsd"]
     # MatchTIR's turn rewards give non-zero advantages; some tokens strengthened (w > 1), some
     # weakened (w < 1), within the clip [1 - eps_w, 1 + eps_w] = [0.5, 1.5]
@@ -85,8 +85,9 @@ def test_every_baseline_trains_three_steps_with_its_mechanism_acting(runs):
     assert all(0.0 < r["train/sdar_gate"] < 1.0 and r["train/sdar_nll"] > 0 for r in sdar)
     assert all(r["teacher/covered_frac"] == 1.0 for r in sdar)  # a skill for every category
     sod = runs["sod"]
-    # the teacher starts as the policy's warm-start (KL 0, weight 1); once the policy has moved,
-    # per-turn weights exp(-divergence / tau) fall below 1 and the KL is positive
+    # the teacher starts as the policy's warm-start (KL 0 and weight 1 to float rounding, ~1e-9 and
+    # ~1e-6); once the policy has moved (the learning rate warms up from 0), per-turn weights
+    # exp(-divergence / tau) fall below 1 and the KL is positive
     assert all(0.0 < r["train/sod_weight"] <= 1.0 + 1e-5 for r in sod)  # a token mean of weights <= 1
-    assert abs(sod[0]["train/sod_kl"]) < 1e-5 and abs(sod[0]["train/sod_weight"] - 1.0) < 1e-5
-    assert _any(sod, "train/sod_weight", lambda v: v < 1.0) and _any(sod, "train/sod_kl", lambda v: v > 1e-5)
+    assert abs(sod[0]["train/sod_kl"]) < 1e-7 and abs(sod[0]["train/sod_weight"] - 1.0) < 3e-6
+    assert sod[-1]["train/sod_kl"] > 1e-6 and sod[-1]["train/sod_weight"] < 1.0 - 3e-6
