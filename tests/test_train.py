@@ -321,3 +321,18 @@ def test_a_packed_run_equals_the_plain_run(uninterrupted, tmp_path):
             if key.startswith("shape/") or not isinstance(value, (int, float)):
                 continue
             assert value == pytest.approx(plain[step][key], rel=1e-4, abs=1e-5), (step, key)
+
+
+def test_a_dry_run_whose_plan_does_not_fit_exits_1(tmp_path):
+    """--dry_run prints the plan and exits 1 when a peak is over plan.device_memory_gib (a launch
+    script can gate on it); the same plan within the budget exits 0."""
+    args = ["--config", str(REPO / "tests/configs/tiny_random.py"), "--dry_run", "--config.train.prompts_per_step=2",
+            "--config.train.group_size=2", "--config.rollout.max_response_tokens=64"]
+    over = _run([*args, "--config.plan.device_memory_gib=0.001"], tmp_path / "a")
+    out, err = over.communicate(timeout=600)
+    assert over.returncode == 1, err[-2000:]
+    assert "does NOT fit in 0.001 GiB per device" in out
+    assert "error: the train step plan does not fit plan.device_memory_gib = 0.001 GiB per device" in err
+    ok = _run(args, tmp_path / "b")
+    out, err = ok.communicate(timeout=600)
+    assert ok.returncode == 0 and "fits in" in out, err[-2000:]

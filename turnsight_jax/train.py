@@ -473,7 +473,12 @@ def main(argv=None) -> int:
         if args.dry_run:
             from turnsight_jax.rl.plan import dry_run  # compiles for abstract devices only
 
-            dry_run(cfg)
+            plan = dry_run(cfg)
+            over = [name for name, p in (("train step", plan), ("rollout", plan.get("rollout"))) if p and not p["fits"]]
+            if over:  # exit non-zero so that a launch script can gate on the plan
+                print(f"error: the {' and the '.join(over)} plan does not fit plan.device_memory_gib = "
+                      f"{cfg.plan.device_memory_gib} GiB per device (peaks above)", file=sys.stderr)
+                return 1
             return 0
         workdir = pathlib.Path(args.workdir or f"runs/{cfg.name}")
         train(cfg, workdir)

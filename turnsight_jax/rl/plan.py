@@ -203,5 +203,5 @@ def rollout_plan(cfg: mlc.ConfigDict) -> dict:
     print(f"rollout plan: peak {peak / gib:.2f} GiB per device")
     verdict = "fits" if peak / gib <= cfg.plan.device_memory_gib else "does NOT fit"
     print(f"{verdict} in {cfg.plan.device_memory_gib} GiB per device")
-    return {"peak_gib": peak / gib, "slots": per_shard * shards, "pool_gib": pool / gib, "resident_gib": resident / gib,
+    return {"peak_gib": peak / gib, "fits": peak / gib <= cfg.plan.device_memory_gib, "slots": per_shard * shards, "pool_gib": pool / gib, "resident_gib": resident / gib,
             "decode_copy_gib": copy / gib, "temps_gib": temps / gib, "compile_s": secs}
