@@ -117,10 +117,10 @@ def teacher_config(cfg: mlc.ConfigDict, policy: Qwen3Config) -> Qwen3Config:
 
 
 def external_teacher(cfg: mlc.ConfigDict, mesh, policy: Qwen3Config, warm_start: str | None):
-    """(graphdef, params) of teacher.weights='external', loaded in model.ref_dtype and sharded
-    over `mesh` like the reference: teacher.checkpoint, or the run's own warm-start (the SFT
-    stage's folder, or model.hf_path) for 'warm_start'."""
-    teacher_config(cfg, policy)  # the vocabulary check, before anything is loaded
+    """(graphdef, params, architecture) of teacher.weights='external', loaded in model.ref_dtype and
+    sharded over `mesh` like the reference: teacher.checkpoint, or the run's own warm-start (the
+    SFT stage's folder, or model.hf_path) for 'warm_start'."""
+    qcfg = teacher_config(cfg, policy)  # the vocabulary check, before anything is loaded
     path = warm_start if cfg.teacher.checkpoint == "warm_start" else cfg.teacher.checkpoint
     if not path:
         raise ConfigError("teacher.checkpoint='warm_start' but the run has no warm-start folder (no model.hf_path, "
@@ -129,4 +129,4 @@ def external_teacher(cfg: mlc.ConfigDict, mesh, policy: Qwen3Config, warm_start:
         raise ConfigError(f"teacher.checkpoint={path!r} is not a Hugging Face Qwen3 folder on this machine (no "
                           f"config.json): pass --config.teacher.checkpoint=/path/to/the/teacher")
     model = load_pretrained(path, dtype=DTYPES[cfg.model.ref_dtype], mesh=mesh, options=runtime_options(cfg))
-    return nnx.split(model)
+    return (*nnx.split(model), qcfg)

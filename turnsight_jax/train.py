@@ -211,8 +211,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     if tw == "ema":
         teacher_params = jax.tree.map(jnp.copy, params)
     elif tw == "external":
-        teacher_graphdef, teacher_params = model_setup.external_teacher(cfg, mesh, qcfg, start_path)
-        teacher_qcfg = model_setup.teacher_config(cfg, qcfg)
+        teacher_graphdef, teacher_params, teacher_qcfg = model_setup.external_teacher(cfg, mesh, qcfg, start_path)
         log(f"external teacher: {cfg.teacher.checkpoint} ({sum(x.size for x in jax.tree.leaves(teacher_params)):,} "
             f"parameters)")
     ema_fn = None

@@ -263,16 +263,13 @@ def make_train_batch(
             floor["P"] = max([floor["P"]] + [floor.get(f"P{i}", 0) for i in range(len(rows))])
         if method.teacher == "privileged":
             te = cfg.teacher
-            blocks = privileged_blocks(trajs, tasks, tokenizer, source=te.source, placement=te.placement,
-                                       skills=_skills(te.skills) if te.source == "skill" else None,
-                                       rewards=[float(t.reward) for t in trajs],
-                                       group_ids=[t.group_id for t in trajs], min_reward=te.sibling_min_reward)
+            blocks = None if te.source == "none" else privileged_blocks(
+                trajs, tasks, tokenizer, source=te.source, placement=te.placement,
+                skills=_skills(te.skills) if te.source == "skill" else None, rewards=[float(t.reward) for t in trajs],
+                group_ids=[t.group_id for t in trajs], min_reward=te.sibling_min_reward)
             views, vstats = build_privileged_views(
                 trajs, tokenizer, blocks, placement=te.placement, with_reference=packed_reference(cfg, method),
                 positions=(pol_pos, pol_valid), buckets=packed_buckets, min_widths=(floor["P"], floor["U"]))
-            if te.source == "none":  # no block by design: the teacher (another model) covers every token
-                views = views.replace(covered=np.asarray(pol_valid, bool))
-                vstats = {k: v for k, v in vstats.items() if k not in ("views_skipped", "views_built")}
         else:
             views, vstats = build_views(
                 trajs, tokenizer,

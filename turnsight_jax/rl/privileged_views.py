@@ -29,7 +29,7 @@ from turnsight_jax.rl.views import (DEFAULT_PACKED_BUCKETS, PackedViews, _distin
 def build_privileged_views(
     trajs: Sequence[Trajectory],
     tokenizer,
-    blocks: Sequence,
+    blocks: Sequence | None,
     *,
     placement: str,
     with_reference: bool = False,
@@ -39,12 +39,20 @@ def build_privileged_views(
     min_widths: tuple[int, int] = (0, 0),
 ) -> tuple[PackedViews, dict[str, float]]:
     """Packed rows of the privileged views (numpy). blocks: chat.privileged.privileged_blocks'
-    output (per trajectory ids or None for "prompt"; per turn for "turn"). Returns (views, stats):
+    output (per trajectory ids or None for "prompt"; per turn for "turn"), or None for no
+    privileged context by design (teacher.source='none': another model reads the student's own
+    context, every policy token covered, nothing counted as skipped). Returns (views, stats):
     views.view_pred [R, B, N] with R = 1 (+1 reference row), views.covered [B, N] bool; stats count
     the packed tokens, the views built and skipped."""
     del tokenizer  # the blocks are already token ids; kept for build_views' signature
     if placement not in ("prompt", "turn"):
         raise ValueError(f"unknown privileged placement {placement!r}; expected one of ('prompt', 'turn')")
+    if blocks is None:
+        views, stats = build_privileged_views(trajs, None, [None] * len(trajs), placement="prompt",
+                                              with_reference=with_reference, positions=positions,
+                                              policy_width=policy_width, buckets=buckets, min_widths=min_widths)
+        stats = {k: v for k, v in stats.items() if k not in ("views_built", "views_skipped")}
+        return views.replace(covered=_policy_valid(trajs, positions, policy_width)), stats
     if len(blocks) != len(trajs):
         raise ValueError(f"{len(trajs)} trajectories but {len(blocks)} privileged blocks")
     pol_pos, pol_valid = positions if positions is not None else policy_positions(trajs, policy_width)
@@ -89,3 +97,7 @@ def build_privileged_views(
                                                 for b in range(len(trajs)))),
              "views_built": float(built), "views_skipped": float(skipped)}
     return views, stats
+
+
+def _policy_valid(trajs, positions, policy_width) -> np.ndarray:
+    return np.asarray((positions if positions is not None else policy_positions(trajs, policy_width))[1], bool)
