@@ -32,7 +32,7 @@ import ml_collections as mlc
 
 from turnsight_jax.chat.hindsight_template import HindsightTemplate
 from turnsight_jax.errors import ConfigError
-from turnsight_jax.rl.config import AlgoConfig, LossConfig, OptimConfig, StepConfig, TeacherConfig
+from turnsight_jax.rl.config import AlgoConfig, CriticConfig, LossConfig, OptimConfig, StepConfig, TeacherConfig
 from turnsight_jax.rl.methods import ResolvedMethod, resolve_method
 from turnsight_jax.rollout.driver import RolloutConfig
 from turnsight_jax.rollout.engine import EngineConfig
@@ -138,6 +138,9 @@ def base_config() -> mlc.ConfigDict:
     c.rl.sdar_beta = 1.0  # SDAR: gate sigmoid(beta * (teacher - student log-prob)) sharpness
     c.rl.sod_coef = 1.0  # SOD: coefficient of the turn-weighted top-K KL to the external teacher
     c.rl.sod_tau = 1.0  # SOD: turn weight exp(-turn divergence / tau) (the SOD paper gives no formula: ours)
+    c.rl.gae_gamma = 1.0  # PPO (methods with a critic, rl.critic): GAE discount per policy token (verl: 1.0)
+    c.rl.gae_lam = 1.0  # PPO: GAE lambda (verl: 1.0)
+    c.rl.gae_whiten = True  # PPO: GAE advantages whitened over the batch's policy tokens (verl's default)
     c.rl.args = mlc.ConfigDict()  # free-form knobs of plug-in methods (--config.rl.args.<key>=<value>)
 
     c.teacher = mlc.ConfigDict()  # who scores the teacher views, and what privileged context they show (rl.config.TeacherConfig)
@@ -175,6 +178,13 @@ def base_config() -> mlc.ConfigDict:
     c.optim.b2 = 0.999  # AdamW second-moment decay (paper silent)
     c.optim.weight_decay = 0.01  # AdamW weight decay (paper silent)
     c.optim.max_grad_norm = 1.0  # global gradient-norm clip
+
+    c.critic = mlc.ConfigDict()  # PPO's critic (rl.critic): its own trunk + value head and optimizer, for methods with one
+    c.critic.lr = 1e-5  # critic AdamW peak learning rate (verl's critic default)
+    c.critic.warmup_steps = 0  # linear warm-up steps of the critic's learning rate
+    c.critic.weight_decay = 0.01  # critic AdamW weight decay
+    c.critic.max_grad_norm = 1.0  # critic global gradient-norm clip
+    c.critic.value_clip = 0.5  # value loss 0.5*max((V-R)^2, (clip(V, V_old +- c) - R)^2); None: unclipped (verl: 0.5)
 
     c.train = mlc.ConfigDict()  # the RL loop and the split of a step's batch
     c.train.steps = 208  # RL steps: 3 epochs x ceil(2215 FTRL training tasks / 32) (paper: 3 epochs)
@@ -483,7 +493,8 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
                         matchtir_matching=r.matchtir_matching, matchtir_semantics=r.matchtir_semantics,
                         matchtir_singleton=r.matchtir_singleton, toolrl_format=r.toolrl_format,
                         sdpo_coef=r.sdpo_coef, sdpo_tail=r.sdpo_tail, sdar_coef=r.sdar_coef, sdar_beta=r.sdar_beta,
-                        sod_coef=r.sod_coef, sod_tau=r.sod_tau, args=args),
+                        sod_coef=r.sod_coef, sod_tau=r.sod_tau, gae_gamma=r.gae_gamma, gae_lam=r.gae_lam,
+                        gae_whiten=r.gae_whiten, args=args),
         teacher=TeacherConfig(weights=te.weights, ema_decay=te.ema_decay, checkpoint=te.checkpoint,
                               source=te.source, placement=te.placement, skills=te.skills,
                               sibling_min_reward=te.sibling_min_reward, top_k=te.top_k),
@@ -494,6 +505,11 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
         optim=OptimConfig(lr=o.lr, schedule=o.schedule, warmup_steps=o.warmup_steps, total_steps=t.steps,
                           min_lr_ratio=o.min_lr_ratio, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay,
                           max_grad_norm=o.max_grad_norm),
+        critic=CriticConfig(optim=OptimConfig(lr=cfg.critic.lr, warmup_steps=cfg.critic.warmup_steps,
+                                              total_steps=t.steps, b1=o.b1, b2=o.b2,
+                                              weight_decay=cfg.critic.weight_decay,
+                                              max_grad_norm=cfg.critic.max_grad_norm),
+                            value_clip=cfg.critic.value_clip),
         group_size=t.group_size, micro_batches=t.micro_batches, mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
         teacher_micro_batches=t.teacher_micro_batches, logprob_chunk=t.logprob_chunk,
         score_chunk=t.score_chunk, max_turns=cfg.rollout.max_turns,

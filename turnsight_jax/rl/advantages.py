@@ -195,7 +195,8 @@ def _matchtir_estimator(turn_rewards, num_turns, turn_ids, policy_mask, group_id
 # Knobs an estimator may ask for, and where they come from: the AlgoConfig field of the same name,
 # or the step geometry (num_groups = B / G, max_turns = the rollout's turn budget).
 KNOBS = ("eps", "gamma", "num_groups", "max_turns", "lam", "eps_w", "selection", "aggregation",
-         "group_norm", "turns", "norm_pool", "uncovered_in_stats", "matchtir_singleton", "sdpo_coef")
+         "group_norm", "turns", "norm_pool", "uncovered_in_stats", "matchtir_singleton", "sdpo_coef",
+         "gae_gamma", "gae_lam", "gae_whiten")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +206,8 @@ class Estimator:
     fn(*arrays[inputs], **knobs) -> [B, N] advantages, or a dict holding "advantages" (and any
     diagnostics) for estimators that report more. `inputs` name batch arrays (see
     `rl.batch.advantage_inputs`: rewards, group_ids, policy_mask, turn_ids, turn_rewards,
-    num_turns, delta, base_advantages, and any key a registered reward fills); `knobs` name
+    num_turns, delta, base_advantages, values (the critic's V [B, N], for a method with a critic:
+    rl.critic), and any key a registered reward fills); `knobs` name
     entries of KNOBS. An estimator that takes "base_advantages" wraps a base estimator; one that
     takes "delta" needs the teacher's views (hindsight or privileged, as the method declares;
     "teacher_covered" [B, N] bool marks the tokens a privileged view covers).
@@ -272,7 +274,8 @@ def make_advantage_fn(name: str, *, base: str | None = None,
     """`fn(arrays) -> dict` for the estimator `name` (composed over `base` when it wraps one).
 
     The dict always has "advantages" (what the surrogate uses) and "base_advantages"; a wrapping
-    estimator adds its own outputs (TurnSight: weights, selected depths, diagnostics). knobs: the
+    estimator adds its own outputs (TurnSight: weights, selected depths, diagnostics) to its base's
+    (GAE: "returns"). knobs: the
     values of KNOBS the estimators ask for. Unknown names and missing knobs fail here, at build
     time, not inside the step.
     """
@@ -294,8 +297,10 @@ def make_advantage_fn(name: str, *, base: str | None = None,
         if base_est is None:
             out = _call(est, arrays, knobs)
             return {**out, "base_advantages": out["advantages"]}
-        a_base = _call(base_est, arrays, knobs)["advantages"]
+        base_out = _call(base_est, arrays, knobs)
+        a_base = base_out["advantages"]
         out = _call(est, {**arrays, "base_advantages": a_base}, knobs)
-        return {**out, "base_advantages": a_base}
+        # the base's other outputs (e.g. GAE's "returns", the critic's targets) pass through
+        return {**{k: v for k, v in base_out.items() if k != "advantages"}, **out, "base_advantages": a_base}
 
     return fn

@@ -65,7 +65,9 @@ class AlgoConfig:
     sdpo_tail (the top-K KL keeps the rest of the vocabulary as one extra category; False:
     both distributions renormalised over the top K), sdar_coef / sdar_beta (SDAR's auxiliary NLL
     and its gate's sharpness), sod_coef / sod_tau (SOD's distillation coefficient and the
-    temperature of its turn weights exp(-divergence / tau)). args: free-form knobs of plug-in
+    temperature of its turn weights exp(-divergence / tau)). PPO's GAE (rl.critic; methods with a
+    critic): gae_gamma and gae_lam per policy token (verl's defaults 1.0, 1.0), gae_whiten
+    (advantages whitened over the batch's policy tokens). args: free-form knobs of plug-in
     methods, as (key, value) pairs.
     """
 
@@ -95,6 +97,9 @@ class AlgoConfig:
     sdar_beta: float = 1.0
     sod_coef: float = 1.0
     sod_tau: float = 1.0
+    gae_gamma: float = 1.0
+    gae_lam: float = 1.0
+    gae_whiten: bool = True
     args: tuple[tuple[str, Any], ...] = ()
 
     def arg(self, key: str, default: Any = None) -> Any:
@@ -176,11 +181,31 @@ class TeacherConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CriticConfig:
+    """PPO's critic (rl.critic), for methods that carry one: its own optimizer (`optim`: lr,
+    schedule, clipping, AdamW; verl's critic default lr 1e-5) and the value clip c of the loss
+    0.5 · max((V − R)², (clip(V, V_old ± c) − R)²) (None: unclipped; verl's cliprange_value 0.5)."""
+
+    optim: OptimConfig = OptimConfig(lr=1e-5)
+    value_clip: float | None = 0.5
+
+    def validate(self) -> None:
+        c = self.value_clip
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0):
+            raise ConfigError(f"critic.value_clip must be None (off) or a number > 0, got {c!r}")
+        if not (math.isfinite(self.optim.lr) and self.optim.lr > 0):
+            raise ConfigError(f"critic.lr must be finite and > 0, got {self.optim.lr}")
+        if self.optim.schedule not in ("constant", "cosine"):
+            raise ConfigError(f"critic.schedule must be 'constant' or 'cosine', got {self.optim.schedule!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class StepConfig:
     algo: AlgoConfig = AlgoConfig()
     teacher: TeacherConfig = TeacherConfig()
     loss: LossConfig = LossConfig()
     optim: OptimConfig = OptimConfig()
+    critic: CriticConfig = CriticConfig()
     group_size: int = 16
     micro_batches: int = 1  # gradient accumulation inside one mini-batch
     mini_batches: int = 1  # optimizer updates per epoch
@@ -246,6 +271,13 @@ class StepConfig:
             v = getattr(algo, name)
             if not (math.isfinite(v) and v > 0):
                 raise ConfigError(f"rl.{name} must be finite and > 0, got {v}")
+        for name in ("gae_gamma", "gae_lam"):
+            v = getattr(algo, name)
+            if not (math.isfinite(v) and 0.0 <= v <= 1.0):
+                raise ConfigError(f"rl.{name} must be in [0, 1], got {v}")
+        if not isinstance(algo.gae_whiten, bool):
+            raise ConfigError(f"rl.gae_whiten must be True or False, got {algo.gae_whiten!r}")
+        self.critic.validate()
         if not isinstance(algo.sdpo_tail, bool):
             raise ConfigError(f"rl.sdpo_tail must be True or False, got {algo.sdpo_tail!r}")
         self.teacher.validate()

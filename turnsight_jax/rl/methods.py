@@ -30,6 +30,7 @@ from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.rewards import matchtir_turn_rewards, toolrl_reward
+from turnsight_jax.rl import critic as _critic  # noqa: F401  (registers PPO's GAE estimator)
 from turnsight_jax.rl import distill  # noqa: F401  (registers the self-distillation baselines)
 from turnsight_jax.rl.advantages import Estimator, get_estimator
 from turnsight_jax.rl.config import AlgoConfig, StepConfig
@@ -197,6 +198,9 @@ class Method:
     rollout: str = "sampler"
     description: str = ""
     teacher: str = "hindsight"  # the views the teacher scores, when anything reads them (TEACHER_KINDS)
+    # A critic (rl.critic: its own trunk + value head, trained on the clipped value loss next to
+    # the policy); its values [B, N] reach the advantage as "values".
+    critic: bool = False
 
 
 METHODS: dict[str, Method] = {}
@@ -216,6 +220,8 @@ register_method(Method("matchtir", advantage="matchtir", rewards=("outcome", "ma
                        description="turn rewards from matched gold calls, dual-level advantage"))
 register_method(Method("toolrl", advantage="grpo", rewards=("toolrl",),
                        description="ToolRL's format + call-match reward, group-normalised"))
+register_method(Method("ppo", advantage="gae", critic=True,
+                       description="PPO: outcome reward on the last token, GAE(gamma, lambda) against a learned critic"))
 register_method(Method("turnsight", advantage="turnsight", rewards=(),
                        description="turn-level hindsight weighting of the base method's advantage"))
 # The self-distillation baselines of Table 1 (rl.distill, docs/baselines.md); their teachers
@@ -243,6 +249,7 @@ class ResolvedMethod:
     base: Estimator | None
     loss_terms: tuple[LossTerm, ...]
     teacher: str = "hindsight"
+    critic: bool = False  # the method (or its base) trains a critic (rl.critic)
 
     def reads(self, name: str) -> bool:
         """Whether a loss term reads array `name`."""
@@ -279,7 +286,8 @@ class ResolvedMethod:
     def describe(self) -> str:
         adv = self.advantage.name + (f"({self.base.name})" if self.base else "")
         return (f"method {self.name}: rollout {self.rollout.name}, rewards [{', '.join(r.name for r in self.rewards)}], "
-                f"advantage {adv}, loss [{', '.join(t.name for t in self.loss_terms)}]")
+                f"advantage {adv}, loss [{', '.join(t.name for t in self.loss_terms)}]"
+                + (", critic (value head, clipped value loss)" if self.critic else ""))
 
 
 def task_needs(method: str, base: str) -> tuple[str, ...]:
@@ -305,7 +313,7 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
 
     m = method(algo.method, "rl.method")
     advantage = lookup(get_estimator, m.advantage, "advantage", m.name)
-    base, reward_names, rollout_name = None, list(m.rewards), m.rollout
+    base, reward_names, rollout_name, critic = None, list(m.rewards), m.rollout, m.critic
     if advantage.wraps_base:
         bm = method(algo.base, "rl.base")
         base = lookup(get_estimator, bm.advantage, "advantage", bm.name)
@@ -315,6 +323,7 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
         reward_names = list(dict.fromkeys([*bm.rewards, *m.rewards]))
         if rollout_name == "sampler":
             rollout_name = bm.rollout
+        critic = critic or bm.critic
     for name in reward_names:
         if name not in REWARDS:
             raise ConfigError(f"method {m.name!r}: unknown reward {name!r}; registered: {sorted(REWARDS)}")
@@ -330,12 +339,14 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
     dup = sorted({o for o in outputs if outputs.count(o) > 1})
     if dup:
         raise ConfigError(f"method {m.name!r}: several rewards fill {dup}")
-    provided = set(CORE_ARRAYS) | set(outputs) | {"delta", "base_advantages", "teacher_covered"}
+    provided = set(CORE_ARRAYS) | set(outputs) | {"delta", "base_advantages", "teacher_covered"} | (
+        {"values"} if critic else set())
     for est in (advantage, base):
         missing = [k for k in (est.inputs if est else ()) if k not in provided]
         if missing:
             raise ConfigError(f"method {m.name!r}: advantage {est.name!r} reads {missing}, which no reward of "
-                              f"[{', '.join(reward_names)}] fills")
+                              f"[{', '.join(reward_names)}] fills" + (" (\"values\": only a method with a critic)"
+                                                                      if "values" in missing else ""))
     # The step hands a loss term the core arrays, the rewards' outputs and LOSS_ARRAYS only (not
     # delta / base_advantages, which exist only inside the advantage computation).
     term_provided = set(CORE_ARRAYS) | set(outputs) | set(LOSS_ARRAYS) | set(TEACHER_ARRAYS)
@@ -343,4 +354,4 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
         missing = [k for k in term.inputs if k not in term_provided]
         if missing:
             raise ConfigError(f"method {m.name!r}: loss term {term.name!r} reads {missing}, which nothing fills")
-    return ResolvedMethod(m.name, ROLLOUTS[rollout_name], rewards, advantage, base, tuple(terms), m.teacher)
+    return ResolvedMethod(m.name, ROLLOUTS[rollout_name], rewards, advantage, base, tuple(terms), m.teacher, critic)

@@ -18,6 +18,11 @@ One call of the compiled step, for a rollout batch of B trajectories (B / G prom
    over micro-batches (normalised by the *mini-batch* token/trajectory counts, so accumulation
    equals one full pass exactly), global-norm clipping and an optax AdamW update.
 
+A method with a critic (rl.critic; PPO) adds: before 2, the critic's values V_old [B, N] at the
+step's start (no gradient), which the advantage reads as "values" (GAE) and which give its
+"returns"; in 3, the clipped value loss of the same micro-batches, accumulated the same way, and
+the critic's own optimizer update. The critic's loss never reaches the policy's gradient.
+
 All arrays are in the compact policy-position layout of turnsight_jax.rl.batch: [B, N] per policy
 token. Rows of a micro-batch are strided (rows m, m+M, ...), so each micro-batch spreads over all
 data shards.
@@ -33,12 +38,15 @@ from flax import nnx
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.models.qwen3 import Qwen3
 from turnsight_jax.rl.advantages import make_advantage_fn
+from turnsight_jax.rl import critic as critic_lib
 from turnsight_jax.rl.batch import TrainBatch, packed_reference, row_axis
 from turnsight_jax.rl.config import OptimConfig, StepConfig
 from turnsight_jax.rl.logprobs import policy_logprobs, teacher_logprobs
 from turnsight_jax.rl.losses import aggregation_weights, term_losses, tis_weights
 from turnsight_jax.rl.methods import ResolvedMethod, resolve_method
 
+# The critic's per-token metrics (token-weighted like the loss; reported under critic/).
+CRITIC_METRICS = ("value_loss", "value_clip_frac", "values_mean")
 # TurnSight diagnostics the step reports (under turnsight/ in the run's metrics).
 TURNSIGHT_METRICS = ("agreement_rate", "depth_histogram", "weight_mean", "weight_min", "weight_max",
                      "frac_turns_amplified", "frac_turns_damped", "delta_mean")
@@ -69,7 +77,8 @@ def advantage_knobs(cfg: StepConfig, batch_size: int) -> dict:
     return {"eps": a.eps, "gamma": a.gamma, "num_groups": batch_size // cfg.group_size, "max_turns": cfg.max_turns,
             "lam": a.lam, "eps_w": a.eps_w, "selection": a.selection, "aggregation": a.aggregation,
             "group_norm": a.group_norm, "turns": a.turns, "matchtir_singleton": a.matchtir_singleton,
-            "norm_pool": a.norm_pool, "uncovered_in_stats": a.uncovered_in_stats, "sdpo_coef": a.sdpo_coef}
+            "norm_pool": a.norm_pool, "uncovered_in_stats": a.uncovered_in_stats, "sdpo_coef": a.sdpo_coef,
+            "gae_gamma": a.gae_gamma, "gae_lam": a.gae_lam, "gae_whiten": a.gae_whiten}
 
 
 def teacher_covered(batch: TrainBatch):
@@ -79,23 +88,29 @@ def teacher_covered(batch: TrainBatch):
     return batch.pol_valid if covered is None else covered & batch.pol_valid
 
 
-def advantage_inputs(batch: TrainBatch, teacher_lp) -> dict:
-    """The arrays an estimator may read (rl.advantages.Estimator.inputs)."""
+def advantage_inputs(batch: TrainBatch, teacher_lp, values=None) -> dict:
+    """The arrays an estimator may read (rl.advantages.Estimator.inputs); `values` [B, N]: the
+    critic's, for a method with one."""
     arrays = {"group_ids": batch.group_ids, "policy_mask": batch.pol_valid, "turn_ids": batch.turn_ids,
               "num_turns": batch.num_turns, **batch.signals}
+    if values is not None:
+        arrays["values"] = values
     if teacher_lp is not None:
         arrays["delta"] = teacher_lp - batch.old_logprobs[None]
         arrays["teacher_covered"] = teacher_covered(batch)
     return arrays
 
 
-def compute_advantages(batch: TrainBatch, teacher_lp, cfg: StepConfig, method: ResolvedMethod):
-    """Advantages [B, N] of the method over the whole batch, and diagnostics."""
+def compute_advantages(batch: TrainBatch, teacher_lp, cfg: StepConfig, method: ResolvedMethod, values=None):
+    """Advantages [B, N] of the method over the whole batch, and diagnostics (GAE's "returns"
+    [B, N] among them when the estimator gives them)."""
     fn = make_advantage_fn(method.advantage.name, base=method.base.name if method.base else None,
                            knobs=advantage_knobs(cfg, batch.pol_valid.shape[0]))
-    out = fn(advantage_inputs(batch, teacher_lp))
+    out = fn(advantage_inputs(batch, teacher_lp, values))
     # TurnSight's diagnostics by name; a plug-in estimator's under its own "<method>/" prefix
     diag = {k: out[k] for k in out if k in TURNSIGHT_METRICS or "/" in k}
+    if "returns" in out:
+        diag["returns"] = out["returns"]
     if teacher_lp is not None:
         mask = batch.pol_valid
         n = jnp.maximum(mask.sum(), 1)
@@ -236,12 +251,38 @@ def teacher_arrays(batch: TrainBatch, teacher_lp, topk, method: ResolvedMethod) 
     return out
 
 
+def critic_values(graphdef, critic, batch: TrainBatch, cfg: StepConfig):
+    """The critic's values V [B, N] at the step's start, no gradient, micro-batched like the
+    gradient passes. `critic`: {"trunk": nnx.State of `graphdef`, "head": rl.critic.init_head}."""
+    trunk = nnx.merge(graphdef, critic["trunk"])
+
+    def one(rows):
+        return critic_lib.policy_values(trunk, critic["head"], rows)
+
+    return jax.lax.stop_gradient(_in_micro_batches(one, _student_rows(batch), cfg.micro_batches))
+
+
+def init_critic(params, hidden_size: int, optimizer: optax.GradientTransformation) -> dict:
+    """A method's critic at the start of a run: the trunk a copy of the policy's parameters
+    `params` (verl initialises its critic from the actor's model), the value head zero, and the
+    critic optimizer's state: {"params": {"trunk", "head"}, "opt_state"} (what the step takes
+    and returns, and the checkpoint's "critic" item)."""
+    cp = {"trunk": jax.tree.map(jnp.copy, params), "head": critic_lib.init_head(hidden_size)}
+    return {"params": cp, "opt_state": optimizer.init(cp)}
+
+
 def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransformation,
-                    method: ResolvedMethod | None = None, *, state_shardings=None, teacher_graphdef=None):
-    """Returns step(params, opt_state, ref_params, batch, teacher_params=None) -> (params,
-    opt_state, metrics), jitted with params and opt_state donated. `params`/`ref_params` are
-    nnx.State of the policy and the frozen reference (same graphdef). `method` defaults to
+                    method: ResolvedMethod | None = None, *, state_shardings=None, teacher_graphdef=None,
+                    critic_optimizer: optax.GradientTransformation | None = None):
+    """Returns step(params, opt_state, ref_params, batch, teacher_params=None, critic=None) ->
+    (params, opt_state, metrics), jitted with params and opt_state donated. `params`/`ref_params`
+    are nnx.State of the policy and the frozen reference (same graphdef). `method` defaults to
     resolve_method(cfg).
+
+    A method with a critic (method.critic) takes `critic` ({"params": {"trunk": nnx.State of
+    `graphdef`, "head"}, "opt_state"}: `init_critic`), trained by `critic_optimizer` (default
+    make_optimizer(cfg.critic.optim)), and returns (params, opt_state, metrics, critic), the
+    critic donated too; its `state_shardings` then has a third entry, the critic's.
 
     The teacher that scores the views (cfg.teacher.weights): "reference" -> ref_params; "policy"
     -> params at the step's start (no gradient; every update of the step reads the same teacher);
@@ -260,6 +301,10 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         raise ConfigError("teacher.weights='external': make_train_step needs the external teacher's teacher_graphdef")
     reads_topk = method.reads("topk_logprobs")
     metric_names = tuple(dict.fromkeys(k for t in terms for k in t.metrics))
+    with_critic = method.critic
+    if with_critic:
+        critic_optimizer = critic_optimizer or make_optimizer(cfg.critic.optim)
+        metric_names += CRITIC_METRICS
     with_entropy = any("entropy" in t.inputs for t in terms)  # the full-vocab entropy only when read
     # Observation masking (rl.student_sees_observations=False) needs π_old on the masked context.
     # With one update per step the first (only) forward runs the step-start parameters, so its own
@@ -278,10 +323,12 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         raise ConfigError(f"loss.tis_threshold={tis} but no loss term of method {method.name!r} reads the "
                           "importance weights (rl.losses: optional_inputs 'is_weights')")
 
-    def loss_fn(params, mb: TrainBatch, adv, ref_lp, weights, sampler_lp, tx):
+    def loss_fn(params, critic, mb: TrainBatch, adv, ref_lp, weights, sampler_lp, tx, cx):
         """`sampler_lp`: the sampler's log-probs when mb.old_logprobs was replaced by the trainer's
         (mismatch correction with several updates), else None. `tx`: the teacher arrays of these
-        rows ({} when no term reads them; "teacher_topk_ids" [B, N, K] only to score them)."""
+        rows ({} when no term reads them; "teacher_topk_ids" [B, N, K] only to score them).
+        `critic` / `cx`: the critic's parameters and {"returns", "old_values"} [B, N] of these
+        rows, or None; the value loss is added to the loss, and depends on `critic` only."""
         model = nnx.merge(graphdef, params)
         tx = dict(tx)
         topk_ids = tx.pop("teacher_topk_ids", None)
@@ -301,33 +348,43 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
              "group_ids": mb.group_ids, "num_turns": mb.num_turns, "entropy": entropy, **mb.signals,
              "is_weights": is_w, **tx}
         loss_tok, parts = term_losses(terms, x, cfg.loss, cfg.algo)
+        if critic is not None:
+            values = critic_lib.policy_values(nnx.merge(graphdef, critic["trunk"]), critic["head"], mb)
+            vl, vclip = critic_lib.value_loss(values, cx["old_values"], cx["returns"], cfg.critic.value_clip)
+            loss_tok = loss_tok + vl
+            parts = {**parts, "value_loss": vl, "value_clip_frac": vclip, "values_mean": values}
         loss = jnp.sum(loss_tok * weights)
         sums = {k: jnp.sum(parts[k] * weights) for k in metric_names}
         # With one update the forward's own log-probs are the trainer's at the step-start
         # parameters: handed back (no gradient) so the step reports the mismatch at no extra cost.
         return loss, (sums, current if one_update else None)
 
-    grad_fn = jax.grad(loss_fn, has_aux=True)
+    grad_fn = jax.grad(loss_fn, argnums=(0, 1), has_aux=True)
 
-    def minibatch_update(params, opt_state, mb: TrainBatch, adv, ref_lp, sampler_lp, tx):
-        """Accumulate gradients over strided micro-batches, then one optimizer update."""
+    def minibatch_update(params, opt_state, critic_state, mb: TrainBatch, adv, ref_lp, sampler_lp, tx, cx):
+        """Accumulate gradients over strided micro-batches, then one optimizer update (and one of
+        the critic's, with its own clip and AdamW, when there is a critic)."""
         m = cfg.micro_batches
+        critic = None if critic_state is None else critic_state["params"]
         weights = aggregation_weights(mb.pol_valid, cfg.loss.aggregation)
         if m == 1:
-            grads, (sums, current) = grad_fn(params, mb, adv, ref_lp, weights, sampler_lp, tx)
+            (grads, c_grads), (sums, current) = grad_fn(params, critic, mb, adv, ref_lp, weights, sampler_lp, tx, cx)
         else:
             opt_split = lambda a: None if a is None else _split(a, m)
             xs = (split_batch(mb, m), _split(adv, m), opt_split(ref_lp), _split(weights, m), opt_split(sampler_lp),
-                  jax.tree.map(lambda a: _split(a, m), tx))
+                  jax.tree.map(lambda a: _split(a, m), tx), jax.tree.map(lambda a: _split(a, m), cx))
 
             def acc(carry, x):
-                g_acc, s_acc = carry
-                g, (s, cur) = grad_fn(params, *x)
-                return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, s_acc, s)), cur
+                g_acc, c_acc, s_acc = carry
+                mb_, adv_, ref_, w_, sl_, tx_, cx_ = x
+                (g, cg), (s, cur) = grad_fn(params, critic, mb_, adv_, ref_, w_, sl_, tx_, cx_)
+                return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, c_acc, cg),
+                        jax.tree.map(jnp.add, s_acc, s)), cur
 
             zeros_g = jax.tree.map(jnp.zeros_like, params)
+            zeros_c = jax.tree.map(jnp.zeros_like, critic)
             zeros_s = {k: jnp.zeros((), jnp.float32) for k in metric_names}
-            (grads, sums), current = jax.lax.scan(acc, (zeros_g, zeros_s), xs)
+            (grads, c_grads, sums), current = jax.lax.scan(acc, (zeros_g, zeros_c, zeros_s), xs)
             current = None if current is None else _merge(current)
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
@@ -336,14 +393,24 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         # (global-norm clip, then AdamW) and the moments; such an update is skipped instead, the
         # parameters and optimizer state stay as they were, and `skipped_updates` counts it.
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(sum(sums.values()))
+        if critic_state is not None:
+            c_norm = optax.tree.norm(c_grads)
+            c_updates, new_c_opt = critic_optimizer.update(c_grads, critic_state["opt_state"], critic)
+            new_critic = {"params": optax.apply_updates(critic, c_updates), "opt_state": new_c_opt}
+            finite = finite & jnp.isfinite(c_norm)
+            sums["critic_grad_norm"] = c_norm
         keep = lambda new, old: jnp.where(finite, new, old)
         params = jax.tree.map(keep, new_params, params)
         opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+        if critic_state is not None:
+            critic_state = jax.tree.map(keep, new_critic, critic_state)
         sums["grad_norm"] = grad_norm
         sums["skipped_updates"] = 1.0 - finite.astype(jnp.float32)
-        return params, opt_state, sums, current
+        return params, opt_state, critic_state, sums, current
 
-    def step(params, opt_state, ref_params, batch: TrainBatch, teacher_params=None):
+    def step(params, opt_state, ref_params, batch: TrainBatch, teacher_params=None, critic=None):
+        if with_critic and critic is None:
+            raise ConfigError(f"method {method.name!r} trains a critic: the step needs critic= (rl.step.init_critic)")
         ref_model = nnx.merge(graphdef, ref_params)
         if weights_kind == "reference":
             teacher_model = ref_model
@@ -354,7 +421,21 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
                 raise ConfigError(f"teacher.weights={weights_kind!r}: the step needs teacher_params")
             teacher_model = nnx.merge(teacher_graphdef if weights_kind == "external" else graphdef, teacher_params)
         teacher_lp, ref_lp, topk = teacher_and_ref_logprobs(teacher_model, ref_model, batch, cfg, method)
-        adv, diag = compute_advantages(batch, teacher_lp, cfg, method)
+        old_values = critic_values(graphdef, critic["params"], batch, cfg) if with_critic else None
+        adv, diag = compute_advantages(batch, teacher_lp, cfg, method, old_values)
+        returns = diag.pop("returns", None)
+        cx, critic_diag = None, {}
+        if with_critic:
+            if returns is None:  # an advantage without a critic (e.g. GRPO's): GAE's returns train it
+                a = cfg.algo
+                rewards = batch.signals["rewards"]
+                _, returns = critic_lib.gae(critic_lib.token_rewards(rewards, batch.pol_valid), old_values,
+                                            batch.pol_valid, gamma=a.gae_gamma, lam=a.gae_lam)
+            cx = {"returns": jax.lax.stop_gradient(returns), "old_values": old_values}
+            critic_diag = {"critic/explained_variance": critic_lib.explained_variance(old_values, returns,
+                                                                                      batch.pol_valid),
+                           "critic/returns_mean": jnp.sum(jnp.where(batch.pol_valid, returns, 0.0))
+                           / jnp.maximum(batch.pol_valid.sum(), 1)}
         tx = teacher_arrays(batch, teacher_lp, topk, method)
         adv = jax.lax.stop_gradient(adv)
         sampler_lp, mismatch = None, {}
@@ -367,19 +448,22 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
             batch = batch.replace(old_logprobs=old)
         nm = cfg.mini_batches
         if nm == 1:
-            minis = [(batch, adv, ref_lp, sampler_lp, tx)]
+            minis = [(batch, adv, ref_lp, sampler_lp, tx, cx)]
         else:
             sb = split_batch(batch, nm)
             sa = _split(adv, nm)
             sr = None if ref_lp is None else _split(ref_lp, nm)
             ss = None if sampler_lp is None else _split(sampler_lp, nm)
             st = jax.tree.map(lambda x: _split(x, nm), tx)
-            minis = [(jax.tree.map(lambda x: x[i], sb), sa[i], None if sr is None else sr[i],
-                      None if ss is None else ss[i], jax.tree.map(lambda x: x[i], st)) for i in range(nm)]
+            sc = jax.tree.map(lambda x: _split(x, nm), cx)
+            pick = lambda tree, i: jax.tree.map(lambda x: x[i], tree)
+            minis = [(pick(sb, i), sa[i], None if sr is None else sr[i], None if ss is None else ss[i], pick(st, i),
+                      pick(sc, i)) for i in range(nm)]
         logs = []
         for _ in range(cfg.ppo_epochs):
-            for mb, a, r, sl, t in minis:
-                params, opt_state, sums, current = minibatch_update(params, opt_state, mb, a, r, sl, t)
+            for mb, a, r, sl, t, c in minis:
+                params, opt_state, critic, sums, current = minibatch_update(params, opt_state, critic, mb, a, r, sl,
+                                                                            t, c)
                 logs.append(sums)
         if one_update:  # the update's forward ran the step-start parameters: the mismatch for free
             mismatch = mismatch_metrics(current, batch.old_logprobs, batch.pol_valid, tis)
@@ -391,10 +475,22 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         metrics["adv_abs_mean"] = jnp.sum(jnp.where(valid, jnp.abs(adv), 0.0)) / n
         if "rewards" in batch.signals:
             metrics["reward_mean"] = jnp.mean(batch.signals["rewards"])
+        for k in CRITIC_METRICS + ("critic_grad_norm",):  # the critic's under critic/
+            if k in metrics:
+                metrics[f"critic/{k}"] = metrics.pop(k)
+        metrics.update(critic_diag)
         metrics.update(diag)
         metrics.update(mismatch)
+        if with_critic:
+            return params, opt_state, metrics, critic
         return params, opt_state, metrics
 
+    donate = (0, 1, 5) if with_critic else (0, 1)
     if state_shardings is None:
-        return jax.jit(step, donate_argnums=(0, 1))
-    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(*state_shardings, None))
+        return jax.jit(step, donate_argnums=donate)
+    if with_critic:
+        if len(state_shardings) != 3:
+            raise ValueError("a method with a critic: state_shardings must be (params, opt_state, critic) shardings")
+        p_sh, o_sh, c_sh = state_shardings
+        return jax.jit(step, donate_argnums=donate, out_shardings=(p_sh, o_sh, None, c_sh))
+    return jax.jit(step, donate_argnums=donate, out_shardings=(*state_shardings, None))

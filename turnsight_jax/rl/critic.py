@@ -1,0 +1,162 @@
+"""PPO's critic: token rewards, GAE over the policy tokens, the clipped value loss, and the critic
+model (a value head on its own Qwen3 trunk).
+
+The critic is a separate model, as in verl's PPO: a Qwen3 trunk (initialised from the policy's
+starting weights) and a linear value head [D] + bias (initialised to zero, so V = 0 before the
+first update). It is trained by its own optimizer on its own loss; nothing it does reaches the
+policy's gradient, so a critic-carrying method whose advantage is replaced by GRPO's makes the
+GRPO step exactly (tests/test_rl_critic_step.py).
+
+All arrays are in the compact policy-position layout (rl.batch): [B, N] per policy token, in the
+order the policy wrote them. V(s_t) is read at token t's *predictor* position (the last token
+before it): the state before the policy emits token t.
+
+GAE runs over the policy tokens only. Observation tokens (tool results) between two turns are
+part of the environment's transition, not steps of the agent: the value after turn k's last token
+is the value before turn k+1's first, and γ, λ apply once per policy token. This is verl's rule
+(its GAE skips positions outside the response mask, carrying the next value and the running
+advantage over them); tests/test_rl_critic.py checks it against a loop over a padded layout.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from turnsight_jax.rl.logprobs import gather_rows, predictor_positions
+from turnsight_jax.rl.packing import packed_index
+from turnsight_jax.models.attention import Layout
+from turnsight_jax.rl.length_classes import run_by_class
+
+Array = jax.Array
+
+
+def token_rewards(rewards: Array, pol_valid: Array) -> Array:
+    """The trajectory reward placed on its last policy token: rewards [B], pol_valid [B, N] bool ->
+    [B, N] float32 (0 elsewhere; a trajectory without policy tokens gets nothing)."""
+    n = pol_valid.shape[1]
+    last = jnp.max(jnp.where(pol_valid, jnp.arange(n)[None], -1), axis=1)  # [B], -1: none
+    at = (jnp.arange(n)[None] == last[:, None]) & pol_valid
+    return jnp.where(at, jnp.asarray(rewards, jnp.float32)[:, None], 0.0)
+
+
+def gae(rewards: Array, values: Array, mask: Array, *, gamma: float = 1.0, lam: float = 1.0) -> tuple[Array, Array]:
+    """Generalised advantage estimation over the masked positions of each row.
+
+    rewards, values [B, N] float, mask [B, N] bool -> (advantages, returns), both [B, N] float32,
+    0 where masked out. For the masked positions t_1 < t_2 < ... of a row (the row's steps, in
+    order), with V after the last step = 0:
+        δ_i = r_i + γ V_{i+1} − V_i,   A_i = δ_i + γ λ A_{i+1},   R_i = A_i + V_i.
+    Positions outside the mask are skipped: the next value and the running advantage are carried
+    over them unchanged. A reverse `lax.scan` over N (no Python loop over tokens)."""
+    r = jnp.where(mask, jnp.asarray(rewards, jnp.float32), 0.0)
+    v = jnp.where(mask, jnp.asarray(values, jnp.float32), 0.0)
+    g = jnp.asarray(gamma, jnp.float32)
+    gl = g * jnp.asarray(lam, jnp.float32)
+
+    def body(carry, x):
+        next_v, next_a = carry
+        r_t, v_t, m_t = x
+        a_t = r_t + g * next_v - v_t + gl * next_a
+        carry = (jnp.where(m_t, v_t, next_v), jnp.where(m_t, a_t, next_a))
+        return carry, jnp.where(m_t, a_t, 0.0)
+
+    zeros = jnp.zeros(r.shape[0], jnp.float32)
+    _, adv = jax.lax.scan(body, (zeros, zeros), (r.T, v.T, mask.T), reverse=True)
+    adv = adv.T
+    return adv, jnp.where(mask, adv + v, 0.0)
+
+
+def whiten(x: Array, mask: Array, eps: float = 1e-8) -> Array:
+    """(x − mean) / sqrt(var + eps) over the masked entries of the whole batch (var with Bessel's
+    correction, as verl's masked_whiten); 0 outside the mask. x, mask [B, N]."""
+    m = mask.astype(jnp.float32)
+    n = jnp.maximum(m.sum(), 1.0)
+    mean = jnp.sum(x * m) / n
+    var = jnp.sum(jnp.square(x - mean) * m) / jnp.maximum(n - 1.0, 1.0)
+    return jnp.where(mask, (x - mean) * jax.lax.rsqrt(var + eps), 0.0)
+
+
+def value_loss(values: Array, old_values: Array, returns: Array, clip: float | None) -> tuple[Array, Array]:
+    """PPO's clipped value loss per token [B, N] and where the clip binds (float 0/1 [B, N]):
+    0.5 · max((V − R)², (clip(V, V_old − c, V_old + c) − R)²); c = None: 0.5 · (V − R)²."""
+    unclipped = jnp.square(values - returns)
+    if clip is None:
+        return 0.5 * unclipped, jnp.zeros_like(unclipped)
+    clipped_v = old_values + jnp.clip(values - old_values, -clip, clip)
+    clipped = jnp.square(clipped_v - returns)
+    return 0.5 * jnp.maximum(unclipped, clipped), (clipped > unclipped).astype(jnp.float32)
+
+
+def explained_variance(values: Array, returns: Array, mask: Array) -> Array:
+    """1 − Var(R − V) / Var(R) over the masked tokens (1: perfect, 0: no better than a constant)."""
+    m = mask.astype(jnp.float32)
+    n = jnp.maximum(m.sum(), 1.0)
+
+    def var(x):
+        mu = jnp.sum(x * m) / n
+        return jnp.sum(jnp.square(x - mu) * m) / n
+
+    return 1.0 - var(returns - values) / jnp.maximum(var(returns), 1e-12)
+
+
+# ---- the critic model ----
+
+def init_head(hidden_size: int) -> dict:
+    """The value head {"w": [D] f32, "b": [] f32}, zero: V = 0 until the first update."""
+    return {"w": jnp.zeros((hidden_size,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
+
+
+def _head(hidden: Array, head: dict) -> Array:
+    """hidden [..., D] -> values [...] float32."""
+    return jnp.einsum("...d,d->...", hidden.astype(jnp.float32), head["w"]) + head["b"]
+
+
+def _student_values(trunk, head, tokens, valid, pol_pos):
+    hidden = trunk.hidden_states(tokens, Layout.causal(valid))
+    return _head(gather_rows(hidden, predictor_positions(valid, pol_pos)), head)
+
+
+def policy_values(trunk, head: dict, batch) -> Array:
+    """V at every policy token of a TrainBatch's (or micro-batch's) rows: [B, N] float32, 0 on
+    padding slots. `trunk` a Qwen3 (its final hidden states are read; its vocabulary head is not
+    used); the batch's layout (plain, length classes, packed rows) as rl.logprobs.policy_logprobs."""
+    if batch.packed is not None:
+        pk = batch.packed
+        hidden = trunk.hidden_states(pk.tokens, pk.layout)
+        s = pk.plan.shards
+        b, n = batch.pol_pos.shape
+        flat = packed_index(pk, predictor_positions(batch.valid, batch.pol_pos))  # [S, B/S * N]
+        rows = gather_rows(hidden.reshape(s, -1, hidden.shape[-1]), flat)
+        out = _head(rows, head).reshape(b, n)
+    elif batch.classes is None:
+        out = _student_values(trunk, head, batch.tokens, batch.valid, batch.pol_pos)
+    else:
+        def one(_, pos, tokens, valid):
+            return _student_values(trunk, head, tokens, valid, pos)
+
+        out = run_by_class(one, batch.classes, batch.length_class, (batch.pol_pos,), (batch.tokens, batch.valid))
+    return jnp.where(batch.pol_valid, out, 0.0)
+
+
+# ---- the estimator ----
+
+def gae_advantages(rewards: Array, values: Array, policy_mask: Array, *, gae_gamma, gae_lam, gae_whiten: bool):
+    """The registered "gae" estimator: the outcome reward on the last policy token (token_rewards),
+    GAE(γ, λ) against the critic's values, optionally whitened over the batch (verl's default).
+    rewards [B], values [B, N], policy_mask [B, N] -> {"advantages", "returns"} [B, N] float32
+    (returns: A + V before whitening, the value loss's targets)."""
+    adv, returns = gae(token_rewards(rewards, policy_mask), values, policy_mask, gamma=gae_gamma, lam=gae_lam)
+    if gae_whiten:
+        adv = whiten(adv, policy_mask)
+    return {"advantages": adv, "returns": returns}
+
+
+def _register() -> None:
+    from turnsight_jax.rl.advantages import register_advantage
+
+    register_advantage("gae", ("rewards", "values", "policy_mask"), ("gae_gamma", "gae_lam", "gae_whiten"))(
+        gae_advantages)
+
+
+_register()
