@@ -1,6 +1,7 @@
-"""The self-distillation baselines train from their tiny configs (configs/methods/{rlsd,sdpo,sdar,
-sod}.py) through `python -m turnsight_jax.train` on the built-in tasks, 3 RL steps each, and each
-method's mechanism shows in the logged metrics.
+"""The self-distillation baselines and PPO train from their tiny configs (configs/methods/{rlsd,
+sdpo,sdar,sod,ppo}.py) through `python -m turnsight_jax.train` on the built-in tasks, 3 RL steps
+each, and each method's mechanism shows in the logged metrics; PPO's critic is checkpointed and a
+resumed run's step equals the uninterrupted one.
 
 A random model never solves a built-in task, and every advantage would then be 0 (RLSD's weights
 all 1, no successful sibling for SDPO). So the runs share one short supervised warm-start, built
@@ -32,10 +33,10 @@ EXTRA = {"sdpo": ["--config.teacher.sibling_min_reward=0.01"]}
 METHODS = ("rlsd", "sdpo", "sdar", "sod")
 
 
-def _train(method: str, workdir: pathlib.Path) -> list[dict]:
+def _train(method: str, workdir: pathlib.Path, *more: str) -> list[dict]:
     env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS, JAX_PLATFORMS="cpu")
     args = [sys.executable, "-m", "turnsight_jax.train", "--config", str(REPO / "configs" / "methods" / f"{method}.py"),
-            "--workdir", str(workdir), *SIZES, *EXTRA.get(method, [])]
+            "--workdir", str(workdir), *SIZES, *EXTRA.get(method, []), *more]
     proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"{method}: exit {proc.returncode}\n{proc.stderr[-4000:]}"
     assert f"method {method}:" in proc.stderr
@@ -43,8 +44,12 @@ def _train(method: str, workdir: pathlib.Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("baselines")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("baselines")
+
+
+@pytest.fixture(scope="module")
+def runs(root):
     out = {}
     for method in METHODS:
         if out:  # the first run's warm-start, reused
@@ -91,3 +96,38 @@ def test_every_baseline_trains_three_steps_with_its_mechanism_acting(runs):
     assert all(0.0 < r["train/sod_weight"] <= 1.0 + 1e-5 for r in sod)  # a token mean of weights <= 1
     assert abs(sod[0]["train/sod_kl"]) < 1e-7 and abs(sod[0]["train/sod_weight"] - 1.0) < 3e-6
     assert sod[-1]["train/sod_kl"] > 1e-6 and sod[-1]["train/sod_weight"] < 1.0 - 3e-6
+
+
+@pytest.fixture(scope="module")
+def ppo(root, runs):
+    """PPO (GAE against a learned critic), 3 steps from the shared warm-start, a checkpoint after
+    every step; then the same run resumed from its step-2 checkpoint (step 3 deleted)."""
+    shutil.copytree(root / METHODS[0] / "sft", root / "ppo" / "sft")
+    records = _train("ppo", root / "ppo", "--config.checkpoint.every=1")
+    resumed = root / "ppo_resumed"
+    shutil.copytree(root / "ppo", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "3")
+    again = _train("ppo", resumed, "--config.checkpoint.every=1")
+    return records, again
+
+
+def test_ppo_trains_its_critic_and_resumes_it(ppo):
+    records, again = ppo
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(r["train/skipped_updates"] == 0.0 for r in records)
+    # the outcome reward on the last token, GAE against the critic: non-zero advantages whenever a
+    # rollout earned a reward (whitened: mean 0)
+    assert _any(records, "train/reward_mean", lambda v: v > 0)
+    assert all(abs(r["train/adv_mean"]) < 1e-5 for r in records if r["train/adv_abs_mean"] > 0)
+    assert _any(records, "train/adv_abs_mean", lambda v: v > 0.1)
+    # the critic starts at V = 0 (a zero head) and moves: its values and its loss are non-trivial
+    assert records[0]["critic/values_mean"] == 0.0 and records[0]["critic/explained_variance"] <= 1e-6
+    assert all(r["critic/value_loss"] > 0 and r["critic/grad_norm"] > 0 for r in records)
+    assert records[-1]["critic/values_mean"] != 0.0
+    # the critic's FLOPs are counted: a trunk forward for V_old plus a forward+backward
+    assert all(r["perf/update_padding_ratio_critic"] >= 1.0 for r in records)
+    # resumed from step 2, the critic (and everything else) restored: step 3 is the same step
+    assert [r["step"] for r in again] == [0, 1, 2]
+    for key in ("critic/value_loss", "critic/values_mean", "critic/explained_variance", "train/grad_norm",
+                "train/adv_abs_mean", "train/reward_mean"):
+        assert again[2][key] == records[2][key], key

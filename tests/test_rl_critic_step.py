@@ -56,7 +56,8 @@ def setup(tok):
         lp = np.zeros(t.length, np.float32)
         lp[t.policy_mask] = rng.normal(-3.0, 0.5, int(t.policy_mask.sum()))
         t.old_logprobs = lp
-    head = {"w": jnp.asarray(rng.normal(0, 0.3, CFG.hidden_size), jnp.float32), "b": jnp.asarray(0.1, jnp.float32)}
+    head = {"value_w": jnp.asarray(rng.normal(0, 0.3, CFG.hidden_size), jnp.float32),
+            "value_b": jnp.asarray(0.1, jnp.float32)}
     return trajs, [tasks[i // G] for i in range(len(trajs))], policy, {"trunk": nnx.split(trunk)[1], "head": head}
 
 
@@ -88,7 +89,7 @@ def _dense_values(trunk_params, head, trajs, width=1024):
     out = np.zeros((len(trajs), n), np.float32)
     for r, t in enumerate(trajs):
         pol = np.flatnonzero(t.policy_mask)
-        out[r, : len(pol)] = h[r, pol - 1] @ np.asarray(head["w"]) + float(head["b"])
+        out[r, : len(pol)] = h[r, pol - 1] @ np.asarray(head["value_w"]) + float(head["value_b"])
     return out
 
 
@@ -203,7 +204,7 @@ def test_value_loss_falls_on_a_fixed_batch(setup, tok):
     assert losses[-1] < 0.5 * losses[0], losses
     ev = [h["critic/explained_variance"] for h in hist]
     assert ev[-1] > ev[0] + 0.2, ev
-    assert not np.allclose(np.asarray(state["params"]["head"]["w"]), np.asarray(critic["head"]["w"]))
+    assert not np.allclose(np.asarray(state["params"]["head"]["value_w"]), np.asarray(critic["head"]["value_w"]))
 
 
 def test_grpo_advantage_with_a_critic_is_the_grpo_step(setup, tok):
@@ -263,7 +264,7 @@ def test_sharded_step_equals_unsharded(setup, tok):
     opt = optax.sgd(1.0)
     step = make_train_step(graphdef, cfg, opt, critic_optimizer=opt)
     p = put(jax.tree.map(jnp.copy, params))
-    c = {"params": {"trunk": put(jax.tree.map(jnp.copy, critic["trunk"])), "head": critic["head"]}}
+    c = {"params": put(jax.tree.map(jnp.copy, critic))}  # the trunk like the policy, the head replicated
     c["opt_state"] = opt.init(c["params"])
     with jax.set_mesh(mesh):
         new, _, m2, s2 = step(p, opt.init(p), put(jax.tree.map(jnp.copy, params)), shard_batch(batch, mesh), None, c)

@@ -156,7 +156,7 @@ class Checkpointer:
             self.workdir / "checkpoints",
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                  enable_async_checkpointing=async_save),
-            item_names=("params", "opt_state", "meta"),
+            item_names=("params", "opt_state", "meta", "teacher", "critic"),
         )
 
     def latest_step(self) -> int | None:
@@ -165,12 +165,15 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
 
-    def save(self, step: int, params, opt_state, meta: dict[str, Any], *, teacher=None) -> None:
-        """`teacher`: the EMA teacher's parameters (teacher.weights='ema'), saved as their own item."""
+    def save(self, step: int, params, opt_state, meta: dict[str, Any], *, teacher=None, critic=None) -> None:
+        """`teacher`: the EMA teacher's parameters (teacher.weights='ema'); `critic`: PPO's critic
+        ({"params", "opt_state"}, rl.step.init_critic); each saved as its own item."""
         items = dict(params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
                      meta=ocp.args.JsonSave(meta))
         if teacher is not None:
             items["teacher"] = ocp.args.StandardSave(teacher)
+        if critic is not None:
+            items["critic"] = ocp.args.StandardSave(critic)
         self.manager.save(step, args=ocp.args.Composite(**items), force=True)
         self.manager.wait_until_finished()
         if os.environ.get("TURNSIGHT_FAULT_KILL_BEFORE_MANIFEST") == str(step):
@@ -196,10 +199,15 @@ class Checkpointer:
     def restore_teacher(self, step: int, template):
         """The EMA teacher saved with step `step` onto `template`'s shardings/dtypes; None when the
         step has none (a run that switched teacher.weights to 'ema': it starts from the policy)."""
-        if not (self.workdir / "checkpoints" / str(step) / "teacher").is_dir():
+        return self.restore_item(step, "teacher", template)
+
+    def restore_item(self, step: int, name: str, template):
+        """An optional item ("teacher", "critic") saved with step `step`, onto `template`'s
+        shardings/dtypes; None when the step has none."""
+        if not (self.workdir / "checkpoints" / str(step) / name).is_dir():
             return None
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
-        return self.manager.restore(step, args=ocp.args.Composite(teacher=ocp.args.StandardRestore(abstract)))["teacher"]
+        return self.manager.restore(step, args=ocp.args.Composite(**{name: ocp.args.StandardRestore(abstract)}))[name]
 
     def restore_params(self, step: int, params_template):
         out = self.manager.restore(

@@ -155,7 +155,7 @@ def _row_widths(tokens, classes, row_class, packed=None) -> np.ndarray:
 def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int = 0, ref_forward: bool = False,
                  q_chunk: int, remat: bool, teacher_distinct_rows: float | None = None, logprob_chunk: int = 1024,
                  score_chunk: int | None = None, micro_batches: int = 1, teacher_micro_batches: int = 1,
-                 row_shards: int = 1, teacher_cfg: Qwen3Config | None = None) -> UpdateFlops:
+                 row_shards: int = 1, teacher_cfg: Qwen3Config | None = None, critic: bool = False) -> UpdateFlops:
     """FLOPs of the fused step (rl.step) on a numpy TrainBatch (rl.batch).
 
     updates: forward+backward passes over every row (ppo_epochs: each row is in one mini-batch per
@@ -167,7 +167,10 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     (the mesh's data x fsdp): how the head's chunks fall (`head_rows_executed`).
     With length classes (rl.length_classes) each row runs at its class's width; packed rows
     (rl.packing) each at the packed width. teacher_cfg: the teacher's architecture when it is
-    another model (teacher.weights='external'; default `cfg`)."""
+    another model (teacher.weights='external'; default `cfg`). critic: the method trains a critic
+    (rl.critic: a trunk of `cfg`'s architecture, no vocabulary head): one no-gradient forward for
+    V_old and a forward+backward per update (part "critic"; the [D] value head's 2·D FLOPs per
+    token are left out)."""
     trunk = trunk_flops_per_token(cfg)
     score_chunk = score_chunk or logprob_chunk
     tokens = float(np.asarray(batch.valid).sum())
@@ -206,6 +209,11 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
                                  head_rows_executed(used, score_chunk, micro_batches=teacher_micro_batches,
                                                     row_shards=row_shards, row_class=getattr(views, "row_class", None)))
         parts["teacher"] = (need, executed)
+    if critic:
+        need_trunk = forward_flops(cfg, tokens, pairs, 0.0)
+        exec_trunk = trunk * slots + exec_attn
+        grad_trunk = (4.0 if remat else 3.0) * trunk * slots + 4.0 * exec_attn
+        parts["critic"] = (need_trunk * (1 + 3 * updates), exec_trunk + grad_trunk * updates)
     return UpdateFlops(parts)
 
 

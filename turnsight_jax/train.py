@@ -35,11 +35,11 @@ from turnsight_jax.config import (engine_config, load_run_config, model_layer_na
 from turnsight_jax.distributed import maybe_initialize_distributed
 from turnsight_jax.errors import ConfigError, NonFiniteTraining
 from turnsight_jax.eval.heldout import evaluate_policy
-from turnsight_jax.models.sharding import make_mesh
+from turnsight_jax.models.sharding import make_mesh, opt_state_shardings
 from turnsight_jax.models.weights import save_pretrained
 from turnsight_jax.rl.batch import make_train_batch, packed_reference, row_axis, shape_keys, shard_batch
 from turnsight_jax.rl.methods import RolloutContext
-from turnsight_jax.rl.step import TURNSIGHT_METRICS, make_optimizer, make_train_step
+from turnsight_jax.rl.step import TURNSIGHT_METRICS, init_critic, make_optimizer, make_train_step
 from turnsight_jax.rollout.progress import ProgressLine
 from turnsight_jax.runlog import MetricsLog, Progress, log, matmul_peak_flops
 
@@ -121,7 +121,8 @@ def _summed(values: dict[str, float]) -> dict[str, float]:
 
 # The progress line's view of the method's own mechanism: the metric that shows it acting.
 MECHANISM_METRICS = {"turnsight/weight_max": "w_max", "rlsd/weight_max": "w_max", "train/sdpo_kl": "sdpo_kl",
-                     "sdpo/gap_mean": "sdpo_gap", "train/sdar_gate": "gate", "train/sod_weight": "sod_w"}
+                     "sdpo/gap_mean": "sdpo_gap", "train/sdar_gate": "gate", "train/sod_weight": "sod_w",
+                     "critic/value_loss": "v_loss"}
 
 
 def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_cfg=None) -> flops.UpdateFlops:
@@ -134,7 +135,15 @@ def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_cfg=
         remat=cfg.model.remat, teacher_distinct_rows=bstats.get("teacher_distinct_rows"),
         logprob_chunk=step_cfg.logprob_chunk, score_chunk=step_cfg.scoring_chunk, micro_batches=step_cfg.micro_batches,
         teacher_micro_batches=step_cfg.teacher_micro_batches,
-        row_shards=local_row_shards(mesh), teacher_cfg=teacher_cfg)
+        row_shards=local_row_shards(mesh), teacher_cfg=teacher_cfg, critic=method.critic)
+
+
+def _new_critic(params, qcfg, optimizer, mesh) -> dict:
+    """rl.step.init_critic on the mesh: the trunk and its moments sharded like the policy's, the
+    value head replicated."""
+    with jax.set_mesh(mesh):
+        state = init_critic(params, qcfg.hidden_size, optimizer)
+    return jax.device_put(state, opt_state_shardings(state, mesh))
 
 
 def local_row_shards(mesh) -> int:
@@ -219,9 +228,18 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
         decay = step_cfg.teacher.ema_decay
         ema_fn = jax.jit(lambda t, p: jax.tree.map(lambda a, b: (decay * a + (1.0 - decay) * b).astype(a.dtype), t, p),
                          donate_argnums=0)
+    # PPO's critic (rl.critic): its own trunk (from the policy's starting weights), value head and
+    # optimizer; checkpointed with the policy.
+    critic_state = critic_optimizer = None
+    if method.critic:
+        critic_optimizer = make_optimizer(step_cfg.critic.optim)
+        critic_state = _new_critic(params, qcfg, critic_optimizer, mesh)
+        log(f"critic: a {qcfg.num_layers}-layer trunk + value head, lr {step_cfg.critic.optim.lr:g}, "
+            f"value clip {step_cfg.critic.value_clip}")
+    shardings = (params, opt_state) + ((critic_state,) if critic_state is not None else ())
     step_fn = make_train_step(graphdef, step_cfg, optimizer, method,
-                              state_shardings=jax.tree.map(lambda x: x.sharding, (params, opt_state)),
-                              teacher_graphdef=teacher_graphdef)
+                              state_shardings=jax.tree.map(lambda x: x.sharding, shardings),
+                              teacher_graphdef=teacher_graphdef, critic_optimizer=critic_optimizer)
 
     latest = checkpointing.resume_step(workdir, log)  # the newest valid step; invalid newer ones moved aside
     ckpt = Checkpointer(workdir, keep=cfg.checkpoint.keep)
@@ -232,6 +250,13 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
         if tw == "ema":
             saved = ckpt.restore_teacher(latest, teacher_params)
             teacher_params = saved if saved is not None else jax.tree.map(jnp.copy, params)
+        if critic_state is not None:
+            saved = ckpt.restore_item(latest, "critic", critic_state)
+            if saved is None:
+                log(f"checkpoint {latest} has no critic: the critic starts from the restored policy")
+                critic_state = _new_critic(params, qcfg, critic_optimizer, mesh)
+            else:
+                critic_state = saved
         start = int(meta["next_step"])
         resumed_shapes = {k: int(v) for k, v in meta.get("batch_shapes", {}).items()}
         log(f"resumed from {workdir}/checkpoints/{latest} (next step {start})")
@@ -296,7 +321,11 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             global_batch = (distributed.assemble_rows(batch, mesh, rows, row_axis) if distributed.is_multiprocess()
                             else shard_batch(batch, mesh))
             with jax.set_mesh(mesh):
-                params, opt_state, m = step_fn(params, opt_state, ref_params, global_batch, teacher_params)
+                if critic_state is None:
+                    params, opt_state, m = step_fn(params, opt_state, ref_params, global_batch, teacher_params)
+                else:
+                    params, opt_state, m, critic_state = step_fn(params, opt_state, ref_params, global_batch,
+                                                                 teacher_params, critic_state)
                 if ema_fn is not None:
                     teacher_params = ema_fn(teacher_params, params)
                 m = jax.device_get(m)
@@ -370,12 +399,13 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             # and the exit are collective
             stop = distributed.any_process(preempt.requested)
             if stop or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or last:
-                if not bool(_all_finite(params)):  # never rotate good checkpoints out for a NaN one
+                if not bool(_all_finite(params)) or (critic_state is not None
+                                                     and not bool(_all_finite(critic_state["params"]))):  # never rotate good checkpoints out for a NaN one
                     raise NonFiniteTraining(f"parameters are not finite after step {step + 1}; not checkpointed "
                                             f"(last checkpoint: {ckpt.latest_step() or 'none'})")
                 ckpt.save(step + 1, params, opt_state, {"next_step": step + 1, "seed": cfg.seed,
                                                         "data_position": step + 1, "batch_shapes": shapes},
-                          teacher=teacher_params if tw == "ema" else None)
+                          teacher=teacher_params if tw == "ema" else None, critic=critic_state)
             if stop:
                 log(f"stopped after step {step + 1} (checkpoint {step + 1} written by all processes); rerun "
                     f"the same command to resume" if jax.process_count() > 1 else

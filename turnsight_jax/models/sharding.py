@@ -33,6 +33,9 @@ PARAM_SPECS: dict[str, P] = {
     "gate": P(None, "fsdp", "tensor"),
     "up": P(None, "fsdp", "tensor"),
     "down": P(None, "tensor", "fsdp"),
+    # PPO's value head (rl.critic), next to its Qwen3 trunk: [D] and a scalar, replicated
+    "value_w": P(None),
+    "value_b": P(),
 }
 
 # Activation specs used as sharding constraints inside the forward pass.
@@ -103,6 +106,18 @@ def state_shardings(state, mesh: Mesh):
         return param_sharding(leaf_name(path), x.shape, mesh)
 
     return jax.tree_util.tree_map_with_path(leaf, state)
+
+
+def opt_state_shardings(tree, mesh: Mesh):
+    """NamedShardings of a tree whose leaves are named like parameters (an optimizer state, whose
+    moments shard like their parameters; PPO's critic state, rl.step.init_critic): by the leaf's
+    name (PARAM_SPECS); scalars (step counts, the value head's bias) replicated."""
+    def leaf(path, x):
+        if x.ndim == 0:
+            return NamedSharding(mesh, P())
+        return param_sharding(leaf_name(path), x.shape, mesh)
+
+    return jax.tree_util.tree_map_with_path(leaf, tree)
 
 
 def leaf_name(path) -> str:

@@ -103,13 +103,13 @@ def explained_variance(values: Array, returns: Array, mask: Array) -> Array:
 # ---- the critic model ----
 
 def init_head(hidden_size: int) -> dict:
-    """The value head {"w": [D] f32, "b": [] f32}, zero: V = 0 until the first update."""
-    return {"w": jnp.zeros((hidden_size,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
+    """The value head {"value_w": [D] f32, "value_b": [] f32}, zero: V = 0 until the first update."""
+    return {"value_w": jnp.zeros((hidden_size,), jnp.float32), "value_b": jnp.zeros((), jnp.float32)}
 
 
 def _head(hidden: Array, head: dict) -> Array:
     """hidden [..., D] -> values [...] float32."""
-    return jnp.einsum("...d,d->...", hidden.astype(jnp.float32), head["w"]) + head["b"]
+    return jnp.einsum("...d,d->...", hidden.astype(jnp.float32), head["value_w"]) + head["value_b"]
 
 
 def _student_values(trunk, head, tokens, valid, pol_pos):

@@ -24,7 +24,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from turnsight_jax import model_setup
 from turnsight_jax.config import validate
 from turnsight_jax.models.qwen3 import Qwen3
-from turnsight_jax.models.sharding import leaf_name, make_mesh, param_sharding, state_shardings
+from turnsight_jax.models.sharding import make_mesh, opt_state_shardings, state_shardings
+from turnsight_jax.rl import critic as critic_lib
 from turnsight_jax.rl.batch import abstract_batch, worst_case_geometry
 from turnsight_jax.rl.step import make_optimizer, make_train_step
 from turnsight_jax.runlog import log
@@ -32,16 +33,6 @@ from turnsight_jax.runlog import log
 
 def _with_shardings(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
-def opt_state_shardings(abstract_opt, mesh):
-    """Optimizer moments shard like their parameters; scalars (step counts) are replicated."""
-    def leaf(path, x):
-        if x.ndim == 0:
-            return NamedSharding(mesh, P())
-        return param_sharding(leaf_name(path), x.shape, mesh)
-
-    return jax.tree_util.tree_map_with_path(leaf, abstract_opt)
 
 
 def abstract_teacher(cfg, step_cfg, method, qcfg, params, mesh):
@@ -58,6 +49,17 @@ def abstract_teacher(cfg, step_cfg, method, qcfg, params, mesh):
     opts = model_setup.runtime_options(cfg)
     graphdef, teacher = nnx.split(nnx.eval_shape(lambda: Qwen3(tq, rngs=nnx.Rngs(0), param_dtype=rdtype, options=opts)))
     return graphdef, _with_shardings(teacher, state_shardings(teacher, mesh))
+
+
+def abstract_critic(step_cfg, method, qcfg, params, mesh):
+    """The critic's abstract state ({"params": {"trunk", "head"}, "opt_state"}, rl.step.init_critic)
+    with its shardings, for a method that trains one; None otherwise."""
+    if not method.critic:
+        return None
+    cp = {"trunk": params, "head": jax.eval_shape(lambda: critic_lib.init_head(qcfg.hidden_size))}
+    cp = _with_shardings(cp, opt_state_shardings(cp, mesh))
+    opt = jax.eval_shape(make_optimizer(step_cfg.critic.optim).init, cp)
+    return {"params": cp, "opt_state": _with_shardings(opt, opt_state_shardings(opt, mesh))}
 
 
 def compile_step(cfg: mlc.ConfigDict):
@@ -80,10 +82,11 @@ def compile_step(cfg: mlc.ConfigDict):
     geo = worst_case_geometry(cfg, method, step_cfg, mesh.shape["data"] * mesh.shape["fsdp"])
     batch = abstract_batch(geo, mesh, method)
     teacher_graphdef, teacher = abstract_teacher(cfg, step_cfg, method, qcfg, params, mesh)
+    critic = abstract_critic(step_cfg, method, qcfg, params, mesh)
     step = make_train_step(graphdef, step_cfg, optimizer, method, teacher_graphdef=teacher_graphdef)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
-        compiled = step.lower(params, opt, ref, batch, teacher).compile()
+        compiled = step.lower(params, opt, ref, batch, teacher, critic).compile()
     return compiled, geo, time.perf_counter() - t0, mesh, step_cfg
 
 
@@ -94,7 +97,7 @@ def dry_run(cfg: mlc.ConfigDict) -> dict:
     mem = compiled.memory_analysis()
     gib = 1024**3
     fields = {
-        "arguments (params, optimizer, reference, batch, teacher)": mem.argument_size_in_bytes,
+        "arguments (params, optimizer, reference, batch, teacher, critic)": mem.argument_size_in_bytes,
         "outputs": mem.output_size_in_bytes,
         "aliased (donated) outputs": mem.alias_size_in_bytes,
         "temporaries (activations, logits chunks)": mem.temp_size_in_bytes,
@@ -185,6 +188,8 @@ def rollout_plan(cfg: mlc.ConfigDict) -> dict:
     _, teacher = abstract_teacher(cfg, step_cfg, method, qcfg, params, mesh)
     resident = _per_device_bytes(params) + _per_device_bytes(opt) + _per_device_bytes(ref)
     resident += 0 if teacher is None else _per_device_bytes(teacher)
+    critic = abstract_critic(step_cfg, method, qcfg, params, mesh)
+    resident += 0 if critic is None else _per_device_bytes(critic)
     copy = 0 if pdtype == cdtype else _per_device_bytes(decode)
     pool = _per_device_bytes(kv)
     peak = resident + copy + pool + temps
@@ -195,7 +200,8 @@ def rollout_plan(cfg: mlc.ConfigDict) -> dict:
           f"lengths: prompt <= {rc.max_prompt_tokens:,}, response <= {rc.max_response_tokens:,} (decode compiled in "
           f"{secs:.0f}s)")
     print("| per device | GiB |\n|---|---|")
-    kept = "params, optimizer, reference" + ("" if teacher is None else f", {step_cfg.teacher.weights} teacher")
+    kept = ("params, optimizer, reference" + ("" if teacher is None else f", {step_cfg.teacher.weights} teacher")
+            + ("" if critic is None else ", critic and its optimizer"))
     for name, v in ((f"trainer state kept while rolling out ({kept})", resident),
                     (f"decode copy of the weights ({cfg.model.compute_dtype})", copy),
                     ("KV block pool", pool), ("decode temporaries (widest program)", temps)):

@@ -477,7 +477,7 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
             metrics["reward_mean"] = jnp.mean(batch.signals["rewards"])
         for k in CRITIC_METRICS + ("critic_grad_norm",):  # the critic's under critic/
             if k in metrics:
-                metrics[f"critic/{k}"] = metrics.pop(k)
+                metrics["critic/" + k.removeprefix("critic_")] = metrics.pop(k)
         metrics.update(critic_diag)
         metrics.update(diag)
         metrics.update(mismatch)
