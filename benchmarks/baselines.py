@@ -1,7 +1,8 @@
-"""The self-distillation baselines' train step (issue 23) against GRPO's, in one process, at the
-embedded default's geometry (8 built-in tasks x 4 replayed gold chains, random rewards).
+"""The baselines' train step (the self-distillation methods of issue 23, PPO with its critic)
+against GRPO's, in one process, at the embedded default's geometry (8 built-in tasks x 4 replayed
+gold chains, random rewards).
 
-    python benchmarks/baselines.py [--repeats 5] [--methods grpo,turnsight,rlsd,sdpo,sdar,sod]
+    python benchmarks/baselines.py [--repeats 5] [--methods grpo,turnsight,rlsd,sdpo,sdar,sod,ppo]
 
 Each method's step and teacher settings are its tiny config's (configs/methods/<name>.py; GRPO
 and TurnSight are the embedded default's): the same model (tiny-default, f32), the same batch of
@@ -10,7 +11,9 @@ a second model of the policy's architecture (its own parameters; another random 
 rewards are uniform in [0, 1), so SDPO's sibling source counts a sibling as successful at reward
 >= 0.5 (the tiny config's 1.0 would skip every view on these rewards). Prints a table: median
 wall seconds per step, the ratio to GRPO, the packed teacher tokens and the teacher's share of the
-update's necessary FLOPs (turnsight_jax.flops, the counter the trainer logs)."""
+update's necessary FLOPs (turnsight_jax.flops, the counter the trainer logs), and the critic's
+(PPO: a trunk forward for V_old and a forward+backward of the value loss; "turnsight(ppo)" is
+TurnSight over PPO as its base)."""
 
 from __future__ import annotations
 
@@ -36,10 +39,10 @@ from turnsight_jax.models.config import get_preset  # noqa: E402
 from turnsight_jax.models.qwen3 import Qwen3  # noqa: E402
 from turnsight_jax.rl.batch import make_train_batch, packed_reference  # noqa: E402
 from turnsight_jax.rl.methods import resolve_method  # noqa: E402
-from turnsight_jax.rl.step import make_optimizer, make_train_step  # noqa: E402
+from turnsight_jax.rl.step import init_critic, make_optimizer, make_train_step  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-METHODS = ("grpo", "turnsight", "rlsd", "sdpo", "sdpo_advantage", "sdar", "sod")
+METHODS = ("grpo", "turnsight", "rlsd", "sdpo", "sdpo_advantage", "sdar", "sod", "ppo", "turnsight(ppo)")
 
 
 def method_config(name: str):
@@ -47,6 +50,10 @@ def method_config(name: str):
     if name in ("grpo", "turnsight"):
         cfg = default_config()
         cfg.rl.method = name
+        return cfg
+    if name == "turnsight(ppo)":
+        cfg = load_config_file(REPO / "configs" / "methods" / "ppo.py")
+        cfg.rl.method, cfg.rl.base = "turnsight", "ppo"
         return cfg
     cfg = load_config_file(REPO / "configs" / "methods" / f"{'sdpo' if name == 'sdpo_advantage' else name}.py")
     if name == "sdpo_advantage":
@@ -81,12 +88,18 @@ def main():
             tgraph, tparams = nnx.split(Qwen3(qcfg, rngs=nnx.Rngs(1), param_dtype=jnp.float32,
                                               options=runtime_options(cfg)))
         optimizer = make_optimizer(sc.optim)
-        step = make_train_step(graphdef, sc, optimizer, method, teacher_graphdef=tgraph)
+        c_opt = make_optimizer(sc.critic.optim) if method.critic else None
+        step = make_train_step(graphdef, sc, optimizer, method, teacher_graphdef=tgraph, critic_optimizer=c_opt)
         dev = jax.tree.map(jnp.asarray, batch)
-        holder = {"p": jax.tree.map(jnp.copy, params), "s": optimizer.init(params)}
+        holder = {"p": jax.tree.map(jnp.copy, params), "s": optimizer.init(params),
+                  "c": init_critic(params, qcfg.hidden_size, c_opt) if method.critic else None}
 
         def full():
-            holder["p"], holder["s"], m = step(holder["p"], holder["s"], params, dev, tparams)
+            if method.critic:
+                holder["p"], holder["s"], m, holder["c"] = step(holder["p"], holder["s"], params, dev, tparams,
+                                                                holder["c"])
+            else:
+                holder["p"], holder["s"], m = step(holder["p"], holder["s"], params, dev, tparams)
             return m
 
         walls[name] = time_fn(full, repeats=args.repeats)
@@ -95,17 +108,19 @@ def main():
                                   q_chunk=cfg.model.attn_q_chunk, remat=cfg.model.remat,
                                   teacher_distinct_rows=stats.get("teacher_distinct_rows"),
                                   logprob_chunk=sc.logprob_chunk, score_chunk=sc.scoring_chunk,
-                                  teacher_cfg=qcfg if external else None)
+                                  teacher_cfg=qcfg if external else None, critic=method.critic)
         teacher = work.parts.get("teacher", (0.0, 0.0))[0]
+        critic = work.parts.get("critic", (0.0, 0.0))[0]
         rows.append([name, sc.teacher.weights if method.needs_views else "-",
                      sc.teacher.source if method.teacher == "privileged" and method.needs_views else "-",
                      f"{walls[name]:.3f}", None, f"{int(stats.get('view_tokens', 0)):,}",
-                     f"{teacher / max(work.necessary, 1.0):.0%}"])
+                     f"{teacher / max(work.necessary, 1.0):.0%}", f"{critic / max(work.necessary, 1.0):.0%}"])
         print(f"{name}: {walls[name]:.3f} s/step", file=sys.stderr)
     for r in rows:
         r[4] = f"{walls[r[0]] / walls['grpo']:.2f}"
     print(f"# train step per method, default geometry ({len(trajs)} trajectories), {machine()}")
-    print(table(rows, ["method", "teacher", "block", "s/step", "vs GRPO", "teacher tokens", "teacher FLOP share"]))
+    print(table(rows, ["method", "teacher", "block", "s/step", "vs GRPO", "teacher tokens", "teacher FLOP share",
+                       "critic FLOP share"]))
 
 
 if __name__ == "__main__":
