@@ -141,6 +141,8 @@ def base_config() -> mlc.ConfigDict:
     c.rl.gae_gamma = 1.0  # PPO (methods with a critic, rl.critic): GAE discount per policy token (verl: 1.0)
     c.rl.gae_lam = 1.0  # PPO: GAE lambda (verl: 1.0)
     c.rl.gae_whiten = True  # PPO: GAE advantages whitened over the batch's policy tokens (verl's default)
+    c.rl.switch_step = 0  # two-stage recipes (e.g. SRL then the outcome): the first N steps run rl.method, the rest rl.switch_method; 0: off
+    c.rl.switch_method = ""  # the method from step switch_step on (same rl.base and every other key)
     c.rl.args = mlc.ConfigDict()  # free-form knobs of plug-in methods (--config.rl.args.<key>=<value>)
 
     c.teacher = mlc.ConfigDict()  # who scores the teacher views, and what privileged context they show (rl.config.TeacherConfig)
@@ -632,7 +634,35 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
         except (OSError, ValueError) as e:
             raise ConfigError(f"teacher.skills: {e}") from None
     # The rewards' inputs must exist for the training tasks (e.g. MatchTIR's gold calls).
-    who = f"rl.method={sc.algo.method!r}" + (f" over rl.base={sc.algo.base!r}" if method.base else "")
-    for field in method.task_needs:
-        check_provides(source, (field,), f"{who}: reward {', '.join(method.rewards_needing(field))}")
+    stages = [(sc, method)] + ([] if (later := second_stage(cfg, sc, method)) is None else [later[1:]])
+    for sc_i, method_i in stages:
+        who = f"rl.method={sc_i.algo.method!r}" + (f" over rl.base={sc_i.algo.base!r}" if method_i.base else "")
+        for field in method_i.task_needs:
+            check_provides(source, (field,), f"{who}: reward {', '.join(method_i.rewards_needing(field))}")
     return sc, method
+
+
+def second_stage(cfg: mlc.ConfigDict, sc: StepConfig, method: ResolvedMethod):
+    """(switch step, StepConfig, ResolvedMethod) of rl.switch_method, which runs from step
+    rl.switch_step on (every other key as the first stage's), or None when rl.switch_step is 0.
+    ConfigError when the two stages need different state: a critic, or another teacher."""
+    step, name = cfg.rl.switch_step, cfg.rl.switch_method
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"rl.switch_step must be an int >= 0 (0: off), got {step!r}")
+    if step == 0:
+        if name:
+            raise ConfigError(f"rl.switch_method={name!r} needs rl.switch_step > 0 (the step it takes over)")
+        return None
+    if not name:
+        raise ConfigError(f"rl.switch_step={step} needs rl.switch_method (the method from that step on)")
+    sc2 = dataclasses.replace(sc, algo=dataclasses.replace(sc.algo, method=name))
+    method2 = resolve_method(sc2)
+    if method2.critic != method.critic:
+        raise ConfigError(f"rl.switch_method={name!r}: the two stages must both train a critic or neither "
+                          f"({method.name}: {method.critic}, {method2.name}: {method2.critic})")
+    # the teacher state the trainer keeps (an EMA or an external model) must serve both stages
+    kept = lambda m: sc.teacher.weights if m.needs_views and sc.teacher.weights in ("ema", "external") else None  # noqa: E731
+    if kept(method) != kept(method2):
+        raise ConfigError(f"rl.switch_method={name!r}: one stage needs the {kept(method) or kept(method2)} teacher "
+                          f"and the other none; both must score with it, or neither")
+    return step, sc2, method2

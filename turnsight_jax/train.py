@@ -31,7 +31,7 @@ from flax import nnx
 from turnsight_jax import checkpointing, distributed, flops, model_setup, sources
 from turnsight_jax.checkpointing import Checkpointer, write_run_config, write_run_files
 from turnsight_jax.config import (engine_config, load_run_config, model_layer_name, rollout_config, sampling_params,
-                                  validate)
+                                  second_stage, validate)
 from turnsight_jax.distributed import maybe_initialize_distributed
 from turnsight_jax.errors import ConfigError, NonFiniteTraining
 from turnsight_jax.eval.heldout import evaluate_policy
@@ -241,6 +241,23 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                               state_shardings=jax.tree.map(lambda x: x.sharding, shardings),
                               teacher_graphdef=teacher_graphdef, critic_optimizer=critic_optimizer)
 
+    # A two-stage recipe (rl.switch_step / rl.switch_method, e.g. SRL then the outcome): the
+    # second stage's step compiles when it starts (same state; config.second_stage checks it).
+    later = second_stage(cfg, step_cfg, method)
+    stage_steps = {0: (step_cfg, method, step_fn)}
+    if later is not None:
+        log(f"from step {later[0] + 1}: {later[2].describe()}")
+
+    def stage(at: int):
+        """(StepConfig, ResolvedMethod, step function) that step `at` (0-based) runs."""
+        if later is None or at < later[0]:
+            return stage_steps[0]
+        if 1 not in stage_steps:
+            stage_steps[1] = (later[1], later[2], make_train_step(
+                graphdef, later[1], optimizer, later[2], state_shardings=jax.tree.map(lambda x: x.sharding, shardings),
+                teacher_graphdef=teacher_graphdef, critic_optimizer=critic_optimizer))
+        return stage_steps[1]
+
     latest = checkpointing.resume_step(workdir, log)  # the newest valid step; invalid newer ones moved aside
     ckpt = Checkpointer(workdir, keep=cfg.checkpoint.keep)
     start = 0
@@ -309,6 +326,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                                  rc, cfg.train.group_size, cfg.rollout.prompts_per_chunk,
                                  model_setup.DTYPES[cfg.model.compute_dtype], line, engine=engine_cfg,
                                  mesh=rollout_mesh, group_offset=first)
+            step_cfg, method, step_fn = stage(step)
             res = method.rollout.fn(ctx, mine, cfg.seed * 100_003 + step)
             distributed.settle()  # the rollout's local collectives end before the step's cross-process ones
             t_roll = time.perf_counter() - t_step
@@ -338,6 +356,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                 skipped_in_a_row = 0
             t_total = time.perf_counter() - t_step
             metrics = _rollout_metrics(res.trajectories)
+            if later is not None:  # which stage of a two-stage recipe ran (1, then 2)
+                metrics["rl/stage"] = 1.0 + float(step >= later[0])
             for k, v in m.items():
                 # a plug-in method's own diagnostics carry their prefix ("rlsd/...", "teacher/...")
                 metrics[k if "/" in k else ("turnsight/" if k in TURNSIGHT_METRICS else "train/") + k] = v

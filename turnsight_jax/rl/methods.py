@@ -32,6 +32,7 @@ from turnsight_jax.errors import ConfigError
 from turnsight_jax.rewards import matchtir_turn_rewards, toolrl_reward
 from turnsight_jax.rl import critic as _critic  # noqa: F401  (registers PPO's GAE estimator)
 from turnsight_jax.rl import distill  # noqa: F401  (registers the self-distillation baselines)
+from turnsight_jax.rl import srl
 from turnsight_jax.rl.advantages import Estimator, get_estimator
 from turnsight_jax.rl.config import AlgoConfig, StepConfig
 from turnsight_jax.rl.losses import LossTerm, get_loss_term
@@ -185,6 +186,14 @@ def toolrl_trajectory_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> 
     return toolrl_reward([t.calls for t in traj.turns], last_text, task.gold_calls, with_format=algo.toolrl_format)
 
 
+@register_reward("srl", "rewards", needs=("gold_calls",))
+def srl_trajectory_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> float:
+    """SRL's dense reward (rl.srl): the mean over steps of the difflib similarity between each of
+    the policy's actions (its calls, or its answer) and the expert's at that step (the task's gold
+    chain, then its answer); in [0, 1]."""
+    return srl.srl_reward([(t.calls, t.answer) for t in traj.turns], task.gold_calls, task.answer)
+
+
 # ---- methods ----
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +231,8 @@ register_method(Method("toolrl", advantage="grpo", rewards=("toolrl",),
                        description="ToolRL's format + call-match reward, group-normalised"))
 register_method(Method("ppo", advantage="gae", critic=True,
                        description="PPO: outcome reward on the last token, GAE(gamma, lambda) against a learned critic"))
+register_method(Method("srl", advantage="grpo", rewards=("srl",),
+                       description="SRL: similarity of each action to the expert's step, group-normalised"))
 register_method(Method("turnsight", advantage="turnsight", rewards=(),
                        description="turn-level hindsight weighting of the base method's advantage"))
 # The self-distillation baselines of Table 1 (rl.distill, docs/baselines.md); their teachers
