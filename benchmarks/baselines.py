@@ -39,7 +39,7 @@ from turnsight_jax.models.config import get_preset  # noqa: E402
 from turnsight_jax.models.qwen3 import Qwen3  # noqa: E402
 from turnsight_jax.rl.batch import make_train_batch, packed_reference  # noqa: E402
 from turnsight_jax.rl.methods import resolve_method  # noqa: E402
-from turnsight_jax.rl.step import init_critic, make_optimizer, make_train_step  # noqa: E402
+from turnsight_jax.rl.step import init_aux, make_aux_optimizers, make_optimizer, make_train_step  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 METHODS = ("grpo", "turnsight", "rlsd", "sdpo", "sdpo_advantage", "sdar", "sod", "ppo", "turnsight(ppo)")
@@ -88,14 +88,14 @@ def main():
             tgraph, tparams = nnx.split(Qwen3(qcfg, rngs=nnx.Rngs(1), param_dtype=jnp.float32,
                                               options=runtime_options(cfg)))
         optimizer = make_optimizer(sc.optim)
-        c_opt = make_optimizer(sc.critic.optim) if method.critic else None
-        step = make_train_step(graphdef, sc, optimizer, method, teacher_graphdef=tgraph, critic_optimizer=c_opt)
+        aux_opts = make_aux_optimizers(sc, method)
+        step = make_train_step(graphdef, sc, optimizer, method, teacher_graphdef=tgraph, aux_optimizers=aux_opts)
         dev = jax.tree.map(jnp.asarray, batch)
         holder = {"p": jax.tree.map(jnp.copy, params), "s": optimizer.init(params),
-                  "c": init_critic(params, qcfg.hidden_size, c_opt) if method.critic else None}
+                  "c": init_aux(method, params, qcfg.hidden_size, aux_opts) if method.aux else None}
 
         def full():
-            if method.critic:
+            if method.aux:
                 holder["p"], holder["s"], m, holder["c"] = step(holder["p"], holder["s"], params, dev, tparams,
                                                                 holder["c"])
             else:
@@ -108,7 +108,7 @@ def main():
                                   q_chunk=cfg.model.attn_q_chunk, remat=cfg.model.remat,
                                   teacher_distinct_rows=stats.get("teacher_distinct_rows"),
                                   logprob_chunk=sc.logprob_chunk, score_chunk=sc.scoring_chunk,
-                                  teacher_cfg=qcfg if external else None, critic=method.critic)
+                                  teacher_cfg=qcfg if external else None, critic=method.critic, prm=method.prm)
         teacher = work.parts.get("teacher", (0.0, 0.0))[0]
         critic = work.parts.get("critic", (0.0, 0.0))[0]
         rows.append([name, sc.teacher.weights if method.needs_views else "-",

@@ -114,14 +114,14 @@ def _run(cfg, policy, critic, batch, *, method=None, lr=1.0, critic_opt=None, st
     graphdef, params = nnx.split(policy)
     method = method or resolve_method(cfg)
     opt, c_opt = optax.sgd(lr), critic_opt or optax.sgd(lr)
-    step = make_train_step(graphdef, cfg, opt, method, critic_optimizer=c_opt)
+    step = make_train_step(graphdef, cfg, opt, method, aux_optimizers={"critic": c_opt})
     before = jax.tree.map(np.asarray, params)
     ref = jax.tree.map(jnp.copy, params)
     params = jax.tree.map(jnp.copy, params)
     opt_state = opt.init(params)
     state = None
     if method.critic:
-        state = {"params": jax.tree.map(jnp.copy, critic), "opt_state": c_opt.init(critic)}
+        state = {"critic": {"params": jax.tree.map(jnp.copy, critic), "opt_state": c_opt.init(critic)}}
     history = []
     for _ in range(steps):
         out = step(params, opt_state, ref, jax.tree.map(jnp.asarray, batch), None, state)
@@ -131,7 +131,7 @@ def _run(cfg, policy, critic, batch, *, method=None, lr=1.0, critic_opt=None, st
             params, opt_state, metrics = out
         history.append(jax.device_get(metrics))
     diff = jax.tree.map(lambda a, b: a - np.asarray(b), before, params)
-    return diff, history, state
+    return diff, history, None if state is None else state["critic"]
 
 
 def _reference_policy_grads(cfg, policy, critic, trajs):
@@ -262,12 +262,14 @@ def test_sharded_step_equals_unsharded(setup, tok):
     graphdef, params = nnx.split(policy)
     put = lambda tree: jax.device_put(tree, state_shardings(tree, mesh))
     opt = optax.sgd(1.0)
-    step = make_train_step(graphdef, cfg, opt, critic_optimizer=opt)
+    step = make_train_step(graphdef, cfg, opt, aux_optimizers={"critic": opt})
     p = put(jax.tree.map(jnp.copy, params))
     c = {"params": put(jax.tree.map(jnp.copy, critic))}  # the trunk like the policy, the head replicated
     c["opt_state"] = opt.init(c["params"])
     with jax.set_mesh(mesh):
-        new, _, m2, s2 = step(p, opt.init(p), put(jax.tree.map(jnp.copy, params)), shard_batch(batch, mesh), None, c)
+        new, _, m2, s2 = step(p, opt.init(p), put(jax.tree.map(jnp.copy, params)), shard_batch(batch, mesh), None,
+                              {"critic": c})
+    s2 = s2["critic"]
     d2 = jax.tree.map(lambda a, b: a - np.asarray(b), jax.tree.map(np.asarray, params), new)
     assert _max_diff(d1, d2) < 1e-5
     assert _max_diff(s1["params"], s2["params"]) < 1e-5

@@ -354,7 +354,7 @@ def test_checkpointer_saves_and_restores_the_optional_items(tmp_path):
                                                                       "value_b": jnp.asarray(-1.0)}},
               "opt_state": {"count": jnp.asarray(7, jnp.int32)}}
     ckpt.save(1, p, p, {"next_step": 1})
-    ckpt.save(2, p, p, {"next_step": 2}, teacher={"embed": jnp.full((2, 3), 2.0)}, critic=critic)
+    ckpt.save(2, p, p, {"next_step": 2}, teacher={"embed": jnp.full((2, 3), 2.0)}, aux={"critic": critic})
     assert ckpt.restore_item(1, "critic", critic) is None and ckpt.restore_teacher(1, p) is None
     got = ckpt.restore_item(2, "critic", critic)
     assert float(got["params"]["head"]["value_b"]) == -1.0 and int(got["opt_state"]["count"]) == 7

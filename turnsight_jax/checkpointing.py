@@ -145,6 +145,10 @@ def no_valid_checkpoint(workdir, skipped: list[tuple[int, str]]) -> CheckpointEr
     return CheckpointError(f"{pathlib.Path(workdir) / 'checkpoints'}: no valid checkpoint ({detail})")
 
 
+# The step's learned auxiliaries (rl.step.init_aux), each an optional item of a step's checkpoint.
+AUX_ITEMS = ("critic", "prm")
+
+
 class Checkpointer:
     """Save and restore (params, opt_state, meta) by step under `workdir/checkpoints`."""
 
@@ -156,7 +160,7 @@ class Checkpointer:
             self.workdir / "checkpoints",
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                  enable_async_checkpointing=async_save),
-            item_names=("params", "opt_state", "meta", "teacher", "critic"),
+            item_names=("params", "opt_state", "meta", "teacher", *AUX_ITEMS),
         )
 
     def latest_step(self) -> int | None:
@@ -165,15 +169,18 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
 
-    def save(self, step: int, params, opt_state, meta: dict[str, Any], *, teacher=None, critic=None) -> None:
-        """`teacher`: the EMA teacher's parameters (teacher.weights='ema'); `critic`: PPO's critic
-        ({"params", "opt_state"}, rl.step.init_critic); each saved as its own item."""
+    def save(self, step: int, params, opt_state, meta: dict[str, Any], *, teacher=None, aux=None) -> None:
+        """`teacher`: the EMA teacher's parameters (teacher.weights='ema'); `aux`: the step's
+        learned auxiliaries ({"critic": ..., "prm": ...}, rl.step.init_aux); each saved as its own
+        item (AUX_ITEMS)."""
         items = dict(params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
                      meta=ocp.args.JsonSave(meta))
         if teacher is not None:
             items["teacher"] = ocp.args.StandardSave(teacher)
-        if critic is not None:
-            items["critic"] = ocp.args.StandardSave(critic)
+        for name, state in (aux or {}).items():
+            if name not in AUX_ITEMS:
+                raise ValueError(f"unknown auxiliary {name!r}; checkpoint items: {AUX_ITEMS}")
+            items[name] = ocp.args.StandardSave(state)
         self.manager.save(step, args=ocp.args.Composite(**items), force=True)
         self.manager.wait_until_finished()
         if os.environ.get("TURNSIGHT_FAULT_KILL_BEFORE_MANIFEST") == str(step):

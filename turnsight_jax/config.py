@@ -32,7 +32,8 @@ import ml_collections as mlc
 
 from turnsight_jax.chat.hindsight_template import HindsightTemplate
 from turnsight_jax.errors import ConfigError
-from turnsight_jax.rl.config import AlgoConfig, CriticConfig, LossConfig, OptimConfig, StepConfig, TeacherConfig
+from turnsight_jax.rl.config import (AlgoConfig, CriticConfig, LossConfig, OptimConfig, PRMConfig, StepConfig,
+                                     TeacherConfig)
 from turnsight_jax.rl.methods import ResolvedMethod, resolve_method
 from turnsight_jax.rollout.driver import RolloutConfig
 from turnsight_jax.rollout.engine import EngineConfig
@@ -186,6 +187,13 @@ def base_config() -> mlc.ConfigDict:
     c.critic.warmup_steps = 0  # linear warm-up steps of the critic's learning rate
     c.critic.weight_decay = 0.01  # critic AdamW weight decay
     c.critic.max_grad_norm = 1.0  # critic global gradient-norm clip
+    c.prm = mlc.ConfigDict()  # PiCA's step-PRM (rl.prm): a logistic head on the frozen reference trunk, trained each step
+    c.prm.lr = 1e-3  # the PRM head's AdamW learning rate (no weight decay)
+    c.prm.alpha = 1.0  # progress reward alpha * decay^(k-1) * (h_{k-1} - h_k - baseline) at tool-result boundary k
+    c.prm.decay = 0.9  # gamma of the progress reward's decay over boundaries (against call spamming)
+    c.prm.baseline = 0.0  # the fixed baseline subtracted from each gain
+    c.prm.hinge_coef = 1.0  # weight of the monotonicity hinge (increases of h along solved trajectories)
+    c.prm.success_reward = 1.0  # outcome reward from which a trajectory counts as solved (the PRM's label)
     c.critic.value_clip = 0.5  # value loss 0.5*max((V-R)^2, (clip(V, V_old +- c) - R)^2); None: unclipped (verl: 0.5)
 
     c.train = mlc.ConfigDict()  # the RL loop and the split of a step's batch
@@ -512,6 +520,10 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
                                               weight_decay=cfg.critic.weight_decay,
                                               max_grad_norm=cfg.critic.max_grad_norm),
                             value_clip=cfg.critic.value_clip),
+        prm=PRMConfig(optim=OptimConfig(lr=cfg.prm.lr, total_steps=t.steps, b1=o.b1, b2=o.b2, weight_decay=0.0,
+                                        max_grad_norm=o.max_grad_norm),
+                      alpha=cfg.prm.alpha, decay=cfg.prm.decay, baseline=cfg.prm.baseline,
+                      hinge_coef=cfg.prm.hinge_coef, success_reward=cfg.prm.success_reward),
         group_size=t.group_size, micro_batches=t.micro_batches, mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
         teacher_micro_batches=t.teacher_micro_batches, logprob_chunk=t.logprob_chunk,
         score_chunk=t.score_chunk, max_turns=cfg.rollout.max_turns,
@@ -657,9 +669,10 @@ def second_stage(cfg: mlc.ConfigDict, sc: StepConfig, method: ResolvedMethod):
         raise ConfigError(f"rl.switch_step={step} needs rl.switch_method (the method from that step on)")
     sc2 = dataclasses.replace(sc, algo=dataclasses.replace(sc.algo, method=name))
     method2 = resolve_method(sc2)
-    if method2.critic != method.critic:
-        raise ConfigError(f"rl.switch_method={name!r}: the two stages must both train a critic or neither "
-                          f"({method.name}: {method.critic}, {method2.name}: {method2.critic})")
+    if method2.aux != method.aux:
+        raise ConfigError(f"rl.switch_method={name!r}: the two stages must train the same learned auxiliaries "
+                          f"(critic, PRM): both train a critic or neither ({method.name}: {list(method.aux)}, "
+                          f"{method2.name}: {list(method2.aux)})")
     # the teacher state the trainer keeps (an EMA or an external model) must serve both stages
     kept = lambda m: sc.teacher.weights if m.needs_views and sc.teacher.weights in ("ema", "external") else None  # noqa: E731
     if kept(method) != kept(method2):

@@ -155,7 +155,8 @@ def _row_widths(tokens, classes, row_class, packed=None) -> np.ndarray:
 def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int = 0, ref_forward: bool = False,
                  q_chunk: int, remat: bool, teacher_distinct_rows: float | None = None, logprob_chunk: int = 1024,
                  score_chunk: int | None = None, micro_batches: int = 1, teacher_micro_batches: int = 1,
-                 row_shards: int = 1, teacher_cfg: Qwen3Config | None = None, critic: bool = False) -> UpdateFlops:
+                 row_shards: int = 1, teacher_cfg: Qwen3Config | None = None, critic: bool = False,
+                 prm: bool = False) -> UpdateFlops:
     """FLOPs of the fused step (rl.step) on a numpy TrainBatch (rl.batch).
 
     updates: forward+backward passes over every row (ppo_epochs: each row is in one mini-batch per
@@ -170,7 +171,8 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     another model (teacher.weights='external'; default `cfg`). critic: the method trains a critic
     (rl.critic: a trunk of `cfg`'s architecture, no vocabulary head): one no-gradient forward for
     V_old and a forward+backward per update (part "critic"; the [D] value head's 2·D FLOPs per
-    token are left out)."""
+    token are left out). prm: the method's step-PRM (rl.prm) reads the frozen reference trunk: one
+    no-gradient trunk forward (part "prm"; its head's FLOPs left out)."""
     trunk = trunk_flops_per_token(cfg)
     score_chunk = score_chunk or logprob_chunk
     tokens = float(np.asarray(batch.valid).sum())
@@ -214,6 +216,8 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
         exec_trunk = trunk * slots + exec_attn
         grad_trunk = (4.0 if remat else 3.0) * trunk * slots + 4.0 * exec_attn
         parts["critic"] = (need_trunk * (1 + 3 * updates), exec_trunk + grad_trunk * updates)
+    if prm:
+        parts["prm"] = (forward_flops(cfg, tokens, pairs, 0.0), trunk * slots + exec_attn)
     return UpdateFlops(parts)
 
 

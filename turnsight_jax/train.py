@@ -39,7 +39,7 @@ from turnsight_jax.models.sharding import make_mesh, opt_state_shardings
 from turnsight_jax.models.weights import save_pretrained
 from turnsight_jax.rl.batch import make_train_batch, packed_reference, row_axis, shape_keys, shard_batch
 from turnsight_jax.rl.methods import RolloutContext
-from turnsight_jax.rl.step import TURNSIGHT_METRICS, init_critic, make_optimizer, make_train_step
+from turnsight_jax.rl.step import TURNSIGHT_METRICS, init_aux, make_aux_optimizers, make_optimizer, make_train_step
 from turnsight_jax.rollout.progress import ProgressLine
 from turnsight_jax.runlog import MetricsLog, Progress, log, matmul_peak_flops
 
@@ -122,7 +122,7 @@ def _summed(values: dict[str, float]) -> dict[str, float]:
 # The progress line's view of the method's own mechanism: the metric that shows it acting.
 MECHANISM_METRICS = {"turnsight/weight_max": "w_max", "rlsd/weight_max": "w_max", "train/sdpo_kl": "sdpo_kl",
                      "sdpo/gap_mean": "sdpo_gap", "train/sdar_gate": "gate", "train/sod_weight": "sod_w",
-                     "critic/value_loss": "v_loss"}
+                     "critic/value_loss": "v_loss", "prm/gain_abs_mean": "prm_gain"}
 
 
 def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_cfg=None) -> flops.UpdateFlops:
@@ -135,14 +135,14 @@ def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_cfg=
         remat=cfg.model.remat, teacher_distinct_rows=bstats.get("teacher_distinct_rows"),
         logprob_chunk=step_cfg.logprob_chunk, score_chunk=step_cfg.scoring_chunk, micro_batches=step_cfg.micro_batches,
         teacher_micro_batches=step_cfg.teacher_micro_batches,
-        row_shards=local_row_shards(mesh), teacher_cfg=teacher_cfg, critic=method.critic)
+        row_shards=local_row_shards(mesh), teacher_cfg=teacher_cfg, critic=method.critic, prm=method.prm)
 
 
-def _new_critic(params, qcfg, optimizer, mesh) -> dict:
-    """rl.step.init_critic on the mesh: the trunk and its moments sharded like the policy's, the
-    value head replicated."""
+def _new_aux(method, params, qcfg, optimizers, mesh) -> dict:
+    """rl.step.init_aux on the mesh: the critic's trunk and its moments sharded like the policy's,
+    the heads (value, PRM) replicated."""
     with jax.set_mesh(mesh):
-        state = init_critic(params, qcfg.hidden_size, optimizer)
+        state = init_aux(method, params, qcfg.hidden_size, optimizers)
     return jax.device_put(state, opt_state_shardings(state, mesh))
 
 
@@ -228,18 +228,21 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
         decay = step_cfg.teacher.ema_decay
         ema_fn = jax.jit(lambda t, p: jax.tree.map(lambda a, b: (decay * a + (1.0 - decay) * b).astype(a.dtype), t, p),
                          donate_argnums=0)
-    # PPO's critic (rl.critic): its own trunk (from the policy's starting weights), value head and
-    # optimizer; checkpointed with the policy.
-    critic_state = critic_optimizer = None
+    # The learned auxiliaries (rl.step.init_aux): PPO's critic (its own trunk, from the policy's
+    # starting weights, a value head), PiCA's step-PRM (a head on the frozen reference trunk); each
+    # with its own optimizer, checkpointed as its own item next to the policy.
+    aux_opts = make_aux_optimizers(step_cfg, method)
+    aux_state = _new_aux(method, params, qcfg, aux_opts, mesh) if method.aux else None
     if method.critic:
-        critic_optimizer = make_optimizer(step_cfg.critic.optim)
-        critic_state = _new_critic(params, qcfg, critic_optimizer, mesh)
         log(f"critic: a {qcfg.num_layers}-layer trunk + value head, lr {step_cfg.critic.optim.lr:g}, "
             f"value clip {step_cfg.critic.value_clip}")
-    shardings = (params, opt_state) + ((critic_state,) if critic_state is not None else ())
+    if method.prm:
+        log(f"step-PRM: a logistic head on the frozen reference trunk, lr {step_cfg.prm.optim.lr:g}, "
+            f"reward {step_cfg.prm.alpha:g} * {step_cfg.prm.decay:g}^(k-1) * (h_(k-1) - h_k - {step_cfg.prm.baseline:g})")
+    shardings = (params, opt_state) + ((aux_state,) if aux_state is not None else ())
     step_fn = make_train_step(graphdef, step_cfg, optimizer, method,
                               state_shardings=jax.tree.map(lambda x: x.sharding, shardings),
-                              teacher_graphdef=teacher_graphdef, critic_optimizer=critic_optimizer)
+                              teacher_graphdef=teacher_graphdef, aux_optimizers=aux_opts)
 
     # A two-stage recipe (rl.switch_step / rl.switch_method, e.g. SRL then the outcome): the
     # second stage's step compiles when it starts (same state; config.second_stage checks it).
@@ -255,7 +258,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
         if 1 not in stage_steps:
             stage_steps[1] = (later[1], later[2], make_train_step(
                 graphdef, later[1], optimizer, later[2], state_shardings=jax.tree.map(lambda x: x.sharding, shardings),
-                teacher_graphdef=teacher_graphdef, critic_optimizer=critic_optimizer))
+                teacher_graphdef=teacher_graphdef, aux_optimizers=aux_opts))
         return stage_steps[1]
 
     latest = checkpointing.resume_step(workdir, log)  # the newest valid step; invalid newer ones moved aside
@@ -267,13 +270,13 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
         if tw == "ema":
             saved = ckpt.restore_teacher(latest, teacher_params)
             teacher_params = saved if saved is not None else jax.tree.map(jnp.copy, params)
-        if critic_state is not None:
-            saved = ckpt.restore_item(latest, "critic", critic_state)
-            if saved is None:
-                log(f"checkpoint {latest} has no critic: the critic starts from the restored policy")
-                critic_state = _new_critic(params, qcfg, critic_optimizer, mesh)
-            else:
-                critic_state = saved
+        if aux_state is not None:
+            fresh = _new_aux(method, params, qcfg, aux_opts, mesh)  # a critic from the restored policy
+            for name in method.aux:
+                saved = ckpt.restore_item(latest, name, aux_state[name])
+                if saved is None:
+                    log(f"checkpoint {latest} has no {name}: it starts afresh (a critic from the restored policy)")
+                aux_state[name] = fresh[name] if saved is None else saved
         start = int(meta["next_step"])
         resumed_shapes = {k: int(v) for k, v in meta.get("batch_shapes", {}).items()}
         log(f"resumed from {workdir}/checkpoints/{latest} (next step {start})")
@@ -339,11 +342,11 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             global_batch = (distributed.assemble_rows(batch, mesh, rows, row_axis) if distributed.is_multiprocess()
                             else shard_batch(batch, mesh))
             with jax.set_mesh(mesh):
-                if critic_state is None:
+                if aux_state is None:
                     params, opt_state, m = step_fn(params, opt_state, ref_params, global_batch, teacher_params)
                 else:
-                    params, opt_state, m, critic_state = step_fn(params, opt_state, ref_params, global_batch,
-                                                                 teacher_params, critic_state)
+                    params, opt_state, m, aux_state = step_fn(params, opt_state, ref_params, global_batch,
+                                                              teacher_params, aux_state)
                 if ema_fn is not None:
                     teacher_params = ema_fn(teacher_params, params)
                 m = jax.device_get(m)
@@ -419,13 +422,12 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             # and the exit are collective
             stop = distributed.any_process(preempt.requested)
             if stop or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or last:
-                if not bool(_all_finite(params)) or (critic_state is not None
-                                                     and not bool(_all_finite(critic_state["params"]))):  # never rotate good checkpoints out for a NaN one
+                if not bool(_all_finite(params)) or (aux_state is not None and not bool(_all_finite(aux_state))):  # never rotate good checkpoints out for a NaN one
                     raise NonFiniteTraining(f"parameters are not finite after step {step + 1}; not checkpointed "
                                             f"(last checkpoint: {ckpt.latest_step() or 'none'})")
                 ckpt.save(step + 1, params, opt_state, {"next_step": step + 1, "seed": cfg.seed,
                                                         "data_position": step + 1, "batch_shapes": shapes},
-                          teacher=teacher_params if tw == "ema" else None, critic=critic_state)
+                          teacher=teacher_params if tw == "ema" else None, aux=aux_state)
             if stop:
                 log(f"stopped after step {step + 1} (checkpoint {step + 1} written by all processes); rerun "
                     f"the same command to resume" if jax.process_count() > 1 else

@@ -200,12 +200,40 @@ class CriticConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PRMConfig:
+    """PiCA's step-PRM (rl.prm), for methods that carry one: its head's optimizer (`optim`), the
+    progress reward alpha · decay^(k−1) · (h_{k−1} − h_k − baseline) at boundary k, the weight of
+    the monotonicity hinge in its loss, and the outcome reward from which a trajectory counts as
+    solved (its training label)."""
+
+    optim: OptimConfig = OptimConfig(lr=1e-3, weight_decay=0.0)
+    alpha: float = 1.0
+    decay: float = 0.9
+    baseline: float = 0.0
+    hinge_coef: float = 1.0
+    success_reward: float = 1.0
+
+    def validate(self) -> None:
+        for name in ("alpha", "baseline", "hinge_coef", "success_reward"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(f"prm.{name} must be a finite number, got {v!r}")
+        if self.alpha < 0 or self.hinge_coef < 0:
+            raise ConfigError(f"prm.alpha and prm.hinge_coef must be >= 0, got {self.alpha} and {self.hinge_coef}")
+        if not 0.0 < self.decay <= 1.0:
+            raise ConfigError(f"prm.decay must be in (0, 1], got {self.decay}")
+        if not (math.isfinite(self.optim.lr) and self.optim.lr > 0):
+            raise ConfigError(f"prm.lr must be finite and > 0, got {self.optim.lr}")
+
+
+@dataclasses.dataclass(frozen=True)
 class StepConfig:
     algo: AlgoConfig = AlgoConfig()
     teacher: TeacherConfig = TeacherConfig()
     loss: LossConfig = LossConfig()
     optim: OptimConfig = OptimConfig()
     critic: CriticConfig = CriticConfig()
+    prm: PRMConfig = PRMConfig()
     group_size: int = 16
     micro_batches: int = 1  # gradient accumulation inside one mini-batch
     mini_batches: int = 1  # optimizer updates per epoch
@@ -278,6 +306,7 @@ class StepConfig:
         if not isinstance(algo.gae_whiten, bool):
             raise ConfigError(f"rl.gae_whiten must be True or False, got {algo.gae_whiten!r}")
         self.critic.validate()
+        self.prm.validate()
         if not isinstance(algo.sdpo_tail, bool):
             raise ConfigError(f"rl.sdpo_tail must be True or False, got {algo.sdpo_tail!r}")
         self.teacher.validate()

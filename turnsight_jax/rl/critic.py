@@ -112,31 +112,33 @@ def _head(hidden: Array, head: dict) -> Array:
     return jnp.einsum("...d,d->...", hidden.astype(jnp.float32), head["value_w"]) + head["value_b"]
 
 
-def _student_values(trunk, head, tokens, valid, pol_pos):
-    hidden = trunk.hidden_states(tokens, Layout.causal(valid))
-    return _head(gather_rows(hidden, predictor_positions(valid, pol_pos)), head)
-
-
-def policy_values(trunk, head: dict, batch) -> Array:
-    """V at every policy token of a TrainBatch's (or micro-batch's) rows: [B, N] float32, 0 on
-    padding slots. `trunk` a Qwen3 (its final hidden states are read; its vocabulary head is not
-    used); the batch's layout (plain, length classes, packed rows) as rl.logprobs.policy_logprobs."""
+def hidden_at(trunk, batch, positions: Array) -> Array:
+    """The trunk's final hidden states at per-trajectory token positions: positions [B, M] int32
+    (indices into each trajectory's own tokens, as `batch.tokens` [B, T] holds them) -> [B, M, D].
+    The batch's layout (plain, length classes, packed rows) as rl.logprobs.policy_logprobs; the
+    trunk reads `batch.valid` (the student's context). `trunk` a Qwen3 whose vocabulary head is
+    not used."""
     if batch.packed is not None:
         pk = batch.packed
         hidden = trunk.hidden_states(pk.tokens, pk.layout)
         s = pk.plan.shards
-        b, n = batch.pol_pos.shape
-        flat = packed_index(pk, predictor_positions(batch.valid, batch.pol_pos))  # [S, B/S * N]
-        rows = gather_rows(hidden.reshape(s, -1, hidden.shape[-1]), flat)
-        out = _head(rows, head).reshape(b, n)
-    elif batch.classes is None:
-        out = _student_values(trunk, head, batch.tokens, batch.valid, batch.pol_pos)
-    else:
-        def one(_, pos, tokens, valid):
-            return _student_values(trunk, head, tokens, valid, pos)
+        b, m = positions.shape
+        flat = packed_index(pk, positions)  # [S, B/S * M]
+        return gather_rows(hidden.reshape(s, -1, hidden.shape[-1]), flat).reshape(b, m, -1)
+    if batch.classes is None:
+        return gather_rows(trunk.hidden_states(batch.tokens, Layout.causal(batch.valid)), positions)
 
-        out = run_by_class(one, batch.classes, batch.length_class, (batch.pol_pos,), (batch.tokens, batch.valid))
-    return jnp.where(batch.pol_valid, out, 0.0)
+    def one(_, pos, tokens, valid):
+        return gather_rows(trunk.hidden_states(tokens, Layout.causal(valid)), pos)
+
+    return run_by_class(one, batch.classes, batch.length_class, (positions,), (batch.tokens, batch.valid))
+
+
+def policy_values(trunk, head: dict, batch) -> Array:
+    """V at every policy token of a TrainBatch's (or micro-batch's) rows: [B, N] float32, 0 on
+    padding slots; read at each token's predictor position (`hidden_at`)."""
+    hidden = hidden_at(trunk, batch, predictor_positions(batch.valid, batch.pol_pos))
+    return jnp.where(batch.pol_valid, _head(hidden, head), 0.0)
 
 
 # ---- the estimator ----
@@ -152,11 +154,25 @@ def gae_advantages(rewards: Array, values: Array, policy_mask: Array, *, gae_gam
     return {"advantages": adv, "returns": returns}
 
 
+def gae_process_advantages(rewards: Array, values: Array, policy_mask: Array, process_rewards: Array, *,
+                           gae_gamma, gae_lam, gae_whiten: bool):
+    """The registered "gae_process" estimator (PiCA): GAE over the outcome reward on the last
+    policy token plus per-token process rewards [B, N] (rl.prm's progress rewards); otherwise as
+    gae_advantages."""
+    r = token_rewards(rewards, policy_mask) + jnp.where(policy_mask, process_rewards, 0.0)
+    adv, returns = gae(r, values, policy_mask, gamma=gae_gamma, lam=gae_lam)
+    if gae_whiten:
+        adv = whiten(adv, policy_mask)
+    return {"advantages": adv, "returns": returns}
+
+
 def _register() -> None:
     from turnsight_jax.rl.advantages import register_advantage
 
-    register_advantage("gae", ("rewards", "values", "policy_mask"), ("gae_gamma", "gae_lam", "gae_whiten"))(
-        gae_advantages)
+    knobs = ("gae_gamma", "gae_lam", "gae_whiten")
+    register_advantage("gae", ("rewards", "values", "policy_mask"), knobs)(gae_advantages)
+    register_advantage("gae_process", ("rewards", "values", "policy_mask", "process_rewards"), knobs)(
+        gae_process_advantages)
 
 
 _register()

@@ -210,6 +210,9 @@ class Method:
     # A critic (rl.critic: its own trunk + value head, trained on the clipped value loss next to
     # the policy); its values [B, N] reach the advantage as "values".
     critic: bool = False
+    # A step-PRM (rl.prm: a head on the frozen reference trunk, trained each step); its progress
+    # rewards [B, N] reach the advantage as "process_rewards".
+    prm: bool = False
 
 
 METHODS: dict[str, Method] = {}
@@ -231,6 +234,8 @@ register_method(Method("toolrl", advantage="grpo", rewards=("toolrl",),
                        description="ToolRL's format + call-match reward, group-normalised"))
 register_method(Method("ppo", advantage="gae", critic=True,
                        description="PPO: outcome reward on the last token, GAE(gamma, lambda) against a learned critic"))
+register_method(Method("pica", advantage="gae_process", critic=True, prm=True,
+                       description="PiCA: a monotone step-PRM's progress rewards at tool results, GAE against a critic"))
 register_method(Method("srl", advantage="grpo", rewards=("srl",),
                        description="SRL: similarity of each action to the expert's step, group-normalised"))
 register_method(Method("turnsight", advantage="turnsight", rewards=(),
@@ -261,6 +266,12 @@ class ResolvedMethod:
     loss_terms: tuple[LossTerm, ...]
     teacher: str = "hindsight"
     critic: bool = False  # the method (or its base) trains a critic (rl.critic)
+    prm: bool = False  # ... a step-PRM (rl.prm)
+
+    @property
+    def aux(self) -> tuple[str, ...]:
+        """The learned auxiliaries the step trains next to the policy ("critic", "prm")."""
+        return ("critic",) * self.critic + ("prm",) * self.prm
 
     def reads(self, name: str) -> bool:
         """Whether a loss term reads array `name`."""
@@ -298,7 +309,8 @@ class ResolvedMethod:
         adv = self.advantage.name + (f"({self.base.name})" if self.base else "")
         return (f"method {self.name}: rollout {self.rollout.name}, rewards [{', '.join(r.name for r in self.rewards)}], "
                 f"advantage {adv}, loss [{', '.join(t.name for t in self.loss_terms)}]"
-                + (", critic (value head, clipped value loss)" if self.critic else ""))
+                + (", critic (value head, clipped value loss)" if self.critic else "")
+                + (", step-PRM (head on the frozen reference trunk)" if self.prm else ""))
 
 
 def task_needs(method: str, base: str) -> tuple[str, ...]:
@@ -324,7 +336,7 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
 
     m = method(algo.method, "rl.method")
     advantage = lookup(get_estimator, m.advantage, "advantage", m.name)
-    base, reward_names, rollout_name, critic = None, list(m.rewards), m.rollout, m.critic
+    base, reward_names, rollout_name, critic, prm = None, list(m.rewards), m.rollout, m.critic, m.prm
     if advantage.wraps_base:
         bm = method(algo.base, "rl.base")
         base = lookup(get_estimator, bm.advantage, "advantage", bm.name)
@@ -334,7 +346,7 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
         reward_names = list(dict.fromkeys([*bm.rewards, *m.rewards]))
         if rollout_name == "sampler":
             rollout_name = bm.rollout
-        critic = critic or bm.critic
+        critic, prm = critic or bm.critic, prm or bm.prm
     for name in reward_names:
         if name not in REWARDS:
             raise ConfigError(f"method {m.name!r}: unknown reward {name!r}; registered: {sorted(REWARDS)}")
@@ -351,7 +363,7 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
     if dup:
         raise ConfigError(f"method {m.name!r}: several rewards fill {dup}")
     provided = set(CORE_ARRAYS) | set(outputs) | {"delta", "base_advantages", "teacher_covered"} | (
-        {"values"} if critic else set())
+        {"values"} if critic else set()) | ({"process_rewards"} if prm else set())
     for est in (advantage, base):
         missing = [k for k in (est.inputs if est else ()) if k not in provided]
         if missing:
@@ -365,4 +377,5 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
         missing = [k for k in term.inputs if k not in term_provided]
         if missing:
             raise ConfigError(f"method {m.name!r}: loss term {term.name!r} reads {missing}, which nothing fills")
-    return ResolvedMethod(m.name, ROLLOUTS[rollout_name], rewards, advantage, base, tuple(terms), m.teacher, critic)
+    return ResolvedMethod(m.name, ROLLOUTS[rollout_name], rewards, advantage, base, tuple(terms), m.teacher, critic,
+                          prm)

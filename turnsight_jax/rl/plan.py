@@ -25,9 +25,8 @@ from turnsight_jax import model_setup
 from turnsight_jax.config import validate
 from turnsight_jax.models.qwen3 import Qwen3
 from turnsight_jax.models.sharding import make_mesh, opt_state_shardings, state_shardings
-from turnsight_jax.rl import critic as critic_lib
 from turnsight_jax.rl.batch import abstract_batch, worst_case_geometry
-from turnsight_jax.rl.step import make_optimizer, make_train_step
+from turnsight_jax.rl.step import init_aux, make_aux_optimizers, make_optimizer, make_train_step
 from turnsight_jax.runlog import log
 
 
@@ -51,15 +50,14 @@ def abstract_teacher(cfg, step_cfg, method, qcfg, params, mesh):
     return graphdef, _with_shardings(teacher, state_shardings(teacher, mesh))
 
 
-def abstract_critic(step_cfg, method, qcfg, params, mesh):
-    """The critic's abstract state ({"params": {"trunk", "head"}, "opt_state"}, rl.step.init_critic)
-    with its shardings, for a method that trains one; None otherwise."""
-    if not method.critic:
+def abstract_aux(step_cfg, method, qcfg, params, mesh):
+    """The abstract state of the step's learned auxiliaries (rl.step.init_aux: the critic, the
+    step-PRM) with their shardings; None for a method without any."""
+    if not method.aux:
         return None
-    cp = {"trunk": params, "head": jax.eval_shape(lambda: critic_lib.init_head(qcfg.hidden_size))}
-    cp = _with_shardings(cp, opt_state_shardings(cp, mesh))
-    opt = jax.eval_shape(make_optimizer(step_cfg.critic.optim).init, cp)
-    return {"params": cp, "opt_state": _with_shardings(opt, opt_state_shardings(opt, mesh))}
+    state = jax.eval_shape(lambda p: init_aux(method, p, qcfg.hidden_size, make_aux_optimizers(step_cfg, method)),
+                           params)
+    return _with_shardings(state, opt_state_shardings(state, mesh))
 
 
 def compile_step(cfg: mlc.ConfigDict):
@@ -82,11 +80,11 @@ def compile_step(cfg: mlc.ConfigDict):
     geo = worst_case_geometry(cfg, method, step_cfg, mesh.shape["data"] * mesh.shape["fsdp"])
     batch = abstract_batch(geo, mesh, method)
     teacher_graphdef, teacher = abstract_teacher(cfg, step_cfg, method, qcfg, params, mesh)
-    critic = abstract_critic(step_cfg, method, qcfg, params, mesh)
+    aux = abstract_aux(step_cfg, method, qcfg, params, mesh)
     step = make_train_step(graphdef, step_cfg, optimizer, method, teacher_graphdef=teacher_graphdef)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
-        compiled = step.lower(params, opt, ref, batch, teacher, critic).compile()
+        compiled = step.lower(params, opt, ref, batch, teacher, aux).compile()
     return compiled, geo, time.perf_counter() - t0, mesh, step_cfg
 
 
@@ -97,7 +95,7 @@ def dry_run(cfg: mlc.ConfigDict) -> dict:
     mem = compiled.memory_analysis()
     gib = 1024**3
     fields = {
-        "arguments (params, optimizer, reference, batch, teacher, critic)": mem.argument_size_in_bytes,
+        "arguments (params, optimizer, reference, batch, teacher, critic / PRM)": mem.argument_size_in_bytes,
         "outputs": mem.output_size_in_bytes,
         "aliased (donated) outputs": mem.alias_size_in_bytes,
         "temporaries (activations, logits chunks)": mem.temp_size_in_bytes,
@@ -188,8 +186,8 @@ def rollout_plan(cfg: mlc.ConfigDict) -> dict:
     _, teacher = abstract_teacher(cfg, step_cfg, method, qcfg, params, mesh)
     resident = _per_device_bytes(params) + _per_device_bytes(opt) + _per_device_bytes(ref)
     resident += 0 if teacher is None else _per_device_bytes(teacher)
-    critic = abstract_critic(step_cfg, method, qcfg, params, mesh)
-    resident += 0 if critic is None else _per_device_bytes(critic)
+    aux = abstract_aux(step_cfg, method, qcfg, params, mesh)
+    resident += 0 if aux is None else _per_device_bytes(aux)
     copy = 0 if pdtype == cdtype else _per_device_bytes(decode)
     pool = _per_device_bytes(kv)
     peak = resident + copy + pool + temps
@@ -201,7 +199,7 @@ def rollout_plan(cfg: mlc.ConfigDict) -> dict:
           f"{secs:.0f}s)")
     print("| per device | GiB |\n|---|---|")
     kept = ("params, optimizer, reference" + ("" if teacher is None else f", {step_cfg.teacher.weights} teacher")
-            + ("" if critic is None else ", critic and its optimizer"))
+            + ("" if aux is None else f", {' and '.join(method.aux)} with optimizer"))
     for name, v in ((f"trainer state kept while rolling out ({kept})", resident),
                     (f"decode copy of the weights ({cfg.model.compute_dtype})", copy),
                     ("KV block pool", pool), ("decode temporaries (widest program)", temps)):

@@ -21,7 +21,11 @@ One call of the compiled step, for a rollout batch of B trajectories (B / G prom
 A method with a critic (rl.critic; PPO) adds: before 2, the critic's values V_old [B, N] at the
 step's start (no gradient), which the advantage reads as "values" (GAE) and which give its
 "returns"; in 3, the clipped value loss of the same micro-batches, accumulated the same way, and
-the critic's own optimizer update. The critic's loss never reaches the policy's gradient.
+the critic's own optimizer update. The critic's loss never reaches the policy's gradient. A
+method with a step-PRM (rl.prm; PiCA) adds before 2: the PRM's h at every state (the frozen
+reference trunk), its progress rewards (the advantage reads them as "process_rewards"), and one
+update of the PRM's head on the batch. The critic and the PRM are the step's learned auxiliaries
+(`aux`, `init_aux`).
 
 All arrays are in the compact policy-position layout of turnsight_jax.rl.batch: [B, N] per policy
 token. Rows of a micro-batch are strided (rows m, m+M, ...), so each micro-batch spreads over all
@@ -39,6 +43,7 @@ from turnsight_jax.errors import ConfigError
 from turnsight_jax.models.qwen3 import Qwen3
 from turnsight_jax.rl.advantages import make_advantage_fn
 from turnsight_jax.rl import critic as critic_lib
+from turnsight_jax.rl import prm as prm_lib
 from turnsight_jax.rl.batch import TrainBatch, packed_reference, row_axis
 from turnsight_jax.rl.config import OptimConfig, StepConfig
 from turnsight_jax.rl.logprobs import policy_logprobs, teacher_logprobs
@@ -88,25 +93,28 @@ def teacher_covered(batch: TrainBatch):
     return batch.pol_valid if covered is None else covered & batch.pol_valid
 
 
-def advantage_inputs(batch: TrainBatch, teacher_lp, values=None) -> dict:
+def advantage_inputs(batch: TrainBatch, teacher_lp, values=None, process_rewards=None) -> dict:
     """The arrays an estimator may read (rl.advantages.Estimator.inputs); `values` [B, N]: the
-    critic's, for a method with one."""
+    critic's, for a method with one; `process_rewards` [B, N]: the PRM's token rewards."""
     arrays = {"group_ids": batch.group_ids, "policy_mask": batch.pol_valid, "turn_ids": batch.turn_ids,
               "num_turns": batch.num_turns, **batch.signals}
     if values is not None:
         arrays["values"] = values
+    if process_rewards is not None:
+        arrays["process_rewards"] = process_rewards
     if teacher_lp is not None:
         arrays["delta"] = teacher_lp - batch.old_logprobs[None]
         arrays["teacher_covered"] = teacher_covered(batch)
     return arrays
 
 
-def compute_advantages(batch: TrainBatch, teacher_lp, cfg: StepConfig, method: ResolvedMethod, values=None):
+def compute_advantages(batch: TrainBatch, teacher_lp, cfg: StepConfig, method: ResolvedMethod, values=None,
+                       process_rewards=None):
     """Advantages [B, N] of the method over the whole batch, and diagnostics (GAE's "returns"
     [B, N] among them when the estimator gives them)."""
     fn = make_advantage_fn(method.advantage.name, base=method.base.name if method.base else None,
                            knobs=advantage_knobs(cfg, batch.pol_valid.shape[0]))
-    out = fn(advantage_inputs(batch, teacher_lp, values))
+    out = fn(advantage_inputs(batch, teacher_lp, values, process_rewards))
     # TurnSight's diagnostics by name; a plug-in estimator's under its own "<method>/" prefix
     diag = {k: out[k] for k in out if k in TURNSIGHT_METRICS or "/" in k}
     if "returns" in out:
@@ -265,24 +273,84 @@ def critic_values(graphdef, critic, batch: TrainBatch, cfg: StepConfig):
 def init_critic(params, hidden_size: int, optimizer: optax.GradientTransformation) -> dict:
     """A method's critic at the start of a run: the trunk a copy of the policy's parameters
     `params` (verl initialises its critic from the actor's model), the value head zero, and the
-    critic optimizer's state: {"params": {"trunk", "head"}, "opt_state"} (what the step takes
-    and returns, and the checkpoint's "critic" item)."""
+    critic optimizer's state: {"params": {"trunk", "head"}, "opt_state"} (aux["critic"] of the
+    step, and the checkpoint's "critic" item)."""
     cp = {"trunk": jax.tree.map(jnp.copy, params), "head": critic_lib.init_head(hidden_size)}
     return {"params": cp, "opt_state": optimizer.init(cp)}
 
 
+def make_aux_optimizers(cfg: StepConfig, method: ResolvedMethod) -> dict:
+    """{name: optimizer} of the method's learned auxiliaries (method.aux: "critic", "prm")."""
+    opts = {"critic": cfg.critic.optim, "prm": cfg.prm.optim}
+    return {name: make_optimizer(opts[name]) for name in method.aux}
+
+
+def init_aux(method: ResolvedMethod, params, hidden_size: int, optimizers: dict) -> dict:
+    """The step's `aux` at the start of a run: {"critic": init_critic(...)} and/or {"prm":
+    {"params": rl.prm.init_head, "opt_state"}}, for the auxiliaries the method has ({} none)."""
+    out = {}
+    if "critic" in method.aux:
+        out["critic"] = init_critic(params, hidden_size, optimizers["critic"])
+    if "prm" in method.aux:
+        head = prm_lib.init_head(hidden_size)
+        out["prm"] = {"params": head, "opt_state": optimizers["prm"].init(head)}
+    return out
+
+
+def prm_stage(ref_model, prm, batch: TrainBatch, cfg: StepConfig, optimizer):
+    """PiCA's PRM in the step (rl.prm): its step-start h at every state (the frozen reference
+    trunk, micro-batched like the teacher), the progress rewards [B, N] from them, and one update
+    of its head on this batch (skipped, the head kept, when not finite). Returns (process rewards,
+    updated prm state, metrics)."""
+    pc = cfg.prm
+
+    def one(rows):
+        return prm_lib.prm_states(ref_model, rows, cfg.max_turns)
+
+    m = cfg.teacher_micro_batches
+    rows = _student_rows(batch)
+    hidden, exists = one(rows) if m == 1 else jax.tree.map(_merge, jax.lax.map(one, split_batch(rows, m)))
+    head = prm["params"]
+    h = jax.nn.sigmoid(jnp.einsum("bmd,d->bm", hidden, head["prm_w"]) + head["prm_b"])
+    proc, gains = prm_lib.progress_rewards(h, exists, batch.turn_ids, batch.pol_valid, batch.num_turns,
+                                           alpha=pc.alpha, decay=pc.decay, baseline=pc.baseline)
+    solved = batch.signals["rewards"] >= pc.success_reward
+    (loss, parts), grads = jax.value_and_grad(prm_lib.prm_loss, has_aux=True)(
+        head, hidden, exists, batch.num_turns, solved, pc.hinge_coef)
+    updates, new_opt = optimizer.update(grads, prm["opt_state"], head)
+    finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    new = jax.tree.map(keep, {"params": optax.apply_updates(head, updates), "opt_state": new_opt}, prm)
+    k = jnp.arange(h.shape[1])
+    n = batch.num_turns[:, None]
+    boundary = (k[None] >= 1) & (k[None] <= n - 1) & exists
+    final = (k[None] == n) & exists
+    nb = jnp.maximum(boundary.sum(), 1)
+    mean = lambda x, mask: jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(mask.sum(), 1)  # noqa: E731
+    metrics = {"prm/loss": loss, "prm/bce": parts["bce"], "prm/hinge": parts["hinge"],
+               "prm/h_start": mean(h, (k[None] == 0) & exists),
+               "prm/h_final_solved": mean(h, final & solved[:, None]),
+               "prm/h_final_failed": mean(h, final & ~solved[:, None]),
+               "prm/boundaries": boundary.sum().astype(jnp.float32),
+               "prm/gain_mean": jnp.sum(gains) / nb, "prm/gain_abs_mean": jnp.sum(jnp.abs(gains)) / nb,
+               "prm/solved_frac": jnp.mean(solved.astype(jnp.float32)),
+               "prm/skipped_updates": 1.0 - finite.astype(jnp.float32)}
+    return jax.lax.stop_gradient(proc), new, metrics
+
+
 def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransformation,
                     method: ResolvedMethod | None = None, *, state_shardings=None, teacher_graphdef=None,
-                    critic_optimizer: optax.GradientTransformation | None = None):
-    """Returns step(params, opt_state, ref_params, batch, teacher_params=None, critic=None) ->
+                    aux_optimizers: dict | None = None):
+    """Returns step(params, opt_state, ref_params, batch, teacher_params=None, aux=None) ->
     (params, opt_state, metrics), jitted with params and opt_state donated. `params`/`ref_params`
     are nnx.State of the policy and the frozen reference (same graphdef). `method` defaults to
     resolve_method(cfg).
 
-    A method with a critic (method.critic) takes `critic` ({"params": {"trunk": nnx.State of
-    `graphdef`, "head"}, "opt_state"}: `init_critic`), trained by `critic_optimizer` (default
-    make_optimizer(cfg.critic.optim)), and returns (params, opt_state, metrics, critic), the
-    critic donated too; its `state_shardings` then has a third entry, the critic's.
+    A method with learned auxiliaries (method.aux: "critic", "prm") takes `aux` ({name: {"params",
+    "opt_state"}}: `init_aux`; the critic's params {"trunk": nnx.State of `graphdef`, "head"}),
+    each trained by its optimizer in `aux_optimizers` (default `make_aux_optimizers`: from
+    cfg.critic.optim / cfg.prm.optim), and returns (params, opt_state, metrics, aux), `aux` donated
+    too; its `state_shardings` then has a third entry, the aux state's.
 
     The teacher that scores the views (cfg.teacher.weights): "reference" -> ref_params; "policy"
     -> params at the step's start (no gradient; every update of the step reads the same teacher);
@@ -301,9 +369,10 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         raise ConfigError("teacher.weights='external': make_train_step needs the external teacher's teacher_graphdef")
     reads_topk = method.reads("topk_logprobs")
     metric_names = tuple(dict.fromkeys(k for t in terms for k in t.metrics))
-    with_critic = method.critic
+    with_critic, with_prm = "critic" in method.aux, "prm" in method.aux
+    aux_opts = aux_optimizers if aux_optimizers is not None else make_aux_optimizers(cfg, method)
+    critic_optimizer = aux_opts.get("critic")
     if with_critic:
-        critic_optimizer = critic_optimizer or make_optimizer(cfg.critic.optim)
         metric_names += CRITIC_METRICS
     with_entropy = any("entropy" in t.inputs for t in terms)  # the full-vocab entropy only when read
     # Observation masking (rl.student_sees_observations=False) needs π_old on the masked context.
@@ -408,9 +477,11 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         sums["skipped_updates"] = 1.0 - finite.astype(jnp.float32)
         return params, opt_state, critic_state, sums, current
 
-    def step(params, opt_state, ref_params, batch: TrainBatch, teacher_params=None, critic=None):
-        if with_critic and critic is None:
-            raise ConfigError(f"method {method.name!r} trains a critic: the step needs critic= (rl.step.init_critic)")
+    def step(params, opt_state, ref_params, batch: TrainBatch, teacher_params=None, aux=None):
+        missing = [k for k in method.aux if not aux or k not in aux]
+        if missing:
+            raise ConfigError(f"method {method.name!r} trains {missing}: the step needs aux= (rl.step.init_aux)")
+        critic = aux["critic"] if with_critic else None
         ref_model = nnx.merge(graphdef, ref_params)
         if weights_kind == "reference":
             teacher_model = ref_model
@@ -422,7 +493,11 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
             teacher_model = nnx.merge(teacher_graphdef if weights_kind == "external" else graphdef, teacher_params)
         teacher_lp, ref_lp, topk = teacher_and_ref_logprobs(teacher_model, ref_model, batch, cfg, method)
         old_values = critic_values(graphdef, critic["params"], batch, cfg) if with_critic else None
-        adv, diag = compute_advantages(batch, teacher_lp, cfg, method, old_values)
+        proc = new_prm = None
+        prm_metrics = {}
+        if with_prm:
+            proc, new_prm, prm_metrics = prm_stage(ref_model, aux["prm"], batch, cfg, aux_opts["prm"])
+        adv, diag = compute_advantages(batch, teacher_lp, cfg, method, old_values, proc)
         returns = diag.pop("returns", None)
         cx, critic_diag = None, {}
         if with_critic:
@@ -479,18 +554,25 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
             if k in metrics:
                 metrics["critic/" + k.removeprefix("critic_")] = metrics.pop(k)
         metrics.update(critic_diag)
+        metrics.update(prm_metrics)
         metrics.update(diag)
         metrics.update(mismatch)
-        if with_critic:
-            return params, opt_state, metrics, critic
+        if method.aux:
+            new_aux = dict(aux)
+            if with_critic:
+                new_aux["critic"] = critic
+            if with_prm:
+                new_aux["prm"] = new_prm
+            return params, opt_state, metrics, new_aux
         return params, opt_state, metrics
 
-    donate = (0, 1, 5) if with_critic else (0, 1)
+    donate = (0, 1, 5) if method.aux else (0, 1)
     if state_shardings is None:
         return jax.jit(step, donate_argnums=donate)
-    if with_critic:
+    if method.aux:
         if len(state_shardings) != 3:
-            raise ValueError("a method with a critic: state_shardings must be (params, opt_state, critic) shardings")
-        p_sh, o_sh, c_sh = state_shardings
-        return jax.jit(step, donate_argnums=donate, out_shardings=(p_sh, o_sh, None, c_sh))
+            raise ValueError(f"method {method.name!r} has learned auxiliaries {method.aux}: state_shardings must be "
+                             "(params, opt_state, aux) shardings")
+        p_sh, o_sh, a_sh = state_shardings
+        return jax.jit(step, donate_argnums=donate, out_shardings=(p_sh, o_sh, None, a_sh))
     return jax.jit(step, donate_argnums=donate, out_shardings=(*state_shardings, None))

@@ -1,0 +1,125 @@
+"""PiCA's step-PRM (../shared/METHODS.md §B): h(s) = P(not yet solved | the trajectory up to s),
+its training loss (labels where they are known, a hinge on increases along solved trajectories),
+and the progress rewards it writes at tool-result boundaries for GAE (rl.critic) to propagate.
+
+Which PRM: a logistic head (`prm_w` [D], `prm_b`) on the *frozen reference trunk* (the initial
+policy, already resident for the KL and the teachers: no extra model). It is trained online, a
+stage of every step (not a separate `python -m` job): on the step's own trajectories, with its own
+AdamW, after its step-start values have given the rewards (so the rewards never see a head fitted
+to their own batch). Its gradient reaches the head only.
+
+States of a trajectory with n turns, s_0 .. s_n: s_k (k < n) is the state before turn k's first
+policy token (the prompt and every earlier turn and tool result: read at that token's predictor
+position), s_n the state after the whole trajectory (its last readable token). State k >= 1 is
+the boundary after turn k−1's tool results.
+
+Progress rewards: at boundary k = 1 .. n−1 (after a tool result; s_n, after the answer, is the
+outcome's), the gain g_k = α · γ^(k−1) · (h(s_{k−1}) − h(s_k) − β) on the last policy token of
+turn k−1 (the turn whose calls produced the result). The paper's α · γ^(i−2) counts steps from
+i = 2 at the first boundary: the same exponents. β is the fixed baseline (0: a gain is any fall
+of h); the decay γ < 1 makes later calls worth less (against call spamming).
+
+Training labels: a failed trajectory (outcome below `success_reward`) is unsolved at every
+prefix: h(s_k) → 1 for all k <= n; a solved one is solved at its end: h(s_n) → 0; its earlier
+states carry no label but the monotonicity hinge Σ_k max(0, h(s_{k+1}) − h(s_k)): information only
+accumulates, so along a solved trajectory h may not rise.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from turnsight_jax.rl.critic import hidden_at
+from turnsight_jax.rl.logprobs import predictor_positions
+
+Array = jax.Array
+
+
+def init_head(hidden_size: int) -> dict:
+    """The PRM head {"prm_w": [D] f32, "prm_b": [] f32}: zero weights, bias 0 (h = 0.5 everywhere)."""
+    return {"prm_w": jnp.zeros((hidden_size,), jnp.float32), "prm_b": jnp.zeros((), jnp.float32)}
+
+
+def state_positions(turn_ids: Array, pol_valid: Array, pred_pos: Array, valid: Array, num_turns: Array,
+                    max_turns: int) -> tuple[Array, Array]:
+    """Where each state is read: ([B, K+1] int32 positions, [B, K+1] bool exists), K = max_turns.
+
+    turn_ids, pol_valid, pred_pos [B, N] (pred_pos: each policy token's predictor position,
+    rl.logprobs.predictor_positions); valid [B, T]; num_turns [B]. State k < n: pred_pos of turn
+    k's first policy slot; state n: the last readable token; k > n: absent (position 0)."""
+    b, n_slots = turn_ids.shape
+    k = jnp.arange(max_turns + 1)
+    n = jnp.clip(num_turns, 0, max_turns)
+    is_turn = (turn_ids[:, None, :] == k[None, :, None]) & pol_valid[:, None, :]  # [B, K+1, N]
+    first = jnp.argmax(is_turn, axis=2)  # the first slot of turn k (0 when none)
+    has = jnp.any(is_turn, axis=2)
+    start = jnp.take_along_axis(pred_pos, first, axis=1)
+    last = jnp.max(jnp.where(valid, jnp.arange(valid.shape[1])[None], 0), axis=1)  # [B]
+    is_end = k[None] == n[:, None]
+    pos = jnp.where(is_end, last[:, None], jnp.where(has & (k[None] < n[:, None]), start, 0))
+    exists = is_end | (has & (k[None] < n[:, None]))
+    return pos.astype(jnp.int32), exists
+
+
+def not_solved_probs(trunk, head: dict, batch, positions: Array) -> Array:
+    """h at the given states: [B, M] float32 in (0, 1)."""
+    hidden = hidden_at(trunk, batch, positions).astype(jnp.float32)
+    return jax.nn.sigmoid(jnp.einsum("bmd,d->bm", hidden, head["prm_w"]) + head["prm_b"])
+
+
+def progress_rewards(h: Array, exists: Array, turn_ids: Array, pol_valid: Array, num_turns: Array, *,
+                     alpha: float, decay: float, baseline: float) -> tuple[Array, Array]:
+    """PiCA's token rewards [B, N] and the gains [B, K+1] (0 where no boundary).
+
+    h, exists [B, K+1] (states s_0 .. s_K); gain at boundary k (1 <= k <= n−1) =
+    alpha · decay^(k−1) · (h_{k−1} − h_k − baseline), written on the last policy slot of turn k−1."""
+    b, m = h.shape
+    k = jnp.arange(m)
+    n = num_turns[:, None]
+    boundary = (k[None] >= 1) & (k[None] <= n - 1) & exists & jnp.roll(exists, 1, axis=1)
+    prev = jnp.concatenate([h[:, :1], h[:, :-1]], axis=1)
+    scale = alpha * jnp.power(jnp.asarray(decay, jnp.float32), jnp.maximum(k - 1, 0).astype(jnp.float32))
+    gains = jnp.where(boundary, scale[None] * (prev - h - baseline), 0.0)  # [B, K+1]
+    # the last slot of each turn j = k − 1 receives gains[:, j + 1]
+    slots = jnp.arange(turn_ids.shape[1])
+    last_of_turn = jnp.max(jnp.where((turn_ids[:, None, :] == k[None, :, None]) & pol_valid[:, None, :],
+                                     slots[None, None], -1), axis=2)  # [B, K+1]: turn j's last slot, -1 none
+    src = jnp.concatenate([gains[:, 1:], jnp.zeros((b, 1), gains.dtype)], axis=1)  # src[j] = gains[j + 1]
+    hit = (slots[None, None, :] == last_of_turn[:, :, None])  # [B, K+1, N]
+    tokens = jnp.sum(jnp.where(hit, src[:, :, None], 0.0), axis=1)
+    return jnp.where(pol_valid, tokens, 0.0), gains
+
+
+def monotonicity_hinge(h: Array, exists: Array) -> Array:
+    """Per consecutive pair of existing states (k, k+1): max(0, h_{k+1} − h_k), [B, K] (0 where
+    either state is absent). Penalises exactly the increases of h; a fall or a tie costs 0."""
+    pair = exists[:, 1:] & exists[:, :-1]
+    return jnp.where(pair, jnp.maximum(h[:, 1:] - h[:, :-1], 0.0), 0.0)
+
+
+def prm_loss(head: dict, hidden: Array, exists: Array, num_turns: Array, solved: Array, hinge_coef: float):
+    """The PRM's loss on one batch and its parts. hidden [B, K+1, D] (the frozen trunk's states,
+    no gradient), exists [B, K+1], num_turns [B], solved [B] bool. BCE (mean over labelled states:
+    every state of a failed trajectory labelled 1, the final state of a solved one 0) +
+    hinge_coef · the mean over solved trajectories' state pairs of monotonicity_hinge."""
+    logits = jnp.einsum("bmd,d->bm", hidden.astype(jnp.float32), head["prm_w"]) + head["prm_b"]
+    h = jax.nn.sigmoid(logits)
+    k = jnp.arange(hidden.shape[1])
+    final = k[None] == jnp.clip(num_turns, 0, hidden.shape[1] - 1)[:, None]
+    labelled = exists & (~solved[:, None] | final)
+    target = jnp.where(solved[:, None], 0.0, 1.0)
+    # BCE from logits: softplus(z) − y·z
+    bce = jnp.where(labelled, jax.nn.softplus(logits) - target * logits, 0.0)
+    bce_mean = jnp.sum(bce) / jnp.maximum(jnp.sum(labelled), 1)
+    pairs = (exists[:, 1:] & exists[:, :-1]) & solved[:, None]
+    hinge = jnp.where(pairs, monotonicity_hinge(h, exists), 0.0)
+    hinge_mean = jnp.sum(hinge) / jnp.maximum(jnp.sum(pairs), 1)
+    return bce_mean + hinge_coef * hinge_mean, {"bce": bce_mean, "hinge": hinge_mean}
+
+
+def prm_states(trunk, batch, max_turns: int):
+    """(hidden [B, K+1, D] float32 without gradient, exists [B, K+1]) of a batch's states."""
+    pred = predictor_positions(batch.valid, batch.pol_pos)
+    pos, exists = state_positions(batch.turn_ids, batch.pol_valid, pred, batch.valid, batch.num_turns, max_turns)
+    return jax.lax.stop_gradient(hidden_at(trunk, batch, pos).astype(jnp.float32)), exists
