@@ -1,7 +1,7 @@
-"""The self-distillation baselines and PPO train from their tiny configs (configs/methods/{rlsd,
-sdpo,sdar,sod,ppo}.py) through `python -m turnsight_jax.train` on the built-in tasks, 3 RL steps
-each, and each method's mechanism shows in the logged metrics; PPO's critic is checkpointed and a
-resumed run's step equals the uninterrupted one.
+"""The self-distillation baselines, PPO and PiCA train from their tiny configs
+(configs/methods/{rlsd,sdpo,sdar,sod,ppo,pica}.py) through `python -m turnsight_jax.train` on the
+built-in tasks, 3 RL steps each, and each method's mechanism shows in the logged metrics; PPO's
+critic is checkpointed and a resumed run's step equals the uninterrupted one.
 
 A random model never solves a built-in task, and every advantage would then be 0 (RLSD's weights
 all 1, no successful sibling for SDPO). So the runs share one short supervised warm-start, built
@@ -131,3 +131,21 @@ def test_ppo_trains_its_critic_and_resumes_it(ppo):
     for key in ("critic/value_loss", "critic/values_mean", "critic/explained_variance", "train/grad_norm",
                 "train/adv_abs_mean", "train/reward_mean"):
         assert again[2][key] == records[2][key], key
+
+
+@pytest.fixture(scope="module")
+def pica(root, runs):
+    shutil.copytree(root / METHODS[0] / "sft", root / "pica" / "sft")
+    return _train("pica", root / "pica", "--config.prm.success_reward=0.5")
+
+
+def test_pica_trains_its_prm_and_critic(pica):
+    """PiCA 3 steps: the step-PRM is trained each step (its loss positive, h away from the zero
+    head's 0.5 by the end), it writes gains at tool-result boundaries, and the critic trains."""
+    assert [r["step"] for r in pica] == [0, 1, 2]
+    assert all(r["train/skipped_updates"] == 0.0 and r["prm/skipped_updates"] == 0.0 for r in pica)
+    assert all(r["prm/boundaries"] > 0 and r["prm/loss"] > 0 for r in pica)
+    assert pica[0]["prm/h_start"] == pytest.approx(0.5) and pica[0]["prm/gain_abs_mean"] == 0.0  # the zero head
+    assert pica[-1]["prm/gain_abs_mean"] > 0 and abs(pica[-1]["prm/h_start"] - 0.5) > 1e-3
+    assert all(r["critic/value_loss"] > 0 for r in pica)
+    assert all(r["perf/update_padding_ratio_prm"] >= 1.0 for r in pica)

@@ -1,7 +1,8 @@
-"""PPO's critic in the fused step: its values equal a dense reference in every batch layout, the
-policy gradient with GAE advantages equals an unfused reference, the value loss falls on a fixed
-batch, accumulation over micro-batches equals one pass, and with the critic's advantages replaced
-by GRPO's the policy's update is GRPO's exactly (the critic never reaches the policy)."""
+"""PPO's critic and PiCA's step-PRM in the fused step: the critic's values equal a dense reference
+in every batch layout, the policy gradient with GAE advantages equals an unfused reference, the
+value loss falls on a fixed batch, accumulation over micro-batches equals one pass, with the
+critic's advantages replaced by GRPO's the policy's update is GRPO's exactly (the critic never
+reaches the policy), and PiCA with alpha = 0 is PPO while its PRM learns."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from turnsight_jax.models.sharding import make_mesh, state_shardings
 from turnsight_jax.rl import critic as critic_lib
 from turnsight_jax.rl.advantages import get_estimator
 from turnsight_jax.rl.batch import make_train_batch, shard_batch
-from turnsight_jax.rl.config import AlgoConfig, CriticConfig, LossConfig, OptimConfig, StepConfig
+from turnsight_jax.rl.config import AlgoConfig, CriticConfig, LossConfig, PRMConfig, StepConfig
 from turnsight_jax.rl.losses import aggregation_weights, clipped_surrogate
 from turnsight_jax.rl.methods import resolve_method
 from turnsight_jax.rl.step import init_critic, make_train_step
@@ -274,3 +275,48 @@ def test_sharded_step_equals_unsharded(setup, tok):
     assert _max_diff(d1, d2) < 1e-5
     assert _max_diff(s1["params"], s2["params"]) < 1e-5
     np.testing.assert_allclose(h1[0]["critic/value_loss"], float(m2["critic/value_loss"]), rtol=1e-4)
+
+
+def _pica_run(cfg, policy, critic, batch, head, lr=1.0):
+    """One PiCA step (SGD(lr) for the policy, the critic and the PRM head) -> (policy params
+    before - after, metrics, aux after)."""
+    graphdef, params = nnx.split(policy)
+    method = resolve_method(cfg)
+    opt = optax.sgd(lr)
+    step = make_train_step(graphdef, cfg, opt, method, aux_optimizers={"critic": opt, "prm": opt})
+    before = jax.tree.map(np.asarray, params)
+    aux = {"critic": {"params": jax.tree.map(jnp.copy, critic), "opt_state": opt.init(critic)},
+           "prm": {"params": head, "opt_state": opt.init(head)}}
+    new, _, metrics, aux = step(jax.tree.map(jnp.copy, params), opt.init(params), jax.tree.map(jnp.copy, params),
+                                jax.tree.map(jnp.asarray, batch), None, aux)
+    return jax.tree.map(lambda a, b: a - np.asarray(b), before, new), jax.device_get(metrics), aux
+
+
+def test_pica_with_alpha_zero_is_ppo_and_its_prm_learns(setup, tok):
+    """With alpha = 0 the progress rewards vanish: PiCA's policy and critic updates are PPO's
+    exactly. Its PRM still trains: the head moves, and h sits at 0.5 for a zero head."""
+    trajs, row_tasks, policy, critic = setup
+    ppo_cfg = _cfg()
+    pica_cfg = dataclasses.replace(_cfg("pica"), prm=PRMConfig(alpha=0.0))
+    zero = {"prm_w": jnp.zeros(CFG.hidden_size), "prm_b": jnp.zeros(())}
+    d_ppo, h_ppo, s_ppo = _run(ppo_cfg, policy, critic, _batch(ppo_cfg, trajs, row_tasks, tok))
+    d_pica, m, aux = _pica_run(pica_cfg, policy, critic, _batch(pica_cfg, trajs, row_tasks, tok), zero)
+    assert _max_diff(d_ppo, d_pica) == 0.0 and _max_diff(s_ppo["params"], aux["critic"]["params"]) == 0.0
+    assert m["prm/h_start"] == pytest.approx(0.5) and m["prm/gain_abs_mean"] == 0.0
+    # boundaries: one per tool-result turn before the last, over the 8 trajectories
+    assert m["prm/boundaries"] == sum(len(t.turns) - 1 for t in trajs)
+    assert 0.0 < m["prm/solved_frac"] < 1.0 and m["prm/loss"] > 0
+    assert float(jnp.abs(aux["prm"]["params"]["prm_w"]).max()) > 0  # the head moved
+
+
+def test_pica_progress_rewards_change_the_advantage(setup, tok):
+    """A non-zero PRM head: gains at the boundaries, and GAE's advantages (hence the update)
+    differ from PPO's; the gains equal h_{k-1} - h_k of the step's metrics' definition."""
+    trajs, row_tasks, policy, critic = setup
+    rng = np.random.default_rng(5)
+    head = {"prm_w": jnp.asarray(rng.normal(0, 1.0, CFG.hidden_size), jnp.float32), "prm_b": jnp.zeros(())}
+    cfg = dataclasses.replace(_cfg("pica"), prm=PRMConfig(alpha=1.0, decay=0.9))
+    d_pica, m, _ = _pica_run(cfg, policy, critic, _batch(cfg, trajs, row_tasks, tok), head)
+    d_ppo, h_ppo, _ = _run(_cfg(), policy, critic, _batch(_cfg(), trajs, row_tasks, tok))
+    assert m["prm/gain_abs_mean"] > 1e-3
+    assert _max_diff(d_pica, d_ppo) > 1e-6 and m["adv_abs_mean"] != h_ppo[0]["adv_abs_mean"]
