@@ -13,7 +13,9 @@ rewards are uniform in [0, 1), so SDPO's sibling source counts a sibling as succ
 wall seconds per step, the ratio to GRPO, the packed teacher tokens and the teacher's share of the
 update's necessary FLOPs (turnsight_jax.flops, the counter the trainer logs), and the critic's
 (PPO: a trunk forward for V_old and a forward+backward of the value loss; "turnsight(ppo)" is
-TurnSight over PPO as its base)."""
+TurnSight over PPO as its base; PiCA adds its step-PRM, a frozen-trunk forward and a head update),
+and the host seconds of the method's rewards on the batch (SRL's difflib similarities are all
+host-side: its step is GRPO's)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import argparse
 import dataclasses
 import pathlib
 import sys
+import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
@@ -37,12 +40,13 @@ from turnsight_jax.config import default_config, load_config_file, step_config  
 from turnsight_jax.model_setup import runtime_options  # noqa: E402
 from turnsight_jax.models.config import get_preset  # noqa: E402
 from turnsight_jax.models.qwen3 import Qwen3  # noqa: E402
-from turnsight_jax.rl.batch import make_train_batch, packed_reference  # noqa: E402
+from turnsight_jax.rl.batch import compute_signals, make_train_batch, packed_reference  # noqa: E402
 from turnsight_jax.rl.methods import resolve_method  # noqa: E402
 from turnsight_jax.rl.step import init_aux, make_aux_optimizers, make_optimizer, make_train_step  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-METHODS = ("grpo", "turnsight", "rlsd", "sdpo", "sdpo_advantage", "sdar", "sod", "ppo", "turnsight(ppo)")
+METHODS = ("grpo", "turnsight", "rlsd", "sdpo", "sdpo_advantage", "sdar", "sod", "ppo", "turnsight(ppo)", "pica", "srl",
+           "toolomni")
 
 
 def method_config(name: str):
@@ -80,6 +84,10 @@ def main():
         sc = dataclasses.replace(step_config(cfg), max_turns=turns)
         method = resolve_method(sc)
         batch, stats = make_train_batch(trajs, row_tasks, tok, sc, method)
+        t0 = time.perf_counter()
+        for _ in range(args.repeats):
+            compute_signals(method, trajs, row_tasks, sc)
+        host = (time.perf_counter() - t0) / args.repeats
         model = Qwen3(qcfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32, options=runtime_options(cfg))
         graphdef, params = nnx.split(model)
         external = method.needs_views and sc.teacher.weights == "external"
@@ -110,17 +118,18 @@ def main():
                                   logprob_chunk=sc.logprob_chunk, score_chunk=sc.scoring_chunk,
                                   teacher_cfg=qcfg if external else None, critic=method.critic, prm=method.prm)
         teacher = work.parts.get("teacher", (0.0, 0.0))[0]
-        critic = work.parts.get("critic", (0.0, 0.0))[0]
+        critic = work.parts.get("critic", (0.0, 0.0))[0] + work.parts.get("prm", (0.0, 0.0))[0]
         rows.append([name, sc.teacher.weights if method.needs_views else "-",
                      sc.teacher.source if method.teacher == "privileged" and method.needs_views else "-",
                      f"{walls[name]:.3f}", None, f"{int(stats.get('view_tokens', 0)):,}",
-                     f"{teacher / max(work.necessary, 1.0):.0%}", f"{critic / max(work.necessary, 1.0):.0%}"])
+                     f"{teacher / max(work.necessary, 1.0):.0%}", f"{critic / max(work.necessary, 1.0):.0%}",
+                     f"{host * 1e3:.1f}"])
         print(f"{name}: {walls[name]:.3f} s/step", file=sys.stderr)
     for r in rows:
         r[4] = f"{walls[r[0]] / walls['grpo']:.2f}"
     print(f"# train step per method, default geometry ({len(trajs)} trajectories), {machine()}")
     print(table(rows, ["method", "teacher", "block", "s/step", "vs GRPO", "teacher tokens", "teacher FLOP share",
-                       "critic FLOP share"]))
+                       "critic + PRM FLOP share", "host rewards ms"]))
 
 
 if __name__ == "__main__":

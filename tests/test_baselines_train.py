@@ -1,5 +1,5 @@
-"""The self-distillation baselines, PPO and PiCA train from their tiny configs
-(configs/methods/{rlsd,sdpo,sdar,sod,ppo,pica}.py) through `python -m turnsight_jax.train` on the
+"""The self-distillation baselines, PPO, PiCA and ToolOmni train from their tiny configs
+(configs/methods/{rlsd,sdpo,sdar,sod,ppo,pica,toolomni}.py) through `python -m turnsight_jax.train` on the
 built-in tasks, 3 RL steps each, and each method's mechanism shows in the logged metrics; PPO's
 critic is checkpointed and a resumed run's step equals the uninterrupted one.
 
@@ -147,5 +147,24 @@ def test_pica_trains_its_prm_and_critic(pica):
     assert all(r["prm/boundaries"] > 0 and r["prm/loss"] > 0 for r in pica)
     assert pica[0]["prm/h_start"] == pytest.approx(0.5) and pica[0]["prm/gain_abs_mean"] == 0.0  # the zero head
     assert pica[-1]["prm/gain_abs_mean"] > 0 and abs(pica[-1]["prm/h_start"] - 0.5) > 1e-3
+    assert pica[-1]["prm/loss"] < pica[0]["prm/loss"]
     assert all(r["critic/value_loss"] > 0 for r in pica)
     assert all(r["perf/update_padding_ratio_prm"] >= 1.0 for r in pica)
+
+
+@pytest.fixture(scope="module")
+def toolomni(root, runs):
+    shutil.copytree(root / METHODS[0] / "sft", root / "toolomni" / "sft")
+    return _train("toolomni", root / "toolomni")
+
+
+def test_toolomni_trains_its_two_stages(toolomni):
+    """ToolOmni 3 steps: its retrieval reward's factors are reported, some rollouts pass the gate
+    and some do not (the warm-start solves part of the tasks), and the tool turns get a non-zero
+    advantage."""
+    assert [r["step"] for r in toolomni] == [0, 1, 2]
+    assert all(r["train/skipped_updates"] == 0.0 for r in toolomni)
+    assert all(0 <= r["toolomni/info_recall_mean"] <= 1 and 0 <= r["toolomni/answer_tran_mean"] <= 1 for r in toolomni)
+    assert _any(toolomni, "toolomni/gate_pass_rate", lambda v: 0 < v < 1)
+    assert all(0 < r["toolomni/answer_token_frac"] < 1 for r in toolomni)
+    assert _any(toolomni, "train/adv_abs_mean", lambda v: v > 0.1)

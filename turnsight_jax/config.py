@@ -142,6 +142,7 @@ def base_config() -> mlc.ConfigDict:
     c.rl.gae_gamma = 1.0  # PPO (methods with a critic, rl.critic): GAE discount per policy token (verl: 1.0)
     c.rl.gae_lam = 1.0  # PPO: GAE lambda (verl: 1.0)
     c.rl.gae_whiten = True  # PPO: GAE advantages whitened over the batch's policy tokens (verl's default)
+    c.rl.toolomni_gate = 0.95  # ToolOmni: retrieval reward (InfoRecall x AnswerTran + 0.2 format) from which the answer stage trains
     c.rl.switch_step = 0  # two-stage recipes (e.g. SRL then the outcome): the first N steps run rl.method, the rest rl.switch_method; 0: off
     c.rl.switch_method = ""  # the method from step switch_step on (same rl.base and every other key)
     c.rl.args = mlc.ConfigDict()  # free-form knobs of plug-in methods (--config.rl.args.<key>=<value>)
@@ -504,7 +505,7 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
                         matchtir_singleton=r.matchtir_singleton, toolrl_format=r.toolrl_format,
                         sdpo_coef=r.sdpo_coef, sdpo_tail=r.sdpo_tail, sdar_coef=r.sdar_coef, sdar_beta=r.sdar_beta,
                         sod_coef=r.sod_coef, sod_tau=r.sod_tau, gae_gamma=r.gae_gamma, gae_lam=r.gae_lam,
-                        gae_whiten=r.gae_whiten, args=args),
+                        gae_whiten=r.gae_whiten, toolomni_gate=r.toolomni_gate, args=args),
         teacher=TeacherConfig(weights=te.weights, ema_decay=te.ema_decay, checkpoint=te.checkpoint,
                               source=te.source, placement=te.placement, skills=te.skills,
                               sibling_min_reward=te.sibling_min_reward, top_k=te.top_k),

@@ -196,7 +196,7 @@ def _matchtir_estimator(turn_rewards, num_turns, turn_ids, policy_mask, group_id
 # or the step geometry (num_groups = B / G, max_turns = the rollout's turn budget).
 KNOBS = ("eps", "gamma", "num_groups", "max_turns", "lam", "eps_w", "selection", "aggregation",
          "group_norm", "turns", "norm_pool", "uncovered_in_stats", "matchtir_singleton", "sdpo_coef",
-         "gae_gamma", "gae_lam", "gae_whiten")
+         "gae_gamma", "gae_lam", "gae_whiten", "toolomni_gate")
 
 
 @dataclasses.dataclass(frozen=True)

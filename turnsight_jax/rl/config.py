@@ -67,7 +67,8 @@ class AlgoConfig:
     and its gate's sharpness), sod_coef / sod_tau (SOD's distillation coefficient and the
     temperature of its turn weights exp(-divergence / tau)). PPO's GAE (rl.critic; methods with a
     critic): gae_gamma and gae_lam per policy token (verl's defaults 1.0, 1.0), gae_whiten
-    (advantages whitened over the batch's policy tokens). args: free-form knobs of plug-in
+    (advantages whitened over the batch's policy tokens). toolomni_gate: ToolOmni's retrieval
+    reward from which a trajectory passes to the answer stage (rl.toolomni). args: free-form knobs of plug-in
     methods, as (key, value) pairs.
     """
 
@@ -100,6 +101,7 @@ class AlgoConfig:
     gae_gamma: float = 1.0
     gae_lam: float = 1.0
     gae_whiten: bool = True
+    toolomni_gate: float = 0.95
     args: tuple[tuple[str, Any], ...] = ()
 
     def arg(self, key: str, default: Any = None) -> Any:
@@ -303,6 +305,8 @@ class StepConfig:
             v = getattr(algo, name)
             if not (math.isfinite(v) and 0.0 <= v <= 1.0):
                 raise ConfigError(f"rl.{name} must be in [0, 1], got {v}")
+        if not math.isfinite(algo.toolomni_gate):
+            raise ConfigError(f"rl.toolomni_gate must be finite, got {algo.toolomni_gate}")
         if not isinstance(algo.gae_whiten, bool):
             raise ConfigError(f"rl.gae_whiten must be True or False, got {algo.gae_whiten!r}")
         self.critic.validate()

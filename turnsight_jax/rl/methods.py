@@ -29,10 +29,10 @@ import numpy as np
 from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
-from turnsight_jax.rewards import matchtir_turn_rewards, toolrl_reward
+from turnsight_jax.rewards import matchtir_turn_rewards, token_f1, toolrl_reward
 from turnsight_jax.rl import critic as _critic  # noqa: F401  (registers PPO's GAE estimator)
 from turnsight_jax.rl import distill  # noqa: F401  (registers the self-distillation baselines)
-from turnsight_jax.rl import srl
+from turnsight_jax.rl import srl, toolomni
 from turnsight_jax.rl.advantages import Estimator, get_estimator
 from turnsight_jax.rl.config import AlgoConfig, StepConfig
 from turnsight_jax.rl.losses import LossTerm, get_loss_term
@@ -194,6 +194,46 @@ def srl_trajectory_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> flo
     return srl.srl_reward([(t.calls, t.answer) for t in traj.turns], task.gold_calls, task.answer)
 
 
+def _toolomni_parts(traj: Trajectory, task: Task) -> dict[str, float]:
+    turns = traj.turns
+    return toolomni.retrieval_parts([t.calls for t in turns], [r for t in turns for r in t.results],
+                                    turns[-1].answer if turns else None, task.unsolved_set, task.gold_calls)
+
+
+@register_reward("toolomni_retrieval", "retrieval_rewards", needs=("gold_calls",))
+def toolomni_retrieval_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> float:
+    """ToolOmni's R_ret = InfoRecall x AnswerTran + 0.2 format (rl.toolomni)."""
+    return _toolomni_parts(traj, task)["retrieval"]
+
+
+@register_reward("toolomni_info_recall", "info_recall", needs=("gold_calls",))
+def toolomni_info_recall(traj: Trajectory, task: Task, algo: AlgoConfig) -> float:
+    """R_ret's InfoRecall factor (reported, not optimised on its own)."""
+    return _toolomni_parts(traj, task)["info_recall"]
+
+
+@register_reward("toolomni_answer_tran", "answer_tran", needs=("gold_calls",))
+def toolomni_answer_tran(traj: Trajectory, task: Task, algo: AlgoConfig) -> float:
+    """R_ret's AnswerTran factor (reported, not optimised on its own)."""
+    return _toolomni_parts(traj, task)["answer_tran"]
+
+
+@register_reward("toolomni_answer", "answer_rewards")
+def toolomni_answer_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> float:
+    """ToolOmni's answer-stage reward: the token F1 of the parsed answer (0 without an answer turn)."""
+    last = traj.turns[-1] if traj.turns else None
+    return token_f1(last.answer, task.answer) if last is not None and not last.calls and last.answer is not None else 0.0
+
+
+@register_reward("toolomni_answer_turn", "answer_turn", per="turn")
+def toolomni_answer_turn(traj: Trajectory, task: Task, algo: AlgoConfig) -> np.ndarray:
+    """1.0 on the answer turn (the last turn, when it has no calls), 0 on the tool turns."""
+    out = np.zeros(len(traj.turns), np.float32)
+    if traj.turns and not traj.turns[-1].calls:
+        out[-1] = 1.0
+    return out
+
+
 # ---- methods ----
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +276,10 @@ register_method(Method("ppo", advantage="gae", critic=True,
                        description="PPO: outcome reward on the last token, GAE(gamma, lambda) against a learned critic"))
 register_method(Method("pica", advantage="gae_process", critic=True, prm=True,
                        description="PiCA: a monotone step-PRM's progress rewards at tool results, GAE against a critic"))
+register_method(Method("toolomni", advantage="toolomni",
+                       rewards=("toolomni_retrieval", "toolomni_answer", "toolomni_answer_turn", "toolomni_info_recall",
+                                "toolomni_answer_tran"),
+                       description="ToolOmni: tool turns and the answer turn normalised apart; R_ret gates the answer"))
 register_method(Method("srl", advantage="grpo", rewards=("srl",),
                        description="SRL: similarity of each action to the expert's step, group-normalised"))
 register_method(Method("turnsight", advantage="turnsight", rewards=(),

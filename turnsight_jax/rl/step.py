@@ -83,7 +83,7 @@ def advantage_knobs(cfg: StepConfig, batch_size: int) -> dict:
             "lam": a.lam, "eps_w": a.eps_w, "selection": a.selection, "aggregation": a.aggregation,
             "group_norm": a.group_norm, "turns": a.turns, "matchtir_singleton": a.matchtir_singleton,
             "norm_pool": a.norm_pool, "uncovered_in_stats": a.uncovered_in_stats, "sdpo_coef": a.sdpo_coef,
-            "gae_gamma": a.gae_gamma, "gae_lam": a.gae_lam, "gae_whiten": a.gae_whiten}
+            "gae_gamma": a.gae_gamma, "gae_lam": a.gae_lam, "gae_whiten": a.gae_whiten, "toolomni_gate": a.toolomni_gate}
 
 
 def teacher_covered(batch: TrainBatch):
