@@ -139,6 +139,14 @@ TODAY_DEFAULT["rl"].update(sdpo_coef=1.0, sdpo_tail=True, sdar_coef=1.0, sdar_be
 TODAY_DEFAULT["teacher"] = {"weights": "reference", "ema_decay": 0.99, "checkpoint": "", "preset": "",
                             "source": "gold_answer", "placement": "prompt", "skills": "",
                             "sibling_min_reward": 1.0, "top_k": 20}
+# The issue-25 methods (PPO's GAE and critic, PiCA's PRM, ToolOmni's gate) and two-stage recipes:
+# no effect on the default method (TurnSight over GRPO trains no critic or PRM and never switches).
+TODAY_DEFAULT["rl"].update(gae_gamma=1.0, gae_lam=1.0, gae_whiten=True, toolomni_gate=0.95, switch_step=0,
+                           switch_method="")
+TODAY_DEFAULT["critic"] = {"lr": 1e-5, "warmup_steps": 0, "weight_decay": 0.01, "max_grad_norm": 1.0,
+                           "value_clip": 0.5}
+TODAY_DEFAULT["prm"] = {"lr": 1e-3, "alpha": 1.0, "decay": 0.9, "baseline": 0.0, "hinge_coef": 1.0,
+                        "success_reward": 1.0}
 
 # Keys where configs/qwen3_8b.py's experiment departs from base + its model layer: how the run
 # fits 8 x 80 GB devices and how it evaluates. Anything else would be a value from somewhere else.

@@ -16,8 +16,6 @@ import pytest
 from flax import nnx
 
 from turnsight_jax.chat.privileged import default_skills_path, load_skills, privileged_blocks
-from turnsight_jax.envs.ftrl import FTRLEnv
-from turnsight_jax.envs.synthetic import SyntheticConfig, generate_task, gold_turn_texts
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import init_model
@@ -29,8 +27,8 @@ from turnsight_jax.rl.config import AlgoConfig, LossConfig, StepConfig, TeacherC
 from turnsight_jax.rl.losses import aggregation_weights, clipped_surrogate
 from turnsight_jax.rl.methods import resolve_method
 from turnsight_jax.rl.step import make_train_step
-from turnsight_jax.rollout.driver import ReplayPolicy, RolloutConfig, rollout
 
+from _replayed import gold_and_wrong
 from _vocab import SMALL_VOCAB, fold, fold_batch
 from conftest import OPTIMIZED
 
@@ -45,15 +43,7 @@ G, K = 2, 4
 def setup(tok):
     """8 real trajectories (4 groups of 2: a gold chain solving the task and a wrong call), old
     log-probs near the policy's own."""
-    tasks = [generate_task(c, s, SyntheticConfig(hops=2)) for s, c in
-             enumerate(["multi_hop", "single_hop", "multi_hop", "single_hop"])]
-    scripts = []
-    for t in tasks:
-        scripts.append(gold_turn_texts(t))
-        scripts.append(['<tool_call>\n{"name": "nope", "arguments": {"x": 1}}\n</tool_call>', "<answer>no</answer>"])
-    with FTRLEnv(num_workers=1) as env:
-        trajs = rollout(ReplayPolicy(tok, scripts), env, tasks, tokenizer=tok, group_size=G,
-                        config=RolloutConfig(max_turns=5, max_response_tokens=2048)).trajectories
+    trajs, tasks = gold_and_wrong(tok)
     assert [t.reward for t in trajs[:2]] == [1.0, 0.0]  # a successful sibling for the failed rollout only
     policy, ref, big = init_model(CFG, seed=0), init_model(CFG, seed=1), init_model(BIG, seed=2)
     rng = np.random.default_rng(0)

@@ -1,12 +1,9 @@
 """PiCA's step-PRM (rl.prm): where the states are read, the progress rewards, the hinge (it
-penalises exactly the increases of h), the loss's labels, and GAE over outcome + process rewards;
-in the fused step, with alpha = 0 PiCA's update is PPO's, and the PRM's head learns."""
+penalises exactly the increases of h), the loss's labels, and GAE over outcome + process rewards.
+(In the fused step: tests/test_rl_critic_step.py.)"""
 
 from __future__ import annotations
 
-import dataclasses
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

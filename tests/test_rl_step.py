@@ -300,7 +300,7 @@ def test_reference_unused_without_views_or_kl(setup, tok):
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(algo=AlgoConfig(method="ppo")), "unknown rl.method 'ppo'"),
+    (dict(algo=AlgoConfig(method="dpo")), "unknown rl.method 'dpo'"),
     (dict(algo=AlgoConfig(depths=())), "depths is empty"),
     (dict(algo=AlgoConfig(eps_w=1.0)), "eps_w must be in"),
     (dict(group_size=3), "not divisible by group_size 3"),

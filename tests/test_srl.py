@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from turnsight_jax.chat.types import CallError, Task, ToolCall
+from turnsight_jax.chat.types import CallError, ToolCall
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.rl import srl
 
@@ -97,6 +97,7 @@ def test_registered_reward_fills_the_batch_rewards(tok):
     (["--config.rl.switch_method=grpo"], r"rl.switch_method='grpo' needs rl.switch_step > 0"),
     (["--config.rl.switch_step=2", "--config.rl.switch_method=ppo"], "both train a critic or neither"),
     (["--config.rl.switch_step=2", "--config.rl.switch_method=nope"], "unknown rl.method 'nope'"),
+    (["--config.rl.method=pica", "--config.rl.student_sees_observations=False"], "reads the tool results"),
 ])
 def test_switch_config_errors(overrides, message):
     from turnsight_jax.config import apply_overrides, load_config_file, validate

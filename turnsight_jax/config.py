@@ -646,6 +646,9 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
             load_skills(cfg.teacher.skills)
         except (OSError, ValueError) as e:
             raise ConfigError(f"teacher.skills: {e}") from None
+    if method.prm and not sc.algo.student_sees_observations:
+        raise ConfigError(f"rl.method={sc.algo.method!r} trains a step-PRM that reads the tool results; "
+                          "rl.student_sees_observations=False masks them out of the context it reads")
     # The rewards' inputs must exist for the training tasks (e.g. MatchTIR's gold calls).
     stages = [(sc, method)] + ([] if (later := second_stage(cfg, sc, method)) is None else [later[1:]])
     for sc_i, method_i in stages:
