@@ -193,12 +193,12 @@ def test_ppo_policy_gradient_equals_unfused_reference(setup, ppo_one):
 
 
 def test_value_loss_falls_on_a_fixed_batch(setup, tok):
-    """Ten critic updates (Adam, lr 2e-2) on one batch: the value loss falls by more than half
+    """Six critic updates (Adam, lr 3e-2) on one batch: the value loss falls by more than half
     and the explained variance of the step-start values rises above where it started."""
     trajs, row_tasks, policy, critic = setup
     cfg = _cfg(critic=CriticConfig(value_clip=None))
     _, hist, state = _run(cfg, policy, critic, _batch(cfg, trajs, row_tasks, tok), lr=1e-6,
-                          critic_opt=optax.adam(2e-2), steps=10)
+                          critic_opt=optax.adam(3e-2), steps=6)
     losses = [h["critic/value_loss"] for h in hist]
     assert losses[-1] < 0.5 * losses[0], losses
     ev = [h["critic/explained_variance"] for h in hist]
