@@ -207,7 +207,6 @@ def base_config() -> mlc.ConfigDict:
     c.train.teacher_micro_batches = 1  # micro-batches of the teacher's hindsight forward passes (memory only)
     c.train.logprob_chunk = 1024  # rows per vocabulary-projection chunk of the update (memory/speed only)
     c.train.score_chunk = 0  # rows per projection chunk of the no-gradient forwards (teacher, reference, π_old); 0: logprob_chunk
-    # Each row shard's rows per (mini x micro, teacher micro) split must number at least this many:
     c.train.length_classes = 1  # forwards run the rows in this many length groups, each padded to its own width (speed only)
     c.train.pack_rows = False  # forwards run several trajectories (teacher: hindsight rows) per row, by segment ids (speed only)
     c.train.pack_width = 0  # with pack_rows: packed rows at least this many tokens wide (0: the batch's bucketed width)
@@ -619,6 +618,17 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
             raise ConfigError(f"rollout: {e}") from None
     sc = step_config(cfg)
     sc.validate(cfg.train.prompts_per_step * cfg.train.group_size)
+    if num_devices is not None:  # every micro-batch spreads over every row shard (rl.step: strided rows)
+        from turnsight_jax.models.sharding import mesh_shape
+
+        data, fsdp, _ = mesh_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices)
+        rows = cfg.train.prompts_per_step * cfg.train.group_size
+        for key, parts in (("train.micro_batches", sc.mini_batches * sc.micro_batches),
+                           ("train.teacher_micro_batches", sc.teacher_micro_batches)):
+            if rows // parts < data * fsdp:
+                raise ConfigError(f"{key}: {rows} rows in {parts} micro-batches leave {rows // parts} per micro-batch, "
+                                  f"fewer than the mesh's {data * fsdp} row shards (data x fsdp); at most "
+                                  f"{max(rows // (data * fsdp), 1)} micro-batches in all")
     if (sc.length_classes > 1 or sc.pack_rows) and num_devices is not None:  # whole cells on every row shard
         from turnsight_jax.models.sharding import mesh_shape
         from turnsight_jax.rl.batch import packing_modulus
