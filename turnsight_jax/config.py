@@ -618,17 +618,6 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
             raise ConfigError(f"rollout: {e}") from None
     sc = step_config(cfg)
     sc.validate(cfg.train.prompts_per_step * cfg.train.group_size)
-    if num_devices is not None:  # every micro-batch spreads over every row shard (rl.step: strided rows)
-        from turnsight_jax.models.sharding import mesh_shape
-
-        data, fsdp, _ = mesh_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices)
-        rows = cfg.train.prompts_per_step * cfg.train.group_size
-        for key, parts in (("train.micro_batches", sc.mini_batches * sc.micro_batches),
-                           ("train.teacher_micro_batches", sc.teacher_micro_batches)):
-            if rows // parts < data * fsdp:
-                raise ConfigError(f"{key}: {rows} rows in {parts} micro-batches leave {rows // parts} per micro-batch, "
-                                  f"fewer than the mesh's {data * fsdp} row shards (data x fsdp); at most "
-                                  f"{max(rows // (data * fsdp), 1)} micro-batches in all")
     if (sc.length_classes > 1 or sc.pack_rows) and num_devices is not None:  # whole cells on every row shard
         from turnsight_jax.models.sharding import mesh_shape
         from turnsight_jax.rl.batch import packing_modulus
