@@ -271,11 +271,12 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             saved = ckpt.restore_teacher(latest, teacher_params)
             teacher_params = saved if saved is not None else jax.tree.map(jnp.copy, params)
         if aux_state is not None:
-            fresh = _new_aux(method, params, qcfg, aux_opts, mesh)  # a critic from the restored policy
+            fresh = None  # built only for an item the checkpoint lacks (a critic copies the whole trunk)
             for name in method.aux:
                 saved = ckpt.restore_item(latest, name, aux_state[name])
                 if saved is None:
                     log(f"checkpoint {latest} has no {name}: it starts afresh (a critic from the restored policy)")
+                    fresh = fresh or _new_aux(method, params, qcfg, aux_opts, mesh)
                 aux_state[name] = fresh[name] if saved is None else saved
         start = int(meta["next_step"])
         resumed_shapes = {k: int(v) for k, v in meta.get("batch_shapes", {}).items()}
