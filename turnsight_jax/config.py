@@ -188,6 +188,7 @@ def base_config() -> mlc.ConfigDict:
     c.critic.warmup_steps = 0  # linear warm-up steps of the critic's learning rate
     c.critic.weight_decay = 0.01  # critic AdamW weight decay
     c.critic.max_grad_norm = 1.0  # critic global gradient-norm clip
+    c.critic.value_clip = 0.5  # value loss 0.5*max((V-R)^2, (clip(V, V_old +- c) - R)^2); None: unclipped (verl: 0.5)
     c.prm = mlc.ConfigDict()  # PiCA's step-PRM (rl.prm): a logistic head on the frozen reference trunk, trained each step
     c.prm.lr = 1e-3  # the PRM head's AdamW learning rate (no weight decay)
     c.prm.alpha = 1.0  # progress reward alpha * decay^(k-1) * (h_{k-1} - h_k - baseline) at tool-result boundary k
@@ -195,7 +196,6 @@ def base_config() -> mlc.ConfigDict:
     c.prm.baseline = 0.0  # the fixed baseline subtracted from each gain
     c.prm.hinge_coef = 1.0  # weight of the monotonicity hinge (increases of h along solved trajectories)
     c.prm.success_reward = 1.0  # outcome reward from which a trajectory counts as solved (the PRM's label)
-    c.critic.value_clip = 0.5  # value loss 0.5*max((V-R)^2, (clip(V, V_old +- c) - R)^2); None: unclipped (verl: 0.5)
 
     c.train = mlc.ConfigDict()  # the RL loop and the split of a step's batch
     c.train.steps = 208  # RL steps: 3 epochs x ceil(2215 FTRL training tasks / 32) (paper: 3 epochs)

@@ -62,10 +62,9 @@ def state_positions(turn_ids: Array, pol_valid: Array, pred_pos: Array, valid: A
     return pos.astype(jnp.int32), exists
 
 
-def not_solved_probs(trunk, head: dict, batch, positions: Array) -> Array:
-    """h at the given states: [B, M] float32 in (0, 1)."""
-    hidden = hidden_at(trunk, batch, positions).astype(jnp.float32)
-    return jax.nn.sigmoid(jnp.einsum("bmd,d->bm", hidden, head["prm_w"]) + head["prm_b"])
+def head_logits(hidden: Array, head: dict) -> Array:
+    """The PRM's logits at states: hidden [B, M, D] -> [B, M] float32 (h = sigmoid of them)."""
+    return jnp.einsum("bmd,d->bm", hidden.astype(jnp.float32), head["prm_w"]) + head["prm_b"]
 
 
 def progress_rewards(h: Array, exists: Array, turn_ids: Array, pol_valid: Array, num_turns: Array, *,
@@ -103,7 +102,7 @@ def prm_loss(head: dict, hidden: Array, exists: Array, num_turns: Array, solved:
     no gradient), exists [B, K+1], num_turns [B], solved [B] bool. BCE (mean over labelled states:
     every state of a failed trajectory labelled 1, the final state of a solved one 0) +
     hinge_coef · the mean over solved trajectories' state pairs of monotonicity_hinge."""
-    logits = jnp.einsum("bmd,d->bm", hidden.astype(jnp.float32), head["prm_w"]) + head["prm_b"]
+    logits = head_logits(hidden, head)
     h = jax.nn.sigmoid(logits)
     k = jnp.arange(hidden.shape[1])
     final = k[None] == jnp.clip(num_turns, 0, hidden.shape[1] - 1)[:, None]

@@ -311,7 +311,7 @@ def prm_stage(ref_model, prm, batch: TrainBatch, cfg: StepConfig, optimizer):
     rows = _student_rows(batch)
     hidden, exists = one(rows) if m == 1 else jax.tree.map(_merge, jax.lax.map(one, split_batch(rows, m)))
     head = prm["params"]
-    h = jax.nn.sigmoid(jnp.einsum("bmd,d->bm", hidden, head["prm_w"]) + head["prm_b"])
+    h = jax.nn.sigmoid(prm_lib.head_logits(hidden, head))
     proc, gains = prm_lib.progress_rewards(h, exists, batch.turn_ids, batch.pol_valid, batch.num_turns,
                                            alpha=pc.alpha, decay=pc.decay, baseline=pc.baseline)
     solved = batch.signals["rewards"] >= pc.success_reward
