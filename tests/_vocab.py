@@ -34,8 +34,14 @@ def fold_views(views, vocab: int = SMALL_VOCAB):
                                packed=_fold_packed(views.packed, vocab))
 
 
+def fold_probes(probes, vocab: int = SMALL_VOCAB):
+    """rl.orchard.RetroProbes with its token ids and answer ids folded."""
+    return None if probes is None else dataclasses.replace(probes, tokens=fold(probes.tokens, vocab),
+                                                           answer_ids=fold(probes.answer_ids, vocab))
+
+
 def fold_batch(batch, vocab: int = SMALL_VOCAB):
-    """TrainBatch with its tokens (and packed rows and views, when present) folded."""
+    """TrainBatch with its tokens (and packed rows, views and probes, when present) folded."""
     views = None if batch.views is None else fold_views(batch.views, vocab)
     return dataclasses.replace(batch, tokens=fold(batch.tokens, vocab), views=views,
-                               packed=_fold_packed(batch.packed, vocab))
+                               packed=_fold_packed(batch.packed, vocab), probes=fold_probes(batch.probes, vocab))

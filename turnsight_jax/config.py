@@ -143,6 +143,9 @@ def base_config() -> mlc.ConfigDict:
     c.rl.gae_lam = 1.0  # PPO: GAE lambda (verl: 1.0)
     c.rl.gae_whiten = True  # PPO: GAE advantages whitened over the batch's policy tokens (verl's default)
     c.rl.toolomni_gate = 0.95  # ToolOmni: retrieval reward (InfoRecall x AnswerTran + 0.2 format) from which the answer stage trains
+    c.rl.orchard_coef = 1.0  # Orchard CA-SFT: coefficient of the NLL on rise segments of failed trajectories
+    c.rl.orchard_rise = 0.05  # Orchard: a turn whose credit V(s_k+1) - V(s_k) reaches this is in a rise segment (the paper's 0.05)
+    c.rl.orchard_success = 1.0  # Orchard: outcome reward from which a trajectory is solved (CA-SFT trains on the others)
     c.rl.switch_step = 0  # two-stage recipes (e.g. SRL then the outcome): the first N steps run rl.method, the rest rl.switch_method; 0: off
     c.rl.switch_method = ""  # the method from step switch_step on (same rl.base and every other key)
     c.rl.args = mlc.ConfigDict()  # free-form knobs of plug-in methods (--config.rl.args.<key>=<value>)
@@ -504,7 +507,8 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
                         matchtir_singleton=r.matchtir_singleton, toolrl_format=r.toolrl_format,
                         sdpo_coef=r.sdpo_coef, sdpo_tail=r.sdpo_tail, sdar_coef=r.sdar_coef, sdar_beta=r.sdar_beta,
                         sod_coef=r.sod_coef, sod_tau=r.sod_tau, gae_gamma=r.gae_gamma, gae_lam=r.gae_lam,
-                        gae_whiten=r.gae_whiten, toolomni_gate=r.toolomni_gate, args=args),
+                        gae_whiten=r.gae_whiten, toolomni_gate=r.toolomni_gate, orchard_coef=r.orchard_coef,
+                        orchard_rise=r.orchard_rise, orchard_success=r.orchard_success, args=args),
         teacher=TeacherConfig(weights=te.weights, ema_decay=te.ema_decay, checkpoint=te.checkpoint,
                               source=te.source, placement=te.placement, skills=te.skills,
                               sibling_min_reward=te.sibling_min_reward, top_k=te.top_k),

@@ -28,6 +28,9 @@ tokens per row, K = max turns):
                                            [B]; the [B, T] arrays above still describe each
                                            trajectory (targets, predictors); the views are packed
                                            alike (views.packed)
+  probes: RetroProbes or None              the retrospective teacher's probe rows (rl.orchard:
+                                           tokens/layout [B, Q], at/exists [B, K+1]), when a loss
+                                           term reads "rise_mask"
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from turnsight_jax.rl import length_classes
 from turnsight_jax.rl.config import StepConfig
 from turnsight_jax.rl.length_classes import LengthClasses
 from turnsight_jax.rl.methods import ResolvedMethod
+from turnsight_jax.rl.orchard import build_probes
 from turnsight_jax.chat.privileged import default_skills_path, load_skills, privileged_blocks
 from turnsight_jax.rl.privileged_views import build_privileged_views
 from turnsight_jax.rl.packing import PackedRows, RowPacking, assemble, balanced_order, plan_packing
@@ -86,6 +90,7 @@ class TrainBatch:
     length_class: Any = None
     classes: LengthClasses | None = struct.field(pytree_node=False, default=None)
     packed: Any = None
+    probes: Any = None
 
     @property
     def size(self) -> int:
@@ -290,12 +295,18 @@ def make_train_batch(
             views = _pack_views(views, _packed_width(views.tokens.shape[1], cfg.pack_width, packed_buckets),
                                 floor.get("RP", 0), row_shards, processes, modulus, pad_id)
             stats["RP"] = float(views.packed.plan.rows)
+    probes = None
+    if method.retrospective:
+        probes, pstats = build_probes(trajs, tasks, tokenizer, max_turns=cfg.max_turns,
+                                      success_threshold=cfg.algo.orchard_success, buckets=packed_buckets,
+                                      min_width=floor.get("Q", 0))
+        stats.update(pstats)
     batch = TrainBatch(
         tokens=tokens, valid=valid, pol_pos=pol_pos, pol_valid=pol_valid, turn_ids=turn_ids, old_logprobs=old_lp,
         group_ids=group_index(trajs, cfg.group_size) + np.int32(group_offset),
         num_turns=np.asarray([t.num_turns for t in trajs], np.int32),
         signals=compute_signals(method, trajs, tasks, cfg),
-        views=views, length_class=classes, classes=spec, packed=packed,
+        views=views, length_class=classes, classes=spec, packed=packed, probes=probes,
     )
     return batch, stats
 
@@ -347,7 +358,7 @@ def _bucket(n: int, buckets: Sequence[int], floor: int, what: str) -> int:
 
 def shape_keys(stats: dict[str, float]) -> list[str]:
     """The width keys of make_train_batch's stats (the floors `min_shapes` takes), in order."""
-    return [k for k in stats if k in ("RT", "RP") or (k[:1] in "TNPU" and (len(k) == 1 or k[1:].isdigit()))]
+    return [k for k in stats if k in ("RT", "RP", "Q") or (k[:1] in "TNPU" and (len(k) == 1 or k[1:].isdigit()))]
 
 
 # ---- the worst-case geometry, for the dry-run memory plan ----

@@ -68,7 +68,10 @@ class AlgoConfig:
     temperature of its turn weights exp(-divergence / tau)). PPO's GAE (rl.critic; methods with a
     critic): gae_gamma and gae_lam per policy token (verl's defaults 1.0, 1.0), gae_whiten
     (advantages whitened over the batch's policy tokens). toolomni_gate: ToolOmni's retrieval
-    reward from which a trajectory passes to the answer stage (rl.toolomni). args: free-form knobs of plug-in
+    reward from which a trajectory passes to the answer stage (rl.toolomni). Orchard's CA-SFT
+    (rl.orchard): orchard_coef (the NLL's coefficient), orchard_rise (the credit c_k from which a
+    turn is in a rise segment, 0.05), orchard_success (the outcome reward from which a trajectory
+    counts as solved; CA-SFT trains on the others). args: free-form knobs of plug-in
     methods, as (key, value) pairs.
     """
 
@@ -102,6 +105,9 @@ class AlgoConfig:
     gae_lam: float = 1.0
     gae_whiten: bool = True
     toolomni_gate: float = 0.95
+    orchard_coef: float = 1.0
+    orchard_rise: float = 0.05
+    orchard_success: float = 1.0
     args: tuple[tuple[str, Any], ...] = ()
 
     def arg(self, key: str, default: Any = None) -> Any:
@@ -305,6 +311,11 @@ class StepConfig:
             v = getattr(algo, name)
             if not (math.isfinite(v) and 0.0 <= v <= 1.0):
                 raise ConfigError(f"rl.{name} must be in [0, 1], got {v}")
+        for name in ("orchard_coef", "orchard_rise", "orchard_success"):
+            v = getattr(algo, name)
+            if not math.isfinite(v) or (name == "orchard_coef" and v < 0):
+                raise ConfigError(f"rl.{name} must be finite" + (" and >= 0" if name == "orchard_coef" else "")
+                                  + f", got {v}")
         if not math.isfinite(algo.toolomni_gate):
             raise ConfigError(f"rl.toolomni_gate must be finite, got {algo.toolomni_gate}")
         if not isinstance(algo.gae_whiten, bool):

@@ -32,6 +32,7 @@ from turnsight_jax.errors import ConfigError
 from turnsight_jax.rewards import matchtir_turn_rewards, token_f1, toolrl_reward
 from turnsight_jax.rl import critic as _critic  # noqa: F401  (registers PPO's GAE estimator)
 from turnsight_jax.rl import distill  # noqa: F401  (registers the self-distillation baselines)
+from turnsight_jax.rl import orchard as _orchard  # noqa: F401  (registers CA-SFT's loss term)
 from turnsight_jax.rl import srl, toolomni
 from turnsight_jax.rl.advantages import Estimator, get_estimator
 from turnsight_jax.rl.config import AlgoConfig, StepConfig
@@ -51,6 +52,9 @@ LOSS_ARRAYS = ("logprobs", "old_logprobs", "advantages", "ref_logprobs", "pol_va
 # "topk_logprobs" [B, N, K] (the student's log-probs of those tokens, differentiated).
 TEACHER_ARRAYS = ("teacher_logprobs", "teacher_covered", "teacher_topk_logprobs", "topk_logprobs")
 TEACHER_KINDS = ("hindsight", "privileged")
+# What the retrospective teacher gives a loss term (rl.orchard; computed only when a term reads
+# it): "rise_mask" [B, N] bool, the policy tokens of rise-segment turns of failed trajectories.
+RETRO_ARRAYS = ("rise_mask",)
 
 
 # ---- rollout controllers ----
@@ -282,6 +286,9 @@ register_method(Method("toolomni", advantage="toolomni",
                        description="ToolOmni: tool turns and the answer turn normalised apart; R_ret gates the answer"))
 register_method(Method("srl", advantage="grpo", rewards=("srl",),
                        description="SRL: similarity of each action to the expert's step, group-normalised"))
+register_method(Method("orchard", advantage="base", rewards=(), loss_terms=("clipped_surrogate", "ca_sft"),
+                       description="Orchard CA-SFT: the base method + SFT on rise segments of failed trajectories, "
+                                   "valued by a teacher that knows the outcome"))
 register_method(Method("turnsight", advantage="turnsight", rewards=(),
                        description="turn-level hindsight weighting of the base method's advantage"))
 # The self-distillation baselines of Table 1 (rl.distill, docs/baselines.md); their teachers
@@ -344,6 +351,11 @@ class ResolvedMethod:
     def rewards_needing(self, field: str) -> tuple[str, ...]:
         """The names of the method's rewards that read Task field `field` (for messages)."""
         return tuple(r.name for r in self.rewards if field in r.needs)
+
+    @property
+    def retrospective(self) -> bool:
+        """Whether the teacher's retrospective values (rl.orchard: probe rows, `batch.probes`) are computed."""
+        return any(self.reads(k) for k in RETRO_ARRAYS)
 
     @property
     def needs_ref(self) -> bool:
@@ -416,10 +428,13 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
                                                                       if "values" in missing else ""))
     # The step hands a loss term the core arrays, the rewards' outputs and LOSS_ARRAYS only (not
     # delta / base_advantages, which exist only inside the advantage computation).
-    term_provided = set(CORE_ARRAYS) | set(outputs) | set(LOSS_ARRAYS) | set(TEACHER_ARRAYS)
+    term_provided = set(CORE_ARRAYS) | set(outputs) | set(LOSS_ARRAYS) | set(TEACHER_ARRAYS) | set(RETRO_ARRAYS)
     for term in terms:
         missing = [k for k in term.inputs if k not in term_provided]
         if missing:
             raise ConfigError(f"method {m.name!r}: loss term {term.name!r} reads {missing}, which nothing fills")
+        if any(k in term.inputs for k in RETRO_ARRAYS) and "rewards" not in outputs:
+            raise ConfigError(f"method {m.name!r}: loss term {term.name!r} trains on failed trajectories, which the "
+                              f"outcome reward (\"rewards\") tells; no reward of [{', '.join(reward_names)}] fills it")
     return ResolvedMethod(m.name, ROLLOUTS[rollout_name], rewards, advantage, base, tuple(terms), m.teacher, critic,
                           prm)

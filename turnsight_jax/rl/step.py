@@ -25,7 +25,9 @@ the critic's own optimizer update. The critic's loss never reaches the policy's 
 method with a step-PRM (rl.prm; PiCA) adds before 2: the PRM's h at every state (the frozen
 reference trunk), its progress rewards (the advantage reads them as "process_rewards"), and one
 update of the PRM's head on the batch. The critic and the PRM are the step's learned auxiliaries
-(`aux`, `init_aux`).
+(`aux`, `init_aux`). A method whose loss reads "rise_mask" (Orchard's CA-SFT, rl.orchard) adds
+before 3: the teacher's retrospective values on the probe rows, once, and the mask of
+rise-segment tokens of failed trajectories.
 
 All arrays are in the compact policy-position layout of turnsight_jax.rl.batch: [B, N] per policy
 token. Rows of a micro-batch are strided (rows m, m+M, ...), so each micro-batch spreads over all
@@ -43,6 +45,7 @@ from turnsight_jax.errors import ConfigError
 from turnsight_jax.models.qwen3 import Qwen3
 from turnsight_jax.rl.advantages import make_advantage_fn
 from turnsight_jax.rl import critic as critic_lib
+from turnsight_jax.rl import orchard as orchard_lib
 from turnsight_jax.rl import prm as prm_lib
 from turnsight_jax.rl.batch import TrainBatch, packed_reference, row_axis
 from turnsight_jax.rl.config import OptimConfig, StepConfig
@@ -257,6 +260,18 @@ def teacher_arrays(batch: TrainBatch, teacher_lp, topk, method: ResolvedMethod) 
     if topk is not None:
         out["teacher_topk_ids"], out["teacher_topk_logprobs"] = jax.tree.map(jax.lax.stop_gradient, topk)
     return out
+
+
+def retrospective_stage(teacher_model: Qwen3, batch: TrainBatch, cfg: StepConfig):
+    """Orchard's retrospective values on the probe rows (rl.orchard; teacher micro-batches, no
+    gradient) -> (the CA-SFT token mask "rise_mask" [B, N] bool, metrics)."""
+    def one(p):
+        return orchard_lib.retrospective_values(teacher_model, p)
+
+    m = cfg.teacher_micro_batches
+    values = one(batch.probes) if m == 1 else _merge(jax.lax.map(one, split_batch(batch.probes, m)))
+    return orchard_lib.rise_mask(values, batch.probes.exists, batch.turn_ids, batch.pol_valid,
+                                 batch.signals["rewards"], cfg.algo)
 
 
 def critic_values(graphdef, critic, batch: TrainBatch, cfg: StepConfig):
@@ -493,6 +508,7 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
             teacher_model = nnx.merge(teacher_graphdef if weights_kind == "external" else graphdef, teacher_params)
         teacher_lp, ref_lp, topk = teacher_and_ref_logprobs(teacher_model, ref_model, batch, cfg, method)
         old_values = critic_values(graphdef, critic["params"], batch, cfg) if with_critic else None
+        rise, retro_metrics = retrospective_stage(teacher_model, batch, cfg) if method.retrospective else (None, {})
         proc = new_prm = None
         prm_metrics = {}
         if with_prm:
@@ -512,6 +528,8 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
                            "critic/returns_mean": jnp.sum(jnp.where(batch.pol_valid, returns, 0.0))
                            / jnp.maximum(batch.pol_valid.sum(), 1)}
         tx = teacher_arrays(batch, teacher_lp, topk, method)
+        if rise is not None:
+            tx["rise_mask"] = rise
         adv = jax.lax.stop_gradient(adv)
         sampler_lp, mismatch = None, {}
         if trainer_old and not old_is_current:
@@ -555,6 +573,7 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
                 metrics["critic/" + k.removeprefix("critic_")] = metrics.pop(k)
         metrics.update(critic_diag)
         metrics.update(prm_metrics)
+        metrics.update(retro_metrics)
         metrics.update(diag)
         metrics.update(mismatch)
         if method.aux:
