@@ -169,10 +169,12 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
 
-    def save(self, step: int, params, opt_state, meta: dict[str, Any], *, teacher=None, aux=None) -> None:
+    def save(self, step: int, params, opt_state, meta: dict[str, Any], *, teacher=None, aux=None,
+             files: dict[str, str] | None = None) -> None:
         """`teacher`: the EMA teacher's parameters (teacher.weights='ema'); `aux`: the step's
         learned auxiliaries ({"critic": ..., "prm": ...}, rl.step.init_aux); each saved as its own
-        item (AUX_ITEMS)."""
+        item (AUX_ITEMS). `files`: {name: text} written into the step folder (process 0) before
+        its manifest, so they are verified with it (SLIM's skill library); `read_file` reads one."""
         items = dict(params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
                      meta=ocp.args.JsonSave(meta))
         if teacher is not None:
@@ -188,6 +190,10 @@ class Checkpointer:
             # the step written and none of it verified yet.
             os.kill(os.getpid(), signal.SIGKILL)
         if jax.process_index() == 0:
+            for name, text in (files or {}).items():
+                if "/" in name or name in ("", ".", "..", MANIFEST):
+                    raise ValueError(f"checkpoint file name {name!r}: a plain file name is expected")
+                (self.workdir / "checkpoints" / str(step) / name).write_text(text, encoding="utf-8")
             write_manifest(self.workdir / "checkpoints" / str(step))
 
     def restore(self, step: int, params_template, opt_template) -> tuple[Any, Any, dict[str, Any]]:
@@ -215,6 +221,11 @@ class Checkpointer:
             return None
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
         return self.manager.restore(step, args=ocp.args.Composite(**{name: ocp.args.StandardRestore(abstract)}))[name]
+
+    def read_file(self, step: int, name: str) -> str | None:
+        """A file `save(files=...)` wrote into step `step`'s folder; None when the step has none."""
+        path = self.workdir / "checkpoints" / str(step) / name
+        return path.read_text(encoding="utf-8") if path.is_file() else None
 
     def restore_params(self, step: int, params_template):
         out = self.manager.restore(

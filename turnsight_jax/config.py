@@ -161,6 +161,28 @@ def base_config() -> mlc.ConfigDict:
     c.teacher.sibling_min_reward = 1.0  # source=sibling: a sibling rollout counts as successful at this reward or above
     c.teacher.top_k = 20  # teacher tokens the top-K KL (SDPO, SOD) is computed on
 
+    c.slim = mlc.ConfigDict()  # SLIM's skill library (rl.method=slim; turnsight_jax.rl.slim, docs/signal_methods.md)
+    c.slim.initial = "builtin"  # the starting skills: builtin (the bundled skills file) | "" (none) | a JSON file {task type or "default": text}
+    c.slim.audit_every = 1  # RL steps between leave-one-out audits
+    c.slim.audit_tasks = 8  # validation tasks per audit (stratified by task type; a fixed set for the run)
+    c.slim.audit_temperature = 0.0  # audits: 0 = greedy; > 0 = audit_samples samples per task, one fixed seed per audit
+    c.slim.audit_samples = 1  # rollouts per audit task when audit_temperature > 0
+    c.slim.ema_decay = 0.5  # ema <- decay * ema + (1 - decay) * delta (the first audit sets ema = delta)
+    c.slim.keep_above = 0.05  # band keep: ema >= keep_above
+    c.slim.retire_below = 0.0  # band retire: ema < retire_below, after min_exposures and min_low_rounds (else watch)
+    c.slim.min_exposures = 4  # audit tasks a skill must have been measured on before it can retire
+    c.slim.min_low_rounds = 2  # consecutive audits with ema < retire_below before it can retire
+    c.slim.solved_reward = 1.0  # an audit rollout with a reward below this failed (expansion's failure rate)
+    c.slim.expand_fail_rate = 0.5  # a task type fails an audit when this share of its rollouts failed
+    c.slim.expand_patience = 2  # consecutive failing audits before the writer writes a skill for the type
+    c.slim.writer = ""  # the model that writes new skills: "" = the current policy; or a Hugging Face Qwen3 folder (the policy's tokenizer)
+    c.slim.writer_temperature = 0.0  # the writer's sampling: 0 = greedy
+    c.slim.writer_trajectories = 3  # failed trajectories of the type quoted in the writer's prompt
+    c.slim.transcript_chars = 1200  # each quoted trajectory cut to this many characters
+    c.slim.max_skill_tokens = 96  # the writer's decode cap; a cleaned skill is cut to this many tokens
+    c.slim.min_skill_chars = 16  # a cleaned text with fewer non-space characters is a failed expansion
+    c.slim.max_skills = 12  # active skills at most (expansion waits while the library is full)
+
     c.loss = mlc.ConfigDict()  # the clipped surrogate (turnsight_jax.rl.losses)
     c.loss.clip_eps = 0.2  # ratio clipped below at 1 - clip_eps (paper silent)
     c.loss.clip_eps_high = 0.28  # ... and above at 1 + clip_eps_high (paper silent)
@@ -535,6 +557,17 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
     )
 
 
+def slim_config(cfg: mlc.ConfigDict):
+    """slim.* -> rl.slim.SlimConfig, validated (a ConfigError naming the key)."""
+    from turnsight_jax.rl.slim import SlimConfig
+
+    fields = {f.name for f in dataclasses.fields(SlimConfig)}
+    unknown = sorted(set(cfg.slim.keys()) - fields)
+    if unknown:
+        raise ConfigError(f"slim.{unknown[0]} is not a SLIM key; keys: {', '.join(sorted(fields))}")
+    return SlimConfig(**cfg.slim.to_dict()).validate()
+
+
 def rollout_config(cfg: mlc.ConfigDict, *, max_turns: int | None = None) -> RolloutConfig:
     r = cfg.rollout
     return RolloutConfig(max_turns=max_turns or r.max_turns, max_prompt_tokens=r.max_prompt_tokens,
@@ -654,6 +687,17 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
                           "rl.student_sees_observations=False masks them out of the context it reads")
     # The rewards' inputs must exist for the training tasks (e.g. MatchTIR's gold calls).
     stages = [(sc, method)] + ([] if (later := second_stage(cfg, sc, method)) is None else [later[1:]])
+    if any(m.rollout.name == "slim" for _, m in stages):  # SLIM's keys, and its writer's vocabulary
+        scfg = slim_config(cfg)
+        if scfg.writer and check_data:
+            from turnsight_jax.models.config import Qwen3Config, get_preset
+            from turnsight_jax.rl.slim_runner import check_writer
+
+            try:
+                policy = Qwen3Config.from_pretrained(cfg.model.hf_path) if cfg.model.hf_path else get_preset(cfg.model.preset)
+            except (OSError, ValueError) as e:
+                raise ConfigError(str(e)) from None
+            check_writer(scfg, policy.vocab_size)
     for sc_i, method_i in stages:
         who = f"rl.method={sc_i.algo.method!r}" + (f" over rl.base={sc_i.algo.base!r}" if method_i.base else "")
         for field in method_i.task_needs:

@@ -11,6 +11,8 @@ Writes PNG files of a fixed size (8 x 4.5 in at 100 dpi = 800 x 450 px) and an i
   agreement.png         depth agreement rate, share of turns amplified / damped
   lengths.png           response tokens and turns per rollout
   optimization.png      pg_loss, kl, clip_frac, grad_norm, step time, tool error rate
+  slim.png              SLIM runs only: library size, skills written / retired, Eval(S) and mean Δ of the
+                        audits; index.md then also lists the skill library and its history (rl.slim_report)
 
 A plot whose keys are all absent is skipped with a note (printed and listed in index.md); a
 panel or line whose key is absent is left out. Steps written twice (a resumed run) keep the
@@ -275,11 +277,16 @@ def make_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None 
         plot(metrics, out / name)
         files.append(out / name)
         log(f"wrote {out / name}")
+    from turnsight_jax.rl.slim_report import slim_section  # a SLIM run's skill library (slim_library.json)
+
+    slim_files, slim_lines = slim_section(run_dir, metrics, out, log)
+    files += slim_files
     for note in notes:
         log(f"note: {note}")
     index = [f"# Training report: {run_dir.name}", "",
              f"{len(metrics.steps)} steps ({metrics.steps[0]}..{metrics.steps[-1]}).", ""]
     index += [f"![{f.stem}]({f.name})" for f in files]
+    index += slim_lines
     if notes:
         index += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     (out / "index.md").write_text("\n".join(index) + "\n")

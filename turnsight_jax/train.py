@@ -13,6 +13,7 @@ checkpoint; a Hugging Face export at the end.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -31,7 +32,7 @@ from flax import nnx
 from turnsight_jax import checkpointing, distributed, flops, model_setup, sources
 from turnsight_jax.checkpointing import Checkpointer, write_run_config, write_run_files
 from turnsight_jax.config import (engine_config, load_run_config, model_layer_name, rollout_config, sampling_params,
-                                  second_stage, validate)
+                                  second_stage, slim_config, validate)
 from turnsight_jax.distributed import maybe_initialize_distributed
 from turnsight_jax.errors import ConfigError, NonFiniteTraining
 from turnsight_jax.eval.heldout import evaluate_policy
@@ -39,6 +40,7 @@ from turnsight_jax.models.sharding import make_mesh, opt_state_shardings
 from turnsight_jax.models.weights import save_pretrained
 from turnsight_jax.rl.batch import make_train_batch, packed_reference, row_axis, shape_keys, shard_batch
 from turnsight_jax.rl.methods import RolloutContext
+from turnsight_jax.rl.slim_runner import LIBRARY_FILE, SlimRunner, uses_slim
 from turnsight_jax.rl.step import TURNSIGHT_METRICS, init_aux, make_aux_optimizers, make_optimizer, make_train_step
 from turnsight_jax.rollout.progress import ProgressLine
 from turnsight_jax.runlog import MetricsLog, Progress, log, matmul_peak_flops
@@ -122,7 +124,7 @@ def _summed(values: dict[str, float]) -> dict[str, float]:
 # The progress line's view of the method's own mechanism: the metric that shows it acting.
 MECHANISM_METRICS = {"turnsight/weight_max": "w_max", "rlsd/weight_max": "w_max", "train/sdpo_kl": "sdpo_kl",
                      "sdpo/gap_mean": "sdpo_gap", "train/sdar_gate": "gate", "train/sod_weight": "sod_w",
-                     "critic/value_loss": "v_loss", "prm/gain_abs_mean": "prm_gain"}
+                     "critic/value_loss": "v_loss", "prm/gain_abs_mean": "prm_gain", "slim/library_size": "skills"}
 
 
 def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_cfg=None) -> flops.UpdateFlops:
@@ -282,6 +284,13 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
         resumed_shapes = {k: int(v) for k, v in meta.get("batch_shapes", {}).items()}
         log(f"resumed from {workdir}/checkpoints/{latest} (next step {start})")
     mlog = MetricsLog(workdir, tensorboard=cfg.log.tensorboard, resume_step=start - 1 if latest is not None else -1)
+    # SLIM (rl.method=slim): the skill library, audited and expanded after steps (rl.slim_runner);
+    # a resumed run continues with the library saved in its checkpoint.
+    slim_run = None
+    if uses_slim(method, later[2] if later is not None else None):
+        slim_run = SlimRunner.start(cfg, slim_config(cfg), tok, train_tasks, workdir, mesh, vocab_size=qcfg.vocab_size,
+                                    resume_text=ckpt.read_file(latest, LIBRARY_FILE) if latest is not None else None,
+                                    log=log)
 
     env = sources.make_env(cfg.data.source)
     eval_env = env if cfg.data.eval_source == cfg.data.source else sources.make_env(cfg.data.eval_source)
@@ -331,6 +340,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                                  model_setup.DTYPES[cfg.model.compute_dtype], line, engine=engine_cfg,
                                  mesh=rollout_mesh, group_offset=first)
             step_cfg, method, step_fn = stage(step)
+            if slim_run is not None:  # the skills the slim controller puts in the prompts
+                ctx = dataclasses.replace(ctx, state=slim_run.library)
             res = method.rollout.fn(ctx, mine, cfg.seed * 100_003 + step)
             distributed.settle()  # the rollout's local collectives end before the step's cross-process ones
             t_roll = time.perf_counter() - t_step
@@ -405,6 +416,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                 metrics["rollout/prefill_tokens"] = st.get("engine/prefill_tokens", 0.0)
             if peak:
                 metrics["perf/mfu_vs_measured_matmul"] = necessary / t_total / peak
+            if slim_run is not None and method.rollout.name == "slim":  # audits, retirements, expansions
+                metrics.update(slim_run.after_step(step, graphdef, params, env))
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < n_steps and eval_tasks:
                 ev = evaluate_policy(graphdef, params, tok, eval_tasks, cfg, eval_env,
                                      progress=_eval_progress(cfg, len(eval_tasks)))
@@ -428,7 +441,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                                             f"(last checkpoint: {ckpt.latest_step() or 'none'})")
                 ckpt.save(step + 1, params, opt_state, {"next_step": step + 1, "seed": cfg.seed,
                                                         "data_position": step + 1, "batch_shapes": shapes},
-                          teacher=teacher_params if tw == "ema" else None, aux=aux_state)
+                          teacher=teacher_params if tw == "ema" else None, aux=aux_state,
+                          files=slim_run.checkpoint_files() if slim_run is not None else None)
             if stop:
                 log(f"stopped after step {step + 1} (checkpoint {step + 1} written by all processes); rerun "
                     f"the same command to resume" if jax.process_count() > 1 else

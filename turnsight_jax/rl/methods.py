@@ -37,6 +37,8 @@ from turnsight_jax.rl import srl, toolomni
 from turnsight_jax.rl.advantages import Estimator, get_estimator
 from turnsight_jax.rl.config import AlgoConfig, StepConfig
 from turnsight_jax.rl.losses import LossTerm, get_loss_term
+from turnsight_jax.rl.slim import SkillLibrary
+from turnsight_jax.rl.slim_text import with_skills
 from turnsight_jax.rollout.driver import ModelPolicy, RolloutConfig, RolloutResult, rollout
 from turnsight_jax.rollout.engine import PagedEngine
 from turnsight_jax.rollout.sampler import SamplingParams
@@ -76,6 +78,7 @@ class RolloutContext:
     engine: Any = None  # rollout.engine.EngineConfig: the paged engine; None: the lockstep ModelPolicy
     mesh: Any = None  # the device mesh the paged engine splits its rows and KV pool over (None: one shard)
     group_offset: int = 0  # global index of the first prompt (a process rolls out its share of a step's prompts)
+    state: Any = None  # the trainer's host-side state a controller reads (SLIM: its rl.slim.SkillLibrary)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +128,16 @@ def sampler_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> Ro
         for k, v in res.stats.items():
             stats[k] = stats.get(k, 0.0) + v if k != "compilations" else v
     return RolloutResult(trajs, stats)
+
+
+@register_rollout("slim")
+def slim_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
+    """SLIM (rl.slim): the default sampler on the tasks with the library's active skills in their
+    prompts (rl.slim_text.with_skills; the library is the trainer's, `ctx.state`)."""
+    if not isinstance(ctx.state, SkillLibrary):
+        raise ValueError("the 'slim' rollout controller needs the trainer's skill library as ctx.state "
+                         f"(rl.slim.SkillLibrary), got {type(ctx.state).__name__}")
+    return sampler_rollout(ctx, [with_skills(t, ctx.state) for t in tasks], seed)
 
 
 # ---- rewards ----
@@ -289,6 +302,10 @@ register_method(Method("srl", advantage="grpo", rewards=("srl",),
 register_method(Method("orchard", advantage="base", rewards=(), loss_terms=("clipped_surrogate", "ca_sft"),
                        description="Orchard CA-SFT: the base method + SFT on rise segments of failed trajectories, "
                                    "valued by a teacher that knows the outcome"))
+# SLIM (rl.slim, rl.slim_runner): the skill library in the prompt; the base method's rewards and
+# advantage (rl.base, GRPO by default) train on those rollouts.
+register_method(Method("slim", advantage="base", rewards=(), rollout="slim",
+                       description="SLIM: a skill library in the prompt, audited by leave-one-out, retired and expanded"))
 register_method(Method("turnsight", advantage="turnsight", rewards=(),
                        description="turn-level hindsight weighting of the base method's advantage"))
 # The self-distillation baselines of Table 1 (rl.distill, docs/baselines.md); their teachers
