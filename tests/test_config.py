@@ -147,6 +147,12 @@ TODAY_DEFAULT["critic"] = {"lr": 1e-5, "warmup_steps": 0, "weight_decay": 0.01, 
                            "value_clip": 0.5}
 TODAY_DEFAULT["prm"] = {"lr": 1e-3, "alpha": 1.0, "decay": 0.9, "baseline": 0.0, "hinge_coef": 1.0,
                         "success_reward": 1.0}
+# SLIM's skill library (rl.method=slim): no effect on the default method (its rollouts show no skills).
+TODAY_DEFAULT["slim"] = {"initial": "builtin", "audit_every": 1, "audit_tasks": 8, "audit_temperature": 0.0,
+                         "audit_samples": 1, "ema_decay": 0.5, "keep_above": 0.05, "retire_below": 0.0,
+                         "min_exposures": 4, "min_low_rounds": 2, "solved_reward": 1.0, "expand_fail_rate": 0.5,
+                         "expand_patience": 2, "writer": "", "writer_temperature": 0.0, "writer_trajectories": 3,
+                         "transcript_chars": 1200, "max_skill_tokens": 96, "min_skill_chars": 16, "max_skills": 12}
 
 # Keys where configs/qwen3_8b.py's experiment departs from base + its model layer: how the run
 # fits 8 x 80 GB devices and how it evaluates. Anything else would be a value from somewhere else.
