@@ -667,7 +667,7 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
         else:
             cell_rows(rows, data * fsdp, sc)
     method = resolve_method(sc)
-    if method.needs_views and sc.teacher.weights == "external":  # architecture and vocabulary, before any load
+    if method.uses_teacher and sc.teacher.weights == "external":  # architecture and vocabulary, before any load
         from turnsight_jax.models.config import Qwen3Config, get_preset, teacher_architecture
 
         try:
@@ -725,7 +725,7 @@ def second_stage(cfg: mlc.ConfigDict, sc: StepConfig, method: ResolvedMethod):
                           f"(critic, PRM): both train a critic or neither ({method.name}: {list(method.aux)}, "
                           f"{method2.name}: {list(method2.aux)})")
     # the teacher state the trainer keeps (an EMA or an external model) must serve both stages
-    kept = lambda m: sc.teacher.weights if m.needs_views and sc.teacher.weights in ("ema", "external") else None  # noqa: E731
+    kept = lambda m: sc.teacher.weights if m.uses_teacher and sc.teacher.weights in ("ema", "external") else None  # noqa: E731
     if kept(method) != kept(method2):
         raise ConfigError(f"rl.switch_method={name!r}: one stage needs the {kept(method) or kept(method2)} teacher "
                           f"and the other none; both must score with it, or neither")

@@ -172,7 +172,9 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     (rl.critic: a trunk of `cfg`'s architecture, no vocabulary head): one no-gradient forward for
     V_old and a forward+backward per update (part "critic"; the [D] value head's 2·D FLOPs per
     token are left out). prm: the method's step-PRM (rl.prm) reads the frozen reference trunk: one
-    no-gradient trunk forward (part "prm"; its head's FLOPs left out)."""
+    no-gradient trunk forward (part "prm"; its head's FLOPs left out). A batch with probe rows
+    (rl.orchard) adds the teacher's forward over them and its two head columns per state (part
+    "retrospective")."""
     trunk = trunk_flops_per_token(cfg)
     score_chunk = score_chunk or logprob_chunk
     tokens = float(np.asarray(batch.valid).sum())
@@ -218,6 +220,18 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
         parts["critic"] = (need_trunk * (1 + 3 * updates), exec_trunk + grad_trunk * updates)
     if prm:
         parts["prm"] = (forward_flops(cfg, tokens, pairs, 0.0), trunk * slots + exec_attn)
+    probes = getattr(batch, "probes", None)
+    if probes is not None:  # Orchard's retrospective teacher (rl.orchard): its probe rows, 2 head columns per state
+        lay, tcfg = probes.layout, teacher_cfg or cfg
+        seg = np.asarray(lay.segment_ids)
+        states = float(np.asarray(probes.exists).sum())
+        width = int(seg.shape[1])
+        parts["retrospective"] = (
+            forward_flops(tcfg, float((seg >= 0).sum()), layout_pairs(seg, lay.ctx1_segment, lay.ctx1_end,
+                                                                      lay.ctx2_segment, lay.ctx2_end), 0.0)
+            + 4.0 * tcfg.hidden_size * states,
+            forward_flops(tcfg, float(seg.size), chunked_pairs(width, q_chunk) * seg.shape[0], 0.0)
+            + 4.0 * tcfg.hidden_size * probes.exists.size)
     return UpdateFlops(parts)
 
 

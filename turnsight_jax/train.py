@@ -217,7 +217,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
         opt_state = jax.jit(optimizer.init, out_shardings=None)(params)
     # The teacher when it is neither the reference nor the current policy (teacher.weights):
     # an EMA of the policy (kept here, checkpointed) or an external Hugging Face model.
-    tw = step_cfg.teacher.weights if method.needs_views else "reference"
+    tw = step_cfg.teacher.weights if method.uses_teacher else "reference"
     teacher_graphdef = teacher_params = teacher_qcfg = None
     if tw == "ema":
         teacher_params = jax.tree.map(jnp.copy, params)

@@ -56,7 +56,7 @@ from turnsight_jax.rl import length_classes
 from turnsight_jax.rl.config import StepConfig
 from turnsight_jax.rl.length_classes import LengthClasses
 from turnsight_jax.rl.methods import ResolvedMethod
-from turnsight_jax.rl.orchard import build_probes
+from turnsight_jax.rl.orchard import PROBE_TOKENS, RetroProbes, build_probes
 from turnsight_jax.chat.privileged import default_skills_path, load_skills, privileged_blocks
 from turnsight_jax.rl.privileged_views import build_privileged_views
 from turnsight_jax.rl.packing import PackedRows, RowPacking, assemble, balanced_order, plan_packing
@@ -375,6 +375,7 @@ class Geometry:
     class_rows: tuple[int, ...] | None = None  # rows per cell of each length class (rl.length_classes)
     row_shards: int = 1
     pack_cell: int | None = None  # train.pack_rows: rows per cell (rl.packing; the worst case: one per packed row)
+    probes: int = 0  # Q: the retrospective probe row (rl.orchard; 0: none)
 
 
 def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod, step_cfg: StepConfig,
@@ -392,7 +393,11 @@ def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod, step_cfg: S
         class_rows, _ = length_classes.cell_rows(batch, row_shards, step_cfg)
     if step_cfg.pack_rows:  # the worst case: every row as wide as the widest, one per packed row
         pack_cell = batch // (row_shards * packing_modulus(batch, row_shards, step_cfg))
-    return Geometry(batch, length, policy, packed, distinct, views, r.max_turns, class_rows, row_shards, pack_cell)
+    probes = 0
+    if method.retrospective:  # the trajectory, then one probe per state
+        probes = pick_bucket(length + (r.max_turns + 1) * PROBE_TOKENS, DEFAULT_PACKED_BUCKETS, "plan: probe row")
+    return Geometry(batch, length, policy, packed, distinct, views, r.max_turns, class_rows, row_shards, pack_cell,
+                    probes)
 
 
 def abstract_batch(g: Geometry, mesh, method: ResolvedMethod) -> TrainBatch:
@@ -421,10 +426,14 @@ def abstract_batch(g: Geometry, mesh, method: ResolvedMethod) -> TrainBatch:
         if g.pack_cell is not None:
             views = views.replace(tokens=None, layout=None, packed=packed_rows(g.packed))
     signals = {r.output: arr((b,) if r.per == "trajectory" else (b, g.turns), jnp.float32) for r in method.rewards}
+    probes = None
+    if g.probes:
+        probes = RetroProbes(arr((b, g.probes), i32), Layout(*(arr((b, g.probes), i32) for _ in range(6))),
+                             arr((b, g.turns + 1), i32), arr((b, g.turns + 1), bool), arr((b, 2), i32))
     return TrainBatch(
         tokens=arr((b, g.length), i32), valid=arr((b, g.length), bool), pol_pos=arr((b, g.policy), i32),
         pol_valid=arr((b, g.policy), bool), turn_ids=arr((b, g.policy), i32),
         old_logprobs=arr((b, g.policy), jnp.float32), group_ids=arr((b,), i32), num_turns=arr((b,), i32),
         signals=signals, views=views, length_class=row_class, classes=classes,
-        packed=None if g.pack_cell is None else packed_rows(g.length),
+        packed=None if g.pack_cell is None else packed_rows(g.length), probes=probes,
     )

@@ -356,6 +356,16 @@ class ResolvedMethod:
         return len(algo.depths) if self.teacher == "hindsight" else 1
 
     @property
+    def retrospective(self) -> bool:
+        """Whether the teacher's retrospective values (rl.orchard: probe rows, `batch.probes`) are computed."""
+        return any(self.reads(k) for k in RETRO_ARRAYS)
+
+    @property
+    def uses_teacher(self) -> bool:
+        """Whether the step runs the teacher teacher.weights names (its views or its probe rows)."""
+        return self.needs_views or self.retrospective
+
+    @property
     def top_k(self) -> bool:
         """Whether the teacher's top-K tokens (and the student's log-probs of them) are computed."""
         return self.reads("teacher_topk_logprobs") or self.reads("topk_logprobs")
@@ -368,11 +378,6 @@ class ResolvedMethod:
     def rewards_needing(self, field: str) -> tuple[str, ...]:
         """The names of the method's rewards that read Task field `field` (for messages)."""
         return tuple(r.name for r in self.rewards if field in r.needs)
-
-    @property
-    def retrospective(self) -> bool:
-        """Whether the teacher's retrospective values (rl.orchard: probe rows, `batch.probes`) are computed."""
-        return any(self.reads(k) for k in RETRO_ARRAYS)
 
     @property
     def needs_ref(self) -> bool:

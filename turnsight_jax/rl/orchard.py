@@ -39,6 +39,9 @@ from turnsight_jax.rl.losses import register_loss_term
 from turnsight_jax.rl.views import _Row, pick_bucket
 
 Array = jax.Array
+# Tokens per probe the dry-run's worst case allows (the default template's question is ~60 tokens,
+# plus the gold answer).
+PROBE_TOKENS = 128
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,7 +38,7 @@ def abstract_teacher(cfg, step_cfg, method, qcfg, params, mesh):
     """(graphdef or None, abstract parameters or None) of the teacher's own weights, kept next to
     the policy's through the run when it is an EMA of the policy or another model (teacher.weights;
     train.py): sharded like the reference, in model.ref_dtype for an external model."""
-    tw = step_cfg.teacher.weights if method.needs_views else "reference"
+    tw = step_cfg.teacher.weights if method.uses_teacher else "reference"
     if tw == "ema":
         return None, params
     if tw != "external":
