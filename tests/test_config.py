@@ -155,6 +155,10 @@ TODAY_DEFAULT["slim"] = {"initial": "builtin", "audit_every": 1, "audit_tasks": 
                          "min_exposures": 4, "min_low_rounds": 2, "solved_reward": 1.0, "expand_fail_rate": 0.5,
                          "expand_patience": 2, "writer": "", "writer_temperature": 0.0, "writer_trajectories": 3,
                          "transcript_chars": 1200, "max_skill_tokens": 96, "min_skill_chars": 16, "max_skills": 12}
+# The model judge (rl.method=judge): no effect on the default method (its rollouts are not judged).
+TODAY_DEFAULT["judge"] = {"checkpoint": "", "rationale": True, "reference": False, "max_new_tokens": 256,
+                          "max_prompt_tokens": 4096, "batch_size": 32, "default_label": 0, "verifier_threshold": 1.0,
+                          "dtype": "float32"}
 
 # Keys where configs/qwen3_8b.py's experiment departs from base + its model layer: how the run
 # fits 8 x 80 GB devices and how it evaluates. Anything else would be a value from somewhere else.

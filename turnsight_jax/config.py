@@ -221,6 +221,16 @@ def base_config() -> mlc.ConfigDict:
     c.prm.baseline = 0.0  # the fixed baseline subtracted from each gain
     c.prm.hinge_coef = 1.0  # weight of the monotonicity hinge (increases of h along solved trajectories)
     c.prm.success_reward = 1.0  # outcome reward from which a trajectory counts as solved (the PRM's label)
+    c.judge = mlc.ConfigDict()  # the model judge (rl.method=judge, OpenWebRL; turnsight_jax.judge, docs/signal_methods.md)
+    c.judge.checkpoint = ""  # the judge: a Hugging Face Qwen3 folder (e.g. one `python -m turnsight_jax.judge distill` wrote)
+    c.judge.rationale = True  # the judge writes <rationale>...</rationale> before <verdict>0|1</verdict>; False: the verdict only (ablation)
+    c.judge.reference = False  # the judge also sees the task's reference answer (False: question, calls, results, final answer only)
+    c.judge.max_new_tokens = 256  # the judge's decode cap per trajectory (greedy)
+    c.judge.max_prompt_tokens = 4096  # judge prompts over this lose the middle of their transcript
+    c.judge.batch_size = 32  # trajectories judged per decode
+    c.judge.default_label = 0  # the label of a malformed judgment (counted in judge/malformed_rate)
+    c.judge.verifier_threshold = 1.0  # an environment reward >= this is the verifier's success (judge/agreement)
+    c.judge.dtype = "float32"  # the judge's weights: float32 | bfloat16
 
     c.train = mlc.ConfigDict()  # the RL loop and the split of a step's batch
     c.train.steps = 208  # RL steps: 3 epochs x ceil(2215 FTRL training tasks / 32) (paper: 3 epochs)
@@ -687,6 +697,10 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
                           "rl.student_sees_observations=False masks them out of the context it reads")
     # The rewards' inputs must exist for the training tasks (e.g. MatchTIR's gold calls).
     stages = [(sc, method)] + ([] if (later := second_stage(cfg, sc, method)) is None else [later[1:]])
+    if "judge" in cfg:  # the judge's keys; its checkpoint must exist when a stage judges (rl.method=judge)
+        from turnsight_jax.judge.settings import judge_settings
+
+        judge_settings(cfg.judge, need_checkpoint=any(m.rollout.name == "judged" for _, m in stages))
     if any(m.rollout.name == "slim" for _, m in stages):  # SLIM's keys, and its writer's vocabulary
         scfg = slim_config(cfg)
         if scfg.writer and check_data:

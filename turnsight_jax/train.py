@@ -338,7 +338,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             ctx = RolloutContext(graphdef, distributed.local_replica(params, mesh, rollout_mesh), tok, env, sampling,
                                  rc, cfg.train.group_size, cfg.rollout.prompts_per_chunk,
                                  model_setup.DTYPES[cfg.model.compute_dtype], line, engine=engine_cfg,
-                                 mesh=rollout_mesh, group_offset=first)
+                                 mesh=rollout_mesh, group_offset=first, run_config=cfg)
             step_cfg, method, step_fn = stage(step)
             if slim_run is not None:  # the skills the slim controller puts in the prompts
                 ctx = dataclasses.replace(ctx, state=slim_run.library)

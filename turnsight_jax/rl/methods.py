@@ -78,6 +78,7 @@ class RolloutContext:
     engine: Any = None  # rollout.engine.EngineConfig: the paged engine; None: the lockstep ModelPolicy
     mesh: Any = None  # the device mesh the paged engine splits its rows and KV pool over (None: one shard)
     group_offset: int = 0  # global index of the first prompt (a process rolls out its share of a step's prompts)
+    run_config: Any = None  # the run's ConfigDict, for a controller with its own section (the judge: judge.*)
     state: Any = None  # the trainer's host-side state a controller reads (SLIM: its rl.slim.SkillLibrary)
 
 
@@ -460,3 +461,8 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
                               f"outcome reward (\"rewards\") tells; no reward of [{', '.join(reward_names)}] fills it")
     return ResolvedMethod(m.name, ROLLOUTS[rollout_name], rewards, advantage, base, tuple(terms), m.teacher, critic,
                           prm)
+
+
+# The model-judged reward (OpenWebRL): its controller, rewards, estimator and method register
+# themselves from the names above (last, since that module imports this one).
+from turnsight_jax.judge import method as _judge_method  # noqa: E402,F401
