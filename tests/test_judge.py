@@ -336,6 +336,27 @@ def test_distilled_student_agrees_with_its_teacher(distilled):
     assert (student / "config.json").is_file() and (student / "tokenizer.json").is_file()
 
 
+def test_a_model_teacher_labels_a_model_policys_rollouts(distilled, tmp_path, capsys):
+    """`label --teacher model --policy FOLDER`: the distilled student rolls out (as a policy: it
+    writes judgments, not calls) and judges those rollouts; each row is its parsed output."""
+    from turnsight_jax.judge.__main__ import main
+
+    _, student, _ = distilled
+    out = tmp_path / "model_labels.jsonl"
+    assert main(["label", "--config", str(REPO / "configs" / "methods" / "judge.py"), "--teacher", "model",
+                 f"--config.judge.checkpoint={student}", "--config.judge.max_new_tokens=32", "--policy", str(student),
+                 "--num-tasks", "2", "--samples", "2", "--config.rollout.max_turns=2",
+                 "--config.rollout.max_turn_tokens=16", "--out", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = read_labels(out)
+    assert len(rows) == 4 == summary["rows"] and summary["generated_tokens"] > 0
+    for r in rows:
+        v = parse_verdict(r.output, rationale=True)
+        assert (r.label, r.malformed, r.rationale) == (v.label_or(0), v.malformed, v.rationale or "")
+        assert 0.0 <= r.verifier_reward <= 1.0 and r.prompt.startswith("Task:\n")
+    assert summary["malformed_rate"] == np.mean([r.malformed for r in rows])
+
+
 def test_judge_config_trains_three_steps_on_the_distilled_judge(distilled, tmp_path):
     """configs/methods/judge.py, 3 steps from a random policy (no warm-start), the distilled
     student as the judge: every trajectory is judged, and the diagnostics are consistent."""

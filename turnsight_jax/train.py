@@ -124,7 +124,8 @@ def _summed(values: dict[str, float]) -> dict[str, float]:
 # The progress line's view of the method's own mechanism: the metric that shows it acting.
 MECHANISM_METRICS = {"turnsight/weight_max": "w_max", "rlsd/weight_max": "w_max", "train/sdpo_kl": "sdpo_kl",
                      "sdpo/gap_mean": "sdpo_gap", "train/sdar_gate": "gate", "train/sod_weight": "sod_w",
-                     "critic/value_loss": "v_loss", "prm/gain_abs_mean": "prm_gain", "slim/library_size": "skills"}
+                     "critic/value_loss": "v_loss", "prm/gain_abs_mean": "prm_gain", "slim/library_size": "skills",
+                     "judge/agreement": "judge_agree"}
 
 
 def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_cfg=None) -> flops.UpdateFlops:

@@ -3,13 +3,16 @@ judge is distilled from the labels.
 
     python -m turnsight_jax.judge label --config configs/methods/judge.py \\
         --config.judge.checkpoint=/path/to/teacher --policy runs/tiny_cpu/export --out labels.jsonl
+    python -m turnsight_jax.judge label --teacher verifier --policy demonstrations --out labels.jsonl
     python -m turnsight_jax.judge distill --labels labels.jsonl --student /path/to/small_qwen3 --out judge_small
 
 Both read the run config (`--config FILE`, default the embedded one, and `--config.key=value`
 overrides) for the `judge.*` keys (the format: `judge.rationale`; the limits), and `label` for
 the tasks (`data.*`) and the rollouts (`rollout.*`). `label --policy` is a Hugging Face Qwen3
 folder rolled out on the training tasks at the rollout sampling, or `demonstrations`: no model,
-the built-in tasks' demonstrations replayed, correct and spoiled (docs/signal_methods.md).
+the built-in tasks' demonstrations replayed, correct and spoiled (docs/signal_methods.md). The
+teacher is the `judge.checkpoint` model, or `--teacher verifier`: the environment's verifier with
+a stated rationale (judge.verifier_teacher), where no large judge is at hand.
 """
 
 from __future__ import annotations

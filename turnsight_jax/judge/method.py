@@ -1,23 +1,24 @@
-"""The model-judged reward as a method (OpenWebRL; docs/signal_methods.md): `rl.method=judge`.
+"""The model-judged reward's pieces (OpenWebRL; docs/signal_methods.md), registered as
+`rl.method=judge` by turnsight_jax.rl.methods (this module imports nothing of it):
 
-* rollout controller `judged`: the default sampler's rollouts, then the judge (`judge.*`) labels
-  every trajectory; each trajectory's `metrics` records the label, whether the output was
-  malformed, the judge's tokens and the verifier's success (the environment's own reward >=
-  `judge.verifier_threshold`). The environment's reward (`Trajectory.reward`) is left as it is.
-* rewards: `judge` fills the batch's `rewards` [B] with the label (0/1), so GRPO's advantage is
-  computed on the judge, not on the verifier; `judge_verifier`, `judge_malformed`,
-  `judge_tokens` and `judge_judged` fill arrays [B] the estimator reports from.
-* advantage `judge_grpo`: GRPO's on the judge's label, plus the diagnostics `judge/agreement`
-  (label == verifier success), `judge/positive_rate`, `judge/false_positive_rate` (label 1,
-  verifier 0: what a hacked judge shows), `judge/false_negative_rate`, `judge/malformed_rate`,
-  `judge/verifier_success_rate`, `judge/labelled` (trajectories judged) and
-  `judge/generated_tokens` (the judge's decode cost, summed over the batch); over the whole batch
-  (every process's rows).
-
-Registered when turnsight_jax.rl.methods is imported (its last line imports this module).
+* `judge_rollout`, behind the rollout controller `judged`: the default sampler's rollouts, then
+  the judge (`judge.*`) labels every trajectory; each trajectory's `metrics` records the label,
+  whether the output was malformed, the judge's tokens and the verifier's success (the
+  environment's own reward >= `judge.verifier_threshold`). `Trajectory.reward` is left as it is.
+* `REWARDS`: `judge` fills the batch's `rewards` [B] with the label (0/1), so GRPO's advantage is
+  computed on the judge, not on the verifier; `judge_verifier`, `judge_malformed`, `judge_tokens`
+  and `judge_judged` fill arrays [B] the estimator reports from.
+* the advantage estimator `judge_grpo` (registered here): GRPO's on the labels, plus the
+  diagnostics `judge/agreement` (label == verifier success), `judge/positive_rate`,
+  `judge/false_positive_rate` (label 1, verifier 0: what a hacked judge shows),
+  `judge/false_negative_rate`, `judge/malformed_rate`, `judge/verifier_success_rate`,
+  `judge/labelled` (trajectories judged) and `judge/generated_tokens` (the judge's decode cost),
+  over the whole batch (every process's rows).
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import jax.numpy as jnp
 
@@ -26,13 +27,10 @@ from turnsight_jax.chat.types import Task
 from turnsight_jax.judge.model import cached_judge
 from turnsight_jax.judge.settings import judge_settings
 from turnsight_jax.rl.advantages import grpo_advantages, register_advantage
-from turnsight_jax.rl.config import AlgoConfig
-from turnsight_jax.rl.methods import (METHODS, Method, RolloutContext, register_method, register_reward,
-                                      register_rollout, sampler_rollout)
-from turnsight_jax.rollout.driver import RolloutResult
 
 # The per-trajectory record the controller writes into Trajectory.metrics.
 LABEL, MALFORMED, TOKENS, VERIFIER = "judge_label", "judge_malformed", "judge_generated_tokens", "judge_verifier_success"
+ESTIMATOR = "judge_grpo"
 
 
 def record_judgments(trajs, judgments, verifier_threshold: float) -> None:
@@ -44,13 +42,15 @@ def record_judgments(trajs, judgments, verifier_threshold: float) -> None:
         traj.metrics[VERIFIER] = float(traj.reward >= verifier_threshold)
 
 
-def judged_rollout(ctx: RolloutContext, tasks, seed: int) -> RolloutResult:
-    """The sampler's rollouts, each judged by the `judge.checkpoint` model (loaded once)."""
+def judge_rollout(ctx, res, tasks: Sequence[Task]):
+    """Label the trajectories of `res` (a RolloutResult of `tasks`, ctx.group_size rows each) with
+    the `judge.checkpoint` model (loaded once per process); `ctx` is the controller's
+    RolloutContext, whose `run_config` holds the judge section. Returns `res`, its stats with
+    `judge_s` and `judge_tokens` added."""
     if ctx.run_config is None or "judge" not in ctx.run_config:
         raise ValueError("the 'judged' rollout controller needs the run config's judge section "
                          "(RolloutContext.run_config)")
     settings = judge_settings(ctx.run_config.judge, need_checkpoint=True)
-    res = sampler_rollout(ctx, tasks, seed)
     judge = cached_judge(settings, ctx.mesh)
     row_tasks = [t for t in tasks for _ in range(ctx.group_size)]
     before = judge.seconds
@@ -68,14 +68,40 @@ def _recorded(traj: Trajectory, key: str) -> float:
     return float(traj.metrics[key])
 
 
-def judge_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> float:
+def judge_reward(traj: Trajectory, task: Task, algo) -> float:
     """The judge's label, 0 or 1 (judge.default_label when its output was malformed)."""
     return _recorded(traj, LABEL)
 
 
-def judge_advantages(rewards, verifier, malformed, tokens, judged, group_ids, policy_mask, *, eps, num_groups):
+def verifier_success(traj: Trajectory, task: Task, algo) -> float:
+    """1.0 when the environment's reward reached judge.verifier_threshold (measured, not trained on)."""
+    return _recorded(traj, VERIFIER)
+
+
+def malformed(traj: Trajectory, task: Task, algo) -> float:
+    """1.0 when the judge's output was malformed (its label is then the default)."""
+    return _recorded(traj, MALFORMED)
+
+
+def generated_tokens(traj: Trajectory, task: Task, algo) -> float:
+    """The tokens the judge generated for this trajectory (its cost)."""
+    return _recorded(traj, TOKENS)
+
+
+def judged(traj: Trajectory, task: Task, algo) -> float:
+    """1.0 when the trajectory was judged (`judge/labelled` counts them)."""
+    return float(LABEL in traj.metrics)
+
+
+# (reward name, the batch array it fills, fn), registered in this order by rl.methods.
+REWARDS = (("judge", "rewards", judge_reward), ("judge_verifier", "judge_verifier", verifier_success),
+           ("judge_malformed", "judge_malformed", malformed), ("judge_tokens", "judge_tokens", generated_tokens),
+           ("judge_judged", "judge_judged", judged))
+
+
+def judge_advantages(rewards, verifier, malformed_, tokens, judged_, group_ids, policy_mask, *, eps, num_groups):
     """The registered "judge_grpo" estimator: rewards (the judge's labels), verifier (success
-    0/1), malformed (0/1), tokens (judge tokens generated), judged (1 per judged row), all [B]
+    0/1), malformed_ (0/1), tokens (judge tokens generated), judged_ (1 per judged row), all [B]
     float32; group_ids [B]; policy_mask [B, N] -> {"advantages" [B, N] (GRPO's on the labels),
     "judge/..." diagnostics (scalars)}."""
     label, ok = rewards > 0.5, verifier > 0.5
@@ -86,28 +112,10 @@ def judge_advantages(rewards, verifier, malformed, tokens, judged, group_ids, po
             "judge/false_positive_rate": mean(label & ~ok),
             "judge/false_negative_rate": mean(~label & ok),
             "judge/verifier_success_rate": mean(ok),
-            "judge/malformed_rate": mean(malformed > 0.5),
-            "judge/labelled": jnp.sum(judged),
+            "judge/malformed_rate": mean(malformed_ > 0.5),
+            "judge/labelled": jnp.sum(judged_),
             "judge/generated_tokens": jnp.sum(tokens)}
 
 
-def register() -> None:
-    """Register the controller, the rewards, the estimator and the method (once)."""
-    if "judge" in METHODS:
-        return
-    register_rollout("judged")(judged_rollout)
-    register_reward("judge", "rewards")(judge_reward)
-    register_reward("judge_verifier", "judge_verifier")(lambda traj, task, algo: _recorded(traj, VERIFIER))
-    register_reward("judge_malformed", "judge_malformed")(lambda traj, task, algo: _recorded(traj, MALFORMED))
-    register_reward("judge_tokens", "judge_tokens")(lambda traj, task, algo: _recorded(traj, TOKENS))
-    register_reward("judge_judged", "judge_judged")(lambda traj, task, algo: float(LABEL in traj.metrics))
-    register_advantage("judge_grpo", ("rewards", "judge_verifier", "judge_malformed", "judge_tokens", "judge_judged",
-                                      "group_ids", "policy_mask"), ("eps", "num_groups"))(judge_advantages)
-    register_method(Method("judge", advantage="judge_grpo",
-                           rewards=("judge", "judge_verifier", "judge_malformed", "judge_tokens", "judge_judged"),
-                           rollout="judged",
-                           description="OpenWebRL: a judge model's (rationale, 0/1) label as the reward, "
-                                       "group-normalised"))
-
-
-register()
+register_advantage(ESTIMATOR, tuple(out for _, out, _ in REWARDS) + ("group_ids", "policy_mask"),
+                   ("eps", "num_groups"))(judge_advantages)

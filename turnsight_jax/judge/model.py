@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from turnsight_jax.assets import default_tokenizer_dir
 from turnsight_jax.chat.tokenizer import check_vocab_fits, load_tokenizer
 from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.chat.types import Task
@@ -56,12 +57,11 @@ class Judge:
     def load(cls, settings: JudgeSettings, *, mesh=None, path: str | pathlib.Path | None = None) -> "Judge":
         """The judge of `settings.checkpoint` (or `path`): weights in settings.dtype, its folder's
         tokenizer when it has one, else the bundled Qwen3 tokenizer."""
-        from turnsight_jax.model_setup import tokenizer_folder
         from turnsight_jax.models.weights import load_pretrained
 
         folder = pathlib.Path(path or settings.checkpoint)
         model = load_pretrained(folder, dtype=DTYPES[settings.dtype], mesh=mesh)
-        tok = load_tokenizer(tokenizer_folder(None, folder))
+        tok = load_tokenizer(folder if (folder / "tokenizer.json").is_file() else default_tokenizer_dir())
         check_vocab_fits(tok, model.config.vocab_size)
         return cls(*nnx.split(model), tok, settings, mesh=mesh)
 

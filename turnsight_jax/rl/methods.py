@@ -29,6 +29,7 @@ import numpy as np
 from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
+from turnsight_jax.judge import method as judge  # the model-judged reward's pieces (registers judge_grpo)
 from turnsight_jax.rewards import matchtir_turn_rewards, token_f1, toolrl_reward
 from turnsight_jax.rl import critic as _critic  # noqa: F401  (registers PPO's GAE estimator)
 from turnsight_jax.rl import distill  # noqa: F401  (registers the self-distillation baselines)
@@ -139,6 +140,13 @@ def slim_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> Rollo
         raise ValueError("the 'slim' rollout controller needs the trainer's skill library as ctx.state "
                          f"(rl.slim.SkillLibrary), got {type(ctx.state).__name__}")
     return sampler_rollout(ctx, [with_skills(t, ctx.state) for t in tasks], seed)
+
+
+@register_rollout("judged")
+def judged_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
+    """The model-judged reward (judge.method, OpenWebRL): the default sampler's rollouts, each
+    labelled by the judge model of the run config's judge.* section (ctx.run_config)."""
+    return judge.judge_rollout(ctx, sampler_rollout(ctx, tasks, seed), tasks)
 
 
 # ---- rewards ----
@@ -307,6 +315,12 @@ register_method(Method("orchard", advantage="base", rewards=(), loss_terms=("cli
 # advantage (rl.base, GRPO by default) train on those rollouts.
 register_method(Method("slim", advantage="base", rewards=(), rollout="slim",
                        description="SLIM: a skill library in the prompt, audited by leave-one-out, retired and expanded"))
+# The model-judged reward (judge.method): the judge's label as GRPO's reward, agreement with the verifier reported.
+for _name, _output, _fn in judge.REWARDS:
+    register_reward(_name, _output)(_fn)
+register_method(Method("judge", advantage=judge.ESTIMATOR, rewards=tuple(r[0] for r in judge.REWARDS),
+                       rollout="judged",
+                       description="OpenWebRL: a judge model's (rationale, 0/1) label as the reward, group-normalised"))
 register_method(Method("turnsight", advantage="turnsight", rewards=(),
                        description="turn-level hindsight weighting of the base method's advantage"))
 # The self-distillation baselines of Table 1 (rl.distill, docs/baselines.md); their teachers
@@ -461,8 +475,3 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
                               f"outcome reward (\"rewards\") tells; no reward of [{', '.join(reward_names)}] fills it")
     return ResolvedMethod(m.name, ROLLOUTS[rollout_name], rewards, advantage, base, tuple(terms), m.teacher, critic,
                           prm)
-
-
-# The model-judged reward (OpenWebRL): its controller, rewards, estimator and method register
-# themselves from the names above (last, since that module imports this one).
-from turnsight_jax.judge import method as _judge_method  # noqa: E402,F401
