@@ -15,7 +15,8 @@ update's necessary FLOPs (turnsight_jax.flops, the counter the trainer logs), an
 (PPO: a trunk forward for V_old and a forward+backward of the value loss; "turnsight(ppo)" is
 TurnSight over PPO as its base; PiCA adds its step-PRM, a frozen-trunk forward and a head update),
 and the host seconds of the method's rewards on the batch (SRL's difflib similarities are all
-host-side: its step is GRPO's)."""
+host-side: its step is GRPO's). Orchard's teacher columns are its retrospective probe rows (the
+trajectory once plus one question per state, rl.orchard)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ from turnsight_jax.rl.step import init_aux, make_aux_optimizers, make_optimizer,
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 METHODS = ("grpo", "turnsight", "rlsd", "sdpo", "sdpo_advantage", "sdar", "sod", "ppo", "turnsight(ppo)", "pica", "srl",
-           "toolomni")
+           "toolomni", "orchard")
 
 
 def method_config(name: str):
@@ -117,11 +118,14 @@ def main():
                                   teacher_distinct_rows=stats.get("teacher_distinct_rows"),
                                   logprob_chunk=sc.logprob_chunk, score_chunk=sc.scoring_chunk,
                                   teacher_cfg=qcfg if external else None, critic=method.critic, prm=method.prm)
-        teacher = work.parts.get("teacher", (0.0, 0.0))[0]
+        teacher = work.parts.get("teacher", (0.0, 0.0))[0] + work.parts.get("retrospective", (0.0, 0.0))[0]
         critic = work.parts.get("critic", (0.0, 0.0))[0] + work.parts.get("prm", (0.0, 0.0))[0]
-        rows.append([name, sc.teacher.weights if method.needs_views else "-",
+        teacher_tokens = int(stats.get("view_tokens", 0))
+        if method.retrospective:
+            teacher_tokens += int((batch.probes.layout.segment_ids >= 0).sum())
+        rows.append([name, sc.teacher.weights if method.uses_teacher else "-",
                      sc.teacher.source if method.teacher == "privileged" and method.needs_views else "-",
-                     f"{walls[name]:.3f}", None, f"{int(stats.get('view_tokens', 0)):,}",
+                     f"{walls[name]:.3f}", None, f"{teacher_tokens:,}",
                      f"{teacher / max(work.necessary, 1.0):.0%}", f"{critic / max(work.necessary, 1.0):.0%}",
                      f"{host * 1e3:.1f}"])
         print(f"{name}: {walls[name]:.3f} s/step", file=sys.stderr)

@@ -100,7 +100,11 @@ def _fail_unexpected_skip(report) -> None:
 # *tests* first) put the few-test, heavy files (training runs, the notebook, the 8-device dry run)
 # last, where one worker ran them alone for ~45 s while the other core idled.
 HEAVIEST_FIRST = (
-    "test_docs.py", "test_rl_step.py", "test_train.py", "test_rl_step_pinned.py", "test_custom_method.py",
+    # the trainer runs on the shared warm-start: the first builds it (~100 s), the second file
+    # comes late enough to find it built
+    "test_baselines_train.py", "test_docs.py", "test_rl_step.py", "test_signal_train.py", "test_train.py",
+    "test_rl_distill_step.py", "test_rl_critic_step.py", "test_slim.py", "test_orchard.py", "test_judge.py",
+    "test_rl_packing.py", "test_rollout_engine.py", "test_rl_step_pinned.py", "test_custom_method.py",
     "test_models_qwen3.py", "test_sft.py", "test_eval_heldout.py", "test_rollout_sampler.py", "test_rl_views.py",
     "test_evaluate.py", "test_rl_turnsight_reference.py", "test_paper_configs.py", "test_notebook.py",
     "test_rl_advantages.py", "test_rl_advantages_properties.py", "test_rl_logprobs.py", "test_chat_parsing.py",
@@ -142,6 +146,27 @@ def hf_tok(qwen3_tokenizer_dir):
     return AutoTokenizer.from_pretrained(qwen3_tokenizer_dir)
 
 
+# The trainer runs' shared warm-start (tests/_train_runs.py), one per test run like the cache.
+WARM_START_ROOT = pathlib.Path(tempfile.gettempdir()) / f"turnsight-jax-test-warm-start-{_RUN_ID}"
+
+
+@pytest.fixture(scope="session")
+def warm_start() -> pathlib.Path:
+    """The supervised warm-start the trainer-run tests start from (tests/_train_runs.py), built
+    once per test run: the first xdist worker to ask builds it under an exclusive lock, and the
+    other, asking later, reuses it."""
+    import fcntl
+
+    from _train_runs import build_warm_start
+
+    WARM_START_ROOT.mkdir(parents=True, exist_ok=True)
+    with open(WARM_START_ROOT / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = WARM_START_ROOT / "sft" / "SFT_DONE"
+        return done.parent if done.exists() else build_warm_start(WARM_START_ROOT)
+
+
 def pytest_sessionfinish(session, exitstatus):
     if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist)
         shutil.rmtree(JAX_CACHE, ignore_errors=True)
+        shutil.rmtree(WARM_START_ROOT, ignore_errors=True)
