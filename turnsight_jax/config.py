@@ -697,10 +697,10 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
                           "rl.student_sees_observations=False masks them out of the context it reads")
     # The rewards' inputs must exist for the training tasks (e.g. MatchTIR's gold calls).
     stages = [(sc, method)] + ([] if (later := second_stage(cfg, sc, method)) is None else [later[1:]])
-    if "judge" in cfg:  # the judge's keys; its checkpoint must exist when a stage judges (rl.method=judge)
+    if "judge" in cfg:  # the judge's keys; its folder must exist when a stage judges (not for a dry run's plan)
         from turnsight_jax.judge.settings import judge_settings
 
-        judge_settings(cfg.judge, need_checkpoint=any(m.rollout.name == "judged" for _, m in stages))
+        judge_settings(cfg.judge, need_checkpoint=check_data and any(m.rollout.name == "judged" for _, m in stages))
     if any(m.rollout.name == "slim" for _, m in stages):  # SLIM's keys, and its writer's vocabulary
         scfg = slim_config(cfg)
         if scfg.writer and check_data:
