@@ -705,7 +705,7 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
         scfg = slim_config(cfg)
         if scfg.writer and check_data:
             from turnsight_jax.models.config import Qwen3Config, get_preset
-            from turnsight_jax.rl.slim_runner import check_writer
+            from turnsight_jax.rl.slim import check_writer
 
             try:
                 policy = Qwen3Config.from_pretrained(cfg.model.hf_path) if cfg.model.hf_path else get_preset(cfg.model.preset)

@@ -29,6 +29,8 @@ import pathlib
 import sys
 from typing import Callable, Sequence
 
+from turnsight_jax.rl import slim_report
+
 FIG_SIZE = (8.0, 4.5)  # inches
 DPI = 100  # -> 800 x 450 pixels
 
@@ -238,6 +240,18 @@ def plot_optimization(m: Metrics, path: pathlib.Path) -> None:
     _save(fig, path)
 
 
+def plot_slim(m: Metrics, path: pathlib.Path) -> None:
+    """SLIM's library counters and its audits (rl.slim_report: drawn only for a SLIM run)."""
+    fig, ax = _figure(1, 2)
+    for key in slim_report.COUNTER_KEYS:
+        _line(ax[0, 0], m, key, key.split("/", 1)[1], marker=".")
+    _finish(ax[0, 0], "Skill library", "skills")
+    _line(ax[0, 1], m, "slim/audit_eval", "Eval(S)", marker=".")
+    _line(ax[0, 1], m, "slim/delta_mean", "mean Δ", marker=".")
+    _finish(ax[0, 1], "Audits", "reward")
+    _save(fig, path)
+
+
 PLOTS: tuple[tuple[str, Sequence[str], Callable], ...] = (
     ("reward.png", ("rollout/reward_mean",), plot_reward),
     ("solve.png", SOLVE_KEYS, plot_solve),
@@ -277,10 +291,11 @@ def make_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None 
         plot(metrics, out / name)
         files.append(out / name)
         log(f"wrote {out / name}")
-    from turnsight_jax.rl.slim_report import slim_section  # a SLIM run's skill library (slim_library.json)
-
-    slim_files, slim_lines = slim_section(run_dir, metrics, out, log)
-    files += slim_files
+    slim_lines = slim_report.slim_section(run_dir) or []  # a SLIM run's skill library (slim_library.json)
+    if slim_lines and any(metrics.has(k) for k in slim_report.COUNTER_KEYS):
+        plot_slim(metrics, out / slim_report.PLOT)
+        files.append(out / slim_report.PLOT)
+        log(f"wrote {out / slim_report.PLOT}")
     for note in notes:
         log(f"note: {note}")
     index = [f"# Training report: {run_dir.name}", "",

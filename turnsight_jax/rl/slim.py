@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import pathlib
 from typing import Any, Mapping, Sequence
 
 from turnsight_jax.errors import ConfigError
@@ -279,3 +280,22 @@ def from_json(text: str, *, where: str = "skill library") -> SkillLibrary:
                             int(raw["next_id"]))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{where}: not a SLIM skill library ({e})") from None
+
+
+def check_writer(scfg: SlimConfig, vocab_size: int) -> None:
+    """A `slim.writer` folder must be a Hugging Face Qwen3 folder with the policy's vocabulary
+    (the writer reads and writes the policy's token ids); ConfigError otherwise."""
+    if not scfg.writer:
+        return
+    from turnsight_jax.models.config import Qwen3Config
+
+    if not (pathlib.Path(scfg.writer) / "config.json").is_file():
+        raise ConfigError(f"slim.writer={scfg.writer!r} is not a Hugging Face Qwen3 folder (no config.json); "
+                          f"\"\" writes skills with the current policy")
+    try:
+        writer = Qwen3Config.from_pretrained(scfg.writer)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"slim.writer={scfg.writer!r}: {e}") from None
+    if writer.vocab_size != vocab_size:
+        raise ConfigError(f"slim.writer={scfg.writer!r} has a {writer.vocab_size}-id vocabulary, the policy "
+                          f"{vocab_size}: the writer must share the policy's tokenizer")

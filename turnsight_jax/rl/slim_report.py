@@ -1,14 +1,12 @@
 """The report's SLIM section (`python -m turnsight_jax.report RUN_DIR`): for a run folder holding
-`slim_library.json` (rl.slim_runner writes it after every audit), a plot of the library's
-counters and a markdown section: every skill with its status, task type, EMA of Δ, exposures
+`slim_library.json` (rl.slim_runner writes it after every audit) a markdown section (the report
+adds a plot of the library's counters, PLOT): every skill with its status, task type, EMA of Δ, exposures
 and text, then the history of adds, retirements and failed expansions, and the audits' Eval(S).
 Runs of other methods get nothing (no file, no note)."""
 
 from __future__ import annotations
 
 import pathlib
-from typing import Callable
-
 from turnsight_jax.rl import slim
 
 PLOT = "slim.png"
@@ -55,28 +53,14 @@ def markdown(library: slim.SkillLibrary) -> list[str]:
     return lines
 
 
-def slim_section(run_dir: pathlib.Path, metrics, out: pathlib.Path, log: Callable[[str], None]
-                 ) -> tuple[list[pathlib.Path], list[str]]:
-    """(plots written, markdown lines) for a SLIM run; ([], []) for any other run."""
+def slim_section(run_dir: pathlib.Path) -> list[str] | None:
+    """The markdown lines of a SLIM run's library section; None for any other run (no
+    slim_library.json). The report (turnsight_jax.report) draws the counters' plot itself."""
     path = pathlib.Path(run_dir) / "slim_library.json"
     if not path.is_file():
-        return [], []
+        return None
     try:
         library = slim.from_json(path.read_text(encoding="utf-8"), where=str(path))
     except ValueError as e:
-        return [], ["", "## Skill library (SLIM)", "", f"unreadable: {e}"]
-    files = []
-    if any(metrics.has(k) for k in COUNTER_KEYS):
-        from turnsight_jax.report import _figure, _finish, _line, _save  # the report's plot helpers
-
-        fig, ax = _figure(1, 2)
-        for key in COUNTER_KEYS:
-            _line(ax[0, 0], metrics, key, key.split("/", 1)[1], marker=".")
-        _finish(ax[0, 0], "Skill library", "skills")
-        _line(ax[0, 1], metrics, "slim/audit_eval", "Eval(S)", marker=".")
-        _line(ax[0, 1], metrics, "slim/delta_mean", "mean Δ", marker=".")
-        _finish(ax[0, 1], "Audits", "reward")
-        _save(fig, out / PLOT)
-        files.append(out / PLOT)
-        log(f"wrote {out / PLOT}")
-    return files, [""] + markdown(library)
+        return ["", "## Skill library (SLIM)", "", f"unreadable: {e}"]
+    return [""] + markdown(library)

@@ -44,7 +44,7 @@ from turnsight_jax.chat.privileged import default_skills_path, load_skills
 from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.rl import slim, slim_text
-from turnsight_jax.rl.slim import SkillLibrary, SlimConfig
+from turnsight_jax.rl.slim import SkillLibrary, SlimConfig, check_writer
 
 LIBRARY_FILE = "slim_library.json"  # in each checkpoint step folder, and the latest in the run folder
 VALIDATION_SEED_OFFSET = 2  # built-in validation tasks: seed 2*seed + 2 (training 2*seed, held-out 2*seed + 1)
@@ -87,25 +87,6 @@ def initial_texts(scfg: SlimConfig) -> dict[str, str]:
         return load_skills(path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"slim.initial: {e}") from None
-
-
-def check_writer(scfg: SlimConfig, vocab_size: int) -> None:
-    """A `slim.writer` folder must be a Hugging Face Qwen3 folder with the policy's vocabulary
-    (the writer reads and writes the policy's token ids); ConfigError otherwise."""
-    if not scfg.writer:
-        return
-    from turnsight_jax.models.config import Qwen3Config
-
-    if not (pathlib.Path(scfg.writer) / "config.json").is_file():
-        raise ConfigError(f"slim.writer={scfg.writer!r} is not a Hugging Face Qwen3 folder (no config.json); "
-                          f"\"\" writes skills with the current policy")
-    try:
-        writer = Qwen3Config.from_pretrained(scfg.writer)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"slim.writer={scfg.writer!r}: {e}") from None
-    if writer.vocab_size != vocab_size:
-        raise ConfigError(f"slim.writer={scfg.writer!r} has a {writer.vocab_size}-id vocabulary, the policy "
-                          f"{vocab_size}: the writer must share the policy's tokenizer")
 
 
 @dataclasses.dataclass
