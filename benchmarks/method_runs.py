@@ -1,0 +1,95 @@
+"""Methods whose cost lies outside the train step (SLIM's audits and skill writing, the model
+judge's decoding), against GRPO, as whole trainer steps: `python -m turnsight_jax.train` runs of
+each method's tiny config at the same sizes, from the same random tiny-default policy.
+
+    python benchmarks/method_runs.py [--steps 4] [--methods grpo,slim,judge]
+
+Each run: 2 prompts x 4 samples per step, no warm-start, no held-out evaluation. The per-step
+cost is perf/step_s (rollout + update) plus slim/audit_s (SLIM's leave-one-out audit and its
+writer run after the step, outside perf/step_s), the median over the steps after the first (the
+first compiles). The judge is a random tiny-default model written to a folder here: it never
+closes its output, so it decodes its full `judge.max_new_tokens` (48 in the tiny config) for
+every trajectory, the worst case. Prints a table with the ratio to GRPO's step."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from common import machine, table  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SIZES = ["--config.model.allow_random_init=True", "--config.sft.steps=0", "--config.sft.curriculum_steps=0",
+         "--config.data.num_eval=0", "--config.train.prompts_per_step=2", "--config.train.group_size=4",
+         "--config.checkpoint.every=0", "--config.log.tensorboard=False", "--config.checkpoint.export_at_end=False"]
+
+
+def random_judge(folder: pathlib.Path) -> pathlib.Path:
+    """A random tiny-default Qwen3 as a Hugging Face folder with the bundled tokenizer."""
+    import shutil
+
+    from turnsight_jax.assets import default_tokenizer_dir
+    from turnsight_jax.models.config import get_preset
+    from turnsight_jax.models.qwen3 import init_model
+    from turnsight_jax.models.weights import save_pretrained
+
+    save_pretrained(init_model(get_preset("tiny-default"), seed=7), folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(default_tokenizer_dir() / name, folder / name)
+    return folder
+
+
+def run(method: str, workdir: pathlib.Path, steps: int, judge: pathlib.Path) -> list[dict]:
+    config = [] if method == "grpo" else ["--config", str(REPO / "configs" / "methods" / f"{method}.py")]
+    more = ["--config.rl.method=grpo"] if method == "grpo" else []
+    if method == "judge":
+        more.append(f"--config.judge.checkpoint={judge}")
+    args = [sys.executable, "-m", "turnsight_jax.train", *config, "--workdir", str(workdir), *SIZES,
+            f"--config.train.steps={steps}", *more]
+    proc = subprocess.run(args, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{method}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--methods", default="grpo,slim,judge")
+    args = ap.parse_args()
+    names = args.methods.split(",")
+    if "grpo" not in names:
+        names.insert(0, "grpo")
+    rows, cost = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        judge = random_judge(pathlib.Path(tmp) / "judge_model") if "judge" in names else pathlib.Path(tmp)
+        for name in names:
+            recs = run(name, pathlib.Path(tmp) / name, args.steps, judge)[1:]
+            step = statistics.median(r["perf/step_s"] for r in recs)
+            audit = statistics.median(r.get("slim/audit_s", 0.0) for r in recs)
+            rollout = statistics.median(r["perf/rollout_s"] for r in recs)
+            cost[name] = step + audit
+            extra = ""
+            if name == "judge":
+                extra = f"{statistics.median(r['judge/generated_tokens'] for r in recs):.0f} judge tokens"
+            elif name == "slim":
+                extra = f"{recs[-1]['slim/library_size']:.0f} skills"
+            rows.append([name, f"{rollout:.2f}", f"{step - rollout:.2f}", f"{audit:.2f}", f"{cost[name]:.2f}", None,
+                         extra])
+            print(f"{name}: {cost[name]:.2f} s/step", file=sys.stderr)
+    for r in rows:
+        r[5] = f"{cost[r[0]] / cost['grpo']:.2f}"
+    print(f"# whole trainer steps per method ({args.steps} steps, median after the first), {machine()}")
+    print(table(rows, ["method", "rollout s", "update s", "audit + writer s", "s/step", "vs GRPO", "note"]))
+
+
+if __name__ == "__main__":
+    main()
