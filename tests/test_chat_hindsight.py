@@ -200,3 +200,45 @@ def test_piecewise_equals_whole_for_arbitrary_results(tok, r0, r1, gold):
     open_t, items_t, close_t, _ = hindsight_texts(tr, 0, source="tool_results_answer", gold_answer=gold)
     for d in (1, 2, 3):
         assert p.message_ids(d) == encode(tok, open_t + "".join(items_t[:d]) + close_t)
+
+
+@pytest.mark.parametrize("source", ["tool_results", "tool_results_answer", "answer"])
+def test_equal_length_blocks(tok, traj, source):
+    """rl.hindsight_budget: every non-empty message is exactly `budget` tokens for every source and
+    depth; the content's head is kept (deeper messages extend shallower ones), the rest is the
+    tiled filler; the markup and the answer are never cut; empty blocks stay empty."""
+    answer = "Sunny, cloudy, snow"
+    kw = dict(max_depth=3, source=source, gold_answer=None if source == "tool_results" else answer)
+    dot = encode(tok, ".\n")
+    assert len(dot) == 1  # the default filler is one token
+    for budget in (40, 70, 200):  # cuts the deep messages, cuts some, pads all
+        for k in range(traj.num_turns):
+            plain = hindsight_pieces(tok, traj, k, **kw)
+            fitted = hindsight_pieces(tok, traj, k, budget=budget, **kw)
+            if plain.is_empty:
+                assert fitted.message_ids(1) == []
+                continue
+            msgs = [fitted.message_ids(d) for d in (1, 2, 3)]
+            assert [len(m) for m in msgs] == [budget] * 3
+            markup = len(plain.open_ids) + len(plain.close_ids)
+            for d, msg in zip((1, 2, 3), msgs):
+                full = plain.message_ids(d)
+                content = full[len(plain.open_ids):len(full) - len(plain.close_ids)]
+                assert msg[:len(plain.open_ids)] == plain.open_ids and msg[len(msg) - len(plain.close_ids):] == plain.close_ids
+                shown = msg[len(plain.open_ids):budget - len(plain.close_ids)]
+                n = min(len(content), budget - markup)
+                assert shown[:n] == content[:n] and shown[n:] == dot * (budget - markup - n)
+            # prefix consistency: the kept content of depth d is a prefix of depth d+1's
+            kept = [fitted.kept(min(d, fitted.num_items)) for d in (1, 2, 3)]
+            assert kept == sorted(kept) and all(msgs[0][:len(plain.open_ids) + kept[0]] == m[:len(plain.open_ids) + kept[0]]
+                                                for m in msgs)
+    # padding only: the padded message is what the tokenizer makes of its text
+    fitted = hindsight_pieces(tok, traj, 1, budget=200, **kw)
+    assert encode(tok, tok.decode(fitted.message_ids(2))) == fitted.message_ids(2)
+    # the answer and the markup are never cut
+    with pytest.raises(ValueError, match=r"rl.hindsight_budget=5: turn 0's hindsight message needs \d+ tokens"):
+        hindsight_pieces(tok, traj, 0, budget=5, **kw)
+    # the teacher's plain view carries the fitted message
+    view = teacher_view_ids(tok, traj, 0, 2, budget=70, **kw)
+    assert view == ([int(x) for x in traj.tokens[:traj.turns[0].header_start]] + hindsight_ids(tok, traj, 0, 2, budget=70, **kw)
+                    + [int(x) for x in traj.tokens[traj.turns[0].header_start:traj.turns[0].policy_end]])

@@ -12,6 +12,7 @@ import pytest
 
 from turnsight_jax.chat.privileged import (PrivilegedTemplate, choose_sibling, default_skills_path, load_skills,
                                            privileged_blocks, privileged_texts)
+from turnsight_jax.chat.tokenizer import encode
 from turnsight_jax.envs.ftrl import FTRLEnv
 from turnsight_jax.envs.synthetic import SYNTHETIC_CATEGORIES, SyntheticConfig, generate_task, gold_turn_texts
 from turnsight_jax.models.attention import Layout
@@ -91,14 +92,29 @@ def _score_plain(model, cases, rows=8, top_k=0):
     return out
 
 
-@pytest.mark.parametrize("source,placement", [
-    ("gold_answer", "prompt"), ("gold_answer", "turn"), ("sibling", "prompt"), ("sibling", "turn"),
-    ("feedback", "prompt"), ("feedback", "turn"), ("skill", "prompt"), ("skill", "turn"),
+@pytest.mark.parametrize("source,placement,budget", [
+    ("gold_answer", "prompt", 0), ("gold_answer", "turn", 0), ("sibling", "prompt", 0), ("sibling", "turn", 0),
+    ("feedback", "prompt", 0), ("feedback", "turn", 0), ("skill", "prompt", 0), ("skill", "turn", 0),
+    # the equal-length control (teacher.block_budget): short blocks padded with the filler, long ones cut
+    ("feedback", "turn", 30),
 ])
-def test_packed_privileged_views_equal_plain_sequences(tok, trajectories, model, source, placement):
+def test_packed_privileged_views_equal_plain_sequences(tok, trajectories, model, source, placement, budget):
     tasks, trajs, rewards = trajectories
     skills = load_skills(default_skills_path())
-    blocks = privileged_blocks(trajs, tasks, tok, source=source, placement=placement, skills=skills, rewards=rewards)
+    blocks = privileged_blocks(trajs, tasks, tok, source=source, placement=placement, skills=skills, rewards=rewards,
+                               budget=budget)
+    if budget:
+        flat = [x for blk in blocks for x in (blk if placement == "turn" else [blk]) if x is not None]
+        plain = [x for blk in privileged_blocks(trajs, tasks, tok, source=source, placement=placement, rewards=rewards)
+                 for x in (blk if placement == "turn" else [blk]) if x is not None]
+        assert {len(x) for x in flat} == {budget}
+        assert min(map(len, plain)) < budget < max(map(len, plain))  # both padded and cut blocks
+        o, c = (len(encode(tok, x)) for x in (PrivilegedTemplate().message_open, PrivilegedTemplate().message_close))
+        for fitted, full in zip(flat, plain):  # the markup kept, the content's head, then the filler
+            content, shown = full[o:-c], fitted[o:-c]
+            n = min(len(content), budget - o - c)
+            assert fitted[:o] == full[:o] and fitted[-c:] == full[-c:]
+            assert shown[:n] == content[:n] and shown[n:] == encode(tok, ".\n") * (budget - o - c - n)
     views, stats = build_privileged_views(trajs, tok, blocks, placement=placement, with_reference=True)
     top_k = TOP_K if (source, placement) == ("gold_answer", "prompt") else 0
     got = jax.jit(lambda v: teacher_logprobs(model, v, chunk=64, top_k=top_k), compiler_options=OPTIMIZED)(

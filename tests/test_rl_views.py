@@ -49,6 +49,9 @@ def trajectories(tok):
     ViewOptions(),
     ViewOptions(source="tool_results_answer", turns="last:2"),
     ViewOptions(source="answer", depths=(2,), turns="first:1"),  # answer-only source, one depth, first turn
+    # the equal-length control (rl.hindsight_budget): blocks cut to their head or padded with the filler
+    ViewOptions(budget=60),
+    ViewOptions(source="tool_results_answer", depths=(1, 3), budget=48, filler="(none)\n"),
 ])
 def test_packed_views_equal_plain_sequences(tok, trajectories, options):
     tasks, trajs = trajectories
@@ -68,7 +71,8 @@ def test_packed_views_equal_plain_sequences(tok, trajectories, options):
             for di, d in enumerate(options.depths):
                 if k in covered:
                     seq = teacher_view_ids(tok, traj, k, d, max_depth=max(options.depths), source=options.source,
-                                           gold_answer=answers[b], template=options.template)
+                                           gold_answer=answers[b], template=options.template, budget=options.budget,
+                                           filler=options.filler)
                 else:  # outside coverage the teacher reads the student's own context
                     seq = [int(x) for x in traj.tokens[: turn.policy_end]]
                 cases.append((b, k, di, seq, turn.policy_end - turn.policy_start))
@@ -101,6 +105,9 @@ def test_packed_views_equal_plain_sequences(tok, trajectories, options):
         checked += n
     assert checked > 100
     assert stats["view_tokens"] > stats["trajectory_tokens"]
+    if options.budget:  # every distinct message is exactly the budget; some were cut, some padded
+        assert stats["hindsight_block_tokens"] == options.budget * stats["hindsight_blocks"]
+        assert 0 < stats["hindsight_blocks_cut"] < stats["hindsight_blocks"]
 
 
 def test_depths_share_trunk_and_dedupe(tok, trajectories):

@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import ml_collections as mlc
 
+from turnsight_jax.chat.budget import DEFAULT_FILLER
 from turnsight_jax.chat.hindsight_template import HindsightTemplate
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.rl.config import (AlgoConfig, CriticConfig, LossConfig, OptimConfig, PRMConfig, StepConfig,
@@ -127,6 +128,9 @@ def base_config() -> mlc.ConfigDict:
     c.rl.hindsight_template.call = _HINDSIGHT.call  # one call: {call} (its JSON, or a malformed call's raw text)
     c.rl.hindsight_template.result = _HINDSIGHT.result  # one tool result: {result}
     c.rl.hindsight_template.message_close = _HINDSIGHT.message_close  # closes the message (no fields)
+    # The equal-length control (chat.budget): compare hindsight sources at one block length (paper silent).
+    c.rl.hindsight_budget = 0  # every non-empty hindsight message exactly this many tokens (content cut to its head, or padded); 0: off
+    c.rl.hindsight_filler = DEFAULT_FILLER  # the text that pads a message to the budget, tiled token by token (".\n": a line holding a period)
     c.rl.student_sees_observations = True  # False: observation tokens masked out of the student's training forward (released code)
     c.rl.matchtir_matching = "assignment"  # MatchTIR call matching: greedy (the released code's) | assignment (optimal) | transport (Sinkhorn)
     c.rl.matchtir_semantics = "clean"  # MatchTIR reward conventions: clean | released (quchangle1/MatchTIR's code; turnsight_jax/rewards.py)
@@ -160,6 +164,8 @@ def base_config() -> mlc.ConfigDict:
     c.teacher.skills = ""  # source=skill: JSON file {task category: skill text}; "": the bundled skills
     c.teacher.sibling_min_reward = 1.0  # source=sibling: a sibling rollout counts as successful at this reward or above
     c.teacher.top_k = 20  # teacher tokens the top-K KL (SDPO, SOD) is computed on
+    c.teacher.block_budget = 0  # every privileged block exactly this many tokens (content cut to its head, or padded); 0: off
+    c.teacher.block_filler = DEFAULT_FILLER  # the text that pads a privileged block to the budget
 
     c.slim = mlc.ConfigDict()  # SLIM's skill library (rl.method=slim; turnsight_jax.rl.slim, docs/signal_methods.md)
     c.slim.initial = "builtin"  # the starting skills: builtin (the bundled skills file) | "" (none) | a JSON file {task type or "default": text}
@@ -534,6 +540,7 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
                         depths=tuple(int(d) for d in r.depths), source=r.source, norm_pool=r.norm_pool,
                         uncovered_in_stats=r.uncovered_in_stats,
                         hindsight_template=hindsight_template(r.hindsight_template),
+                        hindsight_budget=r.hindsight_budget, hindsight_filler=r.hindsight_filler,
                         student_sees_observations=r.student_sees_observations,
                         matchtir_matching=r.matchtir_matching, matchtir_semantics=r.matchtir_semantics,
                         matchtir_singleton=r.matchtir_singleton, toolrl_format=r.toolrl_format,
@@ -543,7 +550,8 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
                         orchard_rise=r.orchard_rise, orchard_success=r.orchard_success, args=args),
         teacher=TeacherConfig(weights=te.weights, ema_decay=te.ema_decay, checkpoint=te.checkpoint,
                               source=te.source, placement=te.placement, skills=te.skills,
-                              sibling_min_reward=te.sibling_min_reward, top_k=te.top_k),
+                              sibling_min_reward=te.sibling_min_reward, top_k=te.top_k,
+                              block_budget=te.block_budget, block_filler=te.block_filler),
         loss=LossConfig(clip_eps=l.clip_eps, clip_eps_high=l.clip_eps_high, clip_ratio_c=l.clip_ratio_c,
                         entropy_coef=l.entropy_coef, kl_coef=l.kl_coef,
                         kl_estimator=l.kl_estimator, kl_clip=l.kl_clip, aggregation=l.aggregation,

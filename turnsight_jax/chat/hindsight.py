@@ -34,6 +34,12 @@ check this with the fixture tokenizer. Custom templates should keep that propert
 Empty block: with source "tool_results", when every item of turn k has no calls and no results
 (e.g. the final answer turn) the block is empty: ``is_empty`` is True, all pieces are empty and the
 teacher's view is the student's own context (no message inserted).
+
+Equal length (``budget`` > 0, `rl.hindsight_budget`; chat.budget): every non-empty message is
+exactly ``budget`` tokens, ``open_ids + content[:kept(m)] + padding(m) + close_ids`` where
+content is the concatenation of the items: the head of the content is kept (a deeper message's
+kept content extends a shallower one's, so the depths still share one trunk) and the rest of
+the room is the tiled filler.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from turnsight_jax.chat import budget as budget_lib
 from turnsight_jax.chat import tokenizer as tok_lib
 from turnsight_jax.chat.parsing import render_tool_call
 from turnsight_jax.chat.trajectory import Trajectory, TurnRecord
@@ -57,6 +64,8 @@ class HindsightPieces:
     open_ids: message opening (+ gold answer). item_ids[j]: turn k+j's calls and results,
     j < min(max_depth, K-k). close_ids: message closing. header_ids: turn k's assistant header,
     copied from the trajectory. is_empty: the block has no content (all pieces empty).
+    budget: every non-empty message's length in tokens (0: its own length); filler_ids: the
+    filler unit that pads a message to the budget (chat.budget).
     """
 
     open_ids: list[int]
@@ -64,10 +73,25 @@ class HindsightPieces:
     close_ids: list[int]
     header_ids: list[int]
     is_empty: bool = False
+    budget: int = 0
+    filler_ids: tuple[int, ...] = ()
 
     @property
     def num_items(self) -> int:
         return len(self.item_ids)
+
+    def kept(self, m: int) -> int:
+        """Content tokens of the m-item message that are shown (all of them without a budget; the
+        head of them, at most the room between the markup, with one)."""
+        n = sum(len(item) for item in self.item_ids[:m])
+        return n if not self.budget else min(n, self.budget - len(self.open_ids) - len(self.close_ids))
+
+    def padding(self, m: int) -> list[int]:
+        """The filler after the m-item message's content (empty without a budget)."""
+        if not self.budget:
+            return []
+        return budget_lib.padding(self.budget - len(self.open_ids) - len(self.close_ids) - self.kept(m),
+                                  self.filler_ids)
 
     def message_ids(self, depth: int) -> list[int]:
         """The depth-d hindsight message (d >= 1, clipped to the number of items)."""
@@ -75,11 +99,9 @@ class HindsightPieces:
             raise ValueError(f"hindsight depth must be >= 1, got {depth}")
         if self.is_empty:
             return []
-        ids = list(self.open_ids)
-        for item in self.item_ids[: min(depth, self.num_items)]:
-            ids.extend(item)
-        ids.extend(self.close_ids)
-        return ids
+        m = min(depth, self.num_items)
+        content = [t for item in self.item_ids[:m] for t in item]
+        return list(self.open_ids) + content[: self.kept(m)] + self.padding(m) + list(self.close_ids)
 
 
 def _call_text(call: ToolCall | CallError) -> str:
@@ -142,19 +164,24 @@ def hindsight_pieces(
     source: str = "tool_results",
     gold_answer: str | None = None,
     template: HindsightTemplate = HindsightTemplate(),
+    budget: int = 0,
+    filler: str = budget_lib.DEFAULT_FILLER,
 ) -> HindsightPieces:
     """Tokenised hindsight pieces of turn k (0-based) of ``traj``; each piece is tokenised alone.
 
     Args:
       source: "tool_results" (default), "tool_results_answer" or "answer" (docs/spec.md §1.10 ablations).
       gold_answer: required for the sources with the answer.
+      budget: every non-empty message exactly this many tokens (0: off; rl.hindsight_budget),
+        padded with `filler` (rl.hindsight_filler) or its content cut (chat.budget). ValueError
+        when the markup (with the gold answer) alone is longer.
     """
     open_text, items, close_text, is_empty = hindsight_texts(
         traj, k, max_depth=max_depth, source=source, gold_answer=gold_answer, template=template
     )
     turn = traj.turns[k]
     header_ids = [int(x) for x in traj.tokens[turn.header_start : turn.policy_start]]
-    return HindsightPieces(
+    pieces = HindsightPieces(
         open_ids=tok_lib.encode(tokenizer, open_text) if open_text else [],
         # items quote tool results (untrusted): a spelled control token stays text, as in the rollout
         item_ids=[tok_lib.encode_plain(tokenizer, t) if t else [] for t in items],
@@ -162,6 +189,16 @@ def hindsight_pieces(
         header_ids=header_ids,
         is_empty=is_empty,
     )
+    if budget < 0:
+        raise ValueError(f"rl.hindsight_budget must be >= 0 (0: off), got {budget}")
+    if not budget or is_empty:
+        return pieces
+    markup = len(pieces.open_ids) + len(pieces.close_ids)
+    if markup > budget:
+        raise ValueError(f"rl.hindsight_budget={budget}: turn {k}'s hindsight message needs {markup} tokens for its "
+                         f"markup{'' if source == 'tool_results' else ' and the gold answer'} alone (task "
+                         f"{traj.task_id!r}); raise the budget")
+    return dataclasses.replace(pieces, budget=budget, filler_ids=tuple(budget_lib.filler_ids(tokenizer, filler)))
 
 
 def hindsight_ids(
@@ -174,12 +211,15 @@ def hindsight_ids(
     source: str = "tool_results",
     gold_answer: str | None = None,
     template: HindsightTemplate = HindsightTemplate(),
+    budget: int = 0,
+    filler: str = budget_lib.DEFAULT_FILLER,
 ) -> list[int]:
     """The whole depth-d hindsight message of turn k (empty for an empty block)."""
     if not 1 <= d <= max_depth:
         raise ValueError(f"depth {d} outside 1..{max_depth}")
     pieces = hindsight_pieces(
-        tokenizer, traj, k, max_depth=max_depth, source=source, gold_answer=gold_answer, template=template
+        tokenizer, traj, k, max_depth=max_depth, source=source, gold_answer=gold_answer, template=template,
+        budget=budget, filler=filler,
     )
     return pieces.message_ids(d)
 

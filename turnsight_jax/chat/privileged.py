@@ -29,6 +29,7 @@ import json
 import pathlib
 from typing import Any, Sequence
 
+from turnsight_jax.chat import budget as budget_lib
 from turnsight_jax.chat import tokenizer as tok_lib
 from turnsight_jax.chat.parsing import render_tool_call
 from turnsight_jax.chat.trajectory import Trajectory
@@ -163,19 +164,30 @@ def privileged_texts(trajs: Sequence[Trajectory], tasks: Sequence[Task], *, sour
 def privileged_blocks(trajs: Sequence[Trajectory], tasks: Sequence[Task], tokenizer: Any, *, source: str,
                       placement: str, template: PrivilegedTemplate = PrivilegedTemplate(),
                       skills: dict[str, str] | None = None, rewards: Sequence[float] | None = None,
-                      group_ids: Sequence[int] | None = None, min_reward: float = 1.0) -> list:
+                      group_ids: Sequence[int] | None = None, min_reward: float = 1.0, budget: int = 0,
+                      filler: str = budget_lib.DEFAULT_FILLER) -> list:
     """privileged_texts as token ids: per trajectory a list of ids or None ("prompt"), or one such
     entry per turn ("turn"). The markup is encoded with its special tokens, the content as plain
-    text."""
+    text. budget > 0 (teacher.block_budget): every block exactly that many tokens, its content
+    cut to its head or padded with the tiled `filler` (chat.budget)."""
     open_ids = tok_lib.encode(tokenizer, template.message_open)
     close_ids = tok_lib.encode(tokenizer, template.message_close)
+    if budget < 0:
+        raise ValueError(f"teacher.block_budget must be >= 0 (0: off), got {budget}")
+    if budget and len(open_ids) + len(close_ids) > budget:
+        raise ValueError(f"teacher.block_budget={budget}: the privileged block's markup alone has "
+                         f"{len(open_ids) + len(close_ids)} tokens; raise the budget")
+    pad = budget_lib.filler_ids(tokenizer, filler) if budget else []
     cache: dict[str, list[int]] = {}
 
     def ids(text):
         if text is None:
             return None
         if text not in cache:
-            cache[text] = open_ids + tok_lib.encode_plain(tokenizer, text) + close_ids
+            content = tok_lib.encode_plain(tokenizer, text)
+            if budget:
+                content = budget_lib.fit(content, budget - len(open_ids) - len(close_ids), pad)
+            cache[text] = open_ids + content + close_ids
         return cache[text]
 
     texts = privileged_texts(trajs, tasks, source=source, placement=placement, template=template, skills=skills,

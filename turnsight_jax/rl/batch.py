@@ -271,7 +271,8 @@ def make_train_batch(
             blocks = None if te.source == "none" else privileged_blocks(
                 trajs, tasks, tokenizer, source=te.source, placement=te.placement,
                 skills=_skills(te.skills) if te.source == "skill" else None, rewards=[float(t.reward) for t in trajs],
-                group_ids=[t.group_id for t in trajs], min_reward=te.sibling_min_reward)
+                group_ids=[t.group_id for t in trajs], min_reward=te.sibling_min_reward, budget=te.block_budget,
+                filler=te.block_filler)
             views, vstats = build_privileged_views(
                 trajs, tokenizer, blocks, placement=te.placement, with_reference=packed_reference(cfg, method),
                 positions=(pol_pos, pol_valid), buckets=packed_buckets, min_widths=(floor["P"], floor["U"]))
@@ -279,7 +280,8 @@ def make_train_batch(
             views, vstats = build_views(
                 trajs, tokenizer,
                 options=ViewOptions(depths=tuple(a.depths), source=a.source, turns=a.turns,
-                                    template=a.hindsight_template),
+                                    template=a.hindsight_template, budget=a.hindsight_budget,
+                                    filler=a.hindsight_filler),
                 gold_answers=[t.answer for t in tasks], buckets=packed_buckets,
                 with_reference=packed_reference(cfg, method), min_widths=(floor["P"], floor["U"]),
                 positions=(pol_pos, pol_valid),

@@ -11,6 +11,7 @@ import dataclasses
 import math
 from typing import Any
 
+from turnsight_jax.chat.budget import DEFAULT_FILLER
 from turnsight_jax.chat.hindsight_template import HindsightTemplate, check_template
 from turnsight_jax.errors import ConfigError
 
@@ -55,7 +56,9 @@ class AlgoConfig:
     "answer"). Choices the paper leaves open (docs/spec.md §1.6, §1.7, §1.2): norm_pool
     ("turn_mean" | "token_gap": what the group statistics pool), uncovered_in_stats (turns outside
     `turns` enter the group statistics), hindsight_template (the hindsight message's format
-    strings). student_sees_observations: False masks observation tokens out of the student's
+    strings). hindsight_budget / hindsight_filler: the equal-length control (chat.budget): every
+    non-empty hindsight message exactly that many tokens (0: off), padded with the filler text.
+    student_sees_observations: False masks observation tokens out of the student's
     training forward, as the released code does (docs/spec.md §1.9). MatchTIR: matchtir_matching
     ("greedy" | "assignment" | "transport") and matchtir_semantics ("clean" | "released") of the
     turn rewards (turnsight_jax.rewards), matchtir_singleton ("zero" | "raw") of the advantage
@@ -90,6 +93,8 @@ class AlgoConfig:
     norm_pool: str = "turn_mean"
     uncovered_in_stats: bool = True
     hindsight_template: HindsightTemplate = HindsightTemplate()
+    hindsight_budget: int = 0
+    hindsight_filler: str = DEFAULT_FILLER
     student_sees_observations: bool = True
     matchtir_matching: str = "assignment"
     matchtir_semantics: str = "clean"
@@ -161,7 +166,9 @@ class TeacherConfig:
     (chat.privileged) and where it goes: once after the prompt, or before every turn.
     skills: a JSON file {task category: text} for source "skill" ("": the bundled one).
     sibling_min_reward: source "sibling" takes a sibling whose reward is at least this.
-    top_k: teacher tokens the top-K KL terms (SDPO, SOD) compare on."""
+    top_k: teacher tokens the top-K KL terms (SDPO, SOD) compare on.
+    block_budget / block_filler: the equal-length control of the privileged block (chat.budget):
+    every block exactly that many tokens (0: off), padded with the filler text."""
 
     weights: str = "reference"
     ema_decay: float = 0.99
@@ -171,6 +178,8 @@ class TeacherConfig:
     skills: str = ""
     sibling_min_reward: float = 1.0
     top_k: int = 20
+    block_budget: int = 0
+    block_filler: str = DEFAULT_FILLER
 
     def validate(self) -> None:
         if self.weights not in TEACHER_WEIGHTS:
@@ -186,6 +195,15 @@ class TeacherConfig:
                               "with the policy's tokenizer (or 'warm_start': the run's own warm-start)")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
             raise ConfigError(f"teacher.top_k must be an int >= 1, got {self.top_k!r}")
+        check_budget(self.block_budget, self.block_filler, "teacher.block_budget", "teacher.block_filler")
+
+
+def check_budget(budget: Any, filler: Any, key: str, filler_key: str) -> None:
+    """ConfigError unless `budget` is an int >= 0 and `filler` a non-empty (chat.budget)."""
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise ConfigError(f"{key} must be an int >= 0 (tokens per block; 0: off), got {budget!r}")
+    if not isinstance(filler, str) or not filler:
+        raise ConfigError(f"{filler_key} must be a non-empty string (the text that pads a block), got {filler!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,6 +317,7 @@ class StepConfig:
             if not isinstance(getattr(algo, name), bool):
                 raise ConfigError(f"rl.{name} must be True or False, got {getattr(algo, name)!r}")
         check_template(algo.hindsight_template, "rl.hindsight_template")
+        check_budget(algo.hindsight_budget, algo.hindsight_filler, "rl.hindsight_budget", "rl.hindsight_filler")
         for name in ("sdpo_coef", "sdar_coef", "sod_coef"):
             v = getattr(algo, name)
             if not (math.isfinite(v) and v >= 0):

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 from flax import struct
 
+from turnsight_jax.chat.budget import DEFAULT_FILLER
 from turnsight_jax.chat.hindsight import HindsightTemplate, hindsight_pieces
 from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.models.attention import NO_SEGMENT, PAD_SEGMENT, Layout
@@ -104,6 +105,8 @@ class ViewOptions:
     source: str = "tool_results"
     turns: str = "all"
     template: HindsightTemplate = HindsightTemplate()
+    budget: int = 0  # every non-empty hindsight message this many tokens (0: off; rl.hindsight_budget)
+    filler: str = DEFAULT_FILLER  # what pads a message to the budget (rl.hindsight_filler)
 
 
 def distinct_slots_used(pred):
@@ -189,6 +192,7 @@ def build_views(
     n_views = len(depths) + int(with_reference)
     view_pred = np.zeros((n_views, len(trajs), n_pol), np.int32)
     rows = []
+    n_blocks = block_tokens = cut = 0  # distinct (turn, item count) messages, their tokens, those cut
     for b, traj in enumerate(trajs):
         row = _Row(traj)
         where = {int(p): j for j, p in enumerate(pol_pos[b, : int(pol_valid[b].sum())])}
@@ -200,23 +204,29 @@ def build_views(
         for k in covered_turns(traj.num_turns, options.turns):
             turn = traj.turns[k]
             pieces = hindsight_pieces(tokenizer, traj, k, max_depth=max_depth, source=options.source,
-                                      gold_answer=answer, template=options.template)
+                                      gold_answer=answer, template=options.template, budget=options.budget,
+                                      filler=options.filler)
             if pieces.is_empty:
                 continue
             hs = turn.header_start
-            trunk = list(pieces.open_ids) + [t for item in pieces.item_ids for t in item]
+            # the trunk holds the deepest message's shown content; a branch reads the first
+            # kept(m) tokens of it, then carries its own filler (with a budget), the close, ...
+            content = [t for item in pieces.item_ids for t in item]
+            trunk = list(pieces.open_ids) + content[: pieces.kept(pieces.num_items)]
             trunk_seg, trunk_start = row.add(trunk, hs, hs)
-            ends = np.cumsum([len(pieces.open_ids)] + [len(item) for item in pieces.item_ids])
             policy = [int(x) for x in traj.tokens[turn.policy_start: turn.policy_end - 1]]
             branch_of: dict[int, int] = {}
             for di, d in enumerate(depths):
                 m = min(d, pieces.num_items)
                 if m not in branch_of:
-                    end = int(ends[m])
-                    branch = list(pieces.close_ids) + list(pieces.header_ids) + policy
-                    _, start = row.add(branch, hs + end, hs, (trunk_seg, trunk_start + end))
+                    end = len(pieces.open_ids) + pieces.kept(m)
+                    head = pieces.padding(m) + list(pieces.close_ids) + list(pieces.header_ids)
+                    _, start = row.add(head + policy, hs + end, hs, (trunk_seg, trunk_start + end))
                     # the token before policy token 0 is the header's last token
-                    branch_of[m] = start + len(pieces.close_ids) + len(pieces.header_ids) - 1
+                    branch_of[m] = start + len(head) - 1
+                    n_blocks += 1
+                    block_tokens += end + len(head) - len(pieces.header_ids)
+                    cut += int(pieces.kept(m) < sum(len(x) for x in pieces.item_ids[:m]))
                 first = branch_of[m]
                 for i, p in enumerate(range(turn.policy_start, turn.policy_end)):
                     view_pred[di, b, where[p]] = first + i
@@ -230,7 +240,9 @@ def build_views(
     packed = sum(r.length for r in rows)
     stats = {"view_tokens": float(packed), "trajectory_tokens": float(own), "view_overhead": packed / max(own, 1),
              "packed_width": float(width), "teacher_rows": float(pol_valid.sum() * n_views),
-             "teacher_distinct_rows": float(sum(len(set(view_pred[:, b, pol_valid[b]].ravel())) for b in range(len(trajs))))}
+             "teacher_distinct_rows": float(sum(len(set(view_pred[:, b, pol_valid[b]].ravel())) for b in range(len(trajs)))),
+             "hindsight_blocks": float(n_blocks), "hindsight_block_tokens": float(block_tokens),
+             "hindsight_blocks_cut": float(cut)}
     return views, stats
 
 
