@@ -112,7 +112,8 @@ def base_config() -> mlc.ConfigDict:
     c.rl.gamma = 0.9  # MatchTIR's turn-return discount
     c.rl.lam = 0.5  # lambda: mix of the TurnSight weight into the base advantage (paper: 0.5)
     c.rl.eps_w = 0.5  # eps_w: the weight's bound, w in [1 - eps_w, 1 + eps_w] (paper: 0.5)
-    c.rl.selection = "vote"  # depth selection: vote (direction-consistent) | mean (fusion) | a depth index
+    c.rl.selection = "vote"  # depth selection: vote (direction-consistent) | mean (fusion) | a depth index | dependency | saturation (adaptive horizons, rl.horizon)
+    c.rl.horizon_tol = 0.05  # selection=saturation: a turn stops at the first depth whose next one moves its mean gap by <= this (nats/token; ours)
     c.rl.aggregation = "turn"  # turn (mean gap per turn) | token (no turn aggregation)
     c.rl.group_norm = True  # normalise the selected gap over the prompt's siblings
     c.rl.turns = "all"  # turns TurnSight reweights: all | first:N | last:N
@@ -536,6 +537,7 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
     args = tuple(sorted(r.args.items())) if "args" in r else ()
     return StepConfig(
         algo=AlgoConfig(method=r.method, base=r.base, gamma=r.gamma, lam=r.lam, eps_w=r.eps_w, selection=r.selection,
+                        horizon_tol=r.horizon_tol,
                         aggregation=r.aggregation, group_norm=r.group_norm, turns=r.turns,
                         depths=tuple(int(d) for d in r.depths), source=r.source, norm_pool=r.norm_pool,
                         uncovered_in_stats=r.uncovered_in_stats,

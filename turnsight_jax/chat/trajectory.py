@@ -39,6 +39,8 @@ class TurnRecord:
     results: one observation text per call, in order.
     obs_start, obs_end: the observation suffix appended after this turn ([e, e) when none).
     result_spans: token span [start, end) of each result's text inside the trajectory.
+    env_info: what the environment reported about this turn beyond its observations
+      (envs.base.StepResult.info; e.g. "faults": the faults envs.faults injected, per call).
     """
 
     header_start: int
@@ -51,6 +53,7 @@ class TurnRecord:
     obs_end: int = -1
     result_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     answer: str | None = None
+    env_info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def num_policy_tokens(self) -> int:

@@ -196,7 +196,7 @@ def _matchtir_estimator(turn_rewards, num_turns, turn_ids, policy_mask, group_id
 # or the step geometry (num_groups = B / G, max_turns = the rollout's turn budget).
 KNOBS = ("eps", "gamma", "num_groups", "max_turns", "lam", "eps_w", "selection", "aggregation",
          "group_norm", "turns", "norm_pool", "uncovered_in_stats", "matchtir_singleton", "sdpo_coef",
-         "gae_gamma", "gae_lam", "gae_whiten", "toolomni_gate")
+         "gae_gamma", "gae_lam", "gae_whiten", "toolomni_gate", "depths", "horizon_tol")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,13 +210,16 @@ class Estimator:
     rl.critic), and any key a registered reward fills); `knobs` name
     entries of KNOBS. An estimator that takes "base_advantages" wraps a base estimator; one that
     takes "delta" needs the teacher's views (hindsight or privileged, as the method declares;
-    "teacher_covered" [B, N] bool marks the tokens a privileged view covers).
+    "teacher_covered" [B, N] bool marks the tokens a privileged view covers). `optional` names
+    arrays passed as keyword arguments when the batch has them (TurnSight's "turn_uses" [B, K, K],
+    which the batch carries only for rl.selection="dependency").
     """
 
     name: str
     fn: Callable[..., Any]
     inputs: tuple[str, ...]
     knobs: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
 
     @property
     def wraps_base(self) -> bool:
@@ -230,8 +233,10 @@ class Estimator:
 ESTIMATORS: dict[str, Estimator] = {}
 
 
-def register_advantage(name: str, inputs: tuple[str, ...], knobs: tuple[str, ...] = ()):
-    """Decorator: register `fn(*batch[inputs], **knobs)` as the advantage estimator `name`."""
+def register_advantage(name: str, inputs: tuple[str, ...], knobs: tuple[str, ...] = (),
+                       optional: tuple[str, ...] = ()):
+    """Decorator: register `fn(*batch[inputs], **knobs, **present optional arrays)` as the
+    advantage estimator `name`."""
     unknown = [k for k in knobs if k not in KNOBS]
     if unknown:
         raise ValueError(f"advantage estimator {name!r}: unknown knobs {unknown}; known: {KNOBS}")
@@ -239,7 +244,7 @@ def register_advantage(name: str, inputs: tuple[str, ...], knobs: tuple[str, ...
     def deco(fn):
         if name in ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} already registered")
-        ESTIMATORS[name] = Estimator(name, fn, tuple(inputs), tuple(knobs))
+        ESTIMATORS[name] = Estimator(name, fn, tuple(inputs), tuple(knobs), tuple(optional))
         return fn
 
     return deco
@@ -257,7 +262,8 @@ register_advantage("matchtir", ("turn_rewards", "num_turns", "turn_ids", "policy
 register_advantage(
     "turnsight", ("delta", "policy_mask", "turn_ids", "group_ids", "base_advantages"),
     ("lam", "eps_w", "eps", "selection", "aggregation", "group_norm", "turns", "num_groups", "max_turns",
-     "norm_pool", "uncovered_in_stats"),
+     "norm_pool", "uncovered_in_stats", "depths", "horizon_tol"),
+    optional=("turn_uses",),
 )(turnsight_advantages)
 
 
@@ -265,7 +271,8 @@ def _call(est: Estimator, arrays: Mapping[str, Array], knobs: Mapping[str, Any])
     missing = [k for k in est.inputs if k not in arrays]
     if missing:
         raise KeyError(f"advantage estimator {est.name!r} needs batch arrays {missing}")
-    out = est.fn(*(arrays[k] for k in est.inputs), **{k: knobs[k] for k in est.knobs})
+    out = est.fn(*(arrays[k] for k in est.inputs), **{k: knobs[k] for k in est.knobs},
+                 **{k: arrays[k] for k in est.optional if arrays.get(k) is not None})
     return dict(out) if isinstance(out, Mapping) else {"advantages": out}
 
 

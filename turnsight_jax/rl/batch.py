@@ -31,6 +31,9 @@ tokens per row, K = max turns):
   probes: RetroProbes or None              the retrospective teacher's probe rows (rl.orchard:
                                            tokens/layout [B, Q], at/exists [B, K+1]), when a loss
                                            term reads "rise_mask"
+  turn_uses [B, K, K] bool or None         uses[b, j, i]: turn j's calls use a value turn i's results
+                                           gave (rl.horizon.turn_dependencies), for TurnSight's
+                                           rl.selection="dependency"
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from turnsight_jax.models.attention import PAD_SEGMENT, Layout
 from turnsight_jax.models.sharding import BATCH, fit_spec, shard_rows
 from turnsight_jax.rl import length_classes
 from turnsight_jax.rl.config import StepConfig
+from turnsight_jax.rl.horizon import dependency_batch
 from turnsight_jax.rl.length_classes import LengthClasses
 from turnsight_jax.rl.methods import ResolvedMethod
 from turnsight_jax.rl.orchard import PROBE_TOKENS, RetroProbes, build_probes
@@ -91,6 +95,7 @@ class TrainBatch:
     classes: LengthClasses | None = struct.field(pytree_node=False, default=None)
     packed: Any = None
     probes: Any = None
+    turn_uses: Any = None
 
     @property
     def size(self) -> int:
@@ -309,8 +314,18 @@ def make_train_batch(
         num_turns=np.asarray([t.num_turns for t in trajs], np.int32),
         signals=compute_signals(method, trajs, tasks, cfg),
         views=views, length_class=classes, classes=spec, packed=packed, probes=probes,
+        turn_uses=dependency_batch(trajs, cfg.max_turns) if needs_turn_uses(cfg, method) else None,
     )
     return batch, stats
+
+
+def needs_turn_uses(cfg: StepConfig, method: ResolvedMethod) -> bool:
+    """Whether the batch carries turn_uses: TurnSight's dependency horizon reads it."""
+    return cfg.algo.selection == "dependency" and "turn_uses" in _optional_inputs(method)
+
+
+def _optional_inputs(method: ResolvedMethod) -> tuple[str, ...]:
+    return tuple(x for est in (method.advantage, method.base) if est is not None for x in est.optional)
 
 
 @functools.lru_cache(maxsize=8)
@@ -378,6 +393,7 @@ class Geometry:
     row_shards: int = 1
     pack_cell: int | None = None  # train.pack_rows: rows per cell (rl.packing; the worst case: one per packed row)
     probes: int = 0  # Q: the retrospective probe row (rl.orchard; 0: none)
+    turn_uses: bool = False  # the [B, K, K] dependency matrix (rl.selection="dependency")
 
 
 def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod, step_cfg: StepConfig,
@@ -399,7 +415,7 @@ def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod, step_cfg: S
     if method.retrospective:  # the trajectory, then one probe per state
         probes = pick_bucket(length + (r.max_turns + 1) * PROBE_TOKENS, DEFAULT_PACKED_BUCKETS, "plan: probe row")
     return Geometry(batch, length, policy, packed, distinct, views, r.max_turns, class_rows, row_shards, pack_cell,
-                    probes)
+                    probes, needs_turn_uses(step_cfg, method))
 
 
 def abstract_batch(g: Geometry, mesh, method: ResolvedMethod) -> TrainBatch:
@@ -438,4 +454,5 @@ def abstract_batch(g: Geometry, mesh, method: ResolvedMethod) -> TrainBatch:
         old_logprobs=arr((b, g.policy), jnp.float32), group_ids=arr((b,), i32), num_turns=arr((b,), i32),
         signals=signals, views=views, length_class=row_class, classes=classes,
         packed=None if g.pack_cell is None else packed_rows(g.length), probes=probes,
+        turn_uses=arr((b, g.turns, g.turns), bool) if g.turn_uses else None,
     )

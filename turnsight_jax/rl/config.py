@@ -18,6 +18,9 @@ from turnsight_jax.errors import ConfigError
 LOSS_AGGREGATIONS = ("seq_mean_token_mean", "seq_mean_token_sum", "token_mean")
 KL_ESTIMATORS = ("k1", "k3", "low_var_kl")
 HINDSIGHT_SOURCES = ("tool_results", "tool_results_answer", "answer")
+# TurnSight's depth selection by name (or an int depth index): the paper's vote, the fusion, and the
+# adaptive horizons (rl.horizon).
+SELECTIONS = ("vote", "mean", "dependency", "saturation")
 # MatchTIR turn rewards (turnsight_jax.rewards): how predicted calls are matched to gold calls, and
 # whose conventions (similarity, transport normalisation, answer F1) apply.
 MATCHTIR_MATCHINGS = ("greedy", "assignment", "transport")
@@ -51,7 +54,7 @@ class AlgoConfig:
     rl.methods.register_method). A method whose advantage wraps a base (TurnSight) wraps the
     method named by `base` (its rewards and its advantage).
     TurnSight switches (docs/spec.md §1.10 ablations): lam, eps_w, selection ("vote" | "mean" | depth
-    index), aggregation ("turn" | "token"), group_norm, turns ("all" | "first:N" | "last:N"),
+    index, or an adaptive horizon, rl.horizon: "dependency" | "saturation" with horizon_tol), aggregation ("turn" | "token"), group_norm, turns ("all" | "first:N" | "last:N"),
     depths (the hindsight depth set D_H), source ("tool_results" | "tool_results_answer" |
     "answer"). Choices the paper leaves open (docs/spec.md §1.6, §1.7, §1.2): norm_pool
     ("turn_mean" | "token_gap": what the group statistics pool), uncovered_in_stats (turns outside
@@ -85,6 +88,7 @@ class AlgoConfig:
     lam: float = 0.5
     eps_w: float = 0.5
     selection: Any = "vote"
+    horizon_tol: float = 0.05
     aggregation: str = "turn"
     group_norm: bool = True
     turns: str = "all"
@@ -294,8 +298,11 @@ class StepConfig:
         if isinstance(algo.selection, bool) or (isinstance(algo.selection, int)
                                                 and not 0 <= algo.selection < len(algo.depths)):
             raise ConfigError(f"rl.selection={algo.selection} is not an index into depths {tuple(algo.depths)}")
-        if not isinstance(algo.selection, int) and algo.selection not in ("vote", "mean"):
-            raise ConfigError(f"rl.selection must be 'vote', 'mean' or a depth index, got {algo.selection!r}")
+        if not isinstance(algo.selection, int) and algo.selection not in SELECTIONS:
+            raise ConfigError(f"rl.selection must be one of {SELECTIONS} or a depth index, got {algo.selection!r}")
+        if isinstance(algo.horizon_tol, bool) or not isinstance(algo.horizon_tol, (int, float)) \
+                or not (math.isfinite(algo.horizon_tol) and algo.horizon_tol >= 0):
+            raise ConfigError(f"rl.horizon_tol must be a finite number >= 0 (nats per token), got {algo.horizon_tol!r}")
         if algo.aggregation not in ("turn", "token"):
             raise ConfigError(f"rl.aggregation must be 'turn' or 'token', got {algo.aggregation!r}")
         if algo.source not in HINDSIGHT_SOURCES:

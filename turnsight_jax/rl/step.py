@@ -86,6 +86,7 @@ def advantage_knobs(cfg: StepConfig, batch_size: int) -> dict:
             "lam": a.lam, "eps_w": a.eps_w, "selection": a.selection, "aggregation": a.aggregation,
             "group_norm": a.group_norm, "turns": a.turns, "matchtir_singleton": a.matchtir_singleton,
             "norm_pool": a.norm_pool, "uncovered_in_stats": a.uncovered_in_stats, "sdpo_coef": a.sdpo_coef,
+            "depths": tuple(a.depths), "horizon_tol": a.horizon_tol,
             "gae_gamma": a.gae_gamma, "gae_lam": a.gae_lam, "gae_whiten": a.gae_whiten, "toolomni_gate": a.toolomni_gate}
 
 
@@ -101,6 +102,8 @@ def advantage_inputs(batch: TrainBatch, teacher_lp, values=None, process_rewards
     critic's, for a method with one; `process_rewards` [B, N]: the PRM's token rewards."""
     arrays = {"group_ids": batch.group_ids, "policy_mask": batch.pol_valid, "turn_ids": batch.turn_ids,
               "num_turns": batch.num_turns, **batch.signals}
+    if batch.turn_uses is not None:
+        arrays["turn_uses"] = batch.turn_uses
     if values is not None:
         arrays["values"] = values
     if process_rewards is not None:

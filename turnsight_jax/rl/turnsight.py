@@ -17,10 +17,12 @@ import numpy as np
 
 from turnsight_jax.rl.config import parse_turn_coverage
 from turnsight_jax.rl.groups import group_gather, pooled_group_stats
+from turnsight_jax.rl.horizon import dependency_horizon, depth_index, saturation_index
 
 Array = jax.Array
 
-_SELECT_VOTE, _SELECT_MEAN, _SELECT_FIXED = 0, 1, 2
+_SELECT_VOTE, _SELECT_MEAN, _SELECT_FIXED, _SELECT_DEPENDENCY, _SELECT_SATURATION = 0, 1, 2, 3, 4
+_ADAPTIVE = {"dependency": _SELECT_DEPENDENCY, "saturation": _SELECT_SATURATION}
 _COVER_ALL, _COVER_FIRST, _COVER_LAST = 0, 1, 2
 _POOL_TURN_MEAN, _POOL_TOKEN_GAP = 0, 1
 _POOLS = {"turn_mean": _POOL_TURN_MEAN, "token_gap": _POOL_TOKEN_GAP}
@@ -34,31 +36,36 @@ def parse_turns(turns: str) -> tuple[int, int]:
 
 
 def _parse_selection(selection: Any, num_depths: int) -> tuple[int, int]:
-    """"vote" | "mean" | int depth index in [0, D) → (selection code, depth index)."""
+    """"vote" | "mean" | "dependency" | "saturation" | int depth index in [0, D) → (selection
+    code, depth index)."""
     if selection == "vote":
         return _SELECT_VOTE, 0
     if selection == "mean":
         return _SELECT_MEAN, 0
+    if isinstance(selection, str) and selection in _ADAPTIVE:
+        return _ADAPTIVE[selection], 0
     if (isinstance(selection, (int, np.integer)) and not isinstance(selection, (bool, np.bool_))
             and 0 <= selection < num_depths):
         return _SELECT_FIXED, int(selection)
     raise ValueError(
-        f"selection must be 'vote', 'mean' or a depth index in [0, {num_depths}), got {selection!r}"
+        f"selection must be 'vote', 'mean', 'dependency', 'saturation' or a depth index in [0, {num_depths}), "
+        f"got {selection!r}"
     )
 
 
 def _select_depth(x: Array, sel_code: Array, fixed_depth: Array) -> tuple[Array, Array, Array]:
     """Direction-consistent depth selection over axis 0.
 
-    x [D, N] f32, sel_code / fixed_depth int32 scalars → (x_star [N] f32, d_star [N] int32,
-    agree [N] bool).
+    x [D, N] f32, sel_code int32 scalar, fixed_depth int32 scalar or [N] (per unit: the adaptive
+    rules' choice, rl.horizon) → (x_star [N] f32, d_star [N] int32, agree [N] bool).
     vote: s = +1 if x ≥ 0 else −1; v = majority of s; on a tie (even D only) v = the sign of the
       depth sum (Σ_d x ≥ 0 → +1), so with D = 2 and opposite signs the larger-magnitude depth wins
       (and an exact magnitude tie goes to the non-negative one); d* = argmax_{d: s_d = v} |x_d|,
       equal magnitudes resolved to the lowest depth index. {d: s_d = v} is never empty: a tie
       with Σ x ≥ 0 has some x_d ≥ 0, and with Σ x < 0 some x_d < 0.
     mean (fusion): x_star = mean over depths; d_star = −1.
-    fixed: x_star = x[fixed_depth]; d_star = fixed_depth.
+    fixed, dependency, saturation: x_star = x[fixed_depth]; d_star = fixed_depth (a scalar for a
+      fixed index, per unit for the adaptive rules).
     agree: all depths share one sign (for every mode, as a diagnostic).
     The three candidates are cheap next to the segment sums, so all are computed and one is picked
     with `where`: a Python-constant code folds away under an outer jit, and sweeping the selection
@@ -72,7 +79,8 @@ def _select_depth(x: Array, sel_code: Array, fixed_depth: Array) -> tuple[Array,
     score = jnp.where(s == v[None], jnp.abs(x), -jnp.inf)
     d_vote = jnp.argmax(score, axis=0).astype(jnp.int32)  # argmax returns the first maximum
     x_vote = jnp.take_along_axis(x, d_vote[None], axis=0)[0]
-    x_fixed = jnp.take(x, fixed_depth, axis=0)
+    fixed_depth = jnp.broadcast_to(jnp.asarray(fixed_depth, jnp.int32), d_vote.shape)
+    x_fixed = jnp.take_along_axis(x, fixed_depth[None], axis=0)[0]
     x_star = jnp.where(
         sel_code == _SELECT_VOTE, x_vote, jnp.where(sel_code == _SELECT_MEAN, jnp.mean(x, axis=0), x_fixed)
     )
@@ -80,6 +88,15 @@ def _select_depth(x: Array, sel_code: Array, fixed_depth: Array) -> tuple[Array,
         sel_code == _SELECT_VOTE, d_vote, jnp.where(sel_code == _SELECT_MEAN, -1, fixed_depth)
     ).astype(jnp.int32)
     return x_star, d_star, agree
+
+
+def _unit_depth(x: Array, horizon: Array, sel_code: Array, fixed_depth: Array, depths: tuple[int, ...],
+                horizon_tol) -> Array:
+    """The depth index per unit [U] for the modes that read one (fixed, dependency, saturation),
+    from x [D, U] (the units' mean gaps) and horizon [U] (the dependency rule's h)."""
+    return jnp.where(sel_code == _SELECT_DEPENDENCY, depth_index(horizon, depths),
+                     jnp.where(sel_code == _SELECT_SATURATION, saturation_index(x, depths, horizon_tol),
+                               fixed_depth)).astype(jnp.int32)
 
 
 def turnsight_advantages(
@@ -100,6 +117,9 @@ def turnsight_advantages(
     uncovered_in_stats: bool = True,
     num_groups: int | None = None,
     max_turns: int | None = None,
+    depths: tuple[int, ...] | None = None,
+    horizon_tol: float = 0.05,
+    turn_uses: Array | None = None,
 ) -> dict[str, Array]:
     """TurnSight mixed advantages Ã = A^base · ((1−λ) + λ·w) (docs/spec.md §1 steps 4–8).
 
@@ -118,8 +138,12 @@ def turnsight_advantages(
       aggregation="turn": δ̄^{(d)} = mean of δ^{(d)} over the turn's policy tokens (segment sums).
       aggregation="token" (w/o-aggregation ablation): every assigned token is its own unit, δ̄ = δ.
       selection per unit: "vote" (docs/spec.md §1.5; tie rule in `_select_depth`: an even split goes to
-        the sign of the depth sum, ≥ 0 → +1), "mean" (fusion: depth average; d* = −1), or an int
-        depth index i (δ̄* = δ̄^{(i)}, d* = i).
+        the sign of the depth sum, ≥ 0 → +1), "mean" (fusion: depth average; d* = −1), an int
+        depth index i (δ̄* = δ̄^{(i)}, d* = i), or an adaptive horizon (rl.horizon): "dependency"
+        (d* = the smallest configured depth covering the turn's dependency horizon h, from
+        `turn_uses` [B, K, K] bool; required), "saturation" (d* = the first depth, in increasing
+        order, whose next depth moves δ̄ by at most `horizon_tol`). `depths`: the configured depth
+        values (rows of delta; default 1..D), which the adaptive rules order and compare.
       group_norm=True: μ_g, σ_g = mean and population std (ddof=0) of the pooled values over every
         assigned policy token of group g (token-weighted: a turn counts once per token), and
         δ̂ = (δ̄*−μ)/(σ+eps). The pooled value of a token (`norm_pool`): "turn_mean" its δ̄*
@@ -145,7 +169,8 @@ def turnsight_advantages(
 
     Returns a dict:
       advantages [B, T] f32 (Ã); weights [B, T] f32 (w); selected_depth [B, T] int32 (d*, −1 off
-      policy / unassigned / selection="mean"); delta_bar [B, T] (δ̄* per token); delta_hat [B, T]
+      policy / unassigned / selection="mean"); horizon [B, T] int32 (the dependency rule's h of
+      the token's turn, with `turn_uses`; −1 off policy, and everywhere without it); delta_bar [B, T] (δ̄* per token); delta_hat [B, T]
       (δ̂ per token); group_mean, group_std [G] (μ_g, σ_g of δ̄*; 0 for empty groups, reported even
       when group_norm=False); diagnostics (scalars unless noted):
         agreement_rate: fraction of selection units where all D depths share one sign — units are
@@ -176,6 +201,13 @@ def turnsight_advantages(
     max_turns = t if max_turns is None else int(max_turns)
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    depths = tuple(range(1, num_depths + 1)) if depths is None else tuple(int(d) for d in depths)
+    if len(depths) != num_depths:
+        raise ValueError(f"depths {depths} name {len(depths)} depths but delta has {num_depths}")
+    if sel_code == _SELECT_DEPENDENCY and turn_uses is None:
+        raise ValueError("selection='dependency' needs turn_uses [B, K, K] (rl.horizon.dependency_batch)")
+    if turn_uses is not None:
+        chex.assert_shape(turn_uses, (b, max_turns, max_turns))
     num_groups = b if num_groups is None else int(num_groups)
     # Only `aggregation` and the segment sizes change the program's structure; the other modes
     # travel as int32 scalars so an ablation sweep reuses one executable (under an outer jit they
@@ -183,15 +215,15 @@ def turnsight_advantages(
     modes = np.asarray([sel_code, fixed_depth, int(group_norm), cover_code, cover_n, _POOLS[norm_pool],
                         int(uncovered_in_stats)], np.int32)
     return _turnsight_impl(
-        delta, policy_mask, turn_ids, group_ids, base_adv, modes, lam, eps_w, eps,
-        aggregation=aggregation, num_groups=num_groups, max_turns=max_turns,
+        delta, policy_mask, turn_ids, group_ids, base_adv, modes, lam, eps_w, eps, horizon_tol, turn_uses,
+        aggregation=aggregation, num_groups=num_groups, max_turns=max_turns, depths=depths,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("aggregation", "num_groups", "max_turns"))
+@functools.partial(jax.jit, static_argnames=("aggregation", "num_groups", "max_turns", "depths"))
 def _turnsight_impl(
-    delta, policy_mask, turn_ids, group_ids, base_adv, modes, lam, eps_w, eps,
-    *, aggregation: str, num_groups: int, max_turns: int,
+    delta, policy_mask, turn_ids, group_ids, base_adv, modes, lam, eps_w, eps, horizon_tol, turn_uses,
+    *, aggregation: str, num_groups: int, max_turns: int, depths: tuple[int, ...],
 ) -> dict[str, Array]:
     """Body of `turnsight_advantages`; modes = [sel_code, fixed_depth, group_norm, cover_code, N,
     pool code, uncovered_in_stats]."""
@@ -206,6 +238,9 @@ def _turnsight_impl(
     delta = jnp.where(assigned[None], delta, 0.0)  # [D, B, T]
     base = jax.lax.stop_gradient(jnp.where(policy_mask, jnp.asarray(base_adv, jnp.float32), 0.0))
     tid = jnp.where(assigned, turn_ids, 0)
+
+    # The dependency rule's horizon per (trajectory, turn) [B, K] (1 everywhere without turn_uses).
+    horizon = jnp.ones((b, k), jnp.int32) if turn_uses is None else dependency_horizon(turn_uses)
 
     # (trajectory, turn) segment ids; unassigned tokens go to a trash segment n_seg.
     n_seg = b * k
@@ -227,15 +262,17 @@ def _turnsight_impl(
             jnp.concatenate([flat, ones], axis=1), seg_flat, num_segments=n_seg + 1
         )[:n_seg]  # [B·K, 2D]
         turn_mean = acc[:, :num_depths] / jnp.maximum(acc[:, num_depths:], 1.0)  # [B·K, D]
-        x_star_u, d_star_u, agree_u = _select_depth(turn_mean.T, sel_code, fixed_depth)  # [B·K]
+        pick = _unit_depth(turn_mean.T, horizon.reshape(-1), sel_code, fixed_depth, depths, horizon_tol)
+        x_star_u, d_star_u, agree_u = _select_depth(turn_mean.T, sel_code, pick)  # [B·K]
         unit_mask = nonempty
         # Gather turn values back to tokens; the trash segment reads (0, −1).
         x_star = jnp.concatenate([x_star_u, jnp.zeros((1,), jnp.float32)])[seg]
         d_star = jnp.concatenate([d_star_u, jnp.full((1,), -1, jnp.int32)])[seg]
     else:
-        x_star_u, d_star_u, agree_u = _select_depth(
-            delta.reshape(num_depths, -1), sel_code, fixed_depth
-        )  # [B·T]
+        x_units = delta.reshape(num_depths, -1)
+        h_tok = jnp.take_along_axis(horizon, tid, axis=1)  # each token its turn's horizon
+        pick = _unit_depth(x_units, h_tok.reshape(-1), sel_code, fixed_depth, depths, horizon_tol)
+        x_star_u, d_star_u, agree_u = _select_depth(x_units, sel_code, pick)  # [B·T]
         unit_mask = assigned.reshape(-1)
         x_star = x_star_u.reshape(b, t)
         d_star = d_star_u.reshape(b, t)
@@ -287,10 +324,13 @@ def _turnsight_impl(
         jnp.where(assigned, w, 0.0).reshape(-1), seg_flat, num_segments=n_seg + 1
     )[:n_seg] / jnp.maximum(tok_count, 1.0)
     n_turns_total = jnp.maximum(jnp.sum(nonempty), 1)
+    h_out = jnp.where(assigned, jnp.take_along_axis(horizon, tid, axis=1), -1) if turn_uses is not None \
+        else jnp.full((b, t), -1, jnp.int32)
     return {
         "advantages": adv,
         "weights": w,
         "selected_depth": d_star,
+        "horizon": h_out,
         "delta_bar": x_star,
         "delta_hat": d_hat,
         "group_mean": mean_g,
