@@ -226,6 +226,7 @@ class TrajectoryBuilder:
         results: Sequence[str],
         result_spans: Sequence[tuple[int, int]],
         header_offset: int,
+        env_info: dict[str, Any] | None = None,
     ) -> TurnRecord:
         """Append the observation suffix after the last policy turn.
 
@@ -235,6 +236,7 @@ class TrajectoryBuilder:
           results: one observation text per call of the last turn, in order.
           result_spans: each result's token span [start, end) within ``suffix_ids``.
           header_offset: index in ``suffix_ids`` of the next assistant header's <|im_start|>.
+          env_info: what the environment reported about the turn (TurnRecord.env_info).
         """
         self._check_open("add an observation")
         if self._expect_policy:
@@ -269,6 +271,7 @@ class TrajectoryBuilder:
             obs_start=start,
             obs_end=end,
             result_spans=[(start + a, start + b) for a, b in result_spans],
+            env_info=dict(env_info or {}),
         )
         self._turns[k] = record
         self._next_header = start + int(header_offset)

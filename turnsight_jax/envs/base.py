@@ -25,7 +25,7 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import dataclasses
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from turnsight_jax.chat.types import Call, CallError, Task, ToolCall
 
@@ -41,6 +41,8 @@ class StepResult:
     added_tools: tool schemas that became available with `user_message` (BFCL miss_func).
     error: set by `VectorEnv` when the environment itself raised on this turn: the episode is
       over, and this is the reason (the rollout records it instead of dying).
+    info: what else the environment reports about the turn (the rollout records it on the turn,
+      `TurnRecord.env_info`); e.g. "faults": envs.faults' injected faults, per call.
     """
 
     observations: tuple[str, ...]
@@ -48,6 +50,7 @@ class StepResult:
     user_message: str | None = None
     added_tools: tuple[dict, ...] = ()
     error: str | None = None
+    info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _failed(e: BaseException) -> StepResult:

@@ -275,6 +275,7 @@ class StepConfig:
     length_classes: int = 1  # rows run in this many length groups, each padded to its own width (rl.length_classes)
     pack_rows: bool = False  # forwards run several trajectories (teacher: packed views) per row (rl.packing)
     pack_width: int = 0  # with pack_rows: packed rows at least this wide (0: the batch's bucketed width)
+    record_teacher: bool = False  # the step also returns the teacher's log-probs [R, B, N] (log.turn_records)
 
     @property
     def scoring_chunk(self) -> int:

@@ -43,8 +43,9 @@ import numpy as np
 
 from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.chat.types import CallError, Task, ToolCall
+from turnsight_jax.envs.executor import ERROR_TEMPLATE
 
-ERROR_PREFIX = "an error occured when call"  # FTRL's error observation (envs.executor.ERROR_TEMPLATE)
+ERROR_PREFIX = ERROR_TEMPLATE.split("{name}")[0]  # FTRL's error observation starts so
 MIN_VALUE_CHARS = 2
 
 

@@ -58,6 +58,10 @@ CRITIC_METRICS = ("value_loss", "value_clip_frac", "values_mean")
 # TurnSight diagnostics the step reports (under turnsight/ in the run's metrics).
 TURNSIGHT_METRICS = ("agreement_rate", "depth_histogram", "weight_mean", "weight_min", "weight_max",
                      "frac_turns_amplified", "frac_turns_damped", "delta_mean")
+# Arrays the step returns next to its scalar metrics, one row per trajectory (the trainer takes
+# them out before logging: rl.turn_records): "per_turn/<name>" [B, K] and, with
+# StepConfig.record_teacher, "per_token/teacher_logprobs" [R, B, N].
+PER_ROW_PREFIXES = ("per_turn/", "per_token/")
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
@@ -123,6 +127,7 @@ def compute_advantages(batch: TrainBatch, teacher_lp, cfg: StepConfig, method: R
     out = fn(advantage_inputs(batch, teacher_lp, values, process_rewards))
     # TurnSight's diagnostics by name; a plug-in estimator's under its own "<method>/" prefix
     diag = {k: out[k] for k in out if k in TURNSIGHT_METRICS or "/" in k}
+    diag.update(per_turn_values(out, batch, cfg))
     if "returns" in out:
         diag["returns"] = out["returns"]
     if teacher_lp is not None:
@@ -139,6 +144,41 @@ def compute_advantages(batch: TrainBatch, teacher_lp, cfg: StepConfig, method: R
             diag["teacher/frac_teacher_higher"] = jnp.sum(covered & (gap[0] > 0)) / m
             diag["teacher/frac_teacher_lower"] = jnp.sum(covered & (gap[0] < 0)) / m
     return out["advantages"], diag
+
+
+def _turn_reduce(x, batch: TrainBatch, k: int, how: str):
+    """[B, N] per policy token -> [B, K] per turn (segment sums over the assigned tokens): "mean",
+    or "same" (the turns' common value, -1 where its tokens disagree or it has none)."""
+    b = x.shape[0]
+    assigned = batch.pol_valid & (batch.turn_ids >= 0) & (batch.turn_ids < k)
+    seg = jnp.where(assigned, jnp.arange(b)[:, None] * k + batch.turn_ids, b * k).reshape(-1)
+    count = jax.ops.segment_sum(assigned.reshape(-1).astype(jnp.float32), seg, b * k + 1)[:-1]
+    if how == "mean":
+        total = jax.ops.segment_sum(jnp.where(assigned, x, 0).reshape(-1).astype(jnp.float32), seg, b * k + 1)[:-1]
+        return (total / jnp.maximum(count, 1.0)).reshape(b, k)
+    lo = jax.ops.segment_min(jnp.where(assigned, x, 0).reshape(-1), seg, b * k + 1)[:-1]
+    hi = jax.ops.segment_max(jnp.where(assigned, x, 0).reshape(-1), seg, b * k + 1)[:-1]
+    return jnp.where((count > 0) & (lo == hi), lo, -1).reshape(b, k)
+
+
+def per_turn_values(out: dict, batch: TrainBatch, cfg: StepConfig) -> dict:
+    """What a turn received, one value per (trajectory, turn slot) [B, K] (K = max_turns; 0 or -1
+    on slots past a trajectory's turns), for the run's records (rl.turn_records): "advantage" (the
+    turn's mean advantage), and with TurnSight "weight" (its mean weight w), "delta_bar" (its
+    selected mean gap δ̄*), "depth" (the chosen hindsight depth d*, a depth value: -1 for the
+    mean fusion, and where its tokens chose differently, as with aggregation="token") and
+    "horizon" (the dependency rule's h, rl.horizon; -1 without it)."""
+    k = cfg.max_turns
+    vals = {"per_turn/advantage": _turn_reduce(out["advantages"], batch, k, "mean")}
+    if "weights" in out and "selected_depth" in out:
+        depths = jnp.asarray(tuple(cfg.algo.depths), jnp.int32)
+        d = out["selected_depth"]
+        value = jnp.where(d >= 0, depths[jnp.maximum(d, 0)], -1)
+        vals.update({"per_turn/weight": _turn_reduce(out["weights"], batch, k, "mean"),
+                     "per_turn/delta_bar": _turn_reduce(out["delta_bar"], batch, k, "mean"),
+                     "per_turn/depth": _turn_reduce(value, batch, k, "same"),
+                     "per_turn/horizon": _turn_reduce(out["horizon"], batch, k, "same")})
+    return vals
 
 
 # ---- strided micro-batches ----
@@ -579,6 +619,8 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         metrics.update(retro_metrics)
         metrics.update(diag)
         metrics.update(mismatch)
+        if cfg.record_teacher and teacher_lp is not None:  # the records' token log-probs: no extra forward
+            metrics["per_token/teacher_logprobs"] = teacher_lp
         if method.aux:
             new_aux = dict(aux)
             if with_critic:

@@ -477,7 +477,7 @@ def rollout(
             if used[r] + len(sid) >= config.max_response_tokens:
                 end(r, None, truncated=True)
                 continue
-            builders[r].add_observation(sid, list(step.observations), spans, header)
+            builders[r].add_observation(sid, list(step.observations), spans, header, env_info=dict(step.info))
             used[r] += len(sid)
             backend.append(r, sid, int(config.max_response_tokens - used[r]))
             with_backend.add(r)
