@@ -163,3 +163,30 @@ def test_solve_metrics_of_a_wrong_hop(env):
     assert m["solved"] == 1 and m["solve_f1"] == pytest.approx(2 * 1 / (2 + 2))
     assert m == {**solve_metrics(ep.call_outputs, t.unsolved_set), "answer_correct": 0.0,
                  "num_turns": 2.0}
+
+
+def test_long_chains_up_to_twenty_turns(tok):
+    """data.max_hops: chains of hops..max_hops hops (19 hops: 20 turns with the answer); a gold
+    replay of the longest solves it in a 20-turn rollout; the dependency rule recovers the chain."""
+    from turnsight_jax.rl.horizon import dependency_batch, dependency_horizon, gold_horizons
+    from turnsight_jax.rollout.driver import ReplayPolicy, RolloutConfig, rollout
+
+    cfg = SyntheticConfig(hops=2, max_hops=19, num_relations=32, vocab_size=64, max_distractors=2)
+    tasks = generate_tasks(60, categories=("multi_hop", "single_hop"), config=cfg)
+    lengths = [len(t.gold_calls) for t in tasks if t.category == "multi_hop"]
+    assert min(lengths) >= 2 and max(lengths) == 19 and len(set(lengths)) > 8
+    assert all(len(t.gold_calls) == 1 for t in tasks if t.category == "single_hop")
+    longest = max(tasks, key=lambda t: len(t.gold_calls))
+    assert gold_horizons(longest) == list(range(19, 0, -1)) + [1]
+    assert len({c[0]["name"] for c in longest.gold_calls}) == 19  # each relation once
+    with FTRLEnv(num_workers=1) as env:
+        res = rollout(ReplayPolicy(tok, [gold_turn_texts(longest)]), env, [longest], tokenizer=tok, group_size=1,
+                      config=RolloutConfig(max_turns=20, max_response_tokens=8192))
+    traj = res.trajectories[0]
+    assert traj.num_turns == 20 and traj.reward == 1.0 and traj.finish_reason == "answer"
+    h = np.asarray(dependency_horizon(dependency_batch([traj], 20)))[0]
+    assert h.tolist() == gold_horizons(longest)
+    with pytest.raises(ValueError, match="max_hops must be 0"):
+        SyntheticConfig(hops=3, max_hops=2).validate()
+    with pytest.raises(ValueError, match=r"max_hops \+ max_distractors must be <= num_relations=16"):
+        SyntheticConfig(max_hops=16, vocab_size=64).validate()

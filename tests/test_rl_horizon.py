@@ -159,3 +159,25 @@ def test_dependency_reads_arguments_and_json_results(tok):
     # "7" is one character: not a value; an "unavailable" fault's result offers nothing either
     assert turn_dependencies(b.build(finish_reason="answer"), faults=[[[]], [[]], [["unavailable"]], [[], []], []]) \
         .nonzero()[0].tolist() == [2]
+
+
+def test_dependency_selection_through_the_batch_and_the_step(tok, chains):
+    """make_train_batch carries turn_uses for rl.selection="dependency" (only then); the step's
+    advantage stage chooses per turn the depth covering the rule's horizon, reported per turn."""
+    from turnsight_jax.rl.batch import make_train_batch
+    from turnsight_jax.rl.config import AlgoConfig, StepConfig
+    from turnsight_jax.rl.methods import resolve_method
+    from turnsight_jax.rl.step import compute_advantages
+
+    task, trajs = chains
+    cfg = StepConfig(algo=AlgoConfig(method="turnsight", base="grpo", selection="dependency", depths=(1, 3)),
+                     group_size=2, max_turns=6)
+    method = resolve_method(cfg)
+    batch, _ = make_train_batch(trajs, [task, task], tok, cfg, method)
+    np.testing.assert_array_equal(batch.turn_uses, dependency_batch(trajs, 6))
+    vote = StepConfig(algo=AlgoConfig(method="turnsight", base="grpo"), group_size=2, max_turns=6)
+    assert make_train_batch(trajs, [task, task], tok, vote, resolve_method(vote))[0].turn_uses is None
+    teacher = np.random.default_rng(1).normal(size=(2,) + batch.pol_valid.shape).astype(np.float32)
+    _, diag = compute_advantages(batch, jnp.asarray(teacher), cfg, method)
+    assert np.asarray(diag["per_turn/horizon"]).tolist() == [[3, 2, 1, 1, -1, -1], [1, 3, 2, 1, 1, -1]]
+    assert np.asarray(diag["per_turn/depth"]).tolist() == [[3, 3, 1, 1, -1, -1], [1, 3, 3, 1, 1, -1]]

@@ -78,12 +78,13 @@ def base_config() -> mlc.ConfigDict:
     # Built-in task generator (data.source = builtin only; turnsight_jax.envs.synthetic.SyntheticConfig):
     c.data.categories = ("single_hop", "parallel_single_hop", "multi_hop", "parallel_multi_hop")  # task kinds
     c.data.hops = 2  # chain length of the multi-hop categories (>= 2)
+    c.data.max_hops = 0  # 0: every chain has `hops` hops; else each multi-hop task's length uniform in [hops, max_hops] (long horizons)
     c.data.width = 2  # parallel sub-questions of the parallel categories (>= 2)
     c.data.min_distractors = 1  # distractor tools per task: uniform in [min, max]
     c.data.max_distractors = 2  # (see min_distractors)
     c.data.vocab_size = 64  # distinct entity names
     c.data.entity_style = "cvcv"  # cvcv (made-up four-letter words) | names (single-token first names)
-    c.data.num_relations = 16  # relation names (tools) the tasks draw from (at most 16)
+    c.data.num_relations = 16  # relation names (tools) the tasks draw from (at most 32; a chain uses each once)
     c.data.extra_rows = 2  # table rows per tool beyond those the gold chain needs
     c.data.prompt_style = "short"  # short (FTRL's first sentence + the question) | ftrl (FTRL's full text)
 
@@ -290,6 +291,20 @@ def base_config() -> mlc.ConfigDict:
     c.log = mlc.ConfigDict()  # run logs (metrics.jsonl is always written)
     c.log.tensorboard = True  # TensorBoard event files next to metrics.jsonl
     c.log.progress = True  # progress lines on stderr
+    # Per-step turn records (rl.turn_records): each turn's outcome, faults, chosen depth, weight and
+    # advantage, and the teacher's and the sampler's log-probs of the sampled tokens (no extra
+    # forward), in <workdir>/turn_records/; read by `python -m turnsight_jax.calibration`.
+    c.log.turn_records = False
+
+    # Noisy, slow and unavailable tools (envs.faults): injected into the training rollouts'
+    # environment (the held-out evaluation stays clean); all rates 0: not wrapped at all.
+    c.faults = mlc.ConfigDict()
+    c.faults.wrong_rate = 0.0  # a call's result replaced by a plausible wrong value (another gold or earlier value)
+    c.faults.unavailable_rate = 0.0  # a call finds its tool down: answered "temporarily unavailable; call it again"
+    c.faults.unavailable_attempts = 1  # identical attempts answered unavailable per outage; the next one runs
+    c.faults.delay_rate = 0.0  # a call takes faults.delay_s longer (a batch waits for its slowest once)
+    c.faults.delay_s = 0.0  # seconds a delayed call adds
+    c.faults.seed = 0  # salt of the fault draws (with each episode's seed and each call's index)
     return c
 
 
@@ -574,7 +589,18 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
         teacher_micro_batches=t.teacher_micro_batches, logprob_chunk=t.logprob_chunk,
         score_chunk=t.score_chunk, max_turns=cfg.rollout.max_turns,
         length_classes=t.length_classes, pack_rows=t.pack_rows, pack_width=t.pack_width,
+        record_teacher=bool(cfg.log.turn_records),
     )
+
+
+def fault_config(cfg: mlc.ConfigDict):
+    """faults.* -> envs.faults.FaultConfig, validated (a ConfigError naming the key)."""
+    from turnsight_jax.envs.faults import FaultConfig
+
+    try:
+        return FaultConfig(**cfg.faults.to_dict()).validate()
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def slim_config(cfg: mlc.ConfigDict):
@@ -645,6 +671,16 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
         raise ConfigError(f"train.max_skipped_steps must be >= 1, got {cfg.train.max_skipped_steps}")
     if cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.keep must be >= 1 (0 would delete every save), got {cfg.checkpoint.keep}")
+    fault_config(cfg)
+    if not isinstance(cfg.log.turn_records, bool):
+        raise ConfigError(f"log.turn_records must be True or False, got {cfg.log.turn_records!r}")
+    if "builtin" in (cfg.data.source, cfg.data.eval_source):
+        from turnsight_jax.sources import synthetic_config
+
+        try:
+            synthetic_config(cfg).validate()
+        except ValueError as e:
+            raise ConfigError(f"data: {e}") from None
     if num_devices is not None:
         shape = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
         known = [s for s in shape if s != -1]

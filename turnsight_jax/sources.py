@@ -125,7 +125,7 @@ def training_needs(cfg: mlc.ConfigDict) -> tuple[str, ...]:
 
 def synthetic_config(cfg: mlc.ConfigDict) -> SyntheticConfig:
     d = cfg.data
-    return SyntheticConfig(hops=d.hops, width=d.width, min_distractors=d.min_distractors,
+    return SyntheticConfig(hops=d.hops, max_hops=d.max_hops, width=d.width, min_distractors=d.min_distractors,
                            max_distractors=d.max_distractors, vocab_size=d.vocab_size, extra_rows=d.extra_rows,
                            num_relations=d.num_relations, entity_style=d.entity_style,
                            prompt_style=d.prompt_style)

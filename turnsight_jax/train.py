@@ -31,17 +31,20 @@ from flax import nnx
 
 from turnsight_jax import checkpointing, distributed, flops, model_setup, sources
 from turnsight_jax.checkpointing import Checkpointer, write_run_config, write_run_files
-from turnsight_jax.config import (engine_config, load_run_config, model_layer_name, rollout_config, sampling_params,
-                                  second_stage, slim_config, validate)
+from turnsight_jax.config import (engine_config, fault_config, load_run_config, model_layer_name, rollout_config,
+                                  sampling_params, second_stage, slim_config, validate)
+from turnsight_jax.envs import faults as faults_lib
 from turnsight_jax.distributed import maybe_initialize_distributed
 from turnsight_jax.errors import ConfigError, NonFiniteTraining
 from turnsight_jax.eval.heldout import evaluate_policy
 from turnsight_jax.models.sharding import make_mesh, opt_state_shardings
 from turnsight_jax.models.weights import save_pretrained
-from turnsight_jax.rl.batch import make_train_batch, packed_reference, row_axis, shape_keys, shard_batch
+from turnsight_jax.rl import turn_records
+from turnsight_jax.rl.batch import batch_order, make_train_batch, packed_reference, row_axis, shape_keys, shard_batch
 from turnsight_jax.rl.methods import RolloutContext
 from turnsight_jax.rl.slim_runner import LIBRARY_FILE, SlimRunner, uses_slim
-from turnsight_jax.rl.step import TURNSIGHT_METRICS, init_aux, make_aux_optimizers, make_optimizer, make_train_step
+from turnsight_jax.rl.step import (PER_ROW_PREFIXES, TURNSIGHT_METRICS, init_aux, make_aux_optimizers, make_optimizer,
+                                   make_train_step)
 from turnsight_jax.rollout.progress import ProgressLine
 from turnsight_jax.runlog import MetricsLog, Progress, log, matmul_peak_flops
 
@@ -74,7 +77,7 @@ class _Preemption:
 
 
 _TRAJ_METRICS = ("solve_f1", "solve_p", "solve_r", "num_turns", "num_calls", "response_tokens", "tool_error_rate",
-                 "truncated", "policy_tokens")
+                 "truncated", "policy_tokens", "faulted_calls")
 
 
 def _rollout_metrics(trajs) -> dict[str, float]:
@@ -293,8 +296,11 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                                     resume_text=ckpt.read_file(latest, LIBRARY_FILE) if latest is not None else None,
                                     log=log)
 
-    env = sources.make_env(cfg.data.source)
-    eval_env = env if cfg.data.eval_source == cfg.data.source else sources.make_env(cfg.data.eval_source)
+    # The training rollouts' environment, with faults injected when faults.* asks (envs.faults);
+    # the held-out evaluation runs on the clean one.
+    clean_env = sources.make_env(cfg.data.source)
+    env = faults_lib.wrap(clean_env, fault_config(cfg))
+    eval_env = clean_env if cfg.data.eval_source == cfg.data.source else sources.make_env(cfg.data.eval_source)
     summary: dict = {}
     eval_before_path = workdir / "eval_before_rl.json"
     if eval_tasks and not eval_before_path.exists():
@@ -362,6 +368,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                                                               teacher_params, aux_state)
                 if ema_fn is not None:
                     teacher_params = ema_fn(teacher_params, params)
+                per_row = {k: distributed.to_host(m.pop(k)) for k in list(m) if k.startswith(PER_ROW_PREFIXES)}
                 m = jax.device_get(m)
             if m["skipped_updates"] > 0:
                 skipped_in_a_row += 1
@@ -377,10 +384,29 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             for k, v in m.items():
                 # a plug-in method's own diagnostics carry their prefix ("rlsd/...", "teacher/...")
                 metrics[k if "/" in k else ("turnsight/" if k in TURNSIGHT_METRICS else "train/") + k] = v
+            # what each turn was and received (rl.turn_records): this process's rows of the step's
+            # per-row outputs, in its trajectories' order
+            lo = distributed.process_rows(mesh, rows)[0] if distributed.is_multiprocess() else 0
+            records = turn_records.step_records(
+                res.trajectories, [t for t in mine for _ in range(cfg.train.group_size)],
+                {k: v[:, lo:lo + len(res.trajectories)] if k.startswith("per_token/") else v[lo:lo + len(res.trajectories)]
+                 for k, v in per_row.items()},
+                batch_order(res.trajectories, step_cfg, local_row_shards(mesh)), step_cfg.max_turns,
+                views=[f"depth {d}" for d in step_cfg.algo.depths] if method.teacher == "hindsight" else ["privileged"])
+            sums = turn_records.metric_sums(records, step_cfg.algo.depths)
+            summed = _summed({f"{k}|{i}": v[i] for k, v in sums.items() for i in (0, 1)})
+            metrics.update(turn_records.ratios({k: (summed[f"{k}|0"], summed[f"{k}|1"]) for k in sums}))
+            if cfg.log.turn_records:
+                turn_records.write(workdir, step + 1, records, jax.process_index(), jax.process_count())
+            if "hindsight_blocks" in bstats:  # the hindsight messages' length (rl.hindsight_budget: exactly it)
+                hb = _summed({k: bstats[k] for k in ("hindsight_blocks", "hindsight_block_tokens", "hindsight_blocks_cut")})
+                metrics["hindsight/block_tokens_mean"] = hb["hindsight_block_tokens"] / max(hb["hindsight_blocks"], 1.0)
+                metrics["hindsight/blocks_cut_frac"] = hb["hindsight_blocks_cut"] / max(hb["hindsight_blocks"], 1.0)
             if "views_skipped" in bstats:  # privileged views without a block (e.g. no successful sibling)
                 metrics["teacher/views_skipped"] = bstats["views_skipped"]
                 metrics["teacher/views_built"] = bstats.get("views_built", 0.0)
             counts = _summed({**{f"r.{k}": res.stats.get(k, 0.0) for k in ("tokens", "decoded_tokens", "env_errors")},
+                              "r.episodes": float(len(res.trajectories)),
                               **{f"b.{k}": bstats.get(k, 0.0) for k in ("trajectory_tokens", "view_tokens",
                                                                         "policy_tokens")},
                               "f.rollout": flops.rollout_flops(qcfg, [t.length for t in res.trajectories],
@@ -403,6 +429,9 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                                 "perf/teacher_flops_share": counts["f.teacher_necessary"] / max(update["necessary"], 1.0)})
             metrics.update({"perf/step_s": t_total, "perf/rollout_s": t_roll, "perf/update_s": t_total - t_roll,
                             "perf/tool_s": res.stats["tool_s"], "perf/tokens_per_s": tokens / t_total,
+                            # the rollouts' own throughput: episodes and generated + observed tokens per second
+                            "perf/rollout_episodes_per_s": counts["r.episodes"] / max(t_roll, 1e-9),
+                            "perf/rollout_tokens_per_s": counts["r.tokens"] / max(t_roll, 1e-9),
                             # episodes an environment error ended (a raising step or scorer), a count
                             "rollout/env_errors": counts["r.env_errors"],
                             "perf/compilations": res.stats.get("compilations", 0.0),
@@ -475,8 +504,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     if cfg.checkpoint.export_at_end:
         export(graphdef, params, workdir / "export", workdir / "tokenizer")
     ckpt.close()
-    env.close()
-    if eval_env is not env:
+    env.close()  # closes clean_env too when it wraps it
+    if eval_env is not clean_env:
         eval_env.close()
     return summary
 

@@ -41,7 +41,12 @@ SYNTHETIC_CATEGORIES = ("single_hop", "parallel_single_hop", "multi_hop", "paral
 RELATIONS = (
     "city", "boss", "pet", "team", "home", "job", "song", "car",
     "club", "book", "coach", "friend", "school", "color", "food", "star",
+    # more relations for long chains (data.num_relations > 16); the first 16 keep their order, so
+    # tasks drawn from them are unchanged
+    "bank", "game", "film", "tree", "ship", "room", "lake", "hill",
+    "shop", "road", "park", "farm", "band", "tool", "drink", "bird",
 )
+DEFAULT_RELATIONS = 16
 # First names that the Qwen3 tokenizer keeps as one token after a quote, a newline and a tag
 # alike, so copying one is a single-token copy (no name is a substring of another).
 SINGLE_TOKEN_NAMES = (
@@ -68,10 +73,14 @@ class SyntheticConfig:
     """Difficulty knobs of the built-in tasks.
 
     hops: chain length of the multi-hop categories (>= 2).
+    max_hops: 0 (every multi-hop task has `hops` hops), or the longest chain: each multi-hop task's
+      length is then drawn uniformly from [hops, max_hops] (long horizons: a chain of n hops takes
+      n tool turns and the answer turn, so 19 hops take 20 turns).
     width: number of parallel sub-questions of the parallel categories (>= 2).
     min_distractors / max_distractors: distractor tools per task (uniform in the range).
     vocab_size: number of distinct entity names the generator draws from.
-    num_relations: how many of the 16 relation names (tools) tasks draw from.
+    num_relations: how many of the 32 relation names (tools) tasks draw from (16 by default; a
+      chain uses each relation once, so hops + max_distractors must fit).
     entity_style: "cvcv" (four-letter made-up words, up to 9,800) or "names" (single-token first
       names, up to 31: easiest to copy for a tiny model).
     extra_rows: table rows per tool beyond those the gold chain needs.
@@ -79,11 +88,12 @@ class SyntheticConfig:
     """
 
     hops: int = 2
+    max_hops: int = 0
     width: int = 2
     min_distractors: int = 1
     max_distractors: int = 2
     vocab_size: int = 64
-    num_relations: int = len(RELATIONS)
+    num_relations: int = DEFAULT_RELATIONS
     entity_style: str = "cvcv"
     extra_rows: int = 2
     prompt_style: str = "short"
@@ -91,6 +101,8 @@ class SyntheticConfig:
     def validate(self) -> None:
         if self.hops < 2:
             raise ValueError(f"SyntheticConfig.hops must be >= 2, got {self.hops}")
+        if self.max_hops and self.max_hops < self.hops:
+            raise ValueError(f"SyntheticConfig.max_hops must be 0 (off) or >= hops={self.hops}, got {self.max_hops}")
         if self.width < 2:
             raise ValueError(f"SyntheticConfig.width must be >= 2, got {self.width}")
         if not 0 <= self.min_distractors <= self.max_distractors:
@@ -100,13 +112,14 @@ class SyntheticConfig:
             )
         if not 1 <= self.num_relations <= len(RELATIONS):
             raise ValueError(f"SyntheticConfig.num_relations must be in [1, {len(RELATIONS)}], got {self.num_relations}")
-        if self.hops + self.max_distractors > self.num_relations:
+        if self.longest + self.max_distractors > self.num_relations:
             raise ValueError(
-                f"SyntheticConfig: hops + max_distractors must be <= num_relations={self.num_relations}"
+                f"SyntheticConfig: {'max_hops' if self.max_hops else 'hops'} + max_distractors must be <= "
+                f"num_relations={self.num_relations}"
             )
         if self.entity_style not in ("cvcv", "names"):
             raise ValueError(f"SyntheticConfig.entity_style must be 'cvcv' or 'names', got {self.entity_style!r}")
-        needed = self.width * (self.hops + 1) + self.extra_rows * 2 + 2
+        needed = self.width * (self.longest + 1) + self.extra_rows * 2 + 2
         most = len(SINGLE_TOKEN_NAMES) if self.entity_style == "names" else len(_CONSONANTS) ** 2 * len(_VOWELS) ** 2
         if not needed <= self.vocab_size <= most:
             raise ValueError(
@@ -114,6 +127,12 @@ class SyntheticConfig:
             )
         if self.prompt_style not in ("short", "ftrl"):
             raise ValueError(f"SyntheticConfig.prompt_style must be 'short' or 'ftrl', got {self.prompt_style!r}")
+
+
+    @property
+    def longest(self) -> int:
+        """The longest chain a task can have."""
+        return max(self.hops, self.max_hops)
 
 
 def entity_vocabulary(size: int, style: str = "cvcv") -> list[str]:
@@ -185,6 +204,8 @@ def generate_task(category: str, seed: int, config: SyntheticConfig = SyntheticC
     rng = random.Random(f"turnsight-synthetic|{category}|{seed}")
     vocab = entity_vocabulary(config.vocab_size, config.entity_style)
     hops = 1 if category.endswith("single_hop") else config.hops
+    if hops > 1 and config.max_hops > config.hops:  # drawn only then: fixed-length tasks are unchanged
+        hops = rng.randint(config.hops, config.max_hops)
     width = config.width if category.startswith("parallel") else 1
     n_distractors = rng.randint(config.min_distractors, config.max_distractors)
     relations = rng.sample(RELATIONS[: config.num_relations], hops + n_distractors)
