@@ -12,13 +12,21 @@ import pytest
 from _train_runs import any_of as _any
 from _train_runs import train
 
-EXTRA = {"sdpo": ["--config.teacher.sibling_min_reward=0.01"]}
+# RLSD's run also carries the studies' options (docs/experiments.md): its privileged block at a
+# fixed length (teacher.block_budget), faulty tools and the turn records the calibration reads.
+EXTRA = {"sdpo": ["--config.teacher.sibling_min_reward=0.01"],
+         "rlsd": ["--config.teacher.block_budget=40", "--config.faults.unavailable_rate=0.25",
+                  "--config.log.turn_records=True"]}
 METHODS = ("rlsd", "sdpo", "sdar", "sod")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, warm_start):
-    root = tmp_path_factory.mktemp("baselines")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("baselines")
+
+
+@pytest.fixture(scope="module")
+def runs(root, warm_start):
     return {method: train(method, root / method, warm_start, *EXTRA.get(method, [])) for method in METHODS}
 
 
@@ -56,3 +64,27 @@ def test_every_baseline_trains_three_steps_with_its_mechanism_acting(runs):
     assert all(0.0 < r["train/sod_weight"] <= 1.0 + 1e-5 for r in sod)  # a token mean of weights <= 1
     assert abs(sod[0]["train/sod_kl"]) < 1e-7 and abs(sod[0]["train/sod_weight"] - 1.0) < 3e-6
     assert sod[-1]["train/sod_kl"] > 1e-6 and sod[-1]["train/sod_weight"] < 1.0 - 3e-6
+
+
+def test_turn_records_faults_and_the_calibration_report(runs, root):
+    """The RLSD run's turn records (log.turn_records) feed `python -m turnsight_jax.calibration`;
+    its tools were unavailable at the configured rate, recorded per turn and in the metrics."""
+    from turnsight_jax import calibration
+    from turnsight_jax.rl import turn_records
+
+    rlsd = runs["rlsd"]
+    steps = turn_records.load(root / "rlsd")
+    assert [s for s, _ in steps] == [1, 2, 3]
+    rec = steps[0][1]
+    assert rec["token_views"].tolist() == ["privileged"] and rec["token_teacher"].shape[1] == rec["token_student"].size
+    assert rec["has_calls"].shape == (8, 4)  # 2 prompts x 4 rollouts, rollout.max_turns = 4
+    faulted = sum(int((r["fault_unavailable"] & r["has_calls"]).sum()) for _, r in steps)
+    tool = sum(int(r["has_calls"].sum()) for _, r in steps)
+    assert 0 < faulted < tool
+    assert all(0 <= r["faults/fault_unavailable_turns"] <= 1 for r in rlsd) and any(r["faults/faulted_turns"] > 0
+                                                                                      for r in rlsd)
+    assert all("credit/advantage_clean" in r and "recovery/success_faulted" in r or r["faults/faulted_turns"] == 0
+               for r in rlsd)
+    assert calibration.main([str(root / "rlsd")]) == 0
+    table = (root / "rlsd" / "calibration" / "calibration.md").read_text()
+    assert "| privileged |" in table and (root / "rlsd" / "calibration" / "reliability.png").is_file()

@@ -159,6 +159,14 @@ TODAY_DEFAULT["slim"] = {"initial": "builtin", "audit_every": 1, "audit_tasks": 
 TODAY_DEFAULT["judge"] = {"checkpoint": "", "rationale": True, "reference": False, "max_new_tokens": 256,
                           "max_prompt_tokens": 4096, "batch_size": 32, "default_label": 0, "verifier_threshold": 1.0,
                           "dtype": "float32"}
+# The studies of issue 26 (docs/experiments.md), all off: the default run does not move (the equal-length
+# control, the adaptive horizons' tolerance, long chains, faulty tools, the turn records).
+TODAY_DEFAULT["rl"].update(hindsight_budget=0, hindsight_filler=".\n", horizon_tol=0.05)
+TODAY_DEFAULT["teacher"].update(block_budget=0, block_filler=".\n")
+TODAY_DEFAULT["data"].update(max_hops=0)
+TODAY_DEFAULT["log"].update(turn_records=False)
+TODAY_DEFAULT["faults"] = {"wrong_rate": 0.0, "unavailable_rate": 0.0, "unavailable_attempts": 1, "delay_rate": 0.0,
+                           "delay_s": 0.0, "seed": 0}
 
 # Keys where configs/qwen3_8b.py's experiment departs from base + its model layer: how the run
 # fits 8 x 80 GB devices and how it evaluates. Anything else would be a value from somewhere else.
@@ -466,3 +474,28 @@ def test_a_config_file_missing_sections_or_keys_is_one_line(tmp_path):
     msg = str(e.value)
     assert "\n" not in msg and "lacks key 'loss.kl_coef', section 'train'" in msg, msg
     assert C.load_config_file(C.pathlib.Path(C.__file__).parents[1] / "configs" / "qwen3_8b.py").train.steps > 0
+
+
+@pytest.mark.parametrize("override,message", [
+    ("rl.hindsight_budget=-1", r"rl.hindsight_budget must be an int >= 0 \(tokens per block; 0: off\), got -1"),
+    ("rl.hindsight_filler=''", r"rl.hindsight_filler must be a non-empty string"),
+    ("teacher.block_budget=-5", r"teacher.block_budget must be an int >= 0"),
+    ("rl.selection=adaptive", r"rl.selection must be one of \('vote', 'mean', 'dependency', 'saturation'\)"),
+    ("rl.horizon_tol=-0.1", r"rl.horizon_tol must be a finite number >= 0"),
+    ("faults.wrong_rate=1.5", r"faults.wrong_rate must be a probability in \[0, 1\], got 1.5"),
+    ("faults.unavailable_attempts=0", r"faults.unavailable_attempts must be an int >= 1, got 0"),
+    ("faults.delay_s=-1.0", r"faults.delay_s must be a finite number of seconds >= 0"),
+    ("data.max_hops=1", r"data: SyntheticConfig.max_hops must be 0 \(off\) or >= hops=2, got 1"),
+    ("data.max_hops=25", r"data: SyntheticConfig: max_hops \+ max_distractors must be <= num_relations=4"),
+])
+def test_study_keys_are_validated(override, message):
+    """The keys of docs/experiments.md's studies: a bad value is a one-line ConfigError naming it."""
+    cfg = C.apply_overrides(C.default_config(), [override])
+    with pytest.raises(ConfigError, match=message):
+        C.validate(cfg, 1)
+
+
+def test_study_keys_accept_their_values():
+    for good in (["rl.hindsight_budget=96"], ["rl.selection=dependency"], ["rl.selection=saturation"],
+                 ["faults.wrong_rate=0.2"], ["data.max_hops=3", "data.vocab_size=12"]):
+        C.validate(C.apply_overrides(C.default_config(), good), 1)

@@ -294,11 +294,11 @@ def base_config() -> mlc.ConfigDict:
     # Per-step turn records (rl.turn_records): each turn's outcome, faults, chosen depth, weight and
     # advantage, and the teacher's and the sampler's log-probs of the sampled tokens (no extra
     # forward), in <workdir>/turn_records/; read by `python -m turnsight_jax.calibration`.
-    c.log.turn_records = False
+    c.log.turn_records = False  # True: write <workdir>/turn_records/step_*.npz (the calibration report reads them)
 
     # Noisy, slow and unavailable tools (envs.faults): injected into the training rollouts'
     # environment (the held-out evaluation stays clean); all rates 0: not wrapped at all.
-    c.faults = mlc.ConfigDict()
+    c.faults = mlc.ConfigDict()  # envs.faults.FaultConfig; docs/experiments.md
     c.faults.wrong_rate = 0.0  # a call's result replaced by a plausible wrong value (another gold or earlier value)
     c.faults.unavailable_rate = 0.0  # a call finds its tool down: answered "temporarily unavailable; call it again"
     c.faults.unavailable_attempts = 1  # identical attempts answered unavailable per outage; the next one runs
