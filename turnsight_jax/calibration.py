@@ -100,6 +100,8 @@ def collect(run_dir: pathlib.Path) -> dict:
 def report(run_dir: pathlib.Path, out: pathlib.Path, bins: int = 10) -> dict:
     """Write reliability.png and calibration.md; returns the numbers of the table."""
     data = collect(run_dir)
+    if not data["turn_y"]["gold_match"].size:
+        raise ValueError(f"{run_dir}: the turn records hold no tool turn (no calls were made): nothing to calibrate")
     out.mkdir(parents=True, exist_ok=True)
     views = data["views"]
     tok = [reliability(np.exp(data["tok_lp"][v]), data["tok_y"], bins) for v in range(len(views))]

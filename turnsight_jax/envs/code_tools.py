@@ -23,6 +23,16 @@ def call_seed(seed: int, task_id: str, call_index: int) -> int:
     return zlib.crc32(f"{seed}|{task_id}|{call_index}".encode("utf-8")) & 0x7FFFFFFF
 
 
+def step_in_two_phases(episode, calls: Sequence[Call]) -> StepResult:
+    """One turn of an episode with `plan_step` / `commit_step` run on its own `executor` (what
+    `VectorEnv` does for a batch of such episodes)."""
+    plan = episode.plan_step(calls)
+    if isinstance(plan, StepResult):
+        return plan
+    observations, requests, slots = plan
+    return episode.commit_step(calls, observations, slots, episode.executor.run_many(requests))
+
+
 class CodeToolEpisode(Episode):
     """An episode over `task.codes`; records every call's (tool name, observation) in order.
 
@@ -47,11 +57,7 @@ class CodeToolEpisode(Episode):
         return self._done
 
     def step(self, calls: Sequence[Call]) -> StepResult:
-        plan = self.plan_step(calls)
-        if isinstance(plan, StepResult):
-            return plan
-        observations, requests, slots = plan
-        return self.commit_step(calls, observations, slots, self._executor.run_many(requests))
+        return step_in_two_phases(self, calls)
 
     # Two-phase stepping lets `VectorEnv` send the calls of all episodes to the executor as one
     # batch (one chunked `run_many`), instead of one small batch per episode.

@@ -43,6 +43,7 @@ from typing import Any, Callable, Sequence
 
 from turnsight_jax.chat.types import Call, CallError, Task, ToolCall
 from turnsight_jax.envs.base import Environment, Episode, EpisodeScore, StepResult
+from turnsight_jax.envs.code_tools import step_in_two_phases
 from turnsight_jax.envs.executor import ERROR_TEMPLATE, error_text
 
 FAULT_KINDS = ("unavailable", "wrong", "delay")
@@ -251,11 +252,7 @@ class FaultyCodeEpisode(FaultyEpisode):
             return self._finish(self.inner.commit_step(forwarded, observations, slots, texts), faults)
 
     def step(self, calls: Sequence[Call]) -> StepResult:
-        plan = self.plan_step(calls)
-        if isinstance(plan, StepResult):
-            return plan
-        observations, requests, slots = plan
-        return self.commit_step(calls, observations, slots, self.executor.run_many(requests))
+        return step_in_two_phases(self, calls)
 
     @property
     def executor(self):
