@@ -49,7 +49,9 @@ class _EchoEnv(Environment):
 
 
 def _task(i: int) -> Task:
-    return Task(f"t{i}", ({"role": "user", "content": "q"},), (TOOL,), {}, {"look": ["gold-a", "gold-b"]}, "a")
+    # gold-c is the final answer: a wrong value never hands it over
+    return Task(f"t{i}", ({"role": "user", "content": "q"},), (TOOL,), {}, {"look": ["gold-a", "gold-b", "gold-c"]},
+                "x, Gold-C")
 
 
 def _call(x) -> ToolCall:

@@ -3,6 +3,7 @@
     python -m turnsight_jax.studies equal_length --workdir runs/studies --out docs/experiments/equal_length
     python -m turnsight_jax.studies horizon      --workdir runs/studies --out docs/experiments/horizon
     python -m turnsight_jax.studies faults       --workdir runs/studies --out docs/experiments/faults
+    python -m turnsight_jax.studies recovery     --workdir runs/studies --out docs/experiments/recovery
 
 Each study is a set of arms: one training run each, from the embedded default (the tiny model,
 CPU) with the study's task and size overrides plus the arm's own, trained in this process one
@@ -17,6 +18,7 @@ WORKDIR/warm_start_<family>/sft and copied into every arm's run folder). Then th
   the embedded default's tasks; the chosen depth against the gold chain's dependency horizon.
 * faults: chains of 2-11 hops (up to 12 turns), clean tools / wrong results / temporary
   unavailability / delays (envs.faults); throughput, recovery and the credit of faulted turns.
+* recovery: the same arms on the embedded default's tasks, which the tiny model solves more often.
 
 --check builds and validates every arm's config and prints the plan without training (what the
 documentation's test runs). Numbers are tiny-model evidence: a 4-layer model with a 64-wide
@@ -137,17 +139,21 @@ def _horizon_report(results: dict, out: pathlib.Path) -> list[str]:
 
 
 def _faults_report(results: dict, out: pathlib.Path) -> list[str]:
+    from turnsight_jax.rl import turn_records
+
     lines = ["| tools | faulted tool turns | episodes/s | tokens/s (rollout) | step s | success: faulted / clean "
-             "episodes | weight: faulted / clean turns | advantage: faulted / clean turns | turns |",
+             "episodes | weight: faulted / clean turns | advantage: faulted / clean turns | turns: mean, > 10, longest |",
              "|---|---|---|---|---|---|---|---|---|"]
     for arm, res in results.items():
         r = res["records"]
+        turns = np.concatenate([rec["num_turns"] for _, rec in turn_records.load(res["run"])])
         lines.append(f"| {arm} | {_f(_mean(r, 'faults/faulted_turns'), 2)} | "
                      f"{_f(_mean(r, 'perf/rollout_episodes_per_s'), 2)} | {_f(_mean(r, 'perf/rollout_tokens_per_s'), 0)} | "
                      f"{_f(_mean(r, 'perf/step_s'), 1)} | {_f(_mean(r, 'recovery/success_faulted'), 2)} / "
                      f"{_f(_mean(r, 'recovery/success_clean'), 2)} | {_f(_mean(r, 'credit/weight_faulted'))} / "
                      f"{_f(_mean(r, 'credit/weight_clean'))} | {_f(_mean(r, 'credit/advantage_faulted'))} / "
-                     f"{_f(_mean(r, 'credit/advantage_clean'))} | {_f(_mean(r, 'rollout/num_turns'), 1)} |")
+                     f"{_f(_mean(r, 'credit/advantage_clean'))} | {_f(float(turns.mean()), 1)}, "
+                     f"{_f(float((turns > 10).mean()), 2)}, {int(turns.max())} |")
     _plot_faults(out / "faults.png", results)
     lines += ["", "Means over the arm's RL steps (step 1 includes compilation in its step time). Success: the "
               "episode's final answer holds the gold answer (FTRL's check). faults.png: the same per step."]
@@ -202,19 +208,24 @@ def _plot_faults(path, results):
     plt = _pyplot()
     keys = (("perf/rollout_episodes_per_s", "episodes/s"), ("recovery/success_faulted", "success of faulted episodes"),
             ("credit/weight_faulted", "weight of faulted turns"))
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = plt.subplots(1, len(keys), figsize=(10.5, 3.2), dpi=100)
     for ax, (key, label) in zip(axes, keys):
-        for arm, res in results.items():
+        for i, (arm, res) in enumerate(results.items()):  # one colour per arm in every panel
             pts = [(r["step"] + 1, r[key]) for r in res["records"] if key in r and math.isfinite(r[key])]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", ms=3, label=arm)
+            ax.plot(*(zip(*pts) if pts else ([], [])), marker="o", ms=3, color=f"C{i}", label=arm)
         ax.set(xlabel="RL step", title=label)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
+FAULT_ARMS = {"clean": [], "wrong": ["--config.faults.wrong_rate=0.15"],
+              "unavailable": ["--config.faults.unavailable_rate=0.2", "--config.faults.unavailable_attempts=1"],
+              "delay": ["--config.faults.delay_rate=0.3", "--config.faults.delay_s=0.5"]}
 BUDGET = 64  # tokens per hindsight message in the equal-length study: pads depth 1, cuts depth 3 of 2-hop chains
 STUDIES = {
     "equal_length": Study(
@@ -230,12 +241,11 @@ STUDIES = {
         4, _horizon_report,
         "Does an adaptive horizon pick the depth the task's dependency needs?"),
     "faults": Study(
-        "long",
-        {"clean": [], "wrong": ["--config.faults.wrong_rate=0.15"],
-         "unavailable": ["--config.faults.unavailable_rate=0.2", "--config.faults.unavailable_attempts=1"],
-         "delay": ["--config.faults.delay_rate=0.3", "--config.faults.delay_s=0.5"]},
-        2, _faults_report,
+        "long", FAULT_ARMS, 2, _faults_report,
         "Beyond 10 turns with noisy, slow or unavailable tools: throughput, recovery, credit to the faulty turn."),
+    "recovery": Study(
+        "default", FAULT_ARMS, 4, _faults_report,
+        "The same faults on the short tasks the tiny model solves more often: recovery and credit."),
 }
 
 
@@ -289,7 +299,7 @@ def run(name: str, workdir: pathlib.Path, out: pathlib.Path, seed: int = 0, step
     steps = study.steps if steps is None else steps
     t0 = time.perf_counter()
     sft = warm_start(study, workdir, seed)
-    t_ws = time.perf_counter() - t0
+    note = _warm_start_note(sft, time.perf_counter() - t0)
     results = {}
     for arm in study.arms:
         cfg = arm_config(study, arm, seed, steps)
@@ -299,25 +309,56 @@ def run(name: str, workdir: pathlib.Path, out: pathlib.Path, seed: int = 0, step
         shutil.copytree(sft, run_dir / "sft")
         t1 = time.perf_counter()
         train(cfg, run_dir)
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        results[arm] = {"run": run_dir, "records": records, "wall_s": time.perf_counter() - t1}
+        results[arm] = {"run": run_dir, "records": _metrics(run_dir), "wall_s": time.perf_counter() - t1}
+    _write(name, workdir, out, seed, steps, results, time.perf_counter() - t0, note)
+    return results
+
+
+def report_only(name: str, workdir: pathlib.Path, out: pathlib.Path, seed: int = 0, steps: int | None = None) -> dict:
+    """The table, plots and summary of study `name` from its arms' existing run folders (the wall
+    times from the summary.json of the run that trained them); ValueError when an arm is missing."""
+    study = STUDIES[name]
+    steps = study.steps if steps is None else steps
+    prev_path = out / "summary.json"
+    prev = json.loads(prev_path.read_text()) if prev_path.is_file() else {}
+    if prev and (prev.get("seed"), prev.get("steps")) != (seed, steps):
+        raise ValueError(f"{prev_path}: trained with seed {prev.get('seed')} and {prev.get('steps')} steps, not "
+                         f"{seed} and {steps}")
+    results = {}
+    for arm in study.arms:
+        run_dir = workdir / name / arm
+        if not (run_dir / "metrics.jsonl").is_file():
+            raise ValueError(f"{run_dir}: no finished run of arm {arm!r} (train the study first)")
+        wall = prev.get("arms", {}).get(arm, {}).get("wall_s", float("nan"))
+        results[arm] = {"run": run_dir, "records": _metrics(run_dir), "wall_s": wall}
+    _write(name, workdir, out, seed, steps, results, prev.get("wall_s", float("nan")),
+           prev.get("warm_start", "warm-start: see the run that trained the arms"))
+    return results
+
+
+def _metrics(run_dir: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _write(name: str, workdir: pathlib.Path, out: pathlib.Path, seed: int, steps: int, results: dict, wall: float,
+           note: str) -> None:
+    study = STUDIES[name]
+    cfg = arm_config(study, next(iter(study.arms)), seed, steps)
     out.mkdir(parents=True, exist_ok=True)
     lines = study.report(results, out)
-    wall = time.perf_counter() - t0
     command = (f"python -m turnsight_jax.studies {name} --workdir {workdir} --out {out} --seed {seed}"
                + ("" if steps == study.steps else f" --steps {steps}"))
     head = [f"# Study: {name}", "", study.question, "",
             f"Tiny-model evidence: the embedded default's 4-layer, 64-wide Qwen3 from a supervised warm-start, "
-            f"{steps} RL steps of {4} prompts x {4} rollouts per arm, one seed ({seed}); not the paper's scale.", "",
-            f"Command: `{command}`; wall time {wall / 60:.1f} min on the shared 2-core CPU box "
-            f"({_warm_start_note(sft, t_ws)}; arms: "
+            f"{steps} RL steps of {cfg.train.prompts_per_step} prompts x {cfg.train.group_size} rollouts per arm, one "
+            f"seed ({seed}); not the paper's scale.", "",
+            f"Command: `{command}`; wall time {wall / 60:.1f} min on the shared 2-core CPU box ({note}; arms: "
             + ", ".join(f"{a} {r['wall_s']:.0f} s" for a, r in results.items()) + ").", ""]
     (out / "table.md").write_text("\n".join(head + lines) + "\n")
     summary = {arm: {"wall_s": r["wall_s"], "steps": [{k: v for k, v in rec.items() if isinstance(v, (int, float))}
                                                       for rec in r["records"]]} for arm, r in results.items()}
     (out / "summary.json").write_text(json.dumps({"study": name, "seed": seed, "steps": steps, "wall_s": wall,
-                                                  "arms": summary}, indent=1, sort_keys=True))
-    return results
+                                                  "warm_start": note, "arms": summary}, indent=1, sort_keys=True))
 
 
 def main(argv=None) -> int:
@@ -328,6 +369,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="model init, tasks, rollouts and fault draws")
     ap.add_argument("--steps", type=int, default=None, help="RL steps per arm (default: the study's)")
     ap.add_argument("--check", action="store_true", help="validate every arm's config and print the plan; no training")
+    ap.add_argument("--report-only", action="store_true",
+                    help="rewrite the table and plots from the arms' existing run folders (no training)")
     args = ap.parse_args(argv)
     from turnsight_jax.errors import ConfigError
 
@@ -349,7 +392,14 @@ def main(argv=None) -> int:
                   f"{cfg.train.prompts_per_step} x {cfg.train.group_size}, arm {' '.join(study.arms[arm]) or '(none)'}")
         print(f"warm-start: {workdir / f'warm_start_{study.family}_seed{args.seed}'}; report: {out}")
         return 0
-    run(args.study, workdir, out, args.seed, steps)
+    if args.report_only:
+        try:
+            report_only(args.study, workdir, out, args.seed, steps)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    else:
+        run(args.study, workdir, out, args.seed, steps)
     print(f"{args.study}: {out / 'table.md'}")
     return 0
 

@@ -16,8 +16,9 @@ give the same faults, whatever else runs in the batch. The kinds:
   (FTRL's Solve-P counts executed calls): a retry costs turns, not precision.
 * **wrong** (`wrong_rate`): the call runs, and its result is replaced by a plausible wrong value:
   one of the task's gold intermediate values (Task.unsolved_set) or of the episode's earlier
-  results that differs from the true result, chosen by the same hash; "unknown" when there is
-  none. Error results are never replaced. For environments that step in two phases (the
+  results that differs from the true result and is no part of the task's final answer (a fault
+  must not hand the policy the answer), chosen by the same hash; "unknown" when there is none.
+  Error results are never replaced. For environments that step in two phases (the
   code-tool environments: FTRL, ToolHop, built-in) the wrong value is what the environment records
   and scores, as it is what the policy saw; for the others (BFCL) only the observation changes,
   and the environment scores its own state.
@@ -119,6 +120,8 @@ class FaultyEpisode(Episode):
         self.episode_seed = episode_seed
         self._env = env
         self._tools = {t.get("function", {}).get("name") for t in self.task.tools}
+        # a wrong value never hands the policy the final answer (FTRL's multi-part ", " answers)
+        self._answer_parts = {p.strip().lower() for p in str(self.task.answer).split(", ") if p.strip()}
         self._n_calls = 0
         self._outage: dict[str, int] = {}  # call key -> unavailable attempts still to answer
         self._recovered: set[str] = set()  # keys whose next attempt runs without a new outage draw
@@ -172,7 +175,8 @@ class FaultyEpisode(Episode):
             return None
         truth = true_text.strip().lower()
         pool = sorted({v for vs in self.task.unsolved_set.values() for v in vs} | set(self._seen))
-        pool = [v for v in pool if v.strip() and v.strip().lower() != truth and not _is_error(v)]
+        pool = [v for v in pool if v.strip() and v.strip().lower() != truth and not _is_error(v)
+                and v.strip().lower() not in self._answer_parts]
         return pool[min(int(pick * len(pool)), len(pool) - 1)] if pool else (NO_VALUE if truth != NO_VALUE else None)
 
     def _forward(self, calls: Sequence[Call], faults: list[_Fault]) -> list[Call]:
