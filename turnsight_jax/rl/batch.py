@@ -217,12 +217,11 @@ def make_train_batch(
     same as without packing."""
     cfg.validate(len(trajs))
     floor = {"T": 0, "N": 0, "P": 0, "U": 0, **(min_shapes or {})}
-    lengths = [t.length for t in trajs]
     modulus = packing_modulus(len(trajs), row_shards, cfg) if cfg.pack_rows else 1
     if cfg.pack_rows:  # rows move between micro-batches (never mini-batches) so cells pack alike
-        order = balanced_order(lengths, shards=row_shards, modulus=modulus, keep=cfg.mini_batches)
+        order = batch_row_order(trajs, cfg, row_shards)
         trajs, tasks = [trajs[i] for i in order], [tasks[i] for i in order]
-        lengths = [lengths[i] for i in order]
+    lengths = [t.length for t in trajs]
     classes = cls_widths = None
     if cfg.length_classes > 1:
         rows, modulus = length_classes.cell_rows(len(trajs), row_shards, cfg)
@@ -309,6 +308,16 @@ def make_train_batch(
         views=views, length_class=classes, classes=spec, packed=packed, probes=probes,
     )
     return batch, stats
+
+
+def batch_row_order(trajs: Sequence[Trajectory], cfg: StepConfig, row_shards: int = 1) -> list[int]:
+    """order[i]: the trajectory (index into `trajs`) that make_train_batch puts in row i: the
+    identity, or with train.pack_rows rl.packing.balanced_order's."""
+    if not cfg.pack_rows:
+        return list(range(len(trajs)))
+    modulus = packing_modulus(len(trajs), row_shards, cfg)
+    return [int(i) for i in balanced_order([t.length for t in trajs], shards=row_shards, modulus=modulus,
+                                           keep=cfg.mini_batches)]
 
 
 @functools.lru_cache(maxsize=8)
