@@ -27,7 +27,6 @@ from flax import nnx
 
 from turnsight_jax import inspect as viewer
 from turnsight_jax import records
-from turnsight_jax.envs.ftrl import FTRLEnv
 from turnsight_jax.envs.synthetic import SyntheticConfig, generate_task, gold_turn_texts
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import init_model
@@ -35,9 +34,9 @@ from turnsight_jax.rl.batch import batch_row_order, make_train_batch
 from turnsight_jax.rl.config import AlgoConfig, LossConfig, StepConfig
 from turnsight_jax.rl.methods import resolve_method
 from turnsight_jax.rl.step import make_train_step, teacher_and_ref_logprobs
-from turnsight_jax.rollout.driver import ReplayPolicy, RolloutConfig, rollout
 
 from _browser import Browser, find_browser
+from _replayed import replayed
 from _vocab import SMALL_VOCAB, fold_batch
 
 CFG = Qwen3Config(vocab_size=SMALL_VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -54,24 +53,21 @@ def _call(tool, arguments):
 
 @pytest.fixture(scope="module")
 def replay(tok):
-    tasks = [generate_task(c, s, SyntheticConfig(hops=2)) for s, c in
-             enumerate(["multi_hop", "single_hop", "parallel_single_hop", "multi_hop"])]
+    categories = ["multi_hop", "single_hop", "parallel_single_hop", "multi_hop"]
+    tasks = [generate_task(c, s, SyntheticConfig(hops=2)) for s, c in enumerate(categories)]
     scripts = []
     for i, t in enumerate(tasks):
         gold = gold_turn_texts(t)
-        scripts.append(gold)
         first = t.gold_calls[0][0]
         distractor = next(x["function"]["name"] for x in t.tools
                           if x["function"]["name"] not in {c["name"] for step in t.gold_calls for c in step})
-        scripts.append([
+        scripts += [gold, [
             [_call("nope", {"x": 1}), "<answer>no</answer>"],  # a tool that does not exist: an error observation
             ["<tool_call>\n{\"name\": oops}\n</tool_call>", "<answer>no</answer>"],  # does not parse
             [_call(distractor, first["arguments"])] + gold,  # a wasted call to a real tool, then the gold chain
             [gold[0], "<answer>no</answer>"],  # the first hop, then a wrong early answer
-        ][i])
-    with FTRLEnv(num_workers=1) as env:
-        trajs = rollout(ReplayPolicy(tok, scripts), env, tasks, tokenizer=tok, group_size=G,
-                        config=RolloutConfig(max_turns=5, max_response_tokens=2048)).trajectories
+        ][i]]
+    trajs = replayed(tok, tasks, scripts, G)
     return trajs, [tasks[i // G] for i in range(len(trajs))]
 
 
@@ -368,3 +364,41 @@ def _decode_png(data: bytes):
 
     img = Image.open(io.BytesIO(data))
     return img.width, img.height, np.asarray(img.convert("RGB"))
+
+
+def test_a_resumed_run_clears_its_records_of_the_steps_it_redoes(tmp_path):
+    """records.clear_from (the trainer calls it after restoring a checkpoint): this process's files
+    of the redone steps and any file a killed write left under its temporary name go; other
+    processes' files and earlier steps stay."""
+    names = ["step_000001.jsonl.gz", "step_000002.jsonl.gz", "step_000003.jsonl.gz", "step_000002.p1.jsonl.gz",
+             "step_000004.jsonl.gz.tmp", "step_000004.p1.jsonl.gz.tmp"]
+    (tmp_path / "records").mkdir()
+    for name in names:
+        (tmp_path / "records" / name).write_bytes(b"x")
+    records.clear_from(tmp_path, 2, 0)
+    assert sorted(p.name for p in (tmp_path / "records").iterdir()) == [
+        "step_000001.jsonl.gz", "step_000002.p1.jsonl.gz", "step_000004.p1.jsonl.gz.tmp"]
+    assert [records.file_step(p) for p in records.run_record_files(tmp_path)] == [1, 2]
+
+
+def test_the_viewer_of_a_method_without_turnsight_numbers(stepped, browser, tmp_path):
+    """Records of a method without hindsight views (GRPO's: no gaps, depths or weights): the page
+    shows what there is, says what is not there, and raises no error."""
+    lines = stepped["lines"]
+    header = {**json.loads(lines[0]), "method": "grpo", "advantage": "grpo", "base": None, "teacher": None}
+    turnsight = ("delta", "signs", "agree", "vote", "depth_index", "depth", "delta_star", "delta_hat", "weight")
+    trajs = []
+    for line in lines[1:]:
+        rec = {k: v for k, v in json.loads(line).items() if k not in ("group_mean", "group_std")}
+        rec["turns"] = [{k: v for k, v in t.items() if k not in turnsight} for t in rec["turns"]]
+        trajs.append(json.dumps(rec))
+    records.write_records(records.records_path(tmp_path, 0), [json.dumps(header), *trajs])
+    out, _ = viewer.write_viewer(tmp_path)
+    browser.errors.clear()
+    browser.open(out.as_uri())
+    assert browser.eval("document.body.dataset.ready") == "1" and browser.errors == []
+    assert browser.eval("document.getElementById('depth-histogram').textContent") == "no chosen depths in these records"
+    heads = browser.eval("[...document.querySelectorAll('#turns-head th')].map(t => t.textContent)")
+    assert "w" not in heads and "d*" not in heads and "Ã" in heads and "A_base" in heads
+    assert browser.eval("document.querySelectorAll('tr.turn').length") == sum(
+        len(json.loads(t)["turns"]) for t in trajs)

@@ -238,6 +238,10 @@
     // items: [{label, value, lo, hi, attrs}]; a bar per item, optional min-max whisker
     svgEl.replaceChildren();
     const w = Number(svgEl.getAttribute("width")), h = Number(svgEl.getAttribute("height"));
+    if (!items.length) {  // e.g. a method without TurnSight's depths or weights
+      svgEl.appendChild(svg("text", { x: w / 2, y: h / 2, "text-anchor": "middle", class: "empty" }, opts.empty));
+      return;
+    }
     const pad = { l: 34, r: 6, t: 8, b: 22 };
     const top = Math.max(opts.top ?? 0, ...items.map((i) => Math.max(i.value ?? 0, i.hi ?? 0)), 1e-9);
     const bottom = opts.bottom ?? 0;
@@ -278,8 +282,10 @@
         if (r.weight < 1) damped += 1;
       }
     }
-    bars(document.getElementById("depth-histogram"), depths.map((d, i) => ({
-      label: "d=" + d, value: counts[i], attrs: { "data-depth": d, "data-count": counts[i] } })), { colour: "#2f6fd0" });
+    const anyDepth = rows.some((r) => typeof r.turn.depth_index === "number");
+    bars(document.getElementById("depth-histogram"), anyDepth ? depths.map((d, i) => ({
+      label: "d=" + d, value: counts[i], attrs: { "data-depth": d, "data-count": counts[i] } })) : [],
+    { colour: "#2f6fd0", empty: "no chosen depths in these records" });
     const share = (n, of) => (of ? n / of : null);
     const setStat = (id, v, text) => {
       const e = document.getElementById(id);
@@ -308,7 +314,7 @@
       return { label: "k=" + k, value: s.sum / s.n, lo: s.lo, hi: s.hi,
         attrs: { "data-k": k, "data-mean": s.sum / s.n, "data-n": s.n, "data-min": s.lo, "data-max": s.hi } };
     }), { colour: "#7aa7e6", bottom: Math.min(1 - epsW, ...ks.map((k) => byK.get(k).lo)),
-      top: Math.max(1 + epsW, ...ks.map((k) => byK.get(k).hi)), ref: 1 });
+      top: Math.max(1 + epsW, ...ks.map((k) => byK.get(k).hi)), ref: 1, empty: "no TurnSight weights in these records" });
     // weight by tool outcome
     const table = document.getElementById("weight-by-outcome");
     table.replaceChildren();
