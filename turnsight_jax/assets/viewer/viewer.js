@@ -319,7 +319,8 @@
     const table = document.getElementById("weight-by-outcome");
     table.replaceChildren();
     const hr = el("tr");
-    for (const t of ["outcome", "turns", "mean w", "amplified", "damped", "mean Ã − A"]) hr.appendChild(el("th", {}, t));
+    for (const [t, title] of [["outcome", ""], ["turns", ""], ["mean w", ""], ["w > 1", "share amplified"],
+      ["w < 1", "share damped"], ["Ã − A", "mean Ã − A_base"]]) hr.appendChild(el("th", { title }, t));
     table.appendChild(hr);
     for (const o of ["error", "wrong", "ok", "none"]) {
       const sel = rows.filter((r) => r.turn.outcome === o);
