@@ -143,6 +143,8 @@ TODAY_DEFAULT["teacher"] = {"weights": "reference", "ema_decay": 0.99, "checkpoi
 # no effect on the default method (TurnSight over GRPO trains no critic or PRM and never switches).
 TODAY_DEFAULT["rl"].update(gae_gamma=1.0, gae_lam=1.0, gae_whiten=True, toolomni_gate=0.95, switch_step=0,
                            switch_method="")
+# A rollout controller in place of the method's own (issue 24's rollout methods), off.
+TODAY_DEFAULT["rl"].update(rollout="")
 # Orchard's CA-SFT knobs (rl.method=orchard): no effect on the default method (no loss term reads them).
 TODAY_DEFAULT["rl"].update(orchard_coef=1.0, orchard_rise=0.05, orchard_success=1.0)
 TODAY_DEFAULT["critic"] = {"lr": 1e-5, "warmup_steps": 0, "weight_decay": 0.01, "max_grad_norm": 1.0,

@@ -108,6 +108,7 @@ def base_config() -> mlc.ConfigDict:
     c.rl = mlc.ConfigDict()  # the method and its knobs: turnsight_jax.rl.config.AlgoConfig
     c.rl.method = "turnsight"  # a registered method (turnsight_jax.rl.methods): grpo | matchtir | turnsight | ...
     c.rl.base = "matchtir"  # the method TurnSight wraps (its rewards and advantage); the paper uses MatchTIR
+    c.rl.rollout = ""  # a registered rollout controller run instead of the method's own (with its rewards and loss terms); "": the method's
     c.rl.gamma = 0.9  # MatchTIR's turn-return discount
     c.rl.lam = 0.5  # lambda: mix of the TurnSight weight into the base advantage (paper: 0.5)
     c.rl.eps_w = 0.5  # eps_w: the weight's bound, w in [1 - eps_w, 1 + eps_w] (paper: 0.5)
@@ -529,7 +530,7 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
     r, l, o, t, te = cfg.rl, cfg.loss, cfg.optim, cfg.train, cfg.teacher
     args = tuple(sorted(r.args.items())) if "args" in r else ()
     return StepConfig(
-        algo=AlgoConfig(method=r.method, base=r.base, gamma=r.gamma, lam=r.lam, eps_w=r.eps_w, selection=r.selection,
+        algo=AlgoConfig(method=r.method, base=r.base, rollout=r.rollout, gamma=r.gamma, lam=r.lam, eps_w=r.eps_w, selection=r.selection,
                         aggregation=r.aggregation, group_norm=r.group_norm, turns=r.turns,
                         depths=tuple(int(d) for d in r.depths), source=r.source, norm_pool=r.norm_pool,
                         uncovered_in_stats=r.uncovered_in_stats,

@@ -85,20 +85,29 @@ class RolloutContext:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutController:
+    """A registered rollout controller. A controller that acts on the rollout may bring the rest of
+    its mechanism with it: `rewards` (registered rewards whose outputs its other parts read, e.g.
+    a per-trajectory flag it set on the record) and `loss_terms` (registered loss terms, e.g. an
+    auxiliary CE on exemplars it chose). `resolve_method` adds both to whatever method runs with
+    the controller, so `rl.rollout=NAME` composes with GRPO, MatchTIR, TurnSight or any method."""
+
     name: str
     fn: Callable[[RolloutContext, Sequence[Task], int], RolloutResult]
+    rewards: tuple[str, ...] = ()
+    loss_terms: tuple[str, ...] = ()
 
 
 ROLLOUTS: dict[str, RolloutController] = {}
 
 
-def register_rollout(name: str):
-    """Decorator: register `fn(ctx: RolloutContext, tasks, seed) -> RolloutResult`."""
+def register_rollout(name: str, *, rewards: Sequence[str] = (), loss_terms: Sequence[str] = ()):
+    """Decorator: register `fn(ctx: RolloutContext, tasks, seed) -> RolloutResult`, with the rewards
+    and loss terms the controller's mechanism adds to any method it runs under (RolloutController)."""
 
     def deco(fn):
         if name in ROLLOUTS:
             raise ValueError(f"rollout controller {name!r} already registered")
-        ROLLOUTS[name] = RolloutController(name, fn)
+        ROLLOUTS[name] = RolloutController(name, fn, tuple(rewards), tuple(loss_terms))
         return fn
 
     return deco
@@ -440,12 +449,18 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
         if rollout_name == "sampler":
             rollout_name = bm.rollout
         critic, prm = critic or bm.critic, prm or bm.prm
+    if algo.rollout:  # rl.rollout: this controller, whatever the method's own
+        rollout_name = algo.rollout
+    if rollout_name not in ROLLOUTS:
+        who = "rl.rollout:" if algo.rollout else f"method {m.name!r}:"
+        raise ConfigError(f"{who} unknown rollout controller {rollout_name!r}; registered: {sorted(ROLLOUTS)}")
+    controller = ROLLOUTS[rollout_name]
+    reward_names = list(dict.fromkeys([*reward_names, *controller.rewards]))
     for name in reward_names:
         if name not in REWARDS:
             raise ConfigError(f"method {m.name!r}: unknown reward {name!r}; registered: {sorted(REWARDS)}")
-    if rollout_name not in ROLLOUTS:
-        raise ConfigError(f"method {m.name!r}: unknown rollout controller {rollout_name!r}; registered: {sorted(ROLLOUTS)}")
-    terms = [lookup(get_loss_term, t, "loss term", m.name) for t in m.loss_terms]
+    terms = [lookup(get_loss_term, t, "loss term", m.name)
+             for t in dict.fromkeys([*m.loss_terms, *controller.loss_terms])]
     if cfg.loss.kl_coef > 0 and all(t.name != "kl" for t in terms):
         terms.append(get_loss_term("kl"))
     if cfg.loss.entropy_coef > 0 and all(t.name != "entropy" for t in terms):
@@ -473,5 +488,5 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
         if any(k in term.inputs for k in RETRO_ARRAYS) and "rewards" not in outputs:
             raise ConfigError(f"method {m.name!r}: loss term {term.name!r} trains on failed trajectories, which the "
                               f"outcome reward (\"rewards\") tells; no reward of [{', '.join(reward_names)}] fills it")
-    return ResolvedMethod(m.name, ROLLOUTS[rollout_name], rewards, advantage, base, tuple(terms), m.teacher, critic,
+    return ResolvedMethod(m.name, controller, rewards, advantage, base, tuple(terms), m.teacher, critic,
                           prm)
