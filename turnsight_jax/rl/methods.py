@@ -34,7 +34,7 @@ from turnsight_jax.rewards import matchtir_turn_rewards, token_f1, toolrl_reward
 from turnsight_jax.rl import critic as _critic  # noqa: F401  (registers PPO's GAE estimator)
 from turnsight_jax.rl import distill  # noqa: F401  (registers the self-distillation baselines)
 from turnsight_jax.rl import orchard as _orchard  # noqa: F401  (registers CA-SFT's loss term)
-from turnsight_jax.rl import srl, toolomni
+from turnsight_jax.rl import mm_grpo, srl, toolomni
 from turnsight_jax.rl.advantages import Estimator, get_estimator
 from turnsight_jax.rl.config import AlgoConfig, StepConfig
 from turnsight_jax.rl.losses import LossTerm, get_loss_term
@@ -161,6 +161,14 @@ def judged_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> Rol
     """The model-judged reward (judge.method, OpenWebRL): the default sampler's rollouts, each
     labelled by the judge model of the run config's judge.* section (ctx.run_config)."""
     return judge.judge_rollout(ctx, sampler_rollout(ctx, tasks, seed), tasks)
+
+
+@register_rollout("mm_grpo")
+def mm_grpo_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
+    """MM-GRPO (rl.mm_grpo): the default sampler under an observation window (mm_grpo.window),
+    with dynamic sampling (zero-variance groups refilled with new prompts, mm_grpo.refill_rounds)."""
+    return mm_grpo.dynamic_rollout(ctx, tasks, seed,
+                                   sample=lambda c, t, s, w: sampler_rollout(c, t, s, window=w))
 
 
 # ---- rewards ----
