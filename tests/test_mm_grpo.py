@@ -23,9 +23,10 @@ from turnsight_jax.envs.synthetic import SyntheticConfig, generate_task, gold_tu
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import init_model
-from turnsight_jax.rl.batch import make_train_batch
+from turnsight_jax.rl.batch import DEFAULT_BUCKETS, make_train_batch, worst_case_geometry
 from turnsight_jax.rl.context_rows import context_row
 from turnsight_jax.rl.logprobs import policy_logprobs, student_logprobs
+from turnsight_jax.rl.views import pick_bucket
 from turnsight_jax.rl.methods import ROLLOUTS, RolloutContext, resolve_method, sampler_rollout
 from turnsight_jax.rl.mm_grpo import MMGRPOSettings, dynamic_rollout, refill_stream
 from turnsight_jax.rollout import engine as E
@@ -357,3 +358,14 @@ def test_config_keys_and_methods_the_window_cannot_serve():
     ts = cfg.copy_and_resolve_references()
     ts.rl.method, ts.rl.base = "turnsight", "grpo"
     assert validate(ts, check_data=False)[1].rollout.name == "mm_grpo"
+    # the dry-run plan: rows hold each response token at most twice (window 1) plus segment 0's
+    # placeholders (max_turns - 2 of them, each at most its rendered text's bytes)
+    text = ("\n<|im_start|>user\n<tool_response>\n" + PLACEHOLDER + "\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    r = cfg.rollout
+    assert (r.max_prompt_tokens, r.max_response_tokens, r.max_turns, r.enable_thinking) == (1024, 256, 4, False)
+    plain = cfg.copy_and_resolve_references()
+    plain.mm_grpo.window = 0
+    length = lambda c: worst_case_geometry(c, *validate(c, check_data=False)[::-1], 1).length  # noqa: E731
+    assert length(plain) == pick_bucket(1024 + 256, DEFAULT_BUCKETS, "")
+    assert length(cfg) == pick_bucket(1024 + 2 * 256 + 2 * len(text.encode()), DEFAULT_BUCKETS, "") > length(plain)

@@ -63,6 +63,7 @@ from turnsight_jax.rl.config import StepConfig
 from turnsight_jax.rl.context_rows import ContextRow, context_row, has_elisions, row_policy_positions
 from turnsight_jax.rl.length_classes import LengthClasses
 from turnsight_jax.rl.methods import ResolvedMethod
+from turnsight_jax.rl.mm_grpo import planned_extra
 from turnsight_jax.rl.orchard import PROBE_TOKENS, RetroProbes, build_probes
 from turnsight_jax.chat.privileged import default_skills_path, load_skills, privileged_blocks
 from turnsight_jax.rl.privileged_views import build_privileged_views
@@ -427,7 +428,8 @@ def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod, step_cfg: S
                         row_shards: int) -> Geometry:
     """The config's widest batch for a mesh of `row_shards` (data x fsdp) row shards."""
     r, t = cfg.rollout, cfg.train
-    length = pick_bucket(r.max_prompt_tokens + r.max_response_tokens, DEFAULT_BUCKETS, "plan: trajectory")
+    _, window_extra = planned_extra(cfg, method)  # MM-GRPO's rows of several contexts (rl.context_rows)
+    length = pick_bucket(r.max_prompt_tokens + r.max_response_tokens + window_extra, DEFAULT_BUCKETS, "plan: trajectory")
     policy = policy_bucket(r.max_response_tokens)
     packed = pick_bucket(int(length * cfg.plan.packed_factor), DEFAULT_PACKED_BUCKETS, "plan: packed row")
     views = method.teacher_views(step_cfg.algo) + int(packed_reference(step_cfg, method))

@@ -16,6 +16,9 @@ The controller (registered in rl.methods as "mm_grpo") changes what is sampled i
   without one keeps its last group (zero-variance, counted in `mm_grpo/zero_variance_kept`), so
   the batch always holds train.prompts_per_step groups of G.
 
+The dry-run plan (`--dry_run`) sizes the training rows and the engine's KV reservation for the
+window (`planned_extra`).
+
 Refill draws: the step's refill stream is a permutation of the training tasks seeded by the
 step's rollout seed; the i-th group dropped in a step (in slot order within a round, rounds in
 order) gets refill index j = i and the task at position j of the stream. Its G rollouts draw as
@@ -38,6 +41,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from turnsight_jax import distributed
+from turnsight_jax.chat import template as tmpl
 from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
@@ -92,6 +96,28 @@ def check_method(settings: MMGRPOSettings, method) -> None:
         raise ConfigError(f"rl.rollout=mm_grpo with mm_grpo.window={settings.window}: rl.method={method.name!r} reads "
                           f"{why} on the whole trajectory, not on each turn's windowed context; set "
                           f"mm_grpo.window=0 (no window) or choose another method")
+
+
+def placeholder_tokens_bound(settings: MMGRPOSettings, *, enable_thinking: bool) -> int:
+    """The placeholder's tokens at most, without a tokenizer: the UTF-8 bytes of its rendered
+    observation suffix (a byte-level BPE token, a control token too, spans at least one byte)."""
+    return len(tmpl.observation_suffix([settings.placeholder], enable_thinking=enable_thinking).encode())
+
+
+def planned_extra(cfg, method) -> tuple[int, int]:
+    """For the dry-run plan: (KV slots per episode, tokens per training row) that MM-GRPO's window
+    may need beyond prompt + max_response_tokens; (0, 0) without it. A context holds at most
+    max_turns - 1 - n placeholders more than its trajectory; a row (rl.context_rows) holds each
+    response token at most n + 1 times, plus segment 0's placeholders."""
+    if method.rollout.name != "mm_grpo" or "mm_grpo" not in cfg:
+        return 0, 0
+    settings = mm_grpo_settings(cfg.mm_grpo)
+    n = settings.window
+    if n == 0:
+        return 0, 0
+    r = cfg.rollout
+    slack = max(0, r.max_turns - 1 - n) * placeholder_tokens_bound(settings, enable_thinking=r.enable_thinking)
+    return slack, slack + n * r.max_response_tokens
 
 
 def zero_variance(group: Sequence[Trajectory]) -> bool:
