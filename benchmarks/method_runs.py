@@ -5,6 +5,9 @@ the same random tiny-default policy (or, with --warm-start, the same supervised 
 
     python benchmarks/method_runs.py [--steps 4] [--methods grpo,slim,judge,mm_grpo] [--warm-start DIR]
 
+A method entry may carry overrides after '@', '+'-separated, e.g. `mm_grpo@mm_grpo.refill_rounds=0`
+(MM-GRPO's window alone) or `mm_grpo@mm_grpo.window=0` (its dynamic sampling alone).
+
 Each run: 2 prompts x 4 samples per step, no warm-start, no held-out evaluation. The per-step
 cost is perf/step_s (rollout + update) plus slim/audit_s (SLIM's leave-one-out audit and its
 writer run after the step, outside perf/step_s), the median over the steps after the first (the
@@ -53,10 +56,12 @@ def random_judge(folder: pathlib.Path) -> pathlib.Path:
     return folder
 
 
-def run(method: str, workdir: pathlib.Path, steps: int, judge: pathlib.Path,
+def run(entry: str, workdir: pathlib.Path, steps: int, judge: pathlib.Path,
         warm_start: pathlib.Path | None = None) -> list[dict]:
+    method, _, overrides = entry.partition("@")
     config = [] if method == "grpo" else ["--config", str(REPO / "configs" / "methods" / f"{method}.py")]
     more = ["--config.rl.method=grpo"] if method == "grpo" else []
+    more += [f"--config.{o}" for o in overrides.split("+") if o]
     if method == "judge":
         more.append(f"--config.judge.checkpoint={judge}")
     if warm_start is not None:  # any sft step count > 0: the trainer reuses the completed folder copied here
@@ -86,7 +91,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         judge = random_judge(pathlib.Path(tmp) / "judge_model") if "judge" in names else pathlib.Path(tmp)
         for name in names:
-            recs = run(name, pathlib.Path(tmp) / name, args.steps, judge, args.warm_start)[1:]
+            recs = run(name, pathlib.Path(tmp) / name.replace("@", "_").replace("=", "_"), args.steps, judge,
+                       args.warm_start)[1:]
             step = statistics.median(r["perf/step_s"] for r in recs)
             audit = statistics.median(r.get("slim/audit_s", 0.0) for r in recs)
             rollout = statistics.median(r["perf/rollout_s"] for r in recs)
@@ -96,7 +102,7 @@ def main():
                 extra = f"{statistics.median(r['judge/generated_tokens'] for r in recs):.0f} judge tokens"
             elif name == "slim":
                 extra = f"{recs[-1]['slim/library_size']:.0f} skills"
-            elif name == "mm_grpo":
+            elif name.partition("@")[0] == "mm_grpo":
                 med = {k: statistics.median(r[f"mm_grpo/{k}"] for r in recs)
                        for k in ("extra_rollouts", "elided_observations", "reprefill_tokens")}
                 extra = (f"+{med['extra_rollouts']:.0f} rollouts, {med['elided_observations']:.0f} elided, "
