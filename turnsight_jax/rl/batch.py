@@ -429,7 +429,8 @@ def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod, step_cfg: S
     """The config's widest batch for a mesh of `row_shards` (data x fsdp) row shards."""
     r, t = cfg.rollout, cfg.train
     _, window_extra = planned_extra(cfg, method)  # MM-GRPO's rows of several contexts (rl.context_rows)
-    length = pick_bucket(r.max_prompt_tokens + r.max_response_tokens + window_extra, DEFAULT_BUCKETS, "plan: trajectory")
+    length = pick_bucket(r.max_prompt_tokens + r.max_response_tokens + window_extra, DEFAULT_BUCKETS,
+                         "plan: trajectory")
     policy = policy_bucket(r.max_response_tokens)
     packed = pick_bucket(int(length * cfg.plan.packed_factor), DEFAULT_PACKED_BUCKETS, "plan: packed row")
     views = method.teacher_views(step_cfg.algo) + int(packed_reference(step_cfg, method))

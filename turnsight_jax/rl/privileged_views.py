@@ -95,7 +95,8 @@ def build_privileged_views(
         rows.append(row)
     width = pick_bucket(max([r.length for r in rows] + [min_widths[0]]), buckets, "packed privileged row")
     tok, pos, seg, c1s, c1e, c2s, c2e = [np.stack(c) for c in zip(*(r.arrays(width) for r in rows))]
-    pred, pred_target, slot = _distinct_predictors([t.tokens for t in trajs], view_pred, pol_pos, pol_valid, min_widths[1])
+    pred, pred_target, slot = _distinct_predictors([t.tokens for t in trajs], view_pred, pol_pos, pol_valid,
+                                                   min_widths[1])
     views = PackedViews(tok, Layout(pos, seg, c1s, c1e, c2s, c2e), view_pred, pred, pred_target, slot,
                         covered=covered)
     own, packed = sum(t.length for t in trajs), sum(r.length for r in rows)
