@@ -218,11 +218,13 @@ def test_refill_draws_depend_on_the_refill_index_only(tok, env, model):
     assert len({t.tokens.tobytes() for t in res.trajectories}) > 1  # the draws differ between rows
 
 
-# one geometry for every engine run of this file (the same compiled programs): the pool's size is
-# fixed, so a window's slack changes no shape
-RC = RolloutConfig(max_turns=5, max_prompt_tokens=1024, max_response_tokens=384, max_turn_tokens=32)
-ENGINE = E.EngineConfig(slots=4, block_size=16, decode_chunk=8, pool_blocks=4 * 96 + 1)
-SAMPLING = SamplingParams(temperature=1.0, top_k=20)
+# one geometry for every engine run of this file, tests/test_rollout_engine.py's 10-turn replay's
+# (the same compiled programs, from the session's compilation cache): the pool's size is its
+# default there, fixed here, so a window's slack changes no shape
+RC = RolloutConfig(max_turns=10, max_prompt_tokens=1024, max_response_tokens=1536, max_turn_tokens=96)
+ENGINE = E.EngineConfig(slots=4, block_size=16, decode_chunk=8,
+                        pool_blocks=E.default_pool_blocks(4, 1024, 1536, 16))
+SAMPLING = SamplingParams(greedy=True)  # forced turns: the log-probs are the model's at temperature 1
 
 
 def _paged(model, tok, scripts, window=None, seed=0):
@@ -285,7 +287,7 @@ def test_the_student_forward_scores_each_turn_as_the_sampler(tok, model, windowe
     tasks, runs = windowed
     trajs = runs["paged"].trajectories
     cfg = base_config()
-    cfg.rl.method, cfg.rl.base, cfg.rollout.max_turns = "grpo", "grpo", 5
+    cfg.rl.method, cfg.rl.base, cfg.rollout.max_turns = "grpo", "grpo", 10
     cfg.train.prompts_per_step, cfg.train.group_size = 2, G
     cfg.train.pack_rows, cfg.train.length_classes = layout == "packed", 2 if layout == "classes" else 1
     sc = step_config(cfg)
@@ -306,7 +308,7 @@ def test_a_window_of_max_turns_is_the_plain_path(tok, env, model):
     graphdef, state = model
     tasks = _three_hop((5, 6))
     scripts = [gold_turn_texts(t) for t in tasks for _ in range(G)]
-    ctx = RolloutContext(graphdef, state, tok, env, SAMPLING, RC, G, run_config=_run_config(window=5, refill_rounds=0))
+    ctx = RolloutContext(graphdef, state, tok, env, SAMPLING, RC, G, run_config=_run_config(window=10, refill_rounds=0))
 
     def sample(c, t, s, w):
         assert w is not None and w.slack(RC.max_turns) == 0
@@ -317,7 +319,7 @@ def test_a_window_of_max_turns_is_the_plain_path(tok, env, model):
     ref = rollout(_paged(model, tok, scripts, seed=3), env, tasks, tokenizer=tok, group_size=G, config=RC, seed=3)
     assert got.metrics["mm_grpo/elided_observations"] == 0.0 and got.metrics["mm_grpo/reprefill_tokens"] == 0.0
     cfg = base_config()
-    cfg.rl.method, cfg.rl.base, cfg.rollout.max_turns = "turnsight", "grpo", 5
+    cfg.rl.method, cfg.rl.base, cfg.rollout.max_turns = "turnsight", "grpo", 10
     cfg.train.prompts_per_step, cfg.train.group_size = 2, G
     sc = step_config(cfg)
     row_tasks = [t for t in tasks for _ in range(G)]
