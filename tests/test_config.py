@@ -161,6 +161,8 @@ TODAY_DEFAULT["slim"] = {"initial": "builtin", "audit_every": 1, "audit_tasks": 
 TODAY_DEFAULT["judge"] = {"checkpoint": "", "rationale": True, "reference": False, "max_new_tokens": 256,
                           "max_prompt_tokens": 4096, "batch_size": 32, "default_label": 0, "verifier_threshold": 1.0,
                           "dtype": "float32"}
+# MM-GRPO's rollout controller (rl.rollout=mm_grpo): no effect on the default method (its sampler).
+TODAY_DEFAULT["mm_grpo"] = {"window": 1, "placeholder": "[earlier tool output omitted]", "refill_rounds": 3}
 
 # Keys where configs/qwen3_8b.py's experiment departs from base + its model layer: how the run
 # fits 8 x 80 GB devices and how it evaluates. Anything else would be a value from somewhere else.

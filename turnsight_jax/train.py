@@ -125,7 +125,8 @@ def _summed(values: dict[str, float]) -> dict[str, float]:
 MECHANISM_METRICS = {"turnsight/weight_max": "w_max", "rlsd/weight_max": "w_max", "train/sdpo_kl": "sdpo_kl",
                      "sdpo/gap_mean": "sdpo_gap", "train/sdar_gate": "gate", "train/sod_weight": "sod_w",
                      "critic/value_loss": "v_loss", "prm/gain_abs_mean": "prm_gain", "slim/library_size": "skills",
-                     "judge/agreement": "judge_agree"}
+                     "judge/agreement": "judge_agree", "mm_grpo/dropped_groups": "dropped",
+                     "mm_grpo/elided_observations": "elided"}
 
 
 def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_cfg=None) -> flops.UpdateFlops:
@@ -339,11 +340,13 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             ctx = RolloutContext(graphdef, distributed.local_replica(params, mesh, rollout_mesh), tok, env, sampling,
                                  rc, cfg.train.group_size, cfg.rollout.prompts_per_chunk,
                                  model_setup.DTYPES[cfg.model.compute_dtype], line, engine=engine_cfg,
-                                 mesh=rollout_mesh, group_offset=first, run_config=cfg)
+                                 mesh=rollout_mesh, group_offset=first, run_config=cfg, task_pool=train_tasks)
             step_cfg, method, step_fn = stage(step)
             if slim_run is not None:  # the skills the slim controller puts in the prompts
                 ctx = dataclasses.replace(ctx, state=slim_run.library)
             res = method.rollout.fn(ctx, mine, cfg.seed * 100_003 + step)
+            if res.tasks is not None:  # the controller rolled out other prompts (MM-GRPO's refills)
+                mine = list(res.tasks)
             distributed.settle()  # the rollout's local collectives end before the step's cross-process ones
             t_roll = time.perf_counter() - t_step
             batch, bstats, shapes = _local_batch(res.trajectories, mine, first, tok, step_cfg, method, cfg, shapes,
@@ -372,6 +375,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                 skipped_in_a_row = 0
             t_total = time.perf_counter() - t_step
             metrics = _rollout_metrics(res.trajectories)
+            metrics.update(res.metrics)  # the controller's own (already over every process)
             if later is not None:  # which stage of a two-stage recipe ran (1, then 2)
                 metrics["rl/stage"] = 1.0 + float(step >= later[0])
             for k, v in m.items():
