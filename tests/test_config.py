@@ -144,6 +144,8 @@ TODAY_DEFAULT["teacher"] = {"weights": "reference", "ema_decay": 0.99, "checkpoi
 # no effect on the default method (TurnSight over GRPO trains no critic or PRM and never switches).
 TODAY_DEFAULT["rl"].update(gae_gamma=1.0, gae_lam=1.0, gae_whiten=True, toolomni_gate=0.95, switch_step=0,
                            switch_method="")
+# A rollout controller in place of the method's own (issue 24's rollout methods), off.
+TODAY_DEFAULT["rl"].update(rollout="")
 # Orchard's CA-SFT knobs (rl.method=orchard): no effect on the default method (no loss term reads them).
 TODAY_DEFAULT["rl"].update(orchard_coef=1.0, orchard_rise=0.05, orchard_success=1.0)
 TODAY_DEFAULT["critic"] = {"lr": 1e-5, "warmup_steps": 0, "weight_decay": 0.01, "max_grad_norm": 1.0,
@@ -160,6 +162,8 @@ TODAY_DEFAULT["slim"] = {"initial": "builtin", "audit_every": 1, "audit_tasks": 
 TODAY_DEFAULT["judge"] = {"checkpoint": "", "rationale": True, "reference": False, "max_new_tokens": 256,
                           "max_prompt_tokens": 4096, "batch_size": 32, "default_label": 0, "verifier_threshold": 1.0,
                           "dtype": "float32"}
+# MM-GRPO's rollout controller (rl.rollout=mm_grpo): no effect on the default method (its sampler).
+TODAY_DEFAULT["mm_grpo"] = {"window": 1, "placeholder": "[earlier tool output omitted]", "refill_rounds": 3}
 
 # Keys where configs/qwen3_8b.py's experiment departs from base + its model layer: how the run
 # fits 8 x 80 GB devices and how it evaluates. Anything else would be a value from somewhere else.

@@ -108,6 +108,7 @@ def base_config() -> mlc.ConfigDict:
     c.rl = mlc.ConfigDict()  # the method and its knobs: turnsight_jax.rl.config.AlgoConfig
     c.rl.method = "turnsight"  # a registered method (turnsight_jax.rl.methods): grpo | matchtir | turnsight | ...
     c.rl.base = "matchtir"  # the method TurnSight wraps (its rewards and advantage); the paper uses MatchTIR
+    c.rl.rollout = ""  # a registered rollout controller run instead of the method's own (with its rewards and loss terms); "": the method's
     c.rl.gamma = 0.9  # MatchTIR's turn-return discount
     c.rl.lam = 0.5  # lambda: mix of the TurnSight weight into the base advantage (paper: 0.5)
     c.rl.eps_w = 0.5  # eps_w: the weight's bound, w in [1 - eps_w, 1 + eps_w] (paper: 0.5)
@@ -231,6 +232,11 @@ def base_config() -> mlc.ConfigDict:
     c.judge.default_label = 0  # the label of a malformed judgment (counted in judge/malformed_rate)
     c.judge.verifier_threshold = 1.0  # an environment reward >= this is the verifier's success (judge/agreement)
     c.judge.dtype = "float32"  # the judge's weights: float32 | bfloat16
+
+    c.mm_grpo = mlc.ConfigDict()  # MM-GRPO's rollout controller (rl.rollout=mm_grpo, OpenWebRL; turnsight_jax.rl.mm_grpo, docs/rollout_methods.md)
+    c.mm_grpo.window = 1  # observations a turn's context keeps in full, the most recent (the paper keeps one screenshot); 0: all
+    c.mm_grpo.placeholder = "[earlier tool output omitted]"  # the tool response that replaces each older observation in the context
+    c.mm_grpo.refill_rounds = 3  # dynamic sampling: rounds of new prompts for groups whose rewards have zero variance; 0: off
 
     c.train = mlc.ConfigDict()  # the RL loop and the split of a step's batch
     c.train.steps = 208  # RL steps: 3 epochs x ceil(2215 FTRL training tasks / 32) (paper: 3 epochs)
@@ -533,7 +539,7 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
     r, l, o, t, te = cfg.rl, cfg.loss, cfg.optim, cfg.train, cfg.teacher
     args = tuple(sorted(r.args.items())) if "args" in r else ()
     return StepConfig(
-        algo=AlgoConfig(method=r.method, base=r.base, gamma=r.gamma, lam=r.lam, eps_w=r.eps_w, selection=r.selection,
+        algo=AlgoConfig(method=r.method, base=r.base, rollout=r.rollout, gamma=r.gamma, lam=r.lam, eps_w=r.eps_w, selection=r.selection,
                         aggregation=r.aggregation, group_norm=r.group_norm, turns=r.turns,
                         depths=tuple(int(d) for d in r.depths), source=r.source, norm_pool=r.norm_pool,
                         uncovered_in_stats=r.uncovered_in_stats,
@@ -720,6 +726,13 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
             except (OSError, ValueError) as e:
                 raise ConfigError(str(e)) from None
             check_writer(scfg, policy.vocab_size)
+    if "mm_grpo" in cfg:  # MM-GRPO's keys; the window needs every turn scored under its own context
+        from turnsight_jax.rl.mm_grpo import check_method, mm_grpo_settings
+
+        mcfg = mm_grpo_settings(cfg.mm_grpo)
+        for _, m in stages:
+            if m.rollout.name == "mm_grpo":
+                check_method(mcfg, m)
     for sc_i, method_i in stages:
         who = f"rl.method={sc_i.algo.method!r}" + (f" over rl.base={sc_i.algo.base!r}" if method_i.base else "")
         for field in method_i.task_needs:

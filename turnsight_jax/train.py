@@ -141,7 +141,8 @@ def _summed(values: dict[str, float]) -> dict[str, float]:
 MECHANISM_METRICS = {"turnsight/weight_max": "w_max", "rlsd/weight_max": "w_max", "train/sdpo_kl": "sdpo_kl",
                      "sdpo/gap_mean": "sdpo_gap", "train/sdar_gate": "gate", "train/sod_weight": "sod_w",
                      "critic/value_loss": "v_loss", "prm/gain_abs_mean": "prm_gain", "slim/library_size": "skills",
-                     "judge/agreement": "judge_agree"}
+                     "judge/agreement": "judge_agree", "mm_grpo/dropped_groups": "dropped",
+                     "mm_grpo/elided_observations": "elided"}
 
 
 def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_cfg=None) -> flops.UpdateFlops:
@@ -358,11 +359,13 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             ctx = RolloutContext(graphdef, distributed.local_replica(params, mesh, rollout_mesh), tok, env, sampling,
                                  rc, cfg.train.group_size, cfg.rollout.prompts_per_chunk,
                                  model_setup.DTYPES[cfg.model.compute_dtype], line, engine=engine_cfg,
-                                 mesh=rollout_mesh, group_offset=first, run_config=cfg)
+                                 mesh=rollout_mesh, group_offset=first, run_config=cfg, task_pool=train_tasks)
             step_cfg, method, step_fn = stage(step)
             if slim_run is not None:  # the skills the slim controller puts in the prompts
                 ctx = dataclasses.replace(ctx, state=slim_run.library)
             res = method.rollout.fn(ctx, mine, cfg.seed * 100_003 + step)
+            if res.tasks is not None:  # the controller rolled out other prompts (MM-GRPO's refills)
+                mine = list(res.tasks)
             distributed.settle()  # the rollout's local collectives end before the step's cross-process ones
             t_roll = time.perf_counter() - t_step
             row_tasks = [t for t in mine for _ in range(cfg.train.group_size)]
@@ -395,6 +398,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                 skipped_in_a_row = 0
             t_total = time.perf_counter() - t_step
             metrics = _rollout_metrics(res.trajectories)
+            metrics.update(res.metrics)  # the controller's own (already over every process)
             if step == start:  # once per process: the optimizer's share of the fused step (turnsight_jax.cost)
                 with jax.set_mesh(mesh):
                     optimizer_probe.measure(params, opt_state)

@@ -48,7 +48,9 @@ class AlgoConfig:
 
     method: a registered method ("grpo", "matchtir", "turnsight", or one added with
     rl.methods.register_method). A method whose advantage wraps a base (TurnSight) wraps the
-    method named by `base` (its rewards and its advantage).
+    method named by `base` (its rewards and its advantage). rollout: a registered rollout
+    controller that replaces the method's own, with the rewards and loss terms it brings
+    (rl.methods.RolloutController); "": the method's.
     TurnSight switches (docs/spec.md §1.10 ablations): lam, eps_w, selection ("vote" | "mean" | depth
     index), aggregation ("turn" | "token"), group_norm, turns ("all" | "first:N" | "last:N"),
     depths (the hindsight depth set D_H), source ("tool_results" | "tool_results_answer" |
@@ -77,6 +79,7 @@ class AlgoConfig:
 
     method: str = "turnsight"
     base: str = "grpo"
+    rollout: str = ""
     gamma: float = 0.9
     eps: float = 1e-6
     lam: float = 0.5

@@ -34,13 +34,13 @@ from turnsight_jax.rewards import matchtir_turn_rewards, token_f1, toolrl_reward
 from turnsight_jax.rl import critic as _critic  # noqa: F401  (registers PPO's GAE estimator)
 from turnsight_jax.rl import distill  # noqa: F401  (registers the self-distillation baselines)
 from turnsight_jax.rl import orchard as _orchard  # noqa: F401  (registers CA-SFT's loss term)
-from turnsight_jax.rl import srl, toolomni
+from turnsight_jax.rl import mm_grpo, srl, toolomni
 from turnsight_jax.rl.advantages import Estimator, get_estimator
 from turnsight_jax.rl.config import AlgoConfig, StepConfig
 from turnsight_jax.rl.losses import LossTerm, get_loss_term
 from turnsight_jax.rl.slim import SkillLibrary
 from turnsight_jax.rl.slim_text import with_skills
-from turnsight_jax.rollout.driver import ModelPolicy, RolloutConfig, RolloutResult, rollout
+from turnsight_jax.rollout.driver import ModelPolicy, ObservationWindow, RolloutConfig, RolloutResult, rollout
 from turnsight_jax.rollout.engine import PagedEngine
 from turnsight_jax.rollout.sampler import SamplingParams
 
@@ -81,40 +81,54 @@ class RolloutContext:
     group_offset: int = 0  # global index of the first prompt (a process rolls out its share of a step's prompts)
     run_config: Any = None  # the run's ConfigDict, for a controller with its own section (the judge: judge.*)
     state: Any = None  # the trainer's host-side state a controller reads (SLIM: its rl.slim.SkillLibrary)
+    task_pool: Sequence[Task] = ()  # the training tasks a controller may draw more prompts from (rl.mm_grpo's refills)
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutController:
+    """A registered rollout controller. A controller that acts on the rollout may bring the rest of
+    its mechanism with it: `rewards` (registered rewards whose outputs its other parts read, e.g.
+    a per-trajectory flag it set on the record) and `loss_terms` (registered loss terms, e.g. an
+    auxiliary CE on exemplars it chose). `resolve_method` adds both to whatever method runs with
+    the controller, so `rl.rollout=NAME` composes with GRPO, MatchTIR, TurnSight or any method."""
+
     name: str
     fn: Callable[[RolloutContext, Sequence[Task], int], RolloutResult]
+    rewards: tuple[str, ...] = ()
+    loss_terms: tuple[str, ...] = ()
 
 
 ROLLOUTS: dict[str, RolloutController] = {}
 
 
-def register_rollout(name: str):
-    """Decorator: register `fn(ctx: RolloutContext, tasks, seed) -> RolloutResult`."""
+def register_rollout(name: str, *, rewards: Sequence[str] = (), loss_terms: Sequence[str] = ()):
+    """Decorator: register `fn(ctx: RolloutContext, tasks, seed) -> RolloutResult`, with the rewards
+    and loss terms the controller's mechanism adds to any method it runs under (RolloutController)."""
 
     def deco(fn):
         if name in ROLLOUTS:
             raise ValueError(f"rollout controller {name!r} already registered")
-        ROLLOUTS[name] = RolloutController(name, fn)
+        ROLLOUTS[name] = RolloutController(name, fn, tuple(rewards), tuple(loss_terms))
         return fn
 
     return deco
 
 
 @register_rollout("sampler")
-def sampler_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
+def sampler_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int, *,
+                    window: ObservationWindow | None = None) -> RolloutResult:
     """The default: G samples per prompt, `prompts_per_chunk` prompts at a time (0: all), from the
     paged engine (`ctx.engine`: continuous batching over `ctx.engine.slots` slots) or the lockstep
     `ModelPolicy` (its static cache holds one chunk's rows); the chunks' trajectories and stats joined.
     Every episode's draws depend on (seed, its global row) only: chunking and the split of a step
-    over processes (`ctx.group_offset`) change no token."""
+    over processes (`ctx.group_offset`) change no token. `window`: the policy's context keeps only
+    the most recent observations (rollout.driver.rollout; rl.mm_grpo)."""
     per = ctx.prompts_per_chunk or len(tasks)
     trajs, stats = [], {}
     for i in range(0, len(tasks), per):
         kwargs = {} if ctx.cache_dtype is None else {"cache_dtype": ctx.cache_dtype}
+        if window is not None:
+            kwargs["context_slack"] = window.slack(ctx.config.max_turns)
         first = ctx.group_offset + i
         if ctx.engine is not None:
             policy = PagedEngine(ctx.graphdef, ctx.params, ctx.tokenizer, sampling=ctx.sampling, config=ctx.config,
@@ -125,7 +139,7 @@ def sampler_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> Ro
                                  seed=seed, row_offset=first * ctx.group_size, **kwargs)
         with jax.set_mesh(ctx.mesh) if ctx.mesh is not None else contextlib.nullcontext():
             res = rollout(policy, ctx.env, tasks[i:i + per], tokenizer=ctx.tokenizer, group_size=ctx.group_size,
-                          config=ctx.config, seed=seed, group_offset=first, progress=ctx.progress)
+                          config=ctx.config, seed=seed, group_offset=first, progress=ctx.progress, window=window)
         trajs.extend(res.trajectories)
         for k, v in res.stats.items():
             stats[k] = stats.get(k, 0.0) + v if k != "compilations" else v
@@ -147,6 +161,14 @@ def judged_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> Rol
     """The model-judged reward (judge.method, OpenWebRL): the default sampler's rollouts, each
     labelled by the judge model of the run config's judge.* section (ctx.run_config)."""
     return judge.judge_rollout(ctx, sampler_rollout(ctx, tasks, seed), tasks)
+
+
+@register_rollout("mm_grpo")
+def mm_grpo_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
+    """MM-GRPO (rl.mm_grpo): the default sampler under an observation window (mm_grpo.window),
+    with dynamic sampling (zero-variance groups refilled with new prompts, mm_grpo.refill_rounds)."""
+    return mm_grpo.dynamic_rollout(ctx, tasks, seed,
+                                   sample=lambda c, t, s, w: sampler_rollout(c, t, s, window=w))
 
 
 # ---- rewards ----
@@ -440,12 +462,18 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
         if rollout_name == "sampler":
             rollout_name = bm.rollout
         critic, prm = critic or bm.critic, prm or bm.prm
+    if algo.rollout:  # rl.rollout: this controller, whatever the method's own
+        rollout_name = algo.rollout
+    if rollout_name not in ROLLOUTS:
+        who = "rl.rollout:" if algo.rollout else f"method {m.name!r}:"
+        raise ConfigError(f"{who} unknown rollout controller {rollout_name!r}; registered: {sorted(ROLLOUTS)}")
+    controller = ROLLOUTS[rollout_name]
+    reward_names = list(dict.fromkeys([*reward_names, *controller.rewards]))
     for name in reward_names:
         if name not in REWARDS:
             raise ConfigError(f"method {m.name!r}: unknown reward {name!r}; registered: {sorted(REWARDS)}")
-    if rollout_name not in ROLLOUTS:
-        raise ConfigError(f"method {m.name!r}: unknown rollout controller {rollout_name!r}; registered: {sorted(ROLLOUTS)}")
-    terms = [lookup(get_loss_term, t, "loss term", m.name) for t in m.loss_terms]
+    terms = [lookup(get_loss_term, t, "loss term", m.name)
+             for t in dict.fromkeys([*m.loss_terms, *controller.loss_terms])]
     if cfg.loss.kl_coef > 0 and all(t.name != "kl" for t in terms):
         terms.append(get_loss_term("kl"))
     if cfg.loss.entropy_coef > 0 and all(t.name != "entropy" for t in terms):
@@ -473,5 +501,5 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
         if any(k in term.inputs for k in RETRO_ARRAYS) and "rewards" not in outputs:
             raise ConfigError(f"method {m.name!r}: loss term {term.name!r} trains on failed trajectories, which the "
                               f"outcome reward (\"rewards\") tells; no reward of [{', '.join(reward_names)}] fills it")
-    return ResolvedMethod(m.name, ROLLOUTS[rollout_name], rewards, advantage, base, tuple(terms), m.teacher, critic,
+    return ResolvedMethod(m.name, controller, rewards, advantage, base, tuple(terms), m.teacher, critic,
                           prm)
