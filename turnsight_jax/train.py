@@ -98,11 +98,10 @@ def _rollout_metrics(trajs) -> dict[str, float]:
     return out
 
 
-def _local_batch(trajs, tasks, first, tok, step_cfg, method, cfg, shapes, row_shards):
-    """This process's batch rows (its episodes, groups numbered from `first`), padded to widths
-    every process agrees on (the largest of theirs and of the run so far: shapes only grow).
-    Returns (batch, stats, the widths now in use)."""
-    row_tasks = [t for t in tasks for _ in range(cfg.train.group_size)]
+def _local_batch(trajs, row_tasks, first, tok, step_cfg, method, cfg, shapes, row_shards):
+    """This process's batch rows (its episodes, groups numbered from `first`; `row_tasks`: each
+    row's task), padded to widths every process agrees on (the largest of theirs and of the run so
+    far: shapes only grow). Returns (batch, stats, the widths now in use)."""
     batch, bstats = make_train_batch(trajs, row_tasks, tok, step_cfg, method, min_shapes=shapes, group_offset=first,
                                      row_shards=row_shards, processes=jax.process_count())
     keys = shape_keys(bstats)
@@ -369,7 +368,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             distributed.settle()  # the rollout's local collectives end before the step's cross-process ones
             t_roll = time.perf_counter() - t_step
             row_tasks = [t for t in mine for _ in range(cfg.train.group_size)]
-            batch, bstats, shapes = _local_batch(res.trajectories, mine, first, tok, step_cfg, method, cfg, shapes,
+            batch, bstats, shapes = _local_batch(res.trajectories, row_tasks, first, tok, step_cfg, method, cfg, shapes,
                                                   local_row_shards(mesh))
             work = _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_qcfg)
             if step in fault_nan_steps:
