@@ -691,10 +691,10 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
                        cfg.rollout.max_response_tokens, cfg.train.group_size)
         except ValueError as e:
             raise ConfigError(f"rollout: {e}") from None
+    bar_config(cfg)  # the controllers' sections (akbe.coef is the step's too), checked whatever runs
+    akbe_config(cfg)
     sc = step_config(cfg)
     sc.validate()
-    bar_config(cfg)  # the controllers' sections, checked whatever runs
-    akbe_config(cfg)
     method = resolve_method(sc)
     # a controller that forms its own groups (BAR, AKBE) gives each prompt its own number of rows
     if method.rollout.rows_per_prompt is not None:

@@ -329,8 +329,6 @@ class StepConfig:
             if not math.isfinite(v) or (name == "orchard_coef" and v < 0):
                 raise ConfigError(f"rl.{name} must be finite" + (" and >= 0" if name == "orchard_coef" else "")
                                   + f", got {v}")
-        if not (math.isfinite(algo.akbe_coef) and algo.akbe_coef >= 0):
-            raise ConfigError(f"akbe.coef must be finite and >= 0, got {algo.akbe_coef}")
         if not math.isfinite(algo.toolomni_gate):
             raise ConfigError(f"rl.toolomni_gate must be finite, got {algo.toolomni_gate}")
         if not isinstance(algo.gae_whiten, bool):
