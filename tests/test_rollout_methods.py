@@ -290,5 +290,7 @@ def test_config_keys_give_the_rows_per_prompt_and_refuse_bad_values():
                      ("akbe.coef=-1.0", "akbe.coef must be a finite number >= 0"),
                      ("akbe.no_tool_calls='skip'", "akbe.no_tool_calls must be one of"),
                      ("akbe.correct=''", "akbe.correct must name a trajectory metric")]:
+        controller = bad.split(".")[0]
         with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(".", r"\.")):
-            check(bad)
+            check(f"rl.rollout={controller}", bad)
+        check(bad)  # a section of a controller that does not run is not read (bar.cap 0 follows G)

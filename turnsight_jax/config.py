@@ -691,11 +691,14 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
                        cfg.rollout.max_response_tokens, cfg.train.group_size)
         except ValueError as e:
             raise ConfigError(f"rollout: {e}") from None
-    bar_config(cfg)  # the controllers' sections (akbe.coef is the step's too), checked whatever runs
-    akbe_config(cfg)
     sc = step_config(cfg)
     sc.validate()
     method = resolve_method(sc)
+    # the sections of the controllers that run (BAR's bar.cap 0 follows train.group_size)
+    if method.rollout.name == "bar":
+        bar_config(cfg)
+    if method.rollout.name == "akbe":
+        akbe_config(cfg)
     # a controller that forms its own groups (BAR, AKBE) gives each prompt its own number of rows
     if method.rollout.rows_per_prompt is not None:
         sc = dataclasses.replace(sc, prompt_rows=method.rollout.prompt_rows(cfg, cfg.train.group_size))
