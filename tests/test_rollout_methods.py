@@ -116,11 +116,14 @@ def test_bar_drop_fallback_leaves_the_prompt_out(tok, env):
     assert res.stats["bar/group_size_sum"] == 2 + 4 + 8 + 8
 
 
-def test_bar_rows_through_the_batch(tok, env):
+@pytest.mark.parametrize("method", ["grpo", "turnsight", "orchard", "rlsd"])
+def test_bar_rows_through_the_batch(tok, env, method):
     """Groups of 2, 4, 8, 8, 8 and padding: ids renumbered from the offset in order, -1 for
-    padding; the outcome reward filled on real rows, 0 (not computed) on padding rows."""
+    padding; the outcome reward filled on real rows, 0 (not computed) on padding rows; the
+    teacher's rows (TurnSight's hindsight views, RLSD's privileged views, Orchard's probes) built
+    for padding rows too (one token each)."""
     tasks, res, _ = _bar(tok, env)
-    cfg = dataclasses.replace(_step("grpo", rollout="bar"), prompt_rows=8, max_turns=4)
+    cfg = dataclasses.replace(_step(method, rollout="bar"), prompt_rows=8, max_turns=4)
     batch, _ = make_train_batch(res.trajectories, [t for t in tasks for _ in range(8)], tok, cfg, resolve_method(cfg),
                                 group_offset=10)
     ids = np.asarray(batch.group_ids)
@@ -129,6 +132,8 @@ def test_bar_rows_through_the_batch(tok, env):
     assert not np.asarray(batch.pol_valid)[ids < 0].any()
     np.testing.assert_array_equal(np.asarray(batch.signals["rewards"]),
                                   np.concatenate([np.r_[p, np.zeros(8 - len(p))] for p in PATTERNS]))
+    assert (batch.views is not None) == (method in ("turnsight", "rlsd"))
+    assert (batch.probes is not None) == (method == "orchard")
 
 
 # ---- AKBE ----
