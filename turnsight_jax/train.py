@@ -151,7 +151,7 @@ def _controller_metrics(name: str, stats: dict[str, float]) -> dict[str, float]:
 MECHANISM_METRICS = {"turnsight/weight_max": "w_max", "rlsd/weight_max": "w_max", "train/sdpo_kl": "sdpo_kl",
                      "sdpo/gap_mean": "sdpo_gap", "train/sdar_gate": "gate", "train/sod_weight": "sod_w",
                      "critic/value_loss": "v_loss", "prm/gain_abs_mean": "prm_gain", "slim/library_size": "skills",
-                     "judge/agreement": "judge_agree"}
+                     "judge/agreement": "judge_agree", "bar/group_size_mean": "group", "akbe/exemplars": "exemplars"}
 
 
 def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_cfg=None) -> flops.UpdateFlops:
