@@ -24,6 +24,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from turnsight_jax.chat.trajectory import is_padding
 from turnsight_jax.chat.types import CallError, ToolCall
 from turnsight_jax.rewards import call_similarity
 from turnsight_jax.rollout.driver import TOOL_ERROR_PREFIX
@@ -173,7 +174,7 @@ def trajectory_record(traj, task, row: int, batch_row: dict, turns: dict, extras
            "gold_answer": _clip(getattr(task, "answer", None), text_chars),
            "signals": batch_row["signals"],
            "metrics": {k: _number(v) for k, v in traj.metrics.items() if isinstance(v, (int, float))}}
-    if "group_mean" in extras:
+    if "group_mean" in extras and g >= 0:  # -1: a row in no group (rl.batch)
         rec["group_mean"] = _number(extras["group_mean"][g])
         rec["group_std"] = _number(extras["group_std"][g])
     out_turns = []
@@ -230,7 +231,9 @@ def build_step_records(step: int, trajs: Sequence, tasks: Sequence, batch, array
     TrainBatch (group ids and signals by batch row); order[i]: the trajectory of local batch row i
     (rl.batch.batch_row_order); rows[i]: that row's index in the step's global arrays; arrays: the
     step's metrics["records"] on the host. Whole prompt groups are kept, in batch order, while the
-    lines fit in `max_bytes`; the header counts the trajectories left out."""
+    lines fit in `max_bytes`; the header counts the trajectories left out. Padding rows (a
+    controller's groups of unequal size, rl.batch) are not recorded; rows in no group (group -1)
+    are, without group statistics."""
     turns, extras = arrays["turns"], {k: v for k, v in arrays.items() if k != "turns"}
     algo = step_cfg.algo
     lines, size, dropped = [], 0, 0
@@ -250,6 +253,8 @@ def build_step_records(step: int, trajs: Sequence, tasks: Sequence, batch, array
     for i, (row, t) in enumerate(zip(rows, order)):
         if i > 0 and group_of[i] != group_of[i - 1]:
             flush()
+        if is_padding(trajs[t]):  # a row that only fills a prompt's block (rl.batch): nothing to record
+            continue
         signals = {k: _finite_list(np.asarray(v[i])) for k, v in batch.signals.items()}
         brow = {"group": int(group_of[i]), "signals": signals}
         rec = trajectory_record(trajs[t], tasks[t], int(row), brow, turns, extras, depths=algo.depths,

@@ -78,12 +78,27 @@ _TRAJ_METRICS = ("solve_f1", "solve_p", "solve_r", "num_turns", "num_calls", "re
                  "truncated", "policy_tokens")
 
 
-def _rollout_metrics(trajs) -> dict[str, float]:
-    """Means over the step's trajectories, over every process's (each holds its own episodes):
-    the per-trajectory values are all-gathered, so the numbers equal a one-process run's."""
-    table = np.array([[t.reward] + [t.metrics.get(k, np.nan) for k in _TRAJ_METRICS] for t in trajs], np.float64)
+def _rollout_metrics(trajs, own_groups: bool = False) -> dict[str, float]:
+    """Means over the step's trajectories in a group (the rows the method trains; not padding
+    rows or a controller's exemplars), over every process's (each holds its own episodes): the
+    per-trajectory values are all-gathered, so the numbers equal a one-process run's.
+    own_groups (a controller that forms its own groups): also the groups' count and sizes."""
+    table = np.array([[t.reward, t.group_id] + [t.metrics.get(k, np.nan) for k in _TRAJ_METRICS] for t in trajs],
+                     np.float64)
     table = distributed.gather(table).reshape(-1, table.shape[1])
-    out = {"rollout/reward_mean": float(np.mean(table[:, 0]))}
+    groups = table[:, 1]
+    table = np.delete(table, 1, axis=1)
+    out = {}
+    if own_groups:  # group ids are global (a process's are numbered from its first prompt)
+        _, sizes = np.unique(groups[groups >= 0], return_counts=True)
+        out.update({"rollout/groups": float(sizes.size), "rollout/rows_in_groups": float(sizes.sum()),
+                    "rollout/group_size_mean": float(sizes.mean()) if sizes.size else 0.0,
+                    "rollout/group_size_min": float(sizes.min()) if sizes.size else 0.0,
+                    "rollout/group_size_max": float(sizes.max()) if sizes.size else 0.0})
+    grouped = groups >= 0
+    trajs = [t for t in trajs if t.group_id >= 0]
+    table = table[grouped]
+    out["rollout/reward_mean"] = float(np.mean(table[:, 0])) if len(table) else 0.0
     for j, k in enumerate(_TRAJ_METRICS, start=1):
         vals = table[:, j][~np.isnan(table[:, j])]
         if vals.size:
@@ -100,8 +115,9 @@ def _rollout_metrics(trajs) -> dict[str, float]:
 
 def _local_batch(trajs, row_tasks, first, tok, step_cfg, method, cfg, shapes, row_shards):
     """This process's batch rows (its episodes, groups numbered from `first`; `row_tasks`: each
-    row's task), padded to widths every process agrees on (the largest of theirs and of the run so
-    far: shapes only grow). Returns (batch, stats, the widths now in use)."""
+    row's task, block i of step_cfg.rows_per_prompt rows task i's), padded to widths every process
+    agrees on (the largest of theirs and of the run so far: shapes only grow). Returns (batch,
+    stats, the widths now in use)."""
     batch, bstats = make_train_batch(trajs, row_tasks, tok, step_cfg, method, min_shapes=shapes, group_offset=first,
                                      row_shards=row_shards, processes=jax.process_count())
     keys = shape_keys(bstats)
@@ -129,19 +145,13 @@ def _write_records(workdir, step, trajs, row_tasks, batch, arrays, step_cfg, met
     records.write_records(records.records_path(workdir, step, jax.process_index()), lines)
 
 
-def _summed(values: dict[str, float]) -> dict[str, float]:
-    """Each value summed over the processes (counts of the episodes each one ran)."""
-    keys = sorted(values)
-    total = distributed.gather(np.array([values[k] for k in keys], np.float64)).sum(axis=0)
-    return dict(zip(keys, total.tolist()))
-
-
 # The progress line's view of the method's own mechanism: the metric that shows it acting.
 MECHANISM_METRICS = {"turnsight/weight_max": "w_max", "rlsd/weight_max": "w_max", "train/sdpo_kl": "sdpo_kl",
                      "sdpo/gap_mean": "sdpo_gap", "train/sdar_gate": "gate", "train/sod_weight": "sod_w",
                      "critic/value_loss": "v_loss", "prm/gain_abs_mean": "prm_gain", "slim/library_size": "skills",
                      "judge/agreement": "judge_agree", "mm_grpo/dropped_groups": "dropped",
-                     "mm_grpo/elided_observations": "elided"}
+                     "mm_grpo/elided_observations": "elided", "bar/group_size_mean": "group",
+                     "akbe/exemplars": "exemplars"}
 
 
 def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_cfg=None) -> flops.UpdateFlops:
@@ -200,7 +210,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     # several processes: a batch that cannot be split into whole groups per process fails now, not
     # after the warm-start
-    distributed.rollout_share(mesh, cfg.train.prompts_per_step, cfg.train.group_size)
+    distributed.rollout_share(mesh, cfg.train.prompts_per_step, step_cfg.rows_per_prompt)
     qcfg = model_setup.model_config(cfg)
     if not cfg.model.hf_path and not cfg.model.allow_random_init:
         raise ConfigError(f"model.preset={cfg.model.preset!r} would start from random weights: set "
@@ -350,7 +360,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             tasks = [train_tasks[int(i)] for i in ds[step]]
             # Each process rolls out the prompts whose batch rows live on its devices (all of
             # them with one process), on its own devices with its own copy of the policy.
-            first, share = distributed.rollout_share(mesh, len(tasks), cfg.train.group_size)
+            step_cfg, method, step_fn = stage(step)
+            first, share = distributed.rollout_share(mesh, len(tasks), step_cfg.rows_per_prompt)
             mine = tasks[first:first + share]
             # Paper-scale rollouts take minutes: a line every 30 s (none for a short step).
             line = ProgressLine(len(mine) * cfg.train.group_size, label=f"step {step + 1} rollouts", every_s=30.0,
@@ -359,21 +370,24 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                                  rc, cfg.train.group_size, cfg.rollout.prompts_per_chunk,
                                  model_setup.DTYPES[cfg.model.compute_dtype], line, engine=engine_cfg,
                                  mesh=rollout_mesh, group_offset=first, run_config=cfg, task_pool=train_tasks)
-            step_cfg, method, step_fn = stage(step)
             if slim_run is not None:  # the skills the slim controller puts in the prompts
                 ctx = dataclasses.replace(ctx, state=slim_run.library)
             res = method.rollout.fn(ctx, mine, cfg.seed * 100_003 + step)
             if res.tasks is not None:  # the controller rolled out other prompts (MM-GRPO's refills)
                 mine = list(res.tasks)
             distributed.settle()  # the rollout's local collectives end before the step's cross-process ones
+            if len(res.trajectories) != len(mine) * step_cfg.rows_per_prompt:  # the batch's static row count
+                raise ValueError(f"rollout controller {method.rollout.name!r} returned {len(res.trajectories)} "
+                                 f"trajectories for {len(mine)} prompts; expected {step_cfg.rows_per_prompt} per "
+                                 f"prompt (rl.methods.RolloutController)")
             t_roll = time.perf_counter() - t_step
-            row_tasks = [t for t in mine for _ in range(cfg.train.group_size)]
+            row_tasks = [t for t in mine for _ in range(step_cfg.rows_per_prompt)]  # block i: task i's rows
             batch, bstats, shapes = _local_batch(res.trajectories, row_tasks, first, tok, step_cfg, method, cfg, shapes,
                                                   local_row_shards(mesh))
             work = _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_qcfg)
             if step in fault_nan_steps:
                 batch = _poison(batch)
-            rows = len(tasks) * cfg.train.group_size
+            rows = len(tasks) * step_cfg.rows_per_prompt
             global_batch = (distributed.assemble_rows(batch, mesh, rows, row_axis) if distributed.is_multiprocess()
                             else shard_batch(batch, mesh))
             t_step_fn = time.perf_counter()
@@ -396,7 +410,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             else:
                 skipped_in_a_row = 0
             t_total = time.perf_counter() - t_step
-            metrics = _rollout_metrics(res.trajectories)
+            metrics = _rollout_metrics(res.trajectories, own_groups=bool(step_cfg.prompt_rows))
             metrics.update(res.metrics)  # the controller's own (already over every process)
             if step == start:  # once per process: the optimizer's share of the fused step (turnsight_jax.cost)
                 with jax.set_mesh(mesh):
@@ -415,7 +429,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             if "views_skipped" in bstats:  # privileged views without a block (e.g. no successful sibling)
                 metrics["teacher/views_skipped"] = bstats["views_skipped"]
                 metrics["teacher/views_built"] = bstats.get("views_built", 0.0)
-            counts = _summed({**{f"r.{k}": res.stats.get(k, 0.0) for k in ("tokens", "decoded_tokens", "env_errors")},
+            counts = distributed.summed({**{f"r.{k}": res.stats.get(k, 0.0) for k in ("tokens", "decoded_tokens", "env_errors",
+                                                                            "episodes")},
                               **{f"b.{k}": bstats.get(k, 0.0) for k in ("trajectory_tokens", "view_tokens",
                                                                         "policy_tokens", *VIEW_TOKEN_KINDS)},
                               "f.rollout": flops.rollout_flops(qcfg, [t.length for t in res.trajectories],
@@ -453,6 +468,11 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                             "perf/tool_s": res.stats["tool_s"], "perf/tokens_per_s": tokens / t_total,
                             # episodes an environment error ended (a raising step or scorer), a count
                             "rollout/env_errors": counts["r.env_errors"],
+                            # what the controller sampled (BAR's rounds, AKBE's no-tool group included):
+                            # episodes, their tokens after the prompt, the policy tokens decoded
+                            "rollout/episodes": counts["r.episodes"],
+                            "rollout/episode_tokens": counts["r.tokens"],
+                            "rollout/decoded_tokens": counts["r.decoded_tokens"],
                             "perf/compilations": res.stats.get("compilations", 0.0),
                             "perf/step_compilations": float(step_fn._cache_size()),  # programs compiled so far
                             **{f"shape/{k}": float(v) for k, v in shapes.items()},

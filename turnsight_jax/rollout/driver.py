@@ -32,7 +32,7 @@ from turnsight_jax.chat.types import CallError, Task
 from turnsight_jax.distributed import to_host
 from turnsight_jax.envs.base import Environment, VectorEnv
 from turnsight_jax.models.qwen3 import KVCache
-from turnsight_jax.rollout.sampler import SamplingParams, append_tokens, decode_turn
+from turnsight_jax.rollout.sampler import SamplingParams, append_tokens, decode_turn, global_rows
 
 log = logging.getLogger(__name__)
 
@@ -140,9 +140,10 @@ class ModelPolicy:
         run through the real decode loop and cache; log-probs remain the model's). Row r's draws
         come from fold_in(key(seed), row_offset + r), token by token, as the paged engine's: the
         same episodes sample the same tokens whatever the batch they share (row_offset: the
-        rows' global index, when a step's episodes are split over calls or processes).
-        context_slack: cache slots beyond prompt + max_response_tokens (an observation window's
-        contexts may outgrow the trajectory: `ObservationWindow.slack`)."""
+        rows' global index, when a step's episodes are split over calls or processes; or one
+        global row per episode, `global_rows`). context_slack: cache slots beyond prompt +
+        max_response_tokens (an observation window's contexts may outgrow the trajectory:
+        `ObservationWindow.slack`)."""
         self.graphdef, self.state = graphdef, state
         self.tokenizer = tokenizer
         self.sampling = sampling
@@ -190,7 +191,7 @@ class ModelPolicy:
         self.turn = 0
         self.lengths = np.asarray(lens)[np.asarray(take)]  # host copy of the filled slots per row
         self.row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
-            self.key, jnp.arange(self.padded_rows, dtype=jnp.int32) + self.row_offset)
+            self.key, jnp.asarray(global_rows(self.row_offset, self.rows, self.padded_rows)))
         self.sampled = np.zeros(self.padded_rows, np.int32)  # tokens each row drew so far
         # the prefill's own time, not the decode's: the decode that follows waits for it anyway
         jax.block_until_ready(self.hidden)
@@ -355,7 +356,9 @@ ProgressCallback = Callable[[RolloutProgress], None]
 
 @dataclasses.dataclass
 class RolloutResult:
-    """trajectories: len(tasks) * G, siblings adjacent. stats: this process's counts and seconds.
+    """trajectories: len(tasks) * G, siblings adjacent (a controller that forms its own groups:
+    len(tasks) * R in prompt blocks, rl.methods.RolloutController). stats: this process's counts
+    and seconds.
     tasks: the task of each group when a controller rolled out other prompts than it was given
     (dynamic sampling's refills), else None. metrics: a controller's own diagnostics, logged as
     they are (already over every process)."""
@@ -509,11 +512,14 @@ def rollout(
     seed: int = 0,
     group_offset: int = 0,
     progress: ProgressCallback | None = None,
+    row_ids: Sequence[int] | None = None,
     window: ObservationWindow | None = None,
 ) -> RolloutResult:
     """Run len(tasks) * group_size episodes to the end. Trajectory r belongs to group
     group_offset + r // group_size. `progress` (optional) receives a `RolloutProgress` after
-    every `generate` and a final one with done=True (it throttles its own output).
+    every `generate` and a final one with done=True (it throttles its own output). row_ids:
+    the global row of each episode, which seeds its environment (default: group_offset *
+    group_size + r; give the policy the same rows, `row_offset`, so its draws match).
 
     `window` (rl.mm_grpo): each turn sees only the most recent `window.size` observations in full.
     When an observation leaves the window the backend rewinds to it and re-prefills the placeholder
@@ -610,7 +616,8 @@ def rollout(
 
     try:
         # Episode seeds depend on (seed, global row), not on how rows were batched.
-        vec.start(row_tasks, [seed * 1_000_003 + group_offset * group_size + r for r in range(n)])
+        rows = global_rows(group_offset * group_size if row_ids is None else row_ids, n)
+        vec.start(row_tasks, [seed * 1_000_003 + int(g) for g in rows])
         backend.begin(prompts, group_size)
         with_backend = set(range(n))
         pending = None  # (future, calls per row) of the tool calls in flight
@@ -675,7 +682,7 @@ def rollout(
     if env_errors:
         print(f"rollout: {len(env_errors)} episode(s) ended by an environment error; first: "
               f"{env_errors[0]}", file=sys.stderr, flush=True)
-    stats = {"rollout_s": elapsed, "tool_s": tool_s[0], "env_errors": float(len(env_errors)),
+    stats = {"rollout_s": elapsed, "tool_s": tool_s[0], "env_errors": float(len(env_errors)), "episodes": float(n),
              "tokens": float(sum(t.length - t.prompt_len for t in trajectories))}
     if ctxs is not None:
         stats["elided_observations"] = float(ctxs.elisions)

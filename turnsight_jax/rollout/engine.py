@@ -41,7 +41,7 @@ from turnsight_jax.chat import tokenizer as tok_lib
 from turnsight_jax.distributed import to_host
 from turnsight_jax.models.paged_cache import LiveBlocks, PagedKV, bytes_per_token, empty_pool, live_blocks, paged_extend
 from turnsight_jax.models.sharding import BATCH, fit_spec
-from turnsight_jax.rollout.sampler import SamplingParams, sample_rows
+from turnsight_jax.rollout.sampler import SamplingParams, global_rows, sample_rows
 
 _FREE, _DECODE, _WAIT = 0, 1, 2
 
@@ -208,7 +208,8 @@ class PagedEngine:
     mesh: rows and the pool are split over its (data, fsdp) axes; None: one shard.
     forced_scripts: optional turn texts per row replacing the draws (the model's log-probs are
     still recorded), as `ModelPolicy`'s. row_offset: the rows' global index (episode r draws
-    from fold_in(key(seed), row_offset + r)), as `ModelPolicy`'s. context_slack: KV slots an
+    from fold_in(key(seed), row_offset + r)), or one global row per episode, as `ModelPolicy`'s
+    (rollout.sampler.global_rows). context_slack: KV slots an
     episode may hold beyond prompt + max_response_tokens, reserved at admission (an observation
     window's contexts may outgrow the trajectory: rollout.driver.ObservationWindow.slack)."""
 
@@ -255,6 +256,7 @@ class PagedEngine:
         self.group_size = group_size
         n = len(prompts) * group_size
         self.rows = n
+        self.global_rows = global_rows(self.row_offset, n)  # each episode's sampling key: fold_in(key, its global row)
         self.queue = collections.deque(range(n))
         self.queued_in_group = collections.Counter(r // group_size for r in range(n))
         self.slots = [[_Slot() for _ in range(self.slots_per_shard)] for _ in range(self.shards)]
@@ -509,7 +511,7 @@ class PagedEngine:
         self.counters["decode_blocks_computed"] += size * self.shards * steps
         live_np = live_blocks(listed, per, self.trash, self.engine.block_size, size)
         live_blocks_arg = LiveBlocks(**{k: self._put(jnp.asarray(v)) for k, v in live_np.items()})
-        keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(self.base_key, jnp.asarray(row_ids + self.row_offset))
+        keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(self.base_key, jnp.asarray(self.global_rows[row_ids]))
         t0 = time.perf_counter()
         hid_in = self.hidden[jnp.asarray(src)]
         out_tok, out_lp, emitted, stopped, self.kv, hid = _decode(

@@ -211,7 +211,8 @@
       if (!key) {  // the hierarchy: a head row per prompt group and per trajectory
         if (r.traj.group !== lastGroup) {
           const g = el("tr", { class: "group-head", "data-group": r.traj.group });
-          g.appendChild(el("td", { colspan: cols.length }, "prompt group " + r.traj.group + " · " + (r.traj.category || "") +
+          g.appendChild(el("td", { colspan: cols.length }, (r.traj.group < 0 ? "rows in no group" : "prompt group " +
+            r.traj.group) + " · " + (r.traj.category || "") +
             " · task " + r.traj.task_id + (r.traj.group_mean !== undefined ? " · μ " + fmt(r.traj.group_mean) +
               ", σ " + fmt(r.traj.group_std) : "")));
           body.appendChild(g);
