@@ -1,15 +1,27 @@
 """Methods whose cost lies outside the train step (SLIM's audits and skill writing, the model
-judge's decoding), against GRPO, as whole trainer steps: `python -m turnsight_jax.train` runs of
-each method's tiny config at the same sizes, from the same random tiny-default policy.
+judge's decoding, MM-GRPO's refill rollouts and re-prefills, the rollout controllers BAR and AKBE),
+against GRPO, as whole trainer steps: `python -m turnsight_jax.train` runs of each method's tiny config at the same sizes, from
+the same random tiny-default policy (or, with --warm-start, the same supervised warm-start).
 
-    python benchmarks/method_runs.py [--steps 4] [--methods grpo,slim,judge]
+    python benchmarks/method_runs.py [--steps 4] [--methods grpo,slim,judge,mm_grpo,bar,akbe] [--warm-start DIR]
+
+A method entry may carry overrides after '@', '+'-separated, e.g. `mm_grpo@mm_grpo.refill_rounds=0`
+(MM-GRPO's window alone) or `mm_grpo@mm_grpo.window=0` (its dynamic sampling alone).
 
 Each run: 2 prompts x 4 samples per step, no warm-start, no held-out evaluation. The per-step
 cost is perf/step_s (rollout + update) plus slim/audit_s (SLIM's leave-one-out audit and its
 writer run after the step, outside perf/step_s), the median over the steps after the first (the
 first compiles). The judge is a random tiny-default model written to a folder here: it never
 closes its output, so it decodes its full `judge.max_new_tokens` (48 in the tiny config) for
-every trajectory, the worst case. Prints a table with the ratio to GRPO's step."""
+every trajectory, the worst case. MM-GRPO (rl.rollout=mm_grpo): a random policy solves nothing, so
+every group has zero variance and is refilled for all of mm_grpo.refill_rounds (the worst case),
+and it calls no tool, so nothing is elided; from a warm-start (--warm-start: a completed `sft/`
+folder, e.g. the one tests/_train_runs.py builds) its policy calls tools and solves some tasks.
+The note gives its median refill rollouts, elided observations and re-prefilled tokens per step.
+BAR (configs/methods/bar.py: 2 rollouts a round, up to 8) and AKBE (a no-tool group as large as the
+with-tool one) sample another number of episodes than GRPO's 2 x 4: every row gives its episodes
+and decoded tokens per step (rollout/episodes, rollout/decoded_tokens) and their ratio to GRPO's.
+Prints a table with the ratio to GRPO's step."""
 
 from __future__ import annotations
 
@@ -47,11 +59,19 @@ def random_judge(folder: pathlib.Path) -> pathlib.Path:
     return folder
 
 
-def run(method: str, workdir: pathlib.Path, steps: int, judge: pathlib.Path) -> list[dict]:
+def run(entry: str, workdir: pathlib.Path, steps: int, judge: pathlib.Path,
+        warm_start: pathlib.Path | None = None) -> list[dict]:
+    method, _, overrides = entry.partition("@")
     config = [] if method == "grpo" else ["--config", str(REPO / "configs" / "methods" / f"{method}.py")]
     more = ["--config.rl.method=grpo"] if method == "grpo" else []
+    more += [f"--config.{o}" for o in overrides.split("+") if o]
     if method == "judge":
         more.append(f"--config.judge.checkpoint={judge}")
+    if warm_start is not None:  # any sft step count > 0: the trainer reuses the completed folder copied here
+        import shutil
+
+        shutil.copytree(warm_start, workdir / "sft")
+        more.append("--config.sft.steps=1")
     args = [sys.executable, "-m", "turnsight_jax.train", *config, "--workdir", str(workdir), *SIZES,
             f"--config.train.steps={steps}", *more]
     proc = subprocess.run(args, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True)
@@ -64,31 +84,54 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--methods", default="grpo,slim,judge")
+    ap.add_argument("--warm-start", type=pathlib.Path, default=None,
+                    help="a completed supervised warm-start folder (sft/) every run starts from")
     args = ap.parse_args()
     names = args.methods.split(",")
     if "grpo" not in names:
         names.insert(0, "grpo")
-    rows, cost = [], {}
+    rows, cost, sampled = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         judge = random_judge(pathlib.Path(tmp) / "judge_model") if "judge" in names else pathlib.Path(tmp)
         for name in names:
-            recs = run(name, pathlib.Path(tmp) / name, args.steps, judge)[1:]
+            recs = run(name, pathlib.Path(tmp) / name.replace("@", "_").replace("=", "_"), args.steps, judge,
+                       args.warm_start)[1:]
             step = statistics.median(r["perf/step_s"] for r in recs)
             audit = statistics.median(r.get("slim/audit_s", 0.0) for r in recs)
             rollout = statistics.median(r["perf/rollout_s"] for r in recs)
             cost[name] = step + audit
+            sampled[name] = (statistics.mean(r["rollout/episodes"] for r in recs),
+                             statistics.mean(r["rollout/decoded_tokens"] for r in recs))
             extra = ""
             if name == "judge":
                 extra = f"{statistics.median(r['judge/generated_tokens'] for r in recs):.0f} judge tokens"
             elif name == "slim":
                 extra = f"{recs[-1]['slim/library_size']:.0f} skills"
+            elif name.partition("@")[0] == "mm_grpo":
+                med = {k: statistics.median(r[f"mm_grpo/{k}"] for r in recs)
+                       for k in ("extra_rollouts", "elided_observations", "reprefill_tokens")}
+                extra = (f"+{med['extra_rollouts']:.0f} rollouts, {med['elided_observations']:.0f} elided, "
+                         f"{med['reprefill_tokens']:.0f} re-prefilled tokens")
+            elif name.partition("@")[0] == "bar":
+                n = sum(r["bar/prompts"] for r in recs)
+                extra = (f"groups of {statistics.mean(r['bar/group_size_mean'] for r in recs):.1f} on average; "
+                         f"{sum(r['bar/early_stops'] for r in recs) / n:.0%} of prompts stopped early, "
+                         f"{sum(r['bar/fallbacks'] for r in recs) / n:.0%} fell back at the cap")
+            elif name.partition("@")[0] == "akbe":
+                q = {k: sum(r[f"akbe/q{k}"] for r in recs) for k in ("11", "10", "01", "00")}
+                extra = (f"quadrants 11/10/01/00 {q['11']:.0f}/{q['10']:.0f}/{q['01']:.0f}/{q['00']:.0f}; "
+                         f"{statistics.mean(r['akbe/no_tool_tokens'] for r in recs):.0f} no-tool tokens per step")
             rows.append([name, f"{rollout:.2f}", f"{step - rollout:.2f}", f"{audit:.2f}", f"{cost[name]:.2f}", None,
-                         extra])
+                         f"{sampled[name][0]:.1f}", None, f"{sampled[name][1]:.0f}", None, extra])
             print(f"{name}: {cost[name]:.2f} s/step", file=sys.stderr)
     for r in rows:
         r[5] = f"{cost[r[0]] / cost['grpo']:.2f}"
-    print(f"# whole trainer steps per method ({args.steps} steps, median after the first), {machine()}")
-    print(table(rows, ["method", "rollout s", "update s", "audit + writer s", "s/step", "vs GRPO", "note"]))
+        r[7] = f"{sampled[r[0]][0] / sampled['grpo'][0]:.2f}"
+        r[9] = f"{sampled[r[0]][1] / max(sampled['grpo'][1], 1.0):.2f}"
+    start = f"from the warm-start {args.warm_start}" if args.warm_start else "from a random policy"
+    print(f"# whole trainer steps per method ({args.steps} steps, median after the first, {start}), {machine()}")
+    print(table(rows, ["method", "rollout s", "update s", "audit + writer s", "s/step", "vs GRPO", "episodes/step",
+                       "vs GRPO", "decoded tokens/step", "vs GRPO", "note"]))
 
 
 if __name__ == "__main__":

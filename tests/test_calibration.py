@@ -1,4 +1,4 @@
-"""Turn records (rl.turn_records) and the calibration report (python -m turnsight_jax.calibration)
+"""Turn outcomes (rl.turn_outcomes) and the calibration report (python -m turnsight_jax.calibration)
 on scripted trajectories and scripted teacher log-probs: outcomes, faults, metrics, ECE and the
 gap-outcome correlation against hand-computed values."""
 
@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -13,7 +15,8 @@ from turnsight_jax import calibration
 from turnsight_jax.envs.faults import FaultConfig, FaultyEnv
 from turnsight_jax.envs.ftrl import FTRLEnv
 from turnsight_jax.envs.synthetic import SyntheticConfig, generate_task, gold_turn_texts, tool_call_text
-from turnsight_jax.rl import turn_records
+from turnsight_jax.rl import turn_outcomes
+from turnsight_jax.rl.turn_records import turn_summaries
 from turnsight_jax.rollout.driver import ReplayPolicy, RolloutConfig, rollout
 
 
@@ -50,16 +53,22 @@ def records(tok):
     k = 6
     n = max(int(t.policy_mask.sum()) for t in trajs)
     teacher = np.zeros((2, 2, n), np.float32)
+    turn_ids, mask = np.full((2, n), -1, np.int32), np.zeros((2, n), bool)
     for b, t in enumerate(trajs):
         m = int(t.policy_mask.sum())
         teacher[0, b, :m] = t.old_logprobs[t.policy_mask] + 0.5  # depth 1: +0.5 nats on every token
         teacher[1, b, :m] = t.old_logprobs[t.policy_mask] - 0.25 * np.arange(m) / m
-    arrays = {"per_turn/advantage": np.arange(2 * k, dtype=np.float32).reshape(2, k),
-              "per_turn/weight": np.full((2, k), 1.25, np.float32),
-              "per_turn/depth": np.full((2, k), 2, np.int32), "per_token/teacher_logprobs": teacher}
-    # batch order reversed: row 0 holds trajectory 1
-    arrays = {key: (v[:, ::-1] if key.startswith("per_token/") else v[::-1]) for key, v in arrays.items()}
-    rec = turn_records.step_records(trajs, [task, task], arrays, [1, 0], k, views=["depth 1", "depth 2"])
+        turn_ids[b, :m], mask[b, :m] = t.turn_ids[t.policy_mask], True
+    # the step's per-token outputs, summarised per turn as the step does (rl.turn_records); turn k of
+    # row b gets advantage 10 b + k, weight 1.25, depth index 1 (depth 2 of (1, 2))
+    per_token = {"adv": (10.0 * np.arange(2)[:, None] + np.maximum(turn_ids, 0)).astype(np.float32),
+                 "weight": np.full((2, n), 1.25, np.float32), "depth": np.ones((2, n), np.int32)}
+    summaries = jax.tree.map(np.asarray, {"turns": turn_summaries(per_token, jnp.asarray(turn_ids), jnp.asarray(mask), k),
+                                          "teacher_logprobs": teacher})
+    # batch order reversed: batch row 0 holds trajectory 1
+    summaries = jax.tree.map(lambda v: v[:, ::-1] if v.ndim == 3 else v[::-1], summaries)
+    rec = turn_outcomes.step_records(trajs, [task, task], summaries, [1, 0], k, depths=(1, 2),
+                                     views=["depth 1", "depth 2"])
     return task, trajs, rec
 
 
@@ -79,13 +88,15 @@ def test_turn_outcomes_and_metrics(records):
     assert rec["gold_match"][1].tolist() == [False, True, True, True, True, False]
     assert rec["faulted"][1].tolist() == [True, True, False, True, False, False]
     assert rec["episode_faulted"].tolist() == [True, True] and rec["success"].tolist() == [True, True]
-    # the step's arrays come back in trajectory order
-    assert rec["step_advantage"][0, 0] == 0.0 and rec["step_advantage"][1, 0] == 6.0
+    # the step's arrays come back in trajectory order, per turn
+    assert rec["step_advantage"][0, :5].tolist() == [0, 1, 2, 3, 4] and rec["step_advantage"][1, :6].tolist() == [
+        10, 11, 12, 13, 14, 15]
+    assert rec["step_depth"][0].tolist() == [2, 2, 2, 2, 2, -1]  # depth 2; -1 past the turns
     assert rec["token_views"].tolist() == ["depth 1", "depth 2"]
     np.testing.assert_allclose(rec["token_teacher"][0] - rec["token_student"], 0.5, atol=1e-6)
     assert rec["token_row"].tolist() == sorted(rec["token_row"].tolist())
-    sums = turn_records.metric_sums(rec, (1, 2))
-    m = turn_records.ratios(sums)
+    sums = turn_outcomes.metric_sums(rec, (1, 2))
+    m = turn_outcomes.ratios(sums)
     tool = rec["has_calls"]
     assert m["faults/faulted_turns"] == pytest.approx((rec["faulted"] & tool).sum() / tool.sum())
     assert sums["credit/weight_faulted"] == (1.25 * 5, 5.0) and m["horizon/depth_mean"] == 2.0
@@ -97,8 +108,8 @@ def test_turn_outcomes_and_metrics(records):
 
 def test_calibration_report_on_a_run_folder(records, tmp_path):
     _, trajs, rec = records
-    turn_records.write(tmp_path, 1, rec)
-    turn_records.write(tmp_path, 2, rec)
+    turn_outcomes.write(tmp_path, 1, rec)
+    turn_outcomes.write(tmp_path, 2, rec)
     assert calibration.main([str(tmp_path), "--bins", "5"]) == 0
     out = tmp_path / "calibration"
     assert (out / "reliability.png").stat().st_size > 10_000

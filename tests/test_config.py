@@ -40,7 +40,8 @@ TODAY_DEFAULT = {'checkpoint': {'every': 10, 'export_at_end': True, 'keep': 2},
                           'temperature': 1.0,
                           'top_k': 20,
                           'top_p': 1.0},
-                 'log': {'progress': True, 'tensorboard': True},
+                 'log': {'progress': True, 'records_every': 1, 'records_max_kib': 8192, 'records_text_chars': 4000,
+                         'tensorboard': True},
                  'loss': {'aggregation': 'seq_mean_token_mean',
                           'clip_eps': 0.2,
                           'clip_eps_high': 0.28,
@@ -143,6 +144,8 @@ TODAY_DEFAULT["teacher"] = {"weights": "reference", "ema_decay": 0.99, "checkpoi
 # no effect on the default method (TurnSight over GRPO trains no critic or PRM and never switches).
 TODAY_DEFAULT["rl"].update(gae_gamma=1.0, gae_lam=1.0, gae_whiten=True, toolomni_gate=0.95, switch_step=0,
                            switch_method="")
+# A rollout controller in place of the method's own (issue 24's rollout methods), off.
+TODAY_DEFAULT["rl"].update(rollout="")
 # Orchard's CA-SFT knobs (rl.method=orchard): no effect on the default method (no loss term reads them).
 TODAY_DEFAULT["rl"].update(orchard_coef=1.0, orchard_rise=0.05, orchard_success=1.0)
 TODAY_DEFAULT["critic"] = {"lr": 1e-5, "warmup_steps": 0, "weight_decay": 0.01, "max_grad_norm": 1.0,
@@ -159,6 +162,11 @@ TODAY_DEFAULT["slim"] = {"initial": "builtin", "audit_every": 1, "audit_tasks": 
 TODAY_DEFAULT["judge"] = {"checkpoint": "", "rationale": True, "reference": False, "max_new_tokens": 256,
                           "max_prompt_tokens": 4096, "batch_size": 32, "default_label": 0, "verifier_threshold": 1.0,
                           "dtype": "float32"}
+# BAR and AKBE (rl.rollout=bar / akbe): no effect on the default method (its controller is the sampler).
+TODAY_DEFAULT["bar"] = {"chunk": 4, "cap": 0, "low": 0.375, "high": 0.625, "success": 1.0, "fallback": "keep"}
+TODAY_DEFAULT["akbe"] = {"coef": 0.05, "correct": "answer_correct", "correct_min": 1.0, "no_tool_calls": "refuse"}
+# MM-GRPO's rollout controller (rl.rollout=mm_grpo): no effect on the default method (its sampler).
+TODAY_DEFAULT["mm_grpo"] = {"window": 1, "placeholder": "[earlier tool output omitted]", "refill_rounds": 3}
 # The studies of issue 26 (docs/experiments.md), all off: the default run does not move (the equal-length
 # control, the adaptive horizons' tolerance, long chains, faulty tools, the turn records).
 TODAY_DEFAULT["rl"].update(hindsight_budget=0, hindsight_filler=".\n", horizon_tol=0.05)

@@ -237,6 +237,37 @@ def test_a_loss_term_reading_advantage_only_arrays_is_refused():
         METHODS.pop("_reads_delta")
 
 
+def test_rl_rollout_brings_a_controllers_rewards_and_loss_terms_to_any_method(example):
+    """rl.rollout runs a registered controller in place of the method's own, and adds the rewards
+    and loss terms the controller registered with (issue 24's rollout methods) to GRPO, to
+    TurnSight over a base, and to a method with its own terms; an unknown name is refused."""
+    from turnsight_jax.errors import ConfigError
+    from turnsight_jax.rl.methods import ROLLOUTS, register_rollout, resolve_method, sampler_rollout
+
+    register_rollout("_efficient_sampler", rewards=("call_efficiency",),
+                     loss_terms=("success_nll",))(sampler_rollout)
+    try:
+        def resolved(method, base="grpo", rollout="_efficient_sampler"):
+            cfg = _step_config(method, base=base)
+            return resolve_method(dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, rollout=rollout)))
+
+        grpo = resolved("grpo")
+        assert grpo.rollout.name == "_efficient_sampler" and grpo.advantage.name == "grpo"
+        assert [r.name for r in grpo.rewards] == ["outcome", "call_efficiency"]
+        assert [t.name for t in grpo.loss_terms] == ["clipped_surrogate", "success_nll"]
+        ts = resolved("turnsight", base="matchtir")
+        assert ts.rollout.name == "_efficient_sampler" and (ts.advantage.name, ts.base.name) == ("turnsight", "matchtir")
+        assert [r.name for r in ts.rewards] == ["outcome", "matchtir_turns", "call_efficiency"]
+        assert [t.name for t in ts.loss_terms] == ["clipped_surrogate", "success_nll"]
+        own = resolved("rloo_efficient")  # the term is the method's already: listed once
+        assert [t.name for t in own.loss_terms] == ["clipped_surrogate", "success_nll"]
+        assert resolved("grpo", rollout="").rollout.name == "sampler"
+        with pytest.raises(ConfigError, match="rl.rollout: unknown rollout controller '_nope'"):
+            resolved("grpo", rollout="_nope")
+    finally:
+        ROLLOUTS.pop("_efficient_sampler")
+
+
 def test_turnsight_over_the_new_method_trains_a_step(trained, tmp_path):
     shutil.copytree(trained / "sft", tmp_path / "sft")  # the same warm-start, reused
     _train(tmp_path, "--config.rl.method=turnsight", "--config.rl.base=rloo_efficient", "--config.train.steps=1")

@@ -168,6 +168,7 @@ def test_dependency_selection_through_the_batch_and_the_step(tok, chains):
     from turnsight_jax.rl.config import AlgoConfig, StepConfig
     from turnsight_jax.rl.methods import resolve_method
     from turnsight_jax.rl.step import compute_advantages
+    from turnsight_jax.rl.turn_records import turn_summaries
 
     task, trajs = chains
     cfg = StepConfig(algo=AlgoConfig(method="turnsight", base="grpo", selection="dependency", depths=(1, 3)),
@@ -178,6 +179,13 @@ def test_dependency_selection_through_the_batch_and_the_step(tok, chains):
     vote = StepConfig(algo=AlgoConfig(method="turnsight", base="grpo"), group_size=2, max_turns=6)
     assert make_train_batch(trajs, [task, task], tok, vote, resolve_method(vote))[0].turn_uses is None
     teacher = np.random.default_rng(1).normal(size=(2,) + batch.pol_valid.shape).astype(np.float32)
-    _, diag = compute_advantages(batch, jnp.asarray(teacher), cfg, method)
-    assert np.asarray(diag["per_turn/horizon"]).tolist() == [[3, 2, 1, 1, -1, -1], [1, 3, 2, 1, 1, -1]]
-    assert np.asarray(diag["per_turn/depth"]).tolist() == [[3, 3, 1, 1, -1, -1], [1, 3, 3, 1, 1, -1]]
+    _, _, out = compute_advantages(batch, jnp.asarray(teacher), cfg, method, with_outputs=True)
+    # per turn, as the trajectory records summarise them (rl.turn_records): the horizon and the
+    # chosen depth index are constant over each turn
+    turns = turn_summaries({"horizon": out["horizon"], "depth": out["selected_depth"]}, jnp.asarray(batch.turn_ids),
+                           jnp.asarray(batch.pol_valid), 6)
+    h_min, d_min = (np.asarray(turns[n]["min"]) for n in ("horizon", "depth"))
+    assert (h_min == np.asarray(turns["horizon"]["max"]))[np.asarray(turns["count"]) > 0].all()
+    got_h = [[int(h_min[b, k]) for k in range(t.num_turns)] for b, t in enumerate(trajs)]
+    got_d = [[(1, 3)[int(d_min[b, k])] for k in range(t.num_turns)] for b, t in enumerate(trajs)]
+    assert got_h == [[3, 2, 1, 1], [1, 3, 2, 1, 1]] and got_d == [[3, 3, 1, 1], [1, 3, 3, 1, 1]]

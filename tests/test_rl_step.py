@@ -73,12 +73,12 @@ def _cfg(**algo):
                       group_size=G, max_turns=5, logprob_chunk=64)
 
 
-def _sgd_step(cfg, policy, ref, batch, mesh=None):
+def _sgd_step(cfg, policy, ref, batch, mesh=None, records=False):
     """Run the fused step with SGD(lr=1): the update is exactly -grad."""
     graphdef, params = nnx.split(policy)
     _, ref_params = nnx.split(ref)
     opt = optax.sgd(1.0)
-    step = make_train_step(graphdef, cfg, opt)
+    step = make_train_step(graphdef, cfg, opt, records=records)
     if mesh is not None:
         params = jax.device_put(params, state_shardings(params, mesh))
         ref_params = jax.device_put(ref_params, state_shardings(ref_params, mesh))
@@ -138,7 +138,7 @@ def _reference_grads(cfg, policy, ref, trajs, answers, tok, out=None):
 
     Each (turn, depth) view is its own right-padded sequence; log-probs are an explicit
     log_softmax of the logits at the positions that predict policy tokens. `out` (a dict, when
-    given) receives the teacher's log-probs [D, B, N], the mask and TurnSight's outputs."""
+    given) receives the teacher's log-probs [D, B, N] and the policy mask [B, N]."""
     a = cfg.algo
     b = len(trajs)
     n = max(int(t.policy_mask.sum()) for t in trajs)
@@ -182,14 +182,11 @@ def _reference_grads(cfg, policy, ref, trajs, answers, tok, out=None):
     base = jax.jit(adv_lib.grpo_advantages, static_argnames="num_groups")(rewards, group_ids, mask, num_groups=b // G)
     adv = base
     if a.method == "turnsight":
-        ts = jax.jit(adv_lib.turnsight_advantages, static_argnames=("lam", "eps_w", "num_groups", "max_turns"))(
+        adv = jax.jit(adv_lib.turnsight_advantages, static_argnames=("lam", "eps_w", "num_groups", "max_turns"))(
             teacher - old[None], mask, turn_ids, group_ids, base, lam=a.lam, eps_w=a.eps_w, num_groups=b // G,
-            max_turns=cfg.max_turns)
-        adv = ts["advantages"]
-        if out is not None:
-            out.update(ts)
+            max_turns=cfg.max_turns)["advantages"]
     if out is not None:
-        out.update(teacher=teacher, mask=mask, turn_ids=turn_ids)
+        out.update(teacher=teacher, mask=mask)
     weights = aggregation_weights(jnp.asarray(mask), cfg.loss.aggregation)
     graphdef, params = nnx.split(policy)
 
@@ -215,25 +212,18 @@ def test_fused_step_equals_unfused_reference(setup, tok):
     trajs, row_tasks, policy, ref = setup
     cfg = dataclasses.replace(_cfg(method="turnsight", depths=(1, 2, 3)), record_teacher=True)
     batch = _batch(trajs, row_tasks, tok, cfg)
-    grads, metrics = _sgd_step(cfg, policy, ref, batch)
+    grads, metrics = _sgd_step(cfg, policy, ref, batch, records=True)
     got = {}
     want = _reference_grads(cfg, policy, ref, trajs, [t.answer for t in row_tasks], tok, out=got)
     scale = max(jax.tree.leaves(jax.tree.map(lambda x: float(np.abs(np.asarray(x)).max()), want)))
     assert scale > 1e-4  # a real gradient
     assert _max_diff(grads, want) < 1e-5 * max(1.0, scale) + 1e-6
     assert 0.0 < float(metrics["clip_frac"]) < 1.0  # the perturbation made some ratios clip
-    # the records' arrays (log.turn_records): the teacher's log-probs are the explicit views', and
-    # the per-turn values are the turn means / the chosen depth of the reference's TurnSight
+    # log.turn_records' token log-probs (StepConfig.record_teacher) are the teacher's on the
+    # explicit views: the step's own arrays, returned with its records
     mask = got["mask"]
-    packed = np.asarray(metrics["per_token/teacher_logprobs"])[:, :, :mask.shape[1]]  # N is bucketed
+    packed = np.asarray(metrics["records"]["teacher_logprobs"])[:, :, :mask.shape[1]]  # N is bucketed
     np.testing.assert_allclose(packed[:, mask], got["teacher"][:, mask], atol=1e-5)
-    w, d = np.asarray(metrics["per_turn/weight"]), np.asarray(metrics["per_turn/depth"])
-    for i, t in enumerate(trajs):
-        for k in range(t.num_turns):
-            at = mask[i] & (got["turn_ids"][i] == k)
-            assert w[i, k] == pytest.approx(float(np.asarray(got["weights"])[i, at].mean()), abs=1e-5)
-            assert d[i, k] == (1, 2, 3)[int(np.asarray(got["selected_depth"])[i, at][0])]
-        assert (d[i, t.num_turns:] == -1).all() and (w[i, t.num_turns:] == 0).all()
 
 
 def test_micro_batched_equals_full_batch(setup, tok):

@@ -1,6 +1,6 @@
 """The teacher's calibration report of a run folder: `python -m turnsight_jax.calibration RUN_DIR`.
 
-Reads the run's turn records (rl.turn_records; train with `--config.log.turn_records=True`: the
+Reads the run's turn records (rl.turn_outcomes; train with `--config.log.turn_records=True`: the
 teacher's log-probs come from the train step's own arrays, no second forward) and writes to
 `--out` (default RUN_DIR/calibration):
 
@@ -31,7 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
-from turnsight_jax.rl import turn_records
+from turnsight_jax.rl import turn_outcomes
 
 OUTCOMES = ("gold_match", "errored")
 
@@ -60,7 +60,7 @@ def correlation(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float, int]
 
 def collect(run_dir: pathlib.Path) -> dict:
     """Tool-turn and token arrays over every recorded step of the run."""
-    steps = turn_records.load(run_dir)
+    steps = turn_outcomes.load(run_dir)
     views = None
     tok_p = []  # per step: [V + 1, n_tool_tokens] log-probs (student first)
     tok_y = []

@@ -110,6 +110,7 @@ def base_config() -> mlc.ConfigDict:
     c.rl = mlc.ConfigDict()  # the method and its knobs: turnsight_jax.rl.config.AlgoConfig
     c.rl.method = "turnsight"  # a registered method (turnsight_jax.rl.methods): grpo | matchtir | turnsight | ...
     c.rl.base = "matchtir"  # the method TurnSight wraps (its rewards and advantage); the paper uses MatchTIR
+    c.rl.rollout = ""  # a registered rollout controller run instead of the method's own (with its rewards and loss terms); "": the method's
     c.rl.gamma = 0.9  # MatchTIR's turn-return discount
     c.rl.lam = 0.5  # lambda: mix of the TurnSight weight into the base advantage (paper: 0.5)
     c.rl.eps_w = 0.5  # eps_w: the weight's bound, w in [1 - eps_w, 1 + eps_w] (paper: 0.5)
@@ -229,6 +230,18 @@ def base_config() -> mlc.ConfigDict:
     c.prm.baseline = 0.0  # the fixed baseline subtracted from each gain
     c.prm.hinge_coef = 1.0  # weight of the monotonicity hinge (increases of h along solved trajectories)
     c.prm.success_reward = 1.0  # outcome reward from which a trajectory counts as solved (the PRM's label)
+    c.bar = mlc.ConfigDict()  # BAR, adaptive group sampling (rl.rollout=bar; turnsight_jax.rl.bar, docs/rollout_methods.md)
+    c.bar.chunk = 4  # s: rollouts per prompt per round (each round one batched call over the prompts still open)
+    c.bar.cap = 0  # the most rollouts per prompt, a multiple of chunk (its batch rows: groups padded to it); 0: train.group_size
+    c.bar.low = 0.375  # a prompt stops once its success share is in [low, high] (Orchard: 0.375)
+    c.bar.high = 0.625  # ... (Orchard: 0.625)
+    c.bar.success = 1.0  # outcome reward from which a rollout is a success (Solve-F1 1.0)
+    c.bar.fallback = "keep"  # all-success/all-failure at the cap: keep (the cap's rollouts are the group) | drop (no rows train)
+    c.akbe = mlc.ConfigDict()  # AKBE, when to call a tool (rl.rollout=akbe; turnsight_jax.rl.akbe, docs/rollout_methods.md)
+    c.akbe.coef = 0.05  # lambda of the auxiliary CE on each prompt's exemplar (AKBE: 0.05)
+    c.akbe.correct = "answer_correct"  # trajectory metric that makes a rollout correct (WT/NT); "reward": the outcome reward
+    c.akbe.correct_min = 1.0  # ... from this value on
+    c.akbe.no_tool_calls = "refuse"  # a call in a no-tool rollout: refuse (answered with a refusal, the episode goes on) | end (the episode ends)
     c.judge = mlc.ConfigDict()  # the model judge (rl.method=judge, OpenWebRL; turnsight_jax.judge, docs/signal_methods.md)
     c.judge.checkpoint = ""  # the judge: a Hugging Face Qwen3 folder (e.g. one `python -m turnsight_jax.judge distill` wrote)
     c.judge.rationale = True  # the judge writes <rationale>...</rationale> before <verdict>0|1</verdict>; False: the verdict only (ablation)
@@ -239,6 +252,11 @@ def base_config() -> mlc.ConfigDict:
     c.judge.default_label = 0  # the label of a malformed judgment (counted in judge/malformed_rate)
     c.judge.verifier_threshold = 1.0  # an environment reward >= this is the verifier's success (judge/agreement)
     c.judge.dtype = "float32"  # the judge's weights: float32 | bfloat16
+
+    c.mm_grpo = mlc.ConfigDict()  # MM-GRPO's rollout controller (rl.rollout=mm_grpo, OpenWebRL; turnsight_jax.rl.mm_grpo, docs/rollout_methods.md)
+    c.mm_grpo.window = 1  # observations a turn's context keeps in full, the most recent (the paper keeps one screenshot); 0: all
+    c.mm_grpo.placeholder = "[earlier tool output omitted]"  # the tool response that replaces each older observation in the context
+    c.mm_grpo.refill_rounds = 3  # dynamic sampling: rounds of new prompts for groups whose rewards have zero variance; 0: off
 
     c.train = mlc.ConfigDict()  # the RL loop and the split of a step's batch
     c.train.steps = 208  # RL steps: 3 epochs x ceil(2215 FTRL training tasks / 32) (paper: 3 epochs)
@@ -291,9 +309,14 @@ def base_config() -> mlc.ConfigDict:
     c.log = mlc.ConfigDict()  # run logs (metrics.jsonl is always written)
     c.log.tensorboard = True  # TensorBoard event files next to metrics.jsonl
     c.log.progress = True  # progress lines on stderr
-    # Per-step turn records (rl.turn_records): each turn's outcome, faults, chosen depth, weight and
-    # advantage, and the teacher's and the sampler's log-probs of the sampled tokens (no extra
-    # forward), in <workdir>/turn_records/; read by `python -m turnsight_jax.calibration`.
+    # trajectory records (turnsight_jax.records, docs/records.md; `python -m turnsight_jax.inspect RUN`)
+    c.log.records_every = 5  # every N steps, RUN/records/step_<step>.jsonl.gz (0: none)
+    c.log.records_max_kib = 8192  # bound per step and process: whole prompt groups while the JSON fits
+    c.log.records_text_chars = 4000  # each text (policy turn, observation, prompt) cut to this many characters
+    # The studies' per-step turn records (rl.turn_outcomes): each turn's outcome, faults, chosen depth,
+    # weight and advantage, and the teacher's and the sampler's log-probs of the sampled tokens (the
+    # step's own arrays: no extra forward), in <workdir>/turn_records/; read by
+    # `python -m turnsight_jax.calibration` (docs/experiments.md).
     c.log.turn_records = False  # True: write <workdir>/turn_records/step_*.npz (the calibration report reads them)
 
     # Noisy, slow and unavailable tools (envs.faults): injected into the training rollouts'
@@ -551,8 +574,8 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
     r, l, o, t, te = cfg.rl, cfg.loss, cfg.optim, cfg.train, cfg.teacher
     args = tuple(sorted(r.args.items())) if "args" in r else ()
     return StepConfig(
-        algo=AlgoConfig(method=r.method, base=r.base, gamma=r.gamma, lam=r.lam, eps_w=r.eps_w, selection=r.selection,
-                        horizon_tol=r.horizon_tol,
+        algo=AlgoConfig(method=r.method, base=r.base, rollout=r.rollout, gamma=r.gamma, lam=r.lam, eps_w=r.eps_w,
+                        selection=r.selection, horizon_tol=r.horizon_tol,
                         aggregation=r.aggregation, group_norm=r.group_norm, turns=r.turns,
                         depths=tuple(int(d) for d in r.depths), source=r.source, norm_pool=r.norm_pool,
                         uncovered_in_stats=r.uncovered_in_stats,
@@ -564,7 +587,8 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
                         sdpo_coef=r.sdpo_coef, sdpo_tail=r.sdpo_tail, sdar_coef=r.sdar_coef, sdar_beta=r.sdar_beta,
                         sod_coef=r.sod_coef, sod_tau=r.sod_tau, gae_gamma=r.gae_gamma, gae_lam=r.gae_lam,
                         gae_whiten=r.gae_whiten, toolomni_gate=r.toolomni_gate, orchard_coef=r.orchard_coef,
-                        orchard_rise=r.orchard_rise, orchard_success=r.orchard_success, args=args),
+                        orchard_rise=r.orchard_rise, orchard_success=r.orchard_success, akbe_coef=cfg.akbe.coef,
+                        args=args),
         teacher=TeacherConfig(weights=te.weights, ema_decay=te.ema_decay, checkpoint=te.checkpoint,
                               source=te.source, placement=te.placement, skills=te.skills,
                               sibling_min_reward=te.sibling_min_reward, top_k=te.top_k,
@@ -601,6 +625,20 @@ def fault_config(cfg: mlc.ConfigDict):
         return FaultConfig(**cfg.faults.to_dict()).validate()
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
+
+
+def bar_config(cfg: mlc.ConfigDict):
+    """bar.* -> rl.bar.BarConfig, validated (a ConfigError naming the key; cap 0: train.group_size)."""
+    from turnsight_jax.rl.bar import bar_settings
+
+    return bar_settings(cfg.bar, cfg.train.group_size)
+
+
+def akbe_config(cfg: mlc.ConfigDict):
+    """akbe.* -> rl.akbe.AkbeConfig, validated (a ConfigError naming the key)."""
+    from turnsight_jax.rl.akbe import akbe_settings
+
+    return akbe_settings(cfg.akbe)
 
 
 def slim_config(cfg: mlc.ConfigDict):
@@ -671,6 +709,10 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
         raise ConfigError(f"train.max_skipped_steps must be >= 1, got {cfg.train.max_skipped_steps}")
     if cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.keep must be >= 1 (0 would delete every save), got {cfg.checkpoint.keep}")
+    for key, least in (("records_every", 0), ("records_max_kib", 1), ("records_text_chars", 16)):
+        value = cfg.log[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"log.{key} must be an int >= {least}, got {value!r}")
     fault_config(cfg)
     if not isinstance(cfg.log.turn_records, bool):
         raise ConfigError(f"log.turn_records must be True or False, got {cfg.log.turn_records!r}")
@@ -699,6 +741,15 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
             SamplingParams(temperature=c.temperature, top_k=int(c.top_k), top_p=float(c.top_p))
         except ValueError as e:
             raise ConfigError(f"{section}: {e}") from None
+    sc = step_config(cfg)
+    sc.validate()
+    method = resolve_method(sc)
+    # the sections of the controllers that run (BAR's bar.cap 0 follows train.group_size)
+    episodes_per_prompt = cfg.train.group_size  # one rollout call's siblings of a prompt
+    if method.rollout.name == "bar":
+        episodes_per_prompt = bar_config(cfg).chunk
+    if method.rollout.name == "akbe":
+        akbe_config(cfg)
     engine = engine_config(cfg)
     if engine is not None and num_devices is not None:  # refuse before anything runs, with the numbers
         from turnsight_jax.rollout.engine import check_pool
@@ -706,23 +757,24 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
         tensor = cfg.mesh.tensor if cfg.mesh.tensor > 0 else 1
         try:
             check_pool(engine, max(num_devices // tensor, 1), cfg.rollout.max_prompt_tokens,
-                       cfg.rollout.max_response_tokens, cfg.train.group_size)
+                       cfg.rollout.max_response_tokens, episodes_per_prompt)
         except ValueError as e:
             raise ConfigError(f"rollout: {e}") from None
-    sc = step_config(cfg)
-    sc.validate(cfg.train.prompts_per_step * cfg.train.group_size)
+    # a controller that forms its own groups (BAR, AKBE) gives each prompt its own number of rows
+    if method.rollout.rows_per_prompt is not None:
+        sc = dataclasses.replace(sc, prompt_rows=method.rollout.prompt_rows(cfg, cfg.train.group_size))
+    rows = cfg.train.prompts_per_step * sc.rows_per_prompt
+    sc.validate(rows)
     if (sc.length_classes > 1 or sc.pack_rows) and num_devices is not None:  # whole cells on every row shard
         from turnsight_jax.models.sharding import mesh_shape
         from turnsight_jax.rl.batch import packing_modulus
         from turnsight_jax.rl.length_classes import cell_rows
 
         data, fsdp, _ = mesh_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices)
-        rows = cfg.train.prompts_per_step * cfg.train.group_size
         if sc.pack_rows:
             packing_modulus(rows, data * fsdp, sc)
         else:
             cell_rows(rows, data * fsdp, sc)
-    method = resolve_method(sc)
     if method.uses_teacher and sc.teacher.weights == "external":  # architecture and vocabulary, before any load
         from turnsight_jax.models.config import Qwen3Config, get_preset, teacher_architecture
 
@@ -758,6 +810,13 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
             except (OSError, ValueError) as e:
                 raise ConfigError(str(e)) from None
             check_writer(scfg, policy.vocab_size)
+    if "mm_grpo" in cfg:  # MM-GRPO's keys; the window needs every turn scored under its own context
+        from turnsight_jax.rl.mm_grpo import check_method, mm_grpo_settings
+
+        mcfg = mm_grpo_settings(cfg.mm_grpo)
+        for _, m in stages:
+            if m.rollout.name == "mm_grpo":
+                check_method(mcfg, m)
     for sc_i, method_i in stages:
         who = f"rl.method={sc_i.algo.method!r}" + (f" over rl.base={sc_i.algo.base!r}" if method_i.base else "")
         for field in method_i.task_needs:
@@ -780,6 +839,10 @@ def second_stage(cfg: mlc.ConfigDict, sc: StepConfig, method: ResolvedMethod):
         raise ConfigError(f"rl.switch_step={step} needs rl.switch_method (the method from that step on)")
     sc2 = dataclasses.replace(sc, algo=dataclasses.replace(sc.algo, method=name))
     method2 = resolve_method(sc2)
+    if method2.rollout.prompt_rows(cfg, sc.group_size) != sc.rows_per_prompt:
+        raise ConfigError(f"rl.switch_method={name!r}: its rollout controller {method2.rollout.name!r} gives another "
+                          f"number of batch rows per prompt than {method.rollout.name!r}; the two stages share one "
+                          f"batch geometry")
     if method2.aux != method.aux:
         raise ConfigError(f"rl.switch_method={name!r}: the two stages must train the same learned auxiliaries "
                           f"(critic, PRM): both train a critic or neither ({method.name}: {list(method.aux)}, "

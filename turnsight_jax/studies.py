@@ -110,13 +110,13 @@ def _equal_length_report(results: dict, out: pathlib.Path) -> list[str]:
 
 
 def _horizon_report(results: dict, out: pathlib.Path) -> list[str]:
-    from turnsight_jax.rl import turn_records
+    from turnsight_jax.rl import turn_outcomes
 
     lines = ["| selection | mean chosen depth | depth covers the gold horizon | trajectory rule = gold rule "
              "| reward | weight max |", "|---|---|---|---|---|---|"]
     table = {}
     for arm, res in results.items():
-        recs = [r for _, r in turn_records.load(res["run"])]
+        recs = [r for _, r in turn_outcomes.load(res["run"])]
         gold = np.concatenate([r["gold_horizon"][r["has_calls"]] for r in recs])
         depth = np.concatenate([r["step_depth"][r["has_calls"]] for r in recs])
         rule = np.concatenate([r["horizon"][r["has_calls"]] for r in recs])
@@ -139,14 +139,14 @@ def _horizon_report(results: dict, out: pathlib.Path) -> list[str]:
 
 
 def _faults_report(results: dict, out: pathlib.Path) -> list[str]:
-    from turnsight_jax.rl import turn_records
+    from turnsight_jax.rl import turn_outcomes
 
     lines = ["| tools | faulted tool turns | episodes/s | tokens/s (rollout) | step s | success: faulted / clean "
              "episodes | weight: faulted / clean turns | advantage: faulted / clean turns | turns: mean, > 10, longest |",
              "|---|---|---|---|---|---|---|---|---|"]
     for arm, res in results.items():
         r = res["records"]
-        turns = np.concatenate([rec["num_turns"] for _, rec in turn_records.load(res["run"])])
+        turns = np.concatenate([rec["num_turns"] for _, rec in turn_outcomes.load(res["run"])])
         lines.append(f"| {arm} | {_f(_mean(r, 'faults/faulted_turns'), 2)} | "
                      f"{_f(_mean(r, 'perf/rollout_episodes_per_s'), 2)} | {_f(_mean(r, 'perf/rollout_tokens_per_s'), 0)} | "
                      f"{_f(_mean(r, 'perf/step_s'), 1)} | {_f(_mean(r, 'recovery/success_faulted'), 2)} / "

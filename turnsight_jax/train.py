@@ -29,7 +29,7 @@ import ml_collections as mlc
 import numpy as np
 from flax import nnx
 
-from turnsight_jax import checkpointing, distributed, flops, model_setup, sources
+from turnsight_jax import checkpointing, cost, distributed, flops, model_setup, records, sources
 from turnsight_jax.checkpointing import Checkpointer, write_run_config, write_run_files
 from turnsight_jax.config import (engine_config, fault_config, load_run_config, model_layer_name, rollout_config,
                                   sampling_params, second_stage, slim_config, validate)
@@ -39,12 +39,12 @@ from turnsight_jax.errors import ConfigError, NonFiniteTraining
 from turnsight_jax.eval.heldout import evaluate_policy
 from turnsight_jax.models.sharding import make_mesh, opt_state_shardings
 from turnsight_jax.models.weights import save_pretrained
-from turnsight_jax.rl import turn_records
-from turnsight_jax.rl.batch import batch_order, make_train_batch, packed_reference, row_axis, shape_keys, shard_batch
+from turnsight_jax.rl import turn_outcomes
+from turnsight_jax.rl.batch import (batch_row_order, make_train_batch, packed_reference, row_axis, shape_keys,
+                                    shard_batch)
 from turnsight_jax.rl.methods import RolloutContext
 from turnsight_jax.rl.slim_runner import LIBRARY_FILE, SlimRunner, uses_slim
-from turnsight_jax.rl.step import (PER_ROW_PREFIXES, TURNSIGHT_METRICS, init_aux, make_aux_optimizers, make_optimizer,
-                                   make_train_step)
+from turnsight_jax.rl.step import TURNSIGHT_METRICS, init_aux, make_aux_optimizers, make_optimizer, make_train_step
 from turnsight_jax.rollout.progress import ProgressLine
 from turnsight_jax.runlog import MetricsLog, Progress, log, matmul_peak_flops
 
@@ -80,12 +80,27 @@ _TRAJ_METRICS = ("solve_f1", "solve_p", "solve_r", "num_turns", "num_calls", "re
                  "truncated", "policy_tokens", "faulted_calls")
 
 
-def _rollout_metrics(trajs) -> dict[str, float]:
-    """Means over the step's trajectories, over every process's (each holds its own episodes):
-    the per-trajectory values are all-gathered, so the numbers equal a one-process run's."""
-    table = np.array([[t.reward] + [t.metrics.get(k, np.nan) for k in _TRAJ_METRICS] for t in trajs], np.float64)
+def _rollout_metrics(trajs, own_groups: bool = False) -> dict[str, float]:
+    """Means over the step's trajectories in a group (the rows the method trains; not padding
+    rows or a controller's exemplars), over every process's (each holds its own episodes): the
+    per-trajectory values are all-gathered, so the numbers equal a one-process run's.
+    own_groups (a controller that forms its own groups): also the groups' count and sizes."""
+    table = np.array([[t.reward, t.group_id] + [t.metrics.get(k, np.nan) for k in _TRAJ_METRICS] for t in trajs],
+                     np.float64)
     table = distributed.gather(table).reshape(-1, table.shape[1])
-    out = {"rollout/reward_mean": float(np.mean(table[:, 0]))}
+    groups = table[:, 1]
+    table = np.delete(table, 1, axis=1)
+    out = {}
+    if own_groups:  # group ids are global (a process's are numbered from its first prompt)
+        _, sizes = np.unique(groups[groups >= 0], return_counts=True)
+        out.update({"rollout/groups": float(sizes.size), "rollout/rows_in_groups": float(sizes.sum()),
+                    "rollout/group_size_mean": float(sizes.mean()) if sizes.size else 0.0,
+                    "rollout/group_size_min": float(sizes.min()) if sizes.size else 0.0,
+                    "rollout/group_size_max": float(sizes.max()) if sizes.size else 0.0})
+    grouped = groups >= 0
+    trajs = [t for t in trajs if t.group_id >= 0]
+    table = table[grouped]
+    out["rollout/reward_mean"] = float(np.mean(table[:, 0])) if len(table) else 0.0
     for j, k in enumerate(_TRAJ_METRICS, start=1):
         vals = table[:, j][~np.isnan(table[:, j])]
         if vals.size:
@@ -100,11 +115,11 @@ def _rollout_metrics(trajs) -> dict[str, float]:
     return out
 
 
-def _local_batch(trajs, tasks, first, tok, step_cfg, method, cfg, shapes, row_shards):
-    """This process's batch rows (its episodes, groups numbered from `first`), padded to widths
-    every process agrees on (the largest of theirs and of the run so far: shapes only grow).
-    Returns (batch, stats, the widths now in use)."""
-    row_tasks = [t for t in tasks for _ in range(cfg.train.group_size)]
+def _local_batch(trajs, row_tasks, first, tok, step_cfg, method, cfg, shapes, row_shards):
+    """This process's batch rows (its episodes, groups numbered from `first`; `row_tasks`: each
+    row's task, block i of step_cfg.rows_per_prompt rows task i's), padded to widths every process
+    agrees on (the largest of theirs and of the run so far: shapes only grow). Returns (batch,
+    stats, the widths now in use)."""
     batch, bstats = make_train_batch(trajs, row_tasks, tok, step_cfg, method, min_shapes=shapes, group_offset=first,
                                      row_shards=row_shards, processes=jax.process_count())
     keys = shape_keys(bstats)
@@ -117,18 +132,28 @@ def _local_batch(trajs, tasks, first, tok, step_cfg, method, cfg, shapes, row_sh
     return batch, bstats, {k: int(v) for k, v in zip(keys, agreed)}
 
 
-def _summed(values: dict[str, float]) -> dict[str, float]:
-    """Each value summed over the processes (counts of the episodes each one ran)."""
-    keys = sorted(values)
-    total = distributed.gather(np.array([values[k] for k in keys], np.float64)).sum(axis=0)
-    return dict(zip(keys, total.tolist()))
+VIEW_TOKEN_KINDS = ("view_tokens_trajectory", "view_tokens_blocks", "view_tokens_turn_copies")  # rl.views
+
+
+def _write_records(workdir, step, trajs, row_tasks, batch, host, step_cfg, method, cfg, mesh, rows) -> None:
+    """This process's trajectory records of `step` (turnsight_jax.records): the step's per-turn
+    arrays (`host`: fetched, all-gathered across processes), this process's rows written to its
+    own file."""
+    start, stop = distributed.process_rows(mesh, rows) if distributed.is_multiprocess() else (0, rows)
+    lines = records.build_step_records(
+        step, trajs, row_tasks, batch, host, method, step_cfg, rows=range(start, stop),
+        order=batch_row_order(trajs, step_cfg, local_row_shards(mesh)), text_chars=cfg.log.records_text_chars,
+        max_bytes=cfg.log.records_max_kib * 1024, process=jax.process_index())
+    records.write_records(records.records_path(workdir, step, jax.process_index()), lines)
 
 
 # The progress line's view of the method's own mechanism: the metric that shows it acting.
 MECHANISM_METRICS = {"turnsight/weight_max": "w_max", "rlsd/weight_max": "w_max", "train/sdpo_kl": "sdpo_kl",
                      "sdpo/gap_mean": "sdpo_gap", "train/sdar_gate": "gate", "train/sod_weight": "sod_w",
                      "critic/value_loss": "v_loss", "prm/gain_abs_mean": "prm_gain", "slim/library_size": "skills",
-                     "judge/agreement": "judge_agree"}
+                     "judge/agreement": "judge_agree", "mm_grpo/dropped_groups": "dropped",
+                     "mm_grpo/elided_observations": "elided", "bar/group_size_mean": "group",
+                     "akbe/exemplars": "exemplars"}
 
 
 def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_cfg=None) -> flops.UpdateFlops:
@@ -187,7 +212,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     # several processes: a batch that cannot be split into whole groups per process fails now, not
     # after the warm-start
-    distributed.rollout_share(mesh, cfg.train.prompts_per_step, cfg.train.group_size)
+    distributed.rollout_share(mesh, cfg.train.prompts_per_step, step_cfg.rows_per_prompt)
     qcfg = model_setup.model_config(cfg)
     if not cfg.model.hf_path and not cfg.model.allow_random_init:
         raise ConfigError(f"model.preset={cfg.model.preset!r} would start from random weights: set "
@@ -246,9 +271,12 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
         log(f"step-PRM: a logistic head on the frozen reference trunk, lr {step_cfg.prm.optim.lr:g}, "
             f"reward {step_cfg.prm.alpha:g} * {step_cfg.prm.decay:g}^(k-1) * (h_(k-1) - h_k - {step_cfg.prm.baseline:g})")
     shardings = (params, opt_state) + ((aux_state,) if aux_state is not None else ())
+    # the step then also returns the records' per-turn arrays (and with log.turn_records the
+    # teacher's token log-probs: StepConfig.record_teacher)
+    with_records = cfg.log.records_every > 0 or cfg.log.turn_records
     step_fn = make_train_step(graphdef, step_cfg, optimizer, method,
                               state_shardings=jax.tree.map(lambda x: x.sharding, shardings),
-                              teacher_graphdef=teacher_graphdef, aux_optimizers=aux_opts)
+                              teacher_graphdef=teacher_graphdef, aux_optimizers=aux_opts, records=with_records)
 
     # A two-stage recipe (rl.switch_step / rl.switch_method, e.g. SRL then the outcome): the
     # second stage's step compiles when it starts (same state; config.second_stage checks it).
@@ -264,7 +292,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
         if 1 not in stage_steps:
             stage_steps[1] = (later[1], later[2], make_train_step(
                 graphdef, later[1], optimizer, later[2], state_shardings=jax.tree.map(lambda x: x.sharding, shardings),
-                teacher_graphdef=teacher_graphdef, aux_optimizers=aux_opts))
+                teacher_graphdef=teacher_graphdef, aux_optimizers=aux_opts, records=with_records))
         return stage_steps[1]
 
     latest = checkpointing.resume_step(workdir, log)  # the newest valid step; invalid newer ones moved aside
@@ -288,6 +316,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
         resumed_shapes = {k: int(v) for k, v in meta.get("batch_shapes", {}).items()}
         log(f"resumed from {workdir}/checkpoints/{latest} (next step {start})")
     mlog = MetricsLog(workdir, tensorboard=cfg.log.tensorboard, resume_step=start - 1 if latest is not None else -1)
+    records.clear_from(workdir, start, jax.process_index())  # the steps this run will redo, like their metrics
+    optimizer_probe = cost.OptimizerProbe(optimizer)
     # SLIM (rl.method=slim): the skill library, audited and expanded after steps (rl.slim_runner);
     # a resumed run continues with the library saved in its checkpoint.
     slim_run = None
@@ -337,7 +367,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             tasks = [train_tasks[int(i)] for i in ds[step]]
             # Each process rolls out the prompts whose batch rows live on its devices (all of
             # them with one process), on its own devices with its own copy of the policy.
-            first, share = distributed.rollout_share(mesh, len(tasks), cfg.train.group_size)
+            step_cfg, method, step_fn = stage(step)
+            first, share = distributed.rollout_share(mesh, len(tasks), step_cfg.rows_per_prompt)
             mine = tasks[first:first + share]
             # Paper-scale rollouts take minutes: a line every 30 s (none for a short step).
             line = ProgressLine(len(mine) * cfg.train.group_size, label=f"step {step + 1} rollouts", every_s=30.0,
@@ -345,21 +376,28 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             ctx = RolloutContext(graphdef, distributed.local_replica(params, mesh, rollout_mesh), tok, env, sampling,
                                  rc, cfg.train.group_size, cfg.rollout.prompts_per_chunk,
                                  model_setup.DTYPES[cfg.model.compute_dtype], line, engine=engine_cfg,
-                                 mesh=rollout_mesh, group_offset=first, run_config=cfg)
-            step_cfg, method, step_fn = stage(step)
+                                 mesh=rollout_mesh, group_offset=first, run_config=cfg, task_pool=train_tasks)
             if slim_run is not None:  # the skills the slim controller puts in the prompts
                 ctx = dataclasses.replace(ctx, state=slim_run.library)
             res = method.rollout.fn(ctx, mine, cfg.seed * 100_003 + step)
+            if res.tasks is not None:  # the controller rolled out other prompts (MM-GRPO's refills)
+                mine = list(res.tasks)
             distributed.settle()  # the rollout's local collectives end before the step's cross-process ones
+            if len(res.trajectories) != len(mine) * step_cfg.rows_per_prompt:  # the batch's static row count
+                raise ValueError(f"rollout controller {method.rollout.name!r} returned {len(res.trajectories)} "
+                                 f"trajectories for {len(mine)} prompts; expected {step_cfg.rows_per_prompt} per "
+                                 f"prompt (rl.methods.RolloutController)")
             t_roll = time.perf_counter() - t_step
-            batch, bstats, shapes = _local_batch(res.trajectories, mine, first, tok, step_cfg, method, cfg, shapes,
+            row_tasks = [t for t in mine for _ in range(step_cfg.rows_per_prompt)]  # block i: task i's rows
+            batch, bstats, shapes = _local_batch(res.trajectories, row_tasks, first, tok, step_cfg, method, cfg, shapes,
                                                   local_row_shards(mesh))
             work = _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_qcfg)
             if step in fault_nan_steps:
                 batch = _poison(batch)
-            rows = len(tasks) * cfg.train.group_size
+            rows = len(tasks) * step_cfg.rows_per_prompt
             global_batch = (distributed.assemble_rows(batch, mesh, rows, row_axis) if distributed.is_multiprocess()
                             else shard_batch(batch, mesh))
+            t_step_fn = time.perf_counter()
             with jax.set_mesh(mesh):
                 if aux_state is None:
                     params, opt_state, m = step_fn(params, opt_state, ref_params, global_batch, teacher_params)
@@ -368,8 +406,9 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                                                               teacher_params, aux_state)
                 if ema_fn is not None:
                     teacher_params = ema_fn(teacher_params, params)
-                per_row = {k: distributed.to_host(m.pop(k)) for k in list(m) if k.startswith(PER_ROW_PREFIXES)}
+                record_arrays = m.pop("records", None)  # fetched only on the steps that use them (below)
                 m = jax.device_get(m)
+            step_fn_s = time.perf_counter() - t_step_fn
             if m["skipped_updates"] > 0:
                 skipped_in_a_row += 1
                 log(f"step {step + 1}: non-finite loss or gradient, {int(m['skipped_updates'])} update(s) skipped "
@@ -378,37 +417,52 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             else:
                 skipped_in_a_row = 0
             t_total = time.perf_counter() - t_step
-            metrics = _rollout_metrics(res.trajectories)
+            metrics = _rollout_metrics(res.trajectories, own_groups=bool(step_cfg.prompt_rows))
+            metrics.update(res.metrics)  # the controller's own (already over every process)
+            if step == start:  # once per process: the optimizer's share of the fused step (turnsight_jax.cost)
+                with jax.set_mesh(mesh):
+                    optimizer_probe.measure(params, opt_state)
+            records_s = 0.0
+            write_now = record_arrays is not None and records.due(step, cfg.log.records_every)
+            host_records = None
+            if record_arrays is not None and (write_now or cfg.log.turn_records):
+                host_records = records.host_arrays(record_arrays)  # all-gathered: every process the global rows
+            if write_now:
+                t0 = time.perf_counter()
+                _write_records(workdir, step, res.trajectories, row_tasks, batch, host_records, step_cfg, method, cfg,
+                               mesh, rows)
+                records_s = time.perf_counter() - t0
             if later is not None:  # which stage of a two-stage recipe ran (1, then 2)
                 metrics["rl/stage"] = 1.0 + float(step >= later[0])
             for k, v in m.items():
                 # a plug-in method's own diagnostics carry their prefix ("rlsd/...", "teacher/...")
                 metrics[k if "/" in k else ("turnsight/" if k in TURNSIGHT_METRICS else "train/") + k] = v
-            # what each turn was and received (rl.turn_records): this process's rows of the step's
-            # per-row outputs, in its trajectories' order
+            # what each turn was (faults, tool outcome, dependency) and, when the step returned its
+            # per-turn arrays, what it received (rl.turn_outcomes): the studies' metrics, and with
+            # log.turn_records their per-step arrays
             lo = distributed.process_rows(mesh, rows)[0] if distributed.is_multiprocess() else 0
-            records = turn_records.step_records(
-                res.trajectories, [t for t in mine for _ in range(cfg.train.group_size)],
-                {k: v[:, lo:lo + len(res.trajectories)] if k.startswith("per_token/") else v[lo:lo + len(res.trajectories)]
-                 for k, v in per_row.items()},
-                batch_order(res.trajectories, step_cfg, local_row_shards(mesh)), step_cfg.max_turns,
+            outcomes = turn_outcomes.step_records(
+                res.trajectories, row_tasks, host_records, batch_row_order(res.trajectories, step_cfg,
+                                                                           local_row_shards(mesh)),
+                step_cfg.max_turns, first_row=lo, depths=step_cfg.algo.depths,
                 views=[f"depth {d}" for d in step_cfg.algo.depths] if method.teacher == "hindsight" else ["privileged"])
-            sums = turn_records.metric_sums(records, step_cfg.algo.depths)
-            summed = _summed({f"{k}|{i}": v[i] for k, v in sums.items() for i in (0, 1)})
-            metrics.update(turn_records.ratios({k: (summed[f"{k}|0"], summed[f"{k}|1"]) for k in sums}))
+            sums = turn_outcomes.metric_sums(outcomes, step_cfg.algo.depths)
+            summed = distributed.summed({f"{k}|{i}": v[i] for k, v in sums.items() for i in (0, 1)})
+            metrics.update(turn_outcomes.ratios({k: (summed[f"{k}|0"], summed[f"{k}|1"]) for k in sums}))
             if cfg.log.turn_records:
-                turn_records.write(workdir, step + 1, records, jax.process_index(), jax.process_count())
+                turn_outcomes.write(workdir, step + 1, outcomes, jax.process_index(), jax.process_count())
             if "hindsight_blocks" in bstats:  # the hindsight messages' length (rl.hindsight_budget: exactly it)
-                hb = _summed({k: bstats[k] for k in ("hindsight_blocks", "hindsight_block_tokens", "hindsight_blocks_cut")})
+                hb = distributed.summed({k: bstats[k] for k in ("hindsight_blocks", "hindsight_block_tokens",
+                                                                "hindsight_blocks_cut")})
                 metrics["hindsight/block_tokens_mean"] = hb["hindsight_block_tokens"] / max(hb["hindsight_blocks"], 1.0)
                 metrics["hindsight/blocks_cut_frac"] = hb["hindsight_blocks_cut"] / max(hb["hindsight_blocks"], 1.0)
             if "views_skipped" in bstats:  # privileged views without a block (e.g. no successful sibling)
                 metrics["teacher/views_skipped"] = bstats["views_skipped"]
                 metrics["teacher/views_built"] = bstats.get("views_built", 0.0)
-            counts = _summed({**{f"r.{k}": res.stats.get(k, 0.0) for k in ("tokens", "decoded_tokens", "env_errors")},
-                              "r.episodes": float(len(res.trajectories)),
+            counts = distributed.summed({**{f"r.{k}": res.stats.get(k, 0.0) for k in ("tokens", "decoded_tokens", "env_errors",
+                                                                            "episodes")},
                               **{f"b.{k}": bstats.get(k, 0.0) for k in ("trajectory_tokens", "view_tokens",
-                                                                        "policy_tokens")},
+                                                                        "policy_tokens", *VIEW_TOKEN_KINDS)},
                               "f.rollout": flops.rollout_flops(qcfg, [t.length for t in res.trajectories],
                                                                res.stats.get("decoded_tokens", 0.0)),
                               **{f"f.{part}_{kind}": v for part, pair in work.parts.items()
@@ -427,6 +481,19 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                 metrics.update({"perf/teacher_flops_necessary": counts["f.teacher_necessary"],
                                 "perf/teacher_flops_executed": counts["f.teacher_executed"],
                                 "perf/teacher_flops_share": counts["f.teacher_necessary"] / max(update["necessary"], 1.0)})
+            # the wall split (turnsight_jax.cost: measured, and the fused step's parts estimated)
+            metrics.update({**cost.rollout_split(res.stats), "perf/batch_s": t_step_fn - t_step - t_roll,
+                            "perf/step_fn_s": step_fn_s, "perf/records_s": records_s,
+                            "perf/eval_s": 0.0, "perf/checkpoint_s": 0.0,  # set below when the step has them
+                            **cost.step_fn_split(step_fn_s, {part: counts[f"f.{part}_executed"] for part in work.parts},
+                                                 optimizer_probe.seconds, step_cfg.mini_batches * step_cfg.ppo_epochs),
+                            **cost.memory_metrics(),
+                            # tokens scored: the student's trajectories, the teacher's packed views by kind
+                            "perf/student_tokens": counts["b.trajectory_tokens"],
+                            **({f"perf/teacher_tokens_{k.removeprefix('view_tokens_')}": counts[f"b.{k}"]
+                                for k in VIEW_TOKEN_KINDS} if "view_tokens" in bstats else {})})
+            if optimizer_probe.seconds is not None:
+                metrics["perf/optimizer_probe_s"] = optimizer_probe.seconds
             metrics.update({"perf/step_s": t_total, "perf/rollout_s": t_roll, "perf/update_s": t_total - t_roll,
                             "perf/tool_s": res.stats["tool_s"], "perf/tokens_per_s": tokens / t_total,
                             # the rollouts' own throughput: episodes and generated + observed tokens per second
@@ -434,6 +501,11 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                             "perf/rollout_tokens_per_s": counts["r.tokens"] / max(t_roll, 1e-9),
                             # episodes an environment error ended (a raising step or scorer), a count
                             "rollout/env_errors": counts["r.env_errors"],
+                            # what the controller sampled (BAR's rounds, AKBE's no-tool group included):
+                            # episodes, their tokens after the prompt, the policy tokens decoded
+                            "rollout/episodes": counts["r.episodes"],
+                            "rollout/episode_tokens": counts["r.tokens"],
+                            "rollout/decoded_tokens": counts["r.decoded_tokens"],
                             "perf/compilations": res.stats.get("compilations", 0.0),
                             "perf/step_compilations": float(step_fn._cache_size()),  # programs compiled so far
                             **{f"shape/{k}": float(v) for k, v in shapes.items()},
@@ -449,9 +521,11 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             if slim_run is not None and method.rollout.name == "slim":  # audits, retirements, expansions
                 metrics.update(slim_run.after_step(step, graphdef, params, env))
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < n_steps and eval_tasks:
+                t0 = time.perf_counter()
                 ev = evaluate_policy(graphdef, params, tok, eval_tasks, cfg, eval_env,
                                      progress=_eval_progress(cfg, len(eval_tasks)))
                 metrics.update({f"eval/{k}": v for k, v in ev.items() if isinstance(v, float)})
+                metrics["perf/eval_s"] = time.perf_counter() - t0
             mlog.write(step, metrics)
             progress.update(step, {"reward": metrics["rollout/reward_mean"],
                                    "solve_f1": metrics.get("rollout/solve_f1", float("nan")),
@@ -469,10 +543,14 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                 if not bool(_all_finite(params)) or (aux_state is not None and not bool(_all_finite(aux_state))):  # never rotate good checkpoints out for a NaN one
                     raise NonFiniteTraining(f"parameters are not finite after step {step + 1}; not checkpointed "
                                             f"(last checkpoint: {ckpt.latest_step() or 'none'})")
+                t0 = time.perf_counter()
                 ckpt.save(step + 1, params, opt_state, {"next_step": step + 1, "seed": cfg.seed,
                                                         "data_position": step + 1, "batch_shapes": shapes},
                           teacher=teacher_params if tw == "ema" else None, aux=aux_state,
                           files=slim_run.checkpoint_files() if slim_run is not None else None)
+                # the step's line is written before its checkpoint (a resume keeps every line up to
+                # it): the save's time is added to that line afterwards
+                mlog.amend(step, {"perf/checkpoint_s": time.perf_counter() - t0})
             if stop:
                 log(f"stopped after step {step + 1} (checkpoint {step + 1} written by all processes); rerun "
                     f"the same command to resume" if jax.process_count() > 1 else

@@ -8,11 +8,20 @@ tokens per row, K = max turns):
   valid [B, T] bool                        the tokens the student's forward reads: every real token;
                                            with rl.student_sees_observations=False only the prompt
                                            and the policy tokens (`student_context`)
-  pol_pos [B, N] int32                     position in `tokens` of the row's n-th policy token
+  layout: Layout [B, T] or None            when some trajectory's turns saw elided observations (an
+                                           observation window, rl.mm_grpo) and the student sees
+                                           observations: each row is its trajectory's
+                                           rl.context_rows row (every turn under its own context,
+                                           in segments) and this its Layout; None: plain rows
+  pol_pos [B, N] int32                     position in `tokens` of the row's n-th policy token (in
+                                           trajectory order)
   pol_valid [B, N] bool                    False on padding slots
   turn_ids [B, N] int32                    turn of each policy token, -1 on padding
   old_logprobs [B, N] float32              the sampler's log-probs of the policy tokens
-  group_ids [B] int32                      prompt group, renumbered 0 .. B/G-1
+  group_ids [B] int32                      prompt group, renumbered in order of appearance
+                                           from group_offset (0 .. B/G-1 in the fixed layout);
+                                           -1: in no group (a padding row or an exemplar of a
+                                           controller that forms its own groups, see below)
   num_turns [B] int32
   signals: {name: [B] or [B, K] float32}   what the method's rewards filled ("rewards",
                                            "turn_rewards", ...; turnsight_jax.rl.methods)
@@ -34,6 +43,16 @@ tokens per row, K = max turns):
   turn_uses [B, K, K] bool or None         uses[b, j, i]: turn j's calls use a value turn i's results
                                            gave (rl.horizon.turn_dependencies), for TurnSight's
                                            rl.selection="dependency"
+
+Rows and groups. In the fixed layout (StepConfig.prompt_rows = 0) every group holds exactly G
+rows, B = prompts x G. A rollout controller that forms its own groups (BAR's early stops, AKBE's
+exemplars; rl.methods.RolloutController.rows_per_prompt) gives R = prompt_rows rows per prompt,
+B = prompts x R, static for the compiled step: a prompt's block holds its group (any size 1..R),
+rows in no group (group id -1), and padding rows (chat.trajectory.padding_trajectory: one token,
+no policy token, no reward computed). A row in no group gets advantage 0 from every group
+estimator and carries no policy-gradient, KL, entropy or value loss (rl.losses: the RL terms
+aggregate over the policy tokens of grouped rows); a loss term with its own rows (LossTerm.rows,
+AKBE's CE) trains on it.
 """
 
 from __future__ import annotations
@@ -50,16 +69,18 @@ import numpy as np
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from turnsight_jax.chat.trajectory import Trajectory
+from turnsight_jax.chat.trajectory import Trajectory, is_padding
 from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
-from turnsight_jax.models.attention import PAD_SEGMENT, Layout
+from turnsight_jax.models.attention import NO_SEGMENT, PAD_SEGMENT, Layout
 from turnsight_jax.models.sharding import BATCH, fit_spec, shard_rows
 from turnsight_jax.rl import length_classes
 from turnsight_jax.rl.config import StepConfig
+from turnsight_jax.rl.context_rows import ContextRow, context_row, has_elisions, row_policy_positions
 from turnsight_jax.rl.horizon import dependency_batch
 from turnsight_jax.rl.length_classes import LengthClasses
 from turnsight_jax.rl.methods import ResolvedMethod
+from turnsight_jax.rl.mm_grpo import planned_extra
 from turnsight_jax.rl.orchard import PROBE_TOKENS, RetroProbes, build_probes
 from turnsight_jax.chat.privileged import default_skills_path, load_skills, privileged_blocks
 from turnsight_jax.rl.privileged_views import build_privileged_views
@@ -95,6 +116,7 @@ class TrainBatch:
     classes: LengthClasses | None = struct.field(pytree_node=False, default=None)
     packed: Any = None
     probes: Any = None
+    layout: Any = None
     turn_uses: Any = None
 
     @property
@@ -125,6 +147,25 @@ def pad_tokens(trajs: Sequence[Trajectory], width: int, pad_id: int = 0) -> tupl
     return tokens, valid
 
 
+def pad_rows(rows: Sequence[ContextRow], width: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray, Layout]:
+    """Right-padded rl.context_rows rows: tokens [B, width] int32, valid [B, width] bool and their
+    Layout [B, width] (padding: PAD_SEGMENT, no context)."""
+    b = len(rows)
+    tokens = np.full((b, width), pad_id, np.int32)
+    valid = np.zeros((b, width), bool)
+    fields = {"positions": np.zeros((b, width), np.int32), "segment_ids": np.full((b, width), PAD_SEGMENT, np.int32),
+              "ctx1_segment": np.full((b, width), NO_SEGMENT, np.int32), "ctx1_end": np.zeros((b, width), np.int32),
+              "ctx2_segment": np.full((b, width), NO_SEGMENT, np.int32), "ctx2_end": np.zeros((b, width), np.int32)}
+    for i, r in enumerate(rows):
+        if r.length > width:
+            raise ValueError(f"row {i} has {r.length} tokens, over the batch width {width}")
+        tokens[i, :r.length] = r.tokens
+        valid[i, :r.length] = True
+        for name in ("positions", "segment_ids", "ctx1_segment", "ctx1_end"):
+            fields[name][i, :r.length] = getattr(r, name)
+    return tokens, valid, Layout(**fields)
+
+
 def student_context(trajs: Sequence[Trajectory], width: int) -> np.ndarray:
     """[B, width] bool: the prompt and the policy tokens of each trajectory, the context of the
     released code's training forward (its attention mask is 0 on every token the environment
@@ -136,14 +177,18 @@ def student_context(trajs: Sequence[Trajectory], width: int) -> np.ndarray:
     return keep
 
 
-def group_index(trajs: Sequence[Trajectory], group_size: int) -> np.ndarray:
-    """Group ids renumbered 0..B/G-1 in order of appearance; every group must hold G rows."""
+def group_index(trajs: Sequence[Trajectory], group_size: int | None) -> np.ndarray:
+    """Group ids renumbered 0, 1, ... in order of appearance, -1 for a row in no group
+    (Trajectory.group_id < 0). group_size: every group must hold exactly that many rows (the
+    fixed layout); None: groups of any size (a controller that forms its own groups)."""
     index: dict[int, int] = {}
-    ids = np.array([index.setdefault(t.group_id, len(index)) for t in trajs], np.int32)
-    counts = np.bincount(ids)
-    bad = np.flatnonzero(counts != group_size)
-    if bad.size:
-        raise ConfigError(f"group {bad[0]} has {counts[bad[0]]} trajectories, expected group_size={group_size}")
+    ids = np.array([index.setdefault(t.group_id, len(index)) if t.group_id >= 0 else -1 for t in trajs], np.int32)
+    counts = np.bincount(ids[ids >= 0], minlength=len(index))
+    if group_size is not None:
+        bad = np.flatnonzero(counts != group_size)
+        if bad.size or (ids < 0).any():
+            g, n = (bad[0], counts[bad[0]]) if bad.size else ("-1 (no group)", int((ids < 0).sum()))
+            raise ConfigError(f"group {g} has {n} trajectories, expected group_size={group_size}")
     return ids
 
 
@@ -153,14 +198,16 @@ def compute_signals(method: ResolvedMethod, trajs: Sequence[Trajectory], tasks: 
     if len(tasks) != len(trajs):
         raise ValueError(f"{len(trajs)} trajectories but {len(tasks)} row tasks")
     out: dict[str, np.ndarray] = {}
+    padding = {i for i, t in enumerate(trajs) if is_padding(t)}  # their outputs stay 0
     for reward in method.rewards:
-        lacking = [i for i, task in enumerate(tasks) if any(getattr(task, f, None) is None for f in reward.needs)]
+        lacking = [i for i, task in enumerate(tasks)
+                   if i not in padding and any(getattr(task, f, None) is None for f in reward.needs)]
         if reward.per == "trajectory":
             arr = np.zeros(len(trajs), np.float32)
         else:
             arr = np.zeros((len(trajs), cfg.max_turns), np.float32)
         for i, (traj, task) in enumerate(zip(trajs, tasks)):
-            if i in lacking:
+            if i in lacking or i in padding:
                 continue
             value = reward.fn(traj, task, cfg.algo)
             if reward.per == "trajectory":
@@ -222,11 +269,14 @@ def make_train_batch(
     same as without packing."""
     cfg.validate(len(trajs))
     floor = {"T": 0, "N": 0, "P": 0, "U": 0, **(min_shapes or {})}
+    own, lengths = _row_lengths(trajs, cfg)
+    windowed = own is not None and cfg.algo.student_sees_observations
     modulus = packing_modulus(len(trajs), row_shards, cfg) if cfg.pack_rows else 1
     if cfg.pack_rows:  # rows move between micro-batches (never mini-batches) so cells pack alike
-        order = batch_order(trajs, cfg, row_shards)
+        order = _packing_order(lengths, cfg, row_shards)
         trajs, tasks = [trajs[i] for i in order], [tasks[i] for i in order]
-    lengths = [t.length for t in trajs]
+        lengths = [lengths[i] for i in order]
+        own = None if own is None else [own[i] for i in order]
     classes = cls_widths = None
     if cfg.length_classes > 1:
         rows, modulus = length_classes.cell_rows(len(trajs), row_shards, cfg)
@@ -240,25 +290,35 @@ def make_train_batch(
         classes, cls_widths = classify(lengths, length_buckets, "T", "trajectory")
         floor["T"] = max(floor["T"], *cls_widths)
     width = _bucket(max(lengths), length_buckets, floor["T"], "trajectory")
-    tokens, valid = pad_tokens(trajs, width, pad_id)
+    layout = None
+    if windowed:
+        tokens, valid, layout = pad_rows(own, width, pad_id)
+    else:
+        tokens, valid = pad_tokens(trajs, width, pad_id)
     if not cfg.algo.student_sees_observations:
         valid &= student_context(trajs, width)
-    pol_pos, pol_valid = policy_positions(
+    x_pos, pol_valid = policy_positions(
         trajs, max(policy_bucket(max(int(t.policy_mask.sum()) for t in trajs)), floor["N"]))
-    turn_ids = np.full(pol_pos.shape, -1, np.int32)
-    old_lp = np.zeros(pol_pos.shape, np.float32)
+    turn_ids = np.full(x_pos.shape, -1, np.int32)
+    old_lp = np.zeros(x_pos.shape, np.float32)
     for i, t in enumerate(trajs):
         n = int(pol_valid[i].sum())
-        turn_ids[i, :n] = t.turn_ids[pol_pos[i, :n]]
-        old_lp[i, :n] = t.old_logprobs[pol_pos[i, :n]]
+        turn_ids[i, :n] = t.turn_ids[x_pos[i, :n]]
+        old_lp[i, :n] = t.old_logprobs[x_pos[i, :n]]
+    row_pos = x_pos if own is None else row_policy_positions(own, x_pos, pol_valid)  # the views' coordinates
+    pol_pos = row_pos if windowed else x_pos
     views = None
     stats = {"trajectory_tokens": float(sum(lengths)), "policy_tokens": float(pol_valid.sum()),
              "batch_width": float(width), "policy_width": float(pol_pos.shape[1]),
              "T": float(width), "N": float(pol_pos.shape[1])}
     packed = None
     if cfg.pack_rows:
-        items = [{"tokens": t.tokens, "positions": np.arange(t.length, dtype=np.int32),
-                  "segment_ids": np.where(valid[i, :t.length], 0, PAD_SEGMENT)} for i, t in enumerate(trajs)]
+        if windowed:
+            items = [{"tokens": r.tokens, "positions": r.positions, "segment_ids": r.segment_ids,
+                      "ctx1_segment": r.ctx1_segment, "ctx1_end": r.ctx1_end} for r in own]
+        else:
+            items = [{"tokens": t.tokens, "positions": np.arange(t.length, dtype=np.int32),
+                      "segment_ids": np.where(valid[i, :t.length], 0, PAD_SEGMENT)} for i, t in enumerate(trajs)]
         packed = _pack(items, _packed_width(width, cfg.pack_width, length_buckets), floor.get("RT", 0), row_shards,
                        processes, modulus, pad_id)
         stats["RT"] = float(packed.plan.rows)
@@ -288,7 +348,7 @@ def make_train_batch(
                                     filler=a.hindsight_filler),
                 gold_answers=[t.answer for t in tasks], buckets=packed_buckets,
                 with_reference=packed_reference(cfg, method), min_widths=(floor["P"], floor["U"]),
-                positions=(pol_pos, pol_valid),
+                positions=(row_pos, pol_valid),
             )
         stats.update(vstats)
         if classes is not None:
@@ -309,22 +369,43 @@ def make_train_batch(
         stats.update(pstats)
     batch = TrainBatch(
         tokens=tokens, valid=valid, pol_pos=pol_pos, pol_valid=pol_valid, turn_ids=turn_ids, old_logprobs=old_lp,
-        group_ids=group_index(trajs, cfg.group_size) + np.int32(group_offset),
+        group_ids=_offset_groups(group_index(trajs, None if cfg.prompt_rows else cfg.group_size), group_offset),
         num_turns=np.asarray([t.num_turns for t in trajs], np.int32),
         signals=compute_signals(method, trajs, tasks, cfg),
-        views=views, length_class=classes, classes=spec, packed=packed, probes=probes,
+        views=views, length_class=classes, classes=spec, packed=packed, probes=probes, layout=layout,
         turn_uses=dependency_batch(trajs, cfg.max_turns) if needs_turn_uses(cfg, method) else None,
     )
+    if own is not None:
+        stats["context_segments"] = float(sum(r.segments - 1 for r in own))  # beyond each trajectory's segment 0
     return batch, stats
 
 
-def batch_order(trajs: Sequence[Trajectory], cfg: StepConfig, row_shards: int = 1) -> list[int]:
-    """The order in which make_train_batch puts `trajs` (batch row i holds trajs[order[i]]): the
-    given one, except with train.pack_rows (rl.packing.balanced_order)."""
-    if not cfg.pack_rows:
-        return list(range(len(trajs)))
-    modulus = packing_modulus(len(trajs), row_shards, cfg)
-    return list(balanced_order([t.length for t in trajs], shards=row_shards, modulus=modulus, keep=cfg.mini_batches))
+def _row_lengths(trajs: Sequence[Trajectory], cfg: StepConfig):
+    """(each trajectory's context row or None, the row lengths the student's forward reads).
+
+    Turns that saw elided observations (an observation window): each trajectory's row holds
+    every turn under its own context (rl.context_rows); the student reads it when it sees the
+    observations (masked out, no observation is read, so the trajectory itself serves)."""
+    own = [context_row(t) for t in trajs] if any(has_elisions(t) for t in trajs) else None
+    windowed = own is not None and cfg.algo.student_sees_observations
+    return own, [r.length for r in own] if windowed else [t.length for t in trajs]
+
+
+def batch_row_order(trajs: Sequence[Trajectory], cfg: StepConfig, row_shards: int = 1) -> list[int]:
+    """order[i]: the trajectory (index into `trajs`) that make_train_batch puts in row i: the
+    identity, or with train.pack_rows rl.packing.balanced_order's."""
+    return _packing_order(_row_lengths(trajs, cfg)[1], cfg, row_shards) if cfg.pack_rows else list(range(len(trajs)))
+
+
+def _packing_order(lengths: Sequence[int], cfg: StepConfig, row_shards: int) -> list[int]:
+    """train.pack_rows' row order of rows of `lengths` (rl.packing.balanced_order)."""
+    modulus = packing_modulus(len(lengths), row_shards, cfg)
+    return [int(i) for i in balanced_order(lengths, shards=row_shards, modulus=modulus, keep=cfg.mini_batches)]
+
+
+def _offset_groups(ids: np.ndarray, offset: int) -> np.ndarray:
+    """Group ids numbered from `offset` (the process's first group); -1 (no group) kept."""
+    return np.where(ids >= 0, ids + np.int32(offset), -1).astype(np.int32)
 
 
 def needs_turn_uses(cfg: StepConfig, method: ResolvedMethod) -> bool:
@@ -408,12 +489,14 @@ def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod, step_cfg: S
                         row_shards: int) -> Geometry:
     """The config's widest batch for a mesh of `row_shards` (data x fsdp) row shards."""
     r, t = cfg.rollout, cfg.train
-    length = pick_bucket(r.max_prompt_tokens + r.max_response_tokens, DEFAULT_BUCKETS, "plan: trajectory")
+    _, window_extra = planned_extra(cfg, method)  # MM-GRPO's rows of several contexts (rl.context_rows)
+    length = pick_bucket(r.max_prompt_tokens + r.max_response_tokens + window_extra, DEFAULT_BUCKETS,
+                         "plan: trajectory")
     policy = policy_bucket(r.max_response_tokens)
     packed = pick_bucket(int(length * cfg.plan.packed_factor), DEFAULT_PACKED_BUCKETS, "plan: packed row")
     views = method.teacher_views(step_cfg.algo) + int(packed_reference(step_cfg, method))
     distinct = policy_bucket(int(policy * min(views, cfg.plan.distinct_factor)))
-    batch = t.prompts_per_step * t.group_size
+    batch = t.prompts_per_step * step_cfg.rows_per_prompt
     class_rows = pack_cell = None
     if step_cfg.length_classes > 1:  # the worst case: every class as wide as the widest row
         class_rows, _ = length_classes.cell_rows(batch, row_shards, step_cfg)

@@ -4,7 +4,8 @@ A method names one entry of each of the four pipeline interfaces:
 
 * a **rollout controller** (`register_rollout`): what is sampled; `fn(ctx, tasks, seed) ->
   RolloutResult` with `len(tasks) * ctx.group_size` trajectories, siblings of task i in rows
-  i*G .. i*G+G-1;
+  i*G .. i*G+G-1; or, for a controller that forms its own groups (`rows_per_prompt`), R rows per
+  task in prompt blocks, groups of any size, rows in no group (`RolloutController`);
 * **rewards** (`register_reward`): computed on the host from the rollout record, per trajectory,
   `fn(trajectory, task, algo) -> value`; each fills one batch array (`output`), per trajectory
   [B] or per turn [B, K];
@@ -19,11 +20,9 @@ anything compiles. The KL term is added when `loss.kl_coef > 0`, whatever the me
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any, Callable, Sequence
 
-import jax
 import numpy as np
 
 from turnsight_jax.chat.trajectory import Trajectory
@@ -34,14 +33,14 @@ from turnsight_jax.rewards import matchtir_turn_rewards, token_f1, toolrl_reward
 from turnsight_jax.rl import critic as _critic  # noqa: F401  (registers PPO's GAE estimator)
 from turnsight_jax.rl import distill  # noqa: F401  (registers the self-distillation baselines)
 from turnsight_jax.rl import orchard as _orchard  # noqa: F401  (registers CA-SFT's loss term)
-from turnsight_jax.rl import srl, toolomni
+from turnsight_jax.rl import akbe, bar, mm_grpo, srl, toolomni  # akbe registers its CE loss term
 from turnsight_jax.rl.advantages import Estimator, get_estimator
 from turnsight_jax.rl.config import AlgoConfig, StepConfig
+from turnsight_jax.rl.episodes import run_episodes
 from turnsight_jax.rl.losses import LossTerm, get_loss_term
 from turnsight_jax.rl.slim import SkillLibrary
 from turnsight_jax.rl.slim_text import with_skills
-from turnsight_jax.rollout.driver import ModelPolicy, RolloutConfig, RolloutResult, rollout
-from turnsight_jax.rollout.engine import PagedEngine
+from turnsight_jax.rollout.driver import ObservationWindow, RolloutConfig, RolloutResult
 from turnsight_jax.rollout.sampler import SamplingParams
 
 # Arrays every batch has, in the compact layout of turnsight_jax.rl.batch.
@@ -81,55 +80,70 @@ class RolloutContext:
     group_offset: int = 0  # global index of the first prompt (a process rolls out its share of a step's prompts)
     run_config: Any = None  # the run's ConfigDict, for a controller with its own section (the judge: judge.*)
     state: Any = None  # the trainer's host-side state a controller reads (SLIM: its rl.slim.SkillLibrary)
+    task_pool: Sequence[Task] = ()  # the training tasks a controller may draw more prompts from (rl.mm_grpo's refills)
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutController:
+    """A registered rollout controller. A controller that acts on the rollout may bring the rest of
+    its mechanism with it: `rewards` (registered rewards whose outputs its other parts read, e.g.
+    a per-trajectory flag it set on the record) and `loss_terms` (registered loss terms, e.g. an
+    auxiliary CE on exemplars it chose). `resolve_method` adds both to whatever method runs with
+    the controller, so `rl.rollout=NAME` composes with GRPO, MatchTIR, TurnSight or any method.
+
+    The batch layout it returns (docs/rollout_methods.md, "Unequal groups in the batch"):
+
+    * `rows_per_prompt` None (the fixed layout): len(tasks) * G trajectories, siblings of task i
+      in rows i*G .. i*G+G-1, every group exactly G rows.
+    * `rows_per_prompt(run_config) -> R` (a controller that forms its own groups): exactly
+      len(tasks) * R trajectories, rows i*R .. i*R+R-1 about task i (the rewards read task i),
+      each with `Trajectory.group_id` its group (any id >= 0, the batch renumbers them; a group's
+      rows in one block) or -1: in no group, so no advantage and no policy-gradient loss (an
+      exemplar a loss term of the controller trains on, or a padding row,
+      chat.trajectory.padding_trajectory). R is static (the compiled step's row count), so
+      `rl.episodes.pad_prompt_rows` fills each block to R.
+
+    The controller's own diagnostics go in `RolloutResult.metrics`, over every process
+    (distributed.summed), under its name ("<name>/...")."""
+
     name: str
     fn: Callable[[RolloutContext, Sequence[Task], int], RolloutResult]
+    rewards: tuple[str, ...] = ()
+    loss_terms: tuple[str, ...] = ()
+    rows_per_prompt: Callable[[Any], int] | None = None
+
+    def prompt_rows(self, run_config: Any, group_size: int) -> int:
+        """Batch rows per prompt: `group_size` in the fixed layout, else the controller's R."""
+        return group_size if self.rows_per_prompt is None else int(self.rows_per_prompt(run_config))
 
 
 ROLLOUTS: dict[str, RolloutController] = {}
 
 
-def register_rollout(name: str):
-    """Decorator: register `fn(ctx: RolloutContext, tasks, seed) -> RolloutResult`."""
+def register_rollout(name: str, *, rewards: Sequence[str] = (), loss_terms: Sequence[str] = (),
+                     rows_per_prompt: Callable[[Any], int] | None = None):
+    """Decorator: register `fn(ctx: RolloutContext, tasks, seed) -> RolloutResult`, with the rewards
+    and loss terms the controller's mechanism adds to any method it runs under, and for a
+    controller that forms its own groups `rows_per_prompt(run_config) -> R` (RolloutController)."""
 
     def deco(fn):
         if name in ROLLOUTS:
             raise ValueError(f"rollout controller {name!r} already registered")
-        ROLLOUTS[name] = RolloutController(name, fn)
+        ROLLOUTS[name] = RolloutController(name, fn, tuple(rewards), tuple(loss_terms), rows_per_prompt)
         return fn
 
     return deco
 
 
 @register_rollout("sampler")
-def sampler_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
+def sampler_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int, *,
+                    window: ObservationWindow | None = None) -> RolloutResult:
     """The default: G samples per prompt, `prompts_per_chunk` prompts at a time (0: all), from the
-    paged engine (`ctx.engine`: continuous batching over `ctx.engine.slots` slots) or the lockstep
-    `ModelPolicy` (its static cache holds one chunk's rows); the chunks' trajectories and stats joined.
-    Every episode's draws depend on (seed, its global row) only: chunking and the split of a step
-    over processes (`ctx.group_offset`) change no token."""
-    per = ctx.prompts_per_chunk or len(tasks)
-    trajs, stats = [], {}
-    for i in range(0, len(tasks), per):
-        kwargs = {} if ctx.cache_dtype is None else {"cache_dtype": ctx.cache_dtype}
-        first = ctx.group_offset + i
-        if ctx.engine is not None:
-            policy = PagedEngine(ctx.graphdef, ctx.params, ctx.tokenizer, sampling=ctx.sampling, config=ctx.config,
-                                 engine=ctx.engine, seed=seed, mesh=ctx.mesh, row_offset=first * ctx.group_size,
-                                 **kwargs)
-        else:
-            policy = ModelPolicy(ctx.graphdef, ctx.params, ctx.tokenizer, sampling=ctx.sampling, config=ctx.config,
-                                 seed=seed, row_offset=first * ctx.group_size, **kwargs)
-        with jax.set_mesh(ctx.mesh) if ctx.mesh is not None else contextlib.nullcontext():
-            res = rollout(policy, ctx.env, tasks[i:i + per], tokenizer=ctx.tokenizer, group_size=ctx.group_size,
-                          config=ctx.config, seed=seed, group_offset=first, progress=ctx.progress)
-        trajs.extend(res.trajectories)
-        for k, v in res.stats.items():
-            stats[k] = stats.get(k, 0.0) + v if k != "compilations" else v
-    return RolloutResult(trajs, stats)
+    paged engine or the lockstep `ModelPolicy` (`rl.episodes.run_episodes`). Every episode's draws
+    depend on (seed, its global row) only: chunking and the split of a step over processes
+    (`ctx.group_offset`) change no token. `window`: the policy's context keeps only the most recent
+    observations (rollout.driver.rollout; rl.mm_grpo)."""
+    return run_episodes(ctx, tasks, seed, window=window)
 
 
 @register_rollout("slim")
@@ -147,6 +161,36 @@ def judged_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> Rol
     """The model-judged reward (judge.method, OpenWebRL): the default sampler's rollouts, each
     labelled by the judge model of the run config's judge.* section (ctx.run_config)."""
     return judge.judge_rollout(ctx, sampler_rollout(ctx, tasks, seed), tasks)
+
+
+def _section(ctx: RolloutContext, name: str):
+    if ctx.run_config is None or name not in ctx.run_config:
+        raise ValueError(f"the {name!r} rollout controller reads the run config's {name}.* section: "
+                         f"RolloutContext.run_config must hold it")
+    return ctx.run_config[name]
+
+
+@register_rollout("bar", rows_per_prompt=lambda cfg: bar.bar_settings(cfg.bar, cfg.train.group_size).cap)
+def bar_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
+    """BAR (rl.bar): each prompt sampled bar.chunk rollouts at a time until its success share
+    lies in [bar.low, bar.high], or bar.cap rollouts; groups of unequal size, padded to the cap."""
+    return bar.bar_rollout(ctx, tasks, seed, bar.bar_settings(_section(ctx, "bar"), ctx.group_size))
+
+
+@register_rollout("akbe", rewards=("akbe_exemplar",), loss_terms=("akbe_ce",),
+                  rows_per_prompt=lambda cfg: cfg.train.group_size + 1)
+def akbe_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
+    """AKBE (rl.akbe): a with-tool and a no-tool group per prompt, the 2-bit label, one exemplar
+    per prompt for the auxiliary CE (akbe.coef) next to the method's unchanged update."""
+    return akbe.akbe_rollout(ctx, tasks, seed, akbe.akbe_settings(_section(ctx, "akbe")))
+
+
+@register_rollout("mm_grpo")
+def mm_grpo_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
+    """MM-GRPO (rl.mm_grpo): the default sampler under an observation window (mm_grpo.window),
+    with dynamic sampling (zero-variance groups refilled with new prompts, mm_grpo.refill_rounds)."""
+    return mm_grpo.dynamic_rollout(ctx, tasks, seed,
+                                   sample=lambda c, t, s, w: sampler_rollout(c, t, s, window=w))
 
 
 # ---- rewards ----
@@ -187,6 +231,9 @@ def register_reward(name: str, output: str, *, per: str = "trajectory", needs: t
 def outcome_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> float:
     """The environment's own score of the episode (FTRL/built-in: Solve-F1; ToolHop: answer match)."""
     return float(traj.reward)
+
+
+register_reward(akbe.EXEMPLAR, akbe.EXEMPLAR)(akbe.exemplar_flag)
 
 
 @register_reward("matchtir_turns", "turn_rewards", per="turn", needs=("gold_calls",))
@@ -440,12 +487,18 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
         if rollout_name == "sampler":
             rollout_name = bm.rollout
         critic, prm = critic or bm.critic, prm or bm.prm
+    if algo.rollout:  # rl.rollout: this controller, whatever the method's own
+        rollout_name = algo.rollout
+    if rollout_name not in ROLLOUTS:
+        who = "rl.rollout:" if algo.rollout else f"method {m.name!r}:"
+        raise ConfigError(f"{who} unknown rollout controller {rollout_name!r}; registered: {sorted(ROLLOUTS)}")
+    controller = ROLLOUTS[rollout_name]
+    reward_names = list(dict.fromkeys([*reward_names, *controller.rewards]))
     for name in reward_names:
         if name not in REWARDS:
             raise ConfigError(f"method {m.name!r}: unknown reward {name!r}; registered: {sorted(REWARDS)}")
-    if rollout_name not in ROLLOUTS:
-        raise ConfigError(f"method {m.name!r}: unknown rollout controller {rollout_name!r}; registered: {sorted(ROLLOUTS)}")
-    terms = [lookup(get_loss_term, t, "loss term", m.name) for t in m.loss_terms]
+    terms = [lookup(get_loss_term, t, "loss term", m.name)
+             for t in dict.fromkeys([*m.loss_terms, *controller.loss_terms])]
     if cfg.loss.kl_coef > 0 and all(t.name != "kl" for t in terms):
         terms.append(get_loss_term("kl"))
     if cfg.loss.entropy_coef > 0 and all(t.name != "entropy" for t in terms):
@@ -470,8 +523,12 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
         missing = [k for k in term.inputs if k not in term_provided]
         if missing:
             raise ConfigError(f"method {m.name!r}: loss term {term.name!r} reads {missing}, which nothing fills")
+        per_row = {r.output for r in rewards if r.per == "trajectory"}
+        if term.rows and term.rows not in per_row:
+            raise ConfigError(f"method {m.name!r}: loss term {term.name!r} trains the rows of {term.rows!r}, which no "
+                              f"per-trajectory reward of [{', '.join(reward_names)}] fills")
         if any(k in term.inputs for k in RETRO_ARRAYS) and "rewards" not in outputs:
             raise ConfigError(f"method {m.name!r}: loss term {term.name!r} trains on failed trajectories, which the "
                               f"outcome reward (\"rewards\") tells; no reward of [{', '.join(reward_names)}] fills it")
-    return ResolvedMethod(m.name, ROLLOUTS[rollout_name], rewards, advantage, base, tuple(terms), m.teacher, critic,
+    return ResolvedMethod(m.name, controller, rewards, advantage, base, tuple(terms), m.teacher, critic,
                           prm)

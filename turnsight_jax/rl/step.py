@@ -47,10 +47,11 @@ from turnsight_jax.rl.advantages import make_advantage_fn
 from turnsight_jax.rl import critic as critic_lib
 from turnsight_jax.rl import orchard as orchard_lib
 from turnsight_jax.rl import prm as prm_lib
+from turnsight_jax.rl import turn_records
 from turnsight_jax.rl.batch import TrainBatch, packed_reference, row_axis
 from turnsight_jax.rl.config import OptimConfig, StepConfig
 from turnsight_jax.rl.logprobs import policy_logprobs, teacher_logprobs
-from turnsight_jax.rl.losses import aggregation_weights, term_losses, tis_weights
+from turnsight_jax.rl.losses import loss_weights, tis_weights, weighted_losses
 from turnsight_jax.rl.methods import ResolvedMethod, resolve_method
 
 # The critic's per-token metrics (token-weighted like the loss; reported under critic/).
@@ -58,10 +59,6 @@ CRITIC_METRICS = ("value_loss", "value_clip_frac", "values_mean")
 # TurnSight diagnostics the step reports (under turnsight/ in the run's metrics).
 TURNSIGHT_METRICS = ("agreement_rate", "depth_histogram", "weight_mean", "weight_min", "weight_max",
                      "frac_turns_amplified", "frac_turns_damped", "delta_mean")
-# Arrays the step returns next to its scalar metrics, one row per trajectory (the trainer takes
-# them out before logging: rl.turn_records): "per_turn/<name>" [B, K] and, with
-# StepConfig.record_teacher, "per_token/teacher_logprobs" [R, B, N].
-PER_ROW_PREFIXES = ("per_turn/", "per_token/")
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
@@ -86,7 +83,9 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
 def advantage_knobs(cfg: StepConfig, batch_size: int) -> dict:
     """The KNOBS of rl.advantages for this config and batch."""
     a = cfg.algo
-    return {"eps": a.eps, "gamma": a.gamma, "num_groups": batch_size // cfg.group_size, "max_turns": cfg.max_turns,
+    # num_groups: B, a bound on the groups of any layout (ids are < the prompts <= B; a controller
+    # may form groups of unequal size), so the segment sums never depend on group sizes
+    return {"eps": a.eps, "gamma": a.gamma, "num_groups": batch_size, "max_turns": cfg.max_turns,
             "lam": a.lam, "eps_w": a.eps_w, "selection": a.selection, "aggregation": a.aggregation,
             "group_norm": a.group_norm, "turns": a.turns, "matchtir_singleton": a.matchtir_singleton,
             "norm_pool": a.norm_pool, "uncovered_in_stats": a.uncovered_in_stats, "sdpo_coef": a.sdpo_coef,
@@ -119,15 +118,15 @@ def advantage_inputs(batch: TrainBatch, teacher_lp, values=None, process_rewards
 
 
 def compute_advantages(batch: TrainBatch, teacher_lp, cfg: StepConfig, method: ResolvedMethod, values=None,
-                       process_rewards=None):
+                       process_rewards=None, *, with_outputs: bool = False):
     """Advantages [B, N] of the method over the whole batch, and diagnostics (GAE's "returns"
-    [B, N] among them when the estimator gives them)."""
+    [B, N] among them when the estimator gives them); with_outputs: and the estimator's whole
+    output dict (per-token weights, depths, ...: rl.turn_records reads it)."""
     fn = make_advantage_fn(method.advantage.name, base=method.base.name if method.base else None,
                            knobs=advantage_knobs(cfg, batch.pol_valid.shape[0]))
     out = fn(advantage_inputs(batch, teacher_lp, values, process_rewards))
     # TurnSight's diagnostics by name; a plug-in estimator's under its own "<method>/" prefix
     diag = {k: out[k] for k in out if k in TURNSIGHT_METRICS or "/" in k}
-    diag.update(per_turn_values(out, batch, cfg))
     if "returns" in out:
         diag["returns"] = out["returns"]
     if teacher_lp is not None:
@@ -143,42 +142,9 @@ def compute_advantages(batch: TrainBatch, teacher_lp, cfg: StepConfig, method: R
             diag["teacher/gap_abs_mean"] = jnp.sum(jnp.where(covered, jnp.abs(gap[0]), 0.0)) / m
             diag["teacher/frac_teacher_higher"] = jnp.sum(covered & (gap[0] > 0)) / m
             diag["teacher/frac_teacher_lower"] = jnp.sum(covered & (gap[0] < 0)) / m
+    if with_outputs:
+        return out["advantages"], diag, out
     return out["advantages"], diag
-
-
-def _turn_reduce(x, batch: TrainBatch, k: int, how: str):
-    """[B, N] per policy token -> [B, K] per turn (segment sums over the assigned tokens): "mean",
-    or "same" (the turns' common value, -1 where its tokens disagree or it has none)."""
-    b = x.shape[0]
-    assigned = batch.pol_valid & (batch.turn_ids >= 0) & (batch.turn_ids < k)
-    seg = jnp.where(assigned, jnp.arange(b)[:, None] * k + batch.turn_ids, b * k).reshape(-1)
-    count = jax.ops.segment_sum(assigned.reshape(-1).astype(jnp.float32), seg, b * k + 1)[:-1]
-    if how == "mean":
-        total = jax.ops.segment_sum(jnp.where(assigned, x, 0).reshape(-1).astype(jnp.float32), seg, b * k + 1)[:-1]
-        return (total / jnp.maximum(count, 1.0)).reshape(b, k)
-    lo = jax.ops.segment_min(jnp.where(assigned, x, 0).reshape(-1), seg, b * k + 1)[:-1]
-    hi = jax.ops.segment_max(jnp.where(assigned, x, 0).reshape(-1), seg, b * k + 1)[:-1]
-    return jnp.where((count > 0) & (lo == hi), lo, -1).reshape(b, k)
-
-
-def per_turn_values(out: dict, batch: TrainBatch, cfg: StepConfig) -> dict:
-    """What a turn received, one value per (trajectory, turn slot) [B, K] (K = max_turns; 0 or -1
-    on slots past a trajectory's turns), for the run's records (rl.turn_records): "advantage" (the
-    turn's mean advantage), and with TurnSight "weight" (its mean weight w), "delta_bar" (its
-    selected mean gap δ̄*), "depth" (the chosen hindsight depth d*, a depth value: -1 for the
-    mean fusion, and where its tokens chose differently, as with aggregation="token") and
-    "horizon" (the dependency rule's h, rl.horizon; -1 without it)."""
-    k = cfg.max_turns
-    vals = {"per_turn/advantage": _turn_reduce(out["advantages"], batch, k, "mean")}
-    if "weights" in out and "selected_depth" in out:
-        depths = jnp.asarray(tuple(cfg.algo.depths), jnp.int32)
-        d = out["selected_depth"]
-        value = jnp.where(d >= 0, depths[jnp.maximum(d, 0)], -1)
-        vals.update({"per_turn/weight": _turn_reduce(out["weights"], batch, k, "mean"),
-                     "per_turn/delta_bar": _turn_reduce(out["delta_bar"], batch, k, "mean"),
-                     "per_turn/depth": _turn_reduce(value, batch, k, "same"),
-                     "per_turn/horizon": _turn_reduce(out["horizon"], batch, k, "same")})
-    return vals
 
 
 # ---- strided micro-batches ----
@@ -398,7 +364,7 @@ def prm_stage(ref_model, prm, batch: TrainBatch, cfg: StepConfig, optimizer):
 
 def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransformation,
                     method: ResolvedMethod | None = None, *, state_shardings=None, teacher_graphdef=None,
-                    aux_optimizers: dict | None = None):
+                    aux_optimizers: dict | None = None, records: bool = False):
     """Returns step(params, opt_state, ref_params, batch, teacher_params=None, aux=None) ->
     (params, opt_state, metrics), jitted with params and opt_state donated. `params`/`ref_params`
     are nnx.State of the policy and the frozen reference (same graphdef). `method` defaults to
@@ -419,7 +385,12 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
     x.sharding, (params, opt_state))`) pins the updated state to them. Left to the compiler, the
     outputs come back in equivalent but unequal shardings (P(None,) as P(); axes of size 1
     dropped), so the second step, and every rollout program taking the new parameters, would
-    compile again."""
+    compile again.
+
+    `records=True`: metrics["records"] also holds the per-turn arrays of the trajectory records
+    (rl.turn_records.step_records: Ã, the base advantage, the estimator's weights / depths / gaps,
+    the loss terms' per-token values of the first update, summarised per turn), computed from the
+    very arrays the update uses; the other outputs are the same (tests/test_records_viewer.py)."""
     method = method or resolve_method(cfg)
     terms = method.loss_terms
     weights_kind = cfg.teacher.weights
@@ -474,17 +445,18 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
              "pol_valid": mb.pol_valid, "turn_ids": mb.turn_ids, "policy_mask": mb.pol_valid,
              "group_ids": mb.group_ids, "num_turns": mb.num_turns, "entropy": entropy, **mb.signals,
              "is_weights": is_w, **tx}
-        loss_tok, parts = term_losses(terms, x, cfg.loss, cfg.algo)
-        if critic is not None:
+        extra = None
+        if critic is not None:  # the value loss, on the RL terms' rows
             values = critic_lib.policy_values(nnx.merge(graphdef, critic["trunk"]), critic["head"], mb)
             vl, vclip = critic_lib.value_loss(values, cx["old_values"], cx["returns"], cfg.critic.value_clip)
-            loss_tok = loss_tok + vl
-            parts = {**parts, "value_loss": vl, "value_clip_frac": vclip, "values_mean": values}
-        loss = jnp.sum(loss_tok * weights)
-        sums = {k: jnp.sum(parts[k] * weights) for k in metric_names}
+            extra = (vl, {"value_loss": vl, "value_clip_frac": vclip, "values_mean": values})
+        loss, sums, parts = weighted_losses(terms, x, weights, cfg.loss, cfg.algo, extra, with_parts=True)
+        sums = {k: sums[k] for k in metric_names}
+        # the terms' per-token values, for the trajectory records (none without them)
+        per_token = {k: jax.lax.stop_gradient(parts[k]) for k in metric_names} if records else None
         # With one update the forward's own log-probs are the trainer's at the step-start
         # parameters: handed back (no gradient) so the step reports the mismatch at no extra cost.
-        return loss, (sums, current if one_update else None)
+        return loss, (sums, current if one_update else None, per_token)
 
     grad_fn = jax.grad(loss_fn, argnums=(0, 1), has_aux=True)
 
@@ -493,26 +465,30 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         the critic's, with its own clip and AdamW, when there is a critic)."""
         m = cfg.micro_batches
         critic = None if critic_state is None else critic_state["params"]
-        weights = aggregation_weights(mb.pol_valid, cfg.loss.aggregation)
+        # each term's token set (the RL terms': the policy tokens of grouped rows; rl.losses)
+        weights = loss_weights(terms, mb.pol_valid, mb.group_ids, mb.signals, cfg.loss.aggregation)
         if m == 1:
-            (grads, c_grads), (sums, current) = grad_fn(params, critic, mb, adv, ref_lp, weights, sampler_lp, tx, cx)
+            (grads, c_grads), (sums, current, per_token) = grad_fn(params, critic, mb, adv, ref_lp, weights,
+                                                                   sampler_lp, tx, cx)
         else:
             opt_split = lambda a: None if a is None else _split(a, m)
-            xs = (split_batch(mb, m), _split(adv, m), opt_split(ref_lp), _split(weights, m), opt_split(sampler_lp),
+            xs = (split_batch(mb, m), _split(adv, m), opt_split(ref_lp), jax.tree.map(lambda a: _split(a, m), weights),
+                  opt_split(sampler_lp),
                   jax.tree.map(lambda a: _split(a, m), tx), jax.tree.map(lambda a: _split(a, m), cx))
 
             def acc(carry, x):
                 g_acc, c_acc, s_acc = carry
                 mb_, adv_, ref_, w_, sl_, tx_, cx_ = x
-                (g, cg), (s, cur) = grad_fn(params, critic, mb_, adv_, ref_, w_, sl_, tx_, cx_)
+                (g, cg), (s, cur, tok) = grad_fn(params, critic, mb_, adv_, ref_, w_, sl_, tx_, cx_)
                 return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, c_acc, cg),
-                        jax.tree.map(jnp.add, s_acc, s)), cur
+                        jax.tree.map(jnp.add, s_acc, s)), (cur, tok)
 
             zeros_g = jax.tree.map(jnp.zeros_like, params)
             zeros_c = jax.tree.map(jnp.zeros_like, critic)
             zeros_s = {k: jnp.zeros((), jnp.float32) for k in metric_names}
-            (grads, c_grads, sums), current = jax.lax.scan(acc, (zeros_g, zeros_c, zeros_s), xs)
+            (grads, c_grads, sums), (current, per_token) = jax.lax.scan(acc, (zeros_g, zeros_c, zeros_s), xs)
             current = None if current is None else _merge(current)
+            per_token = jax.tree.map(_merge, per_token)
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
@@ -533,7 +509,7 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
             critic_state = jax.tree.map(keep, new_critic, critic_state)
         sums["grad_norm"] = grad_norm
         sums["skipped_updates"] = 1.0 - finite.astype(jnp.float32)
-        return params, opt_state, critic_state, sums, current
+        return params, opt_state, critic_state, sums, current, per_token
 
     def step(params, opt_state, ref_params, batch: TrainBatch, teacher_params=None, aux=None):
         missing = [k for k in method.aux if not aux or k not in aux]
@@ -556,8 +532,9 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         prm_metrics = {}
         if with_prm:
             proc, new_prm, prm_metrics = prm_stage(ref_model, aux["prm"], batch, cfg, aux_opts["prm"])
-        adv, diag = compute_advantages(batch, teacher_lp, cfg, method, old_values, proc)
+        adv, diag, est_out = compute_advantages(batch, teacher_lp, cfg, method, old_values, proc, with_outputs=True)
         returns = diag.pop("returns", None)
+        rec_batch = batch  # δ's old log-probs (the sampler's), before any replacement below
         cx, critic_diag = None, {}
         if with_critic:
             if returns is None:  # an advantage without a critic (e.g. GRPO's): GAE's returns train it
@@ -595,22 +572,26 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
             pick = lambda tree, i: jax.tree.map(lambda x: x[i], tree)
             minis = [(pick(sb, i), sa[i], None if sr is None else sr[i], None if ss is None else ss[i], pick(st, i),
                       pick(sc, i)) for i in range(nm)]
-        logs = []
-        for _ in range(cfg.ppo_epochs):
+        logs, first_epoch = [], []
+        for epoch in range(cfg.ppo_epochs):
             for mb, a, r, sl, t, c in minis:
-                params, opt_state, critic, sums, current = minibatch_update(params, opt_state, critic, mb, a, r, sl,
-                                                                            t, c)
+                params, opt_state, critic, sums, current, per_token = minibatch_update(params, opt_state, critic, mb,
+                                                                                       a, r, sl, t, c)
                 logs.append(sums)
+                if epoch == 0:
+                    first_epoch.append(per_token)
         if one_update:  # the update's forward ran the step-start parameters: the mismatch for free
             mismatch = mismatch_metrics(current, batch.old_logprobs, batch.pol_valid, tis)
         metrics = {k: jnp.mean(jnp.stack([log[k] for log in logs])) for k in logs[0]}
         metrics["skipped_updates"] = sum(log["skipped_updates"] for log in logs)  # a count, not a mean
-        valid = batch.pol_valid
+        grouped = batch.group_ids >= 0  # the rows the RL terms train (padding and exemplar rows are not)
+        valid = batch.pol_valid & grouped[:, None]
         n = jnp.maximum(valid.sum(), 1)
         metrics["adv_mean"] = jnp.sum(jnp.where(valid, adv, 0.0)) / n
         metrics["adv_abs_mean"] = jnp.sum(jnp.where(valid, jnp.abs(adv), 0.0)) / n
         if "rewards" in batch.signals:
-            metrics["reward_mean"] = jnp.mean(batch.signals["rewards"])
+            metrics["reward_mean"] = jnp.sum(jnp.where(grouped, batch.signals["rewards"], 0.0)) / jnp.maximum(
+                grouped.sum(), 1)
         for k in CRITIC_METRICS + ("critic_grad_norm",):  # the critic's under critic/
             if k in metrics:
                 metrics["critic/" + k.removeprefix("critic_")] = metrics.pop(k)
@@ -619,8 +600,13 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         metrics.update(retro_metrics)
         metrics.update(diag)
         metrics.update(mismatch)
-        if cfg.record_teacher and teacher_lp is not None:  # the records' token log-probs: no extra forward
-            metrics["per_token/teacher_logprobs"] = teacher_lp
+        if records:  # each row's loss-term values from the first epoch's pass over it
+            term_values = first_epoch[0] if nm == 1 else jax.tree.map(lambda *x: _merge(jnp.stack(x)), *first_epoch)
+            covered = teacher_covered(rec_batch) if method.teacher == "privileged" and teacher_lp is not None else None
+            metrics["records"] = turn_records.step_records(adv, est_out, rec_batch, teacher_lp, covered, term_values,
+                                                           cfg.max_turns)
+            if cfg.record_teacher and teacher_lp is not None:  # log.turn_records' token log-probs: no extra forward
+                metrics["records"]["teacher_logprobs"] = jax.lax.stop_gradient(teacher_lp)
         if method.aux:
             new_aux = dict(aux)
             if with_critic:

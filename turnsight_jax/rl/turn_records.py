@@ -1,199 +1,76 @@
-"""What each turn was and what it received: per-step turn records and the turn-level metrics of
-the studies (docs/experiments.md).
+"""Per-turn summaries of the step's per-token arrays, computed inside the jitted step for the
+trajectory records (turnsight_jax.records; docs/records.md).
 
-Host side, from a step's trajectories, their tasks and the step's per-row outputs
-(rl.step.PER_ROW_PREFIXES). Per turn (arrays [b, K], K = max_turns, b = this process's rows in
-trajectory order; 0 / -1 / False past a trajectory's turns):
-
-* outcome (`turn_outcomes`): has_calls; errored (a malformed call, or a result that is FTRL's error
-  text, as an unavailable tool's is); gold_match (every call is a call of the task's gold chain);
-  gold_turn (the gold turn whose calls the turn's calls are, -1 none); gold_horizon (the dependency
-  rule's h on the gold chain at that gold turn, rl.horizon.gold_horizons; -1 unknown); horizon
-  (the rule's h on the trajectory itself); fault_wrong / fault_unavailable / fault_delay / faulted
-  (envs.faults, from TurnRecord.env_info);
-* received (the step's "per_turn/<name>": advantage, and with TurnSight weight, delta_bar, depth,
-  horizon), under "step_<name>".
-
-Per trajectory [b]: reward, success (the environment's answer_correct when it reports one, else
-reward >= 1), faulted (>= 1 fault), num_turns, task_id, category. Per policy token, with
-log.turn_records and a teacher (ragged, concatenated over the trajectories in order, [n]):
-token_teacher [R, n] (the teacher's log-probs of the sampled tokens under each view, the step's
-own arrays), token_student [n] (the sampler's log-probs: δ's student side), token_row, token_turn.
-
-`write` stores one compressed .npz per step in <workdir>/turn_records/ (log.turn_records);
-`metric_sums` gives the metrics' numerators and denominators so that the trainer can sum them
-over processes.
+The step's advantages, weights, selected depths, teacher gaps and loss-term values live per
+policy token ([B, N], rl.batch's compact layout). A record needs them per turn: for each
+(trajectory b, turn k) this gives the token count and the min, max and sum of every array over
+the turn's policy tokens ([B, K] each, K = the rollout's max turns). A quantity that is constant
+over a turn (TurnSight's weight, depth and δ̂ under aggregation="turn", a GRPO or MatchTIR
+advantage) has min == max, and that value is the exact float the update used; one that varies
+(a token-level estimator's advantage, a per-token gate) is summarised by its mean, min and max.
+The reductions read the same traced arrays the loss reads, so they cannot disagree with it; they
+are small ([B, K]), and the step only returns them when built with `records=True`.
 """
 
 from __future__ import annotations
 
-import json
-import pathlib
-from typing import Any, Mapping, Sequence
+import jax
+import jax.numpy as jnp
 
-import numpy as np
-
-from turnsight_jax.chat.trajectory import Trajectory
-from turnsight_jax.chat.types import CallError, Task, ToolCall
-from turnsight_jax.rl.horizon import ERROR_PREFIX, dependency_batch, dependency_horizon, depth_index, gold_horizons
-
-RECORDS_DIR = "turn_records"
-FAULT_KINDS = ("wrong", "unavailable", "delay")
+Array = jax.Array
 
 
-def _canon(name: str, arguments: Any) -> str:
-    return name + "|" + json.dumps(arguments, sort_keys=True, ensure_ascii=False, default=str)
-
-
-def success(traj: Trajectory) -> bool:
-    """The episode solved the task: the environment's answer check when it has one, else reward >= 1."""
-    if "answer_correct" in traj.metrics:
-        return bool(traj.metrics["answer_correct"] >= 1.0)
-    return bool(traj.reward >= 1.0)
-
-
-def turn_outcomes(traj: Trajectory, task: Task, max_turns: int, horizon: np.ndarray | None = None,
-                  gold_h: Sequence[int] | None = None) -> dict[str, np.ndarray]:
-    """The per-turn outcome arrays [K] of one trajectory (module docstring). horizon [>= n] / gold_h:
-    the dependency rule's h on the trajectory / on the task's gold chain, when already computed."""
+def turn_summaries(values: dict, turn_ids: Array, policy_mask: Array, max_turns: int) -> dict:
+    """values: {name: [B, N] array (float, int or bool), or (array, mask [B, N] bool) to summarise
+    only the masked tokens}; turn_ids [B, N] int32 (-1 off policy); policy_mask [B, N] bool.
+    Returns {"count": [B, K] float32 tokens per turn, name: {"min", "max", "sum"} [B, K] float32,
+    with "n" (the masked tokens per turn) for a masked value}; a turn without (masked) tokens has
+    min = +inf, max = -inf, sum = 0. Integer values must be exact in float32 (depth indices)."""
+    b, _ = policy_mask.shape
     k = max_turns
-    out = {name: np.zeros(k, bool) for name in ("has_calls", "errored", "gold_match", "faulted")
-           + tuple(f"fault_{x}" for x in FAULT_KINDS)}
-    out.update({name: np.full(k, -1, np.int32) for name in ("gold_turn", "gold_horizon", "horizon")})
-    gold = [{_canon(c["name"], c["arguments"]) for c in turn} for turn in (task.gold_calls or ())]
-    gold_all = set().union(*gold) if gold else set()
-    if gold_h is None:
-        gold_h = gold_horizons(task) if task.gold_calls else []
-    n = traj.num_turns
-    if n > k:
-        raise ValueError(f"trajectory of task {traj.task_id!r} has {n} turns, over max_turns {k}")
-    if horizon is None and n:
-        horizon = np.asarray(dependency_horizon(dependency_batch([traj], n)))[0]
-    out["horizon"][:n] = np.asarray(horizon)[:n]
-    for j, turn in enumerate(traj.turns):
-        calls = turn.calls
-        out["has_calls"][j] = bool(calls)
-        out["errored"][j] = any(isinstance(c, CallError) for c in calls) or any(
-            r.startswith(ERROR_PREFIX) for r in turn.results)
-        keys = {_canon(c.name, c.arguments) for c in calls if isinstance(c, ToolCall)}
-        out["gold_match"][j] = bool(calls) and len(keys) == len(calls) and keys <= gold_all
-        if calls and keys in gold:
-            h = gold.index(keys)
-            out["gold_turn"][j], out["gold_horizon"][j] = h, gold_h[h]
-        faults = turn.env_info.get("faults", ())
-        for kind in FAULT_KINDS:
-            out[f"fault_{kind}"][j] = any(kind in f for f in faults)
-        out["faulted"][j] = any(bool(f) for f in faults)
+    assigned = policy_mask & (turn_ids >= 0) & (turn_ids < k)
+    n_seg = b * k
+    seg = jnp.where(assigned, jnp.arange(b, dtype=jnp.int32)[:, None] * k + jnp.clip(turn_ids, 0, k - 1), n_seg)
+    seg = seg.reshape(-1)
+
+    def reduce(op, x):
+        return op(x.reshape(-1), seg, num_segments=n_seg + 1)[:n_seg].reshape(b, k)
+
+    out = {"count": reduce(jax.ops.segment_sum, assigned.astype(jnp.float32))}
+    for name, x in values.items():
+        x, mask = x if isinstance(x, tuple) else (x, None)
+        x = jax.lax.stop_gradient(jnp.asarray(x).astype(jnp.float32))
+        m = assigned if mask is None else assigned & mask
+        out[name] = {"min": reduce(jax.ops.segment_min, jnp.where(m, x, jnp.inf)),
+                     "max": reduce(jax.ops.segment_max, jnp.where(m, x, -jnp.inf)),
+                     "sum": reduce(jax.ops.segment_sum, jnp.where(m, x, 0.0))}
+        if mask is not None:
+            out[name]["n"] = reduce(jax.ops.segment_sum, m.astype(jnp.float32))
     return out
 
 
-def step_records(trajs: Sequence[Trajectory], tasks: Sequence[Task], arrays: Mapping[str, np.ndarray],
-                 order: Sequence[int], max_turns: int, views: Sequence[str] = ()) -> dict[str, np.ndarray]:
-    """The records of a step's trajectories (this process's), in trajectory order. arrays: the
-    step's per-row outputs for these rows, in batch order (row i holds trajs[order[i]]). views:
-    the names of the teacher's views (the rows of token_teacher, e.g. "depth 1")."""
-    if len(tasks) != len(trajs) or sorted(order) != list(range(len(trajs))):
-        raise ValueError(f"{len(trajs)} trajectories, {len(tasks)} tasks, batch order {list(order)[:8]}...")
-    where = np.argsort(np.asarray(order))  # trajectory i sits in batch row where[i]
-    horizons = np.asarray(dependency_horizon(dependency_batch(trajs, max_turns))) if trajs else None
-    gold: dict[str, list[int]] = {}  # per task: a group's rollouts share it
-    for task in tasks:
-        if task.task_id not in gold:
-            gold[task.task_id] = gold_horizons(task) if task.gold_calls else []
-    per = [turn_outcomes(t, task, max_turns, horizons[i], gold[task.task_id])
-           for i, (t, task) in enumerate(zip(trajs, tasks))]
-    rec: dict[str, np.ndarray] = {name: np.stack([p[name] for p in per]) for name in per[0]} if per else {}
-    rec.update({
-        "reward": np.asarray([t.reward for t in trajs], np.float32),
-        "success": np.asarray([success(t) for t in trajs], bool),
-        "episode_faulted": np.asarray([t.metrics.get("faulted_calls", 0.0) > 0 for t in trajs], bool),
-        "num_turns": np.asarray([t.num_turns for t in trajs], np.int32),
-        "task_id": np.asarray([str(t.task_id) for t in trajs]),
-        "category": np.asarray([task.category for task in tasks]),
-    })
-    for key, value in arrays.items():
-        name = key.split("/", 1)[1]
-        if key.startswith("per_turn/"):
-            rec[f"step_{name}"] = np.asarray(value)[where]
-    teacher = arrays.get("per_token/teacher_logprobs")
-    if teacher is not None:
-        teacher = np.asarray(teacher)
-        chunks_t, chunks_s, rows, turns = [], [], [], []
-        for i, t in enumerate(trajs):
-            n = int(t.policy_mask.sum())
-            chunks_t.append(teacher[:, where[i], :n])
-            chunks_s.append(t.old_logprobs[t.policy_mask])
-            rows.append(np.full(n, i, np.int32))
-            turns.append(t.turn_ids[t.policy_mask])
-        if len(views) != teacher.shape[0]:
-            raise ValueError(f"{teacher.shape[0]} teacher views but names {list(views)}")
-        rec.update({"token_views": np.asarray(list(views)),
-                    "token_teacher": np.concatenate(chunks_t, axis=1).astype(np.float32),
-                    "token_student": np.concatenate(chunks_s).astype(np.float32),
-                    "token_row": np.concatenate(rows), "token_turn": np.concatenate(turns).astype(np.int32)})
-    return rec
+# Per-token outputs of the advantage estimators a record keeps, by the estimator's output name ->
+# the record's field (docs/records.md). "advantages" (Ã, what the surrogate uses) is always kept.
+ESTIMATOR_FIELDS = {"base_advantages": "base_adv", "weights": "weight", "selected_depth": "depth",
+                    "delta_bar": "delta_star", "delta_hat": "delta_hat", "rlsd_weights": "rlsd_weight",
+                    "horizon": "horizon"}
 
 
-def metric_sums(rec: Mapping[str, np.ndarray], depths: Sequence[int]) -> dict[str, tuple[float, float]]:
-    """{metric: (numerator, denominator)} of the turn-level metrics, summable over processes:
-    faults/* (share of tool turns with a fault, per kind), recovery/* (success rate of the
-    episodes with >= 1 fault, and of those without), credit/* (mean per-turn advantage and, with
-    TurnSight, weight on the faulted tool turns and on the other tool turns), horizon/* (mean
-    chosen depth; the share of gold tool turns whose chosen depth is the one covering their gold
-    dependency horizon, and whose trajectory horizon equals the gold one)."""
-    out: dict[str, tuple[float, float]] = {}
-    if not rec:
-        return out
-    tool = rec["has_calls"]
-    n_tool = float(tool.sum())
-    for kind in ("faulted",) + tuple(f"fault_{x}" for x in FAULT_KINDS):
-        out[f"faults/{kind}_turns"] = (float((rec[kind] & tool).sum()), n_tool)
-    ep = rec["episode_faulted"]
-    out["recovery/success_faulted"] = (float((rec["success"] & ep).sum()), float(ep.sum()))
-    out["recovery/success_clean"] = (float((rec["success"] & ~ep).sum()), float((~ep).sum()))
-    for name in ("advantage", "weight"):
-        v = rec.get(f"step_{name}")
-        if v is None:
-            continue
-        for part, mask in (("faulted", tool & rec["faulted"]), ("clean", tool & ~rec["faulted"])):
-            out[f"credit/{name}_{part}"] = (float(v[mask].sum()), float(mask.sum()))
-    depth = rec.get("step_depth")
-    if depth is not None:
-        chosen = depth >= 1
-        out["horizon/depth_mean"] = (float(depth[chosen & tool].sum()), float((chosen & tool).sum()))
-        known = chosen & tool & (rec["gold_horizon"] >= 1)
-        covering = np.asarray(depths)[np.asarray(depth_index(np.maximum(rec["gold_horizon"], 1), tuple(depths)))]
-        out["horizon/depth_covers_gold"] = (float((known & (depth == covering)).sum()), float(known.sum()))
-        out["horizon/rule_equals_gold"] = (float((known & (rec["horizon"] == rec["gold_horizon"])).sum()),
-                                           float(known.sum()))
-    return out
-
-
-def ratios(sums: Mapping[str, tuple[float, float]]) -> dict[str, float]:
-    """The metrics from metric_sums (after any summing): numerator / denominator, where the
-    denominator is > 0."""
-    return {k: n / d for k, (n, d) in sums.items() if d > 0}
-
-
-def write(workdir: pathlib.Path, step: int, rec: Mapping[str, np.ndarray], process: int = 0,
-          processes: int = 1) -> pathlib.Path:
-    """<workdir>/turn_records/step_<step>.npz (one per process when there are several)."""
-    folder = pathlib.Path(workdir) / RECORDS_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / (f"step_{step:06d}" + (f"_p{process}" if processes > 1 else "") + ".npz")
-    np.savez_compressed(path, **rec)
-    return path
-
-
-def load(run_dir: pathlib.Path) -> list[tuple[int, dict[str, np.ndarray]]]:
-    """The run's turn records, (step, arrays) in step order; ValueError naming the folder when
-    there are none (the run did not set log.turn_records)."""
-    folder = pathlib.Path(run_dir) / RECORDS_DIR
-    files = sorted(folder.glob("step_*.npz"))
-    if not files:
-        raise ValueError(f"{folder}: no turn records (train with --config.log.turn_records=True)")
-    out = []
-    for f in files:
-        with np.load(f) as z:
-            out.append((int(f.stem.split("_")[1]), {k: z[k] for k in z.files}))
+def step_records(adv: Array, estimator_out: dict, batch, teacher_lp, covered, term_values: dict | None,
+                 max_turns: int) -> dict:
+    """The records' arrays of one step: per-turn summaries of Ã (`adv` [B, N]), the estimator's
+    per-token outputs (ESTIMATOR_FIELDS), the teacher-student gap of view 0 on the tokens its view
+    covered (a privileged view; `teacher_lp` [R, B, N] or None, `covered` [B, N] bool) and of each
+    loss term's per-token values in the step's first update (`term_values` {name: [B, N]}, under
+    "term/<name>"); TurnSight's per-depth turn means δ̄^{(d)} [D, B, K] and group statistics μ_g,
+    σ_g [G] as the estimator computed them."""
+    values = {"adv": adv}
+    values.update({field: estimator_out[name] for name, field in ESTIMATOR_FIELDS.items() if name in estimator_out})
+    if teacher_lp is not None and covered is not None:
+        values["gap"] = (teacher_lp[0] - batch.old_logprobs, covered)
+    values.update({f"term/{name}": v for name, v in (term_values or {}).items()})
+    out = {"turns": turn_summaries(values, batch.turn_ids, batch.pol_valid, max_turns)}
+    for name in ("depth_turn_means", "group_mean", "group_std"):
+        if name in estimator_out:
+            out[name] = jax.lax.stop_gradient(estimator_out[name])
     return out

@@ -19,6 +19,11 @@ Everything is indexed by *policy positions*: `pol_pos [B, N]` lists each row's p
 positions (N = a bucket of the longest row's count), and `view_pred [D, B, N]` gives, for depth
 d, the packed index whose hidden state predicts that token. The trainer works on these compact
 [B, N] arrays (turn means, group statistics and the loss only involve policy tokens).
+
+A trajectory whose turns saw elided observations (an observation window, rl.mm_grpo) has the
+segments of its rl.context_rows row in place of the original: each turn's own context is
+segment 0 up to a point, then the rest of its context (`TurnPrefix`), and the trunk of a turn
+scored outside segment 0 starts with that rest, so its views read exactly that turn's context.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from turnsight_jax.chat.hindsight import HindsightTemplate, hindsight_pieces
 from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.models.attention import NO_SEGMENT, PAD_SEGMENT, Layout
 from turnsight_jax.rl.config import parse_turn_coverage
+from turnsight_jax.rl.context_rows import ContextRow, context_row, row_policy_positions
 
 # multiples of 256 up to 4,096, of 1,024 up to 16,384, of 4,096 up to 131,072 (at most 1/4 padding
 # past 4,096; powers of two padded a 4.3k-token packed row to 8k)
@@ -131,19 +137,19 @@ def policy_positions(trajs: Sequence[Trajectory], width: int | None = None):
 
 
 class _Row:
-    """Accumulates one packed row."""
+    """Accumulates one packed row, from the trajectory's own (rl.context_rows) row."""
 
-    def __init__(self, traj: Trajectory):
-        n = traj.length
-        self.tok = [traj.tokens.astype(np.int32)]
-        self.pos = [np.arange(n, dtype=np.int32)]
-        self.seg = [np.zeros(n, np.int32)]
-        self.c1s = [np.full(n, NO_SEGMENT, np.int32)]
-        self.c1e = [np.zeros(n, np.int32)]
+    def __init__(self, own: ContextRow):
+        n = own.length
+        self.tok = [own.tokens.astype(np.int32)]
+        self.pos = [own.positions]
+        self.seg = [own.segment_ids]
+        self.c1s = [own.ctx1_segment]
+        self.c1e = [own.ctx1_end]
         self.c2s = [np.full(n, NO_SEGMENT, np.int32)]
         self.c2e = [np.zeros(n, np.int32)]
         self.length = n
-        self.next_seg = 1
+        self.next_seg = own.segments
 
     def add(self, ids, first_pos, ctx1_end, ctx2=(NO_SEGMENT, 0)) -> tuple[int, int]:
         """Append a segment; returns (segment id, packed start)."""
@@ -180,21 +186,27 @@ def build_views(
     positions: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[PackedViews, dict[str, float]]:
     """Packed teacher rows for `trajs` (numpy). Returns (views, stats) where stats counts the
-    packed tokens against the trajectories' own tokens. `with_reference` adds the student-context
-    row (view D) for a KL term. `positions`: the batch's (pol_pos, pol_valid) when already built
-    (otherwise computed at `policy_width`)."""
+    packed tokens against the trajectories' own rows' tokens. `with_reference` adds the
+    student-context row (view D) for a KL term. `positions`: (pol_pos, pol_valid) in the
+    trajectories' rl.context_rows coordinates (a trajectory's own positions when no turn saw an
+    elided observation) when already built (otherwise computed at `policy_width`)."""
     depths = tuple(options.depths)
     if not depths or any(d < 1 for d in depths):
         raise ValueError(f"hindsight depths must be a non-empty tuple of ints >= 1, got {depths}")
     max_depth = max(depths)
-    pol_pos, pol_valid = positions if positions is not None else policy_positions(trajs, policy_width)
+    own_rows = [context_row(t) for t in trajs]
+    if positions is None:
+        x_pos, pol_valid = policy_positions(trajs, policy_width)
+        positions = row_policy_positions(own_rows, x_pos, pol_valid), pol_valid
+    pol_pos, pol_valid = positions
     n_pol = pol_pos.shape[1]
     n_views = len(depths) + int(with_reference)
     view_pred = np.zeros((n_views, len(trajs), n_pol), np.int32)
     rows = []
-    n_blocks = block_tokens = cut = 0  # distinct (turn, item count) messages, their tokens, those cut
-    for b, traj in enumerate(trajs):
-        row = _Row(traj)
+    block_tokens = copy_tokens = 0  # the packed tokens of each view kind (next to the trajectories)
+    n_msgs = msg_tokens = cut = 0  # distinct (turn, item count) hindsight messages, their tokens, those cut
+    for b, (traj, own) in enumerate(zip(trajs, own_rows)):
+        row = _Row(own)
         where = {int(p): j for j, p in enumerate(pol_pos[b, : int(pol_valid[b].sum())])}
         # Default predictor of every policy token: the original sequence (the student's context).
         # The reference row (with_reference) keeps it.
@@ -208,48 +220,67 @@ def build_views(
                                       filler=options.filler)
             if pieces.is_empty:
                 continue
-            hs = turn.header_start
-            # the trunk holds the deepest message's shown content; a branch reads the first
-            # kept(m) tokens of it, then carries its own filler (with a budget), the close, ...
+            # the turn's context before its header: segment 0 before `read`, then `rest` (which
+            # opens the trunk, so the branches need no third context); the trunk holds the deepest
+            # message's shown content, a branch reads the first kept(m) tokens of it and carries its
+            # own filler (with a budget: chat.budget)
+            pre = own.prefixes[k]
+            read = pre.read
             content = [t for item in pieces.item_ids for t in item]
-            trunk = list(pieces.open_ids) + content[: pieces.kept(pieces.num_items)]
-            trunk_seg, trunk_start = row.add(trunk, hs, hs)
+            trunk = [int(t) for t in pre.rest] + list(pieces.open_ids) + content[: pieces.kept(pieces.num_items)]
+            trunk_seg, trunk_start = row.add(trunk, read, read)
+            block_tokens += len(trunk)
             policy = [int(x) for x in traj.tokens[turn.policy_start: turn.policy_end - 1]]
             branch_of: dict[int, int] = {}
             for di, d in enumerate(depths):
                 m = min(d, pieces.num_items)
                 if m not in branch_of:
-                    end = len(pieces.open_ids) + pieces.kept(m)
-                    head = pieces.padding(m) + list(pieces.close_ids) + list(pieces.header_ids)
-                    _, start = row.add(head + policy, hs + end, hs, (trunk_seg, trunk_start + end))
+                    end = pre.rest.size + len(pieces.open_ids) + pieces.kept(m)
+                    pad = pieces.padding(m)
+                    head = pad + list(pieces.close_ids) + list(pieces.header_ids)
+                    _, start = row.add(head + policy, read + end, read, (trunk_seg, trunk_start + end))
+                    block_tokens += len(pad)  # the filler is part of the block shown
+                    copy_tokens += len(head) - len(pad) + len(policy)
                     # the token before policy token 0 is the header's last token
                     branch_of[m] = start + len(head) - 1
-                    n_blocks += 1
-                    block_tokens += end + len(head) - len(pieces.header_ids)
+                    n_msgs += 1
+                    msg_tokens += len(pieces.open_ids) + pieces.kept(m) + len(pad) + len(pieces.close_ids)
                     cut += int(pieces.kept(m) < sum(len(x) for x in pieces.item_ids[:m]))
                 first = branch_of[m]
                 for i, p in enumerate(range(turn.policy_start, turn.policy_end)):
-                    view_pred[di, b, where[p]] = first + i
+                    view_pred[di, b, where[int(own.index[p])]] = first + i
         rows.append(row)
     width = pick_bucket(max([r.length for r in rows] + [min_widths[0]]), buckets, "packed hindsight row")
     cols = [np.stack(c) for c in zip(*(r.arrays(width) for r in rows))]
     tok, pos, seg, c1s, c1e, c2s, c2e = cols
-    pred, pred_target, slot = _distinct_predictors(trajs, view_pred, pol_pos, pol_valid, min_widths[1])
+    pred, pred_target, slot = _distinct_predictors([r.tokens for r in own_rows], view_pred, pol_pos, pol_valid,
+                                                   min_widths[1])
     views = PackedViews(tok, Layout(pos, seg, c1s, c1e, c2s, c2e), view_pred, pred, pred_target, slot)
-    own = sum(t.length for t in trajs)
+    own = sum(r.length for r in own_rows)
     packed = sum(r.length for r in rows)
     stats = {"view_tokens": float(packed), "trajectory_tokens": float(own), "view_overhead": packed / max(own, 1),
              "packed_width": float(width), "teacher_rows": float(pol_valid.sum() * n_views),
              "teacher_distinct_rows": float(sum(len(set(view_pred[:, b, pol_valid[b]].ravel())) for b in range(len(trajs)))),
-             "hindsight_blocks": float(n_blocks), "hindsight_block_tokens": float(block_tokens),
+             **view_token_kinds(own, block_tokens, copy_tokens),
+             "hindsight_blocks": float(n_msgs), "hindsight_block_tokens": float(msg_tokens),
              "hindsight_blocks_cut": float(cut)}
     return views, stats
 
 
-def _distinct_predictors(trajs, view_pred, pol_pos, pol_valid, min_width: int = 0):
-    """(pred [B, U], pred_target [B, U], slot [R, B, N]): one entry per distinct predictor."""
+def view_token_kinds(trajectory: int, blocks: int, copies: int) -> dict[str, float]:
+    """The packed teacher tokens by kind (they sum to stats["view_tokens"]): the trajectories
+    themselves (segment 0), the blocks the teacher is shown (hindsight items, privileged texts;
+    under an observation window with the rest of the turn's context that opens the trunk) and the
+    copies of the turns scored behind them (with their message close and assistant header)."""
+    return {"view_tokens_trajectory": float(trajectory), "view_tokens_blocks": float(blocks),
+            "view_tokens_turn_copies": float(copies)}
+
+
+def _distinct_predictors(row_tokens, view_pred, pol_pos, pol_valid, min_width: int = 0):
+    """(pred [B, U], pred_target [B, U], slot [R, B, N]): one entry per distinct predictor;
+    row_tokens: each row's own tokens, which pol_pos indexes."""
     r, b, n = view_pred.shape
-    targets = [t.tokens[pol_pos[i]] for i, t in enumerate(trajs)]
+    targets = [tokens[pol_pos[i]] for i, tokens in enumerate(row_tokens)]
     uniq = []
     for i in range(b):
         valid = pol_valid[i]

@@ -41,7 +41,7 @@ from turnsight_jax.chat import tokenizer as tok_lib
 from turnsight_jax.distributed import to_host
 from turnsight_jax.models.paged_cache import LiveBlocks, PagedKV, bytes_per_token, empty_pool, live_blocks, paged_extend
 from turnsight_jax.models.sharding import BATCH, fit_spec
-from turnsight_jax.rollout.sampler import SamplingParams, sample_rows
+from turnsight_jax.rollout.sampler import SamplingParams, global_rows, sample_rows
 
 _FREE, _DECODE, _WAIT = 0, 1, 2
 
@@ -208,11 +208,14 @@ class PagedEngine:
     mesh: rows and the pool are split over its (data, fsdp) axes; None: one shard.
     forced_scripts: optional turn texts per row replacing the draws (the model's log-probs are
     still recorded), as `ModelPolicy`'s. row_offset: the rows' global index (episode r draws
-    from fold_in(key(seed), row_offset + r)), as `ModelPolicy`'s."""
+    from fold_in(key(seed), row_offset + r)), or one global row per episode, as `ModelPolicy`'s
+    (rollout.sampler.global_rows). context_slack: KV slots an
+    episode may hold beyond prompt + max_response_tokens, reserved at admission (an observation
+    window's contexts may outgrow the trajectory: rollout.driver.ObservationWindow.slack)."""
 
     def __init__(self, graphdef, state, tokenizer, *, sampling: SamplingParams, config, engine: EngineConfig,
                  seed: int = 0, cache_dtype=jnp.float32, mesh=None, forced_scripts: Sequence[Sequence[str]] | None = None,
-                 row_offset: int = 0):
+                 row_offset: int = 0, context_slack: int = 0):
         self.graphdef, self.tokenizer, self.sampling, self.config = graphdef, tokenizer, sampling, config
         self.engine, self.mesh, self.cache_dtype = engine, mesh, jnp.dtype(cache_dtype)
         self.state = _decode_copy(state, self.cache_dtype)
@@ -220,10 +223,12 @@ class PagedEngine:
         self.shards = 1 if mesh is None else math.prod(mesh.shape[a] for a in BATCH)
         self.slots_per_shard = -(-engine.slots // self.shards)
         bs = engine.block_size
-        self.max_len = config.max_prompt_tokens + config.max_response_tokens
+        # the most KV slots an episode's context holds after its prompt
+        self.max_context = config.max_response_tokens + int(context_slack)
+        self.max_len = config.max_prompt_tokens + self.max_context
         self.table_width = _pow2(-(-self.max_len // bs) + 1)
         self.pool_blocks = engine.pool_blocks or default_pool_blocks(
-            self.slots_per_shard, config.max_prompt_tokens, config.max_response_tokens, bs)
+            self.slots_per_shard, config.max_prompt_tokens, self.max_context, bs)
         self.kv = empty_pool(self.model_config, self.shards, self.pool_blocks, bs, self.cache_dtype, mesh)
         self.trash = self.pool_blocks - 1
         n_slots = self.shards * self.slots_per_shard
@@ -246,11 +251,12 @@ class PagedEngine:
                 raise ValueError(f"prompt of {len(p)} tokens over rollout.max_prompt_tokens="
                                  f"{self.config.max_prompt_tokens}")
         check_pool(dataclasses.replace(self.engine, pool_blocks=self.pool_blocks), self.shards,
-                   max(len(p) for p in prompts), self.config.max_response_tokens, group_size)
+                   max(len(p) for p in prompts), self.max_context, group_size)
         self.prompts = [list(p) for p in prompts]
         self.group_size = group_size
         n = len(prompts) * group_size
         self.rows = n
+        self.global_rows = global_rows(self.row_offset, n)  # each episode's sampling key: fold_in(key, its global row)
         self.queue = collections.deque(range(n))
         self.queued_in_group = collections.Counter(r // group_size for r in range(n))
         self.slots = [[_Slot() for _ in range(self.slots_per_shard)] for _ in range(self.shards)]
@@ -263,10 +269,16 @@ class PagedEngine:
         self.sampled = np.zeros(n, np.int64)  # tokens each episode drew so far (its key stream position)
         self.first_budget = min(self.config.max_response_tokens, self.config.max_turn_tokens)
 
-    def append(self, row: int, ids: Sequence[int], budget: int) -> None:
+    def append(self, row: int, ids: Sequence[int], budget: int, rewind: int = 0) -> None:
         s, j = self.where[row]
-        if self.slots[s][j].state != _WAIT:
+        slot = self.slots[s][j]
+        if slot.state != _WAIT:
             raise RuntimeError(f"append to row {row}, which is not waiting for an observation")
+        if not 0 <= rewind <= slot.length - len(self.prompts[row // self.group_size]):
+            raise ValueError(f"row {row}: rewind {rewind} reaches into the shared prompt (context {slot.length})")
+        # The slots after the rewound length are the slot's own and are overwritten by the append
+        # (attention reads none past a query's own slot).
+        slot.length -= int(rewind)
         self.pending_appends[row] = (list(ids), int(budget))
 
     def finish(self, row: int) -> None:
@@ -312,7 +324,7 @@ class PagedEngine:
                 row = self.queue[i]
                 g = row // self.group_size
                 plen = len(self.prompts[g])
-                shared, own = blocks_per_episode(plen, self.config.max_response_tokens, bs)
+                shared, own = blocks_per_episode(plen, self.max_context, bs)
                 new_prompt = g not in self.on_shard[s]
                 need = own + (shared if new_prompt else 0)
                 if self.committed[s] + need > self.pool_blocks - 1:
@@ -402,6 +414,7 @@ class PagedEngine:
         self.kv, self.hidden, last = _extend_rows(
             self.graphdef, self.state, self.kv, self.hidden, *self._put_rows(toks, num, start, tables, dst),
             window_blocks=window, from_empty=timing == "prefill")
+        jax.block_until_ready(self.hidden)  # its own time, not the next decode's (which waits for it anyway)
         self.timings[timing] += time.perf_counter() - t0
         return last, rows
 
@@ -498,7 +511,7 @@ class PagedEngine:
         self.counters["decode_blocks_computed"] += size * self.shards * steps
         live_np = live_blocks(listed, per, self.trash, self.engine.block_size, size)
         live_blocks_arg = LiveBlocks(**{k: self._put(jnp.asarray(v)) for k, v in live_np.items()})
-        keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(self.base_key, jnp.asarray(row_ids + self.row_offset))
+        keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(self.base_key, jnp.asarray(self.global_rows[row_ids]))
         t0 = time.perf_counter()
         hid_in = self.hidden[jnp.asarray(src)]
         out_tok, out_lp, emitted, stopped, self.kv, hid = _decode(
