@@ -69,12 +69,14 @@ class RolloutConfig:
 @dataclasses.dataclass
 class GeneratedTurn:
     """One policy turn: token ids as generated (stop token included when `stopped`), their
-    sampling log-probs, the decoded text."""
+    sampling log-probs, the decoded text, and the per-token signals a rollout controller declared
+    ({name: one float per token}, rollout.control.DecodeSignals; None when none was)."""
 
     ids: list[int]
     logprobs: list[float]
     text: str
     stopped: bool
+    signals: dict[str, list[float]] | None = None
 
 
 class TurnPolicy(Protocol):
