@@ -222,6 +222,18 @@ def base_config() -> mlc.ConfigDict:
     c.prm.baseline = 0.0  # the fixed baseline subtracted from each gain
     c.prm.hinge_coef = 1.0  # weight of the monotonicity hinge (increases of h along solved trajectories)
     c.prm.success_reward = 1.0  # outcome reward from which a trajectory counts as solved (the PRM's label)
+    c.bar = mlc.ConfigDict()  # BAR, adaptive group sampling (rl.rollout=bar; turnsight_jax.rl.bar, docs/rollout_methods.md)
+    c.bar.chunk = 4  # s: rollouts per prompt per round (each round one batched call over the prompts still open)
+    c.bar.cap = 0  # the most rollouts per prompt, a multiple of chunk (its batch rows: groups padded to it); 0: train.group_size
+    c.bar.low = 0.375  # a prompt stops once its success share is in [low, high] (Orchard: 0.375)
+    c.bar.high = 0.625  # ... (Orchard: 0.625)
+    c.bar.success = 1.0  # outcome reward from which a rollout is a success (Solve-F1 1.0)
+    c.bar.fallback = "keep"  # all-success/all-failure at the cap: keep (the cap's rollouts are the group) | drop (no rows train)
+    c.akbe = mlc.ConfigDict()  # AKBE, when to call a tool (rl.rollout=akbe; turnsight_jax.rl.akbe, docs/rollout_methods.md)
+    c.akbe.coef = 0.05  # lambda of the auxiliary CE on each prompt's exemplar (AKBE: 0.05)
+    c.akbe.correct = "answer_correct"  # trajectory metric that makes a rollout correct (WT/NT); "reward": the outcome reward
+    c.akbe.correct_min = 1.0  # ... from this value on
+    c.akbe.no_tool_calls = "refuse"  # a call in a no-tool rollout: refuse (answered with a refusal, the episode goes on) | end (the episode ends)
     c.judge = mlc.ConfigDict()  # the model judge (rl.method=judge, OpenWebRL; turnsight_jax.judge, docs/signal_methods.md)
     c.judge.checkpoint = ""  # the judge: a Hugging Face Qwen3 folder (e.g. one `python -m turnsight_jax.judge distill` wrote)
     c.judge.rationale = True  # the judge writes <rationale>...</rationale> before <verdict>0|1</verdict>; False: the verdict only (ablation)
@@ -541,7 +553,8 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
                         sdpo_coef=r.sdpo_coef, sdpo_tail=r.sdpo_tail, sdar_coef=r.sdar_coef, sdar_beta=r.sdar_beta,
                         sod_coef=r.sod_coef, sod_tau=r.sod_tau, gae_gamma=r.gae_gamma, gae_lam=r.gae_lam,
                         gae_whiten=r.gae_whiten, toolomni_gate=r.toolomni_gate, orchard_coef=r.orchard_coef,
-                        orchard_rise=r.orchard_rise, orchard_success=r.orchard_success, args=args),
+                        orchard_rise=r.orchard_rise, orchard_success=r.orchard_success, akbe_coef=cfg.akbe.coef,
+                        args=args),
         teacher=TeacherConfig(weights=te.weights, ema_decay=te.ema_decay, checkpoint=te.checkpoint,
                               source=te.source, placement=te.placement, skills=te.skills,
                               sibling_min_reward=te.sibling_min_reward, top_k=te.top_k),
@@ -566,6 +579,20 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
         score_chunk=t.score_chunk, max_turns=cfg.rollout.max_turns,
         length_classes=t.length_classes, pack_rows=t.pack_rows, pack_width=t.pack_width,
     )
+
+
+def bar_config(cfg: mlc.ConfigDict):
+    """bar.* -> rl.bar.BarConfig, validated (a ConfigError naming the key; cap 0: train.group_size)."""
+    from turnsight_jax.rl.bar import bar_settings
+
+    return bar_settings(cfg.bar, cfg.train.group_size)
+
+
+def akbe_config(cfg: mlc.ConfigDict):
+    """akbe.* -> rl.akbe.AkbeConfig, validated (a ConfigError naming the key)."""
+    from turnsight_jax.rl.akbe import akbe_settings
+
+    return akbe_settings(cfg.akbe)
 
 
 def slim_config(cfg: mlc.ConfigDict):
@@ -665,19 +692,25 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
         except ValueError as e:
             raise ConfigError(f"rollout: {e}") from None
     sc = step_config(cfg)
-    sc.validate(cfg.train.prompts_per_step * cfg.train.group_size)
+    sc.validate()
+    bar_config(cfg)  # the controllers' sections, checked whatever runs
+    akbe_config(cfg)
+    method = resolve_method(sc)
+    # a controller that forms its own groups (BAR, AKBE) gives each prompt its own number of rows
+    if method.rollout.rows_per_prompt is not None:
+        sc = dataclasses.replace(sc, prompt_rows=method.rollout.prompt_rows(cfg, cfg.train.group_size))
+    rows = cfg.train.prompts_per_step * sc.rows_per_prompt
+    sc.validate(rows)
     if (sc.length_classes > 1 or sc.pack_rows) and num_devices is not None:  # whole cells on every row shard
         from turnsight_jax.models.sharding import mesh_shape
         from turnsight_jax.rl.batch import packing_modulus
         from turnsight_jax.rl.length_classes import cell_rows
 
         data, fsdp, _ = mesh_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices)
-        rows = cfg.train.prompts_per_step * cfg.train.group_size
         if sc.pack_rows:
             packing_modulus(rows, data * fsdp, sc)
         else:
             cell_rows(rows, data * fsdp, sc)
-    method = resolve_method(sc)
     if method.uses_teacher and sc.teacher.weights == "external":  # architecture and vocabulary, before any load
         from turnsight_jax.models.config import Qwen3Config, get_preset, teacher_architecture
 
@@ -735,6 +768,10 @@ def second_stage(cfg: mlc.ConfigDict, sc: StepConfig, method: ResolvedMethod):
         raise ConfigError(f"rl.switch_step={step} needs rl.switch_method (the method from that step on)")
     sc2 = dataclasses.replace(sc, algo=dataclasses.replace(sc.algo, method=name))
     method2 = resolve_method(sc2)
+    if method2.rollout.prompt_rows(cfg, sc.group_size) != sc.rows_per_prompt:
+        raise ConfigError(f"rl.switch_method={name!r}: its rollout controller {method2.rollout.name!r} gives another "
+                          f"number of batch rows per prompt than {method.rollout.name!r}; the two stages share one "
+                          f"batch geometry")
     if method2.aux != method.aux:
         raise ConfigError(f"rl.switch_method={name!r}: the two stages must train the same learned auxiliaries "
                           f"(critic, PRM): both train a critic or neither ({method.name}: {list(method.aux)}, "

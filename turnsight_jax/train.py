@@ -77,12 +77,27 @@ _TRAJ_METRICS = ("solve_f1", "solve_p", "solve_r", "num_turns", "num_calls", "re
                  "truncated", "policy_tokens")
 
 
-def _rollout_metrics(trajs) -> dict[str, float]:
-    """Means over the step's trajectories, over every process's (each holds its own episodes):
-    the per-trajectory values are all-gathered, so the numbers equal a one-process run's."""
-    table = np.array([[t.reward] + [t.metrics.get(k, np.nan) for k in _TRAJ_METRICS] for t in trajs], np.float64)
+def _rollout_metrics(trajs, own_groups: bool = False) -> dict[str, float]:
+    """Means over the step's trajectories in a group (the rows the method trains; not padding
+    rows or a controller's exemplars), over every process's (each holds its own episodes): the
+    per-trajectory values are all-gathered, so the numbers equal a one-process run's.
+    own_groups (a controller that forms its own groups): also the groups' count and sizes."""
+    table = np.array([[t.reward, t.group_id] + [t.metrics.get(k, np.nan) for k in _TRAJ_METRICS] for t in trajs],
+                     np.float64)
     table = distributed.gather(table).reshape(-1, table.shape[1])
-    out = {"rollout/reward_mean": float(np.mean(table[:, 0]))}
+    groups = table[:, 1]
+    table = np.delete(table, 1, axis=1)
+    out = {}
+    if own_groups:  # group ids are global (a process's are numbered from its first prompt)
+        _, sizes = np.unique(groups[groups >= 0], return_counts=True)
+        out.update({"rollout/groups": float(sizes.size), "rollout/rows_in_groups": float(sizes.sum()),
+                    "rollout/group_size_mean": float(sizes.mean()) if sizes.size else 0.0,
+                    "rollout/group_size_min": float(sizes.min()) if sizes.size else 0.0,
+                    "rollout/group_size_max": float(sizes.max()) if sizes.size else 0.0})
+    grouped = groups >= 0
+    trajs = [t for t in trajs if t.group_id >= 0]
+    table = table[grouped]
+    out["rollout/reward_mean"] = float(np.mean(table[:, 0])) if len(table) else 0.0
     for j, k in enumerate(_TRAJ_METRICS, start=1):
         vals = table[:, j][~np.isnan(table[:, j])]
         if vals.size:
@@ -101,7 +116,7 @@ def _local_batch(trajs, tasks, first, tok, step_cfg, method, cfg, shapes, row_sh
     """This process's batch rows (its episodes, groups numbered from `first`), padded to widths
     every process agrees on (the largest of theirs and of the run so far: shapes only grow).
     Returns (batch, stats, the widths now in use)."""
-    row_tasks = [t for t in tasks for _ in range(cfg.train.group_size)]
+    row_tasks = [t for t in tasks for _ in range(step_cfg.rows_per_prompt)]  # block i: task i's rows
     batch, bstats = make_train_batch(trajs, row_tasks, tok, step_cfg, method, min_shapes=shapes, group_offset=first,
                                      row_shards=row_shards, processes=jax.process_count())
     keys = shape_keys(bstats)
@@ -119,6 +134,17 @@ def _summed(values: dict[str, float]) -> dict[str, float]:
     keys = sorted(values)
     total = distributed.gather(np.array([values[k] for k in keys], np.float64)).sum(axis=0)
     return dict(zip(keys, total.tolist()))
+
+
+def _controller_metrics(name: str, stats: dict[str, float]) -> dict[str, float]:
+    """The rollout controller's own stats ("<name>/..." counts, rl.methods.RolloutController)
+    summed over the processes, each "<name>/<x>_sum" / "<name>/<x>_n" pair also as its mean."""
+    own = _summed({k: v for k, v in stats.items() if k.startswith(name + "/")})
+    for key in [k for k in own if k.endswith("_sum")]:
+        n = own.get(key[:-len("_sum")] + "_n")
+        if n is not None:
+            own[key[:-len("_sum")] + "_mean"] = own[key] / n if n else 0.0
+    return own
 
 
 # The progress line's view of the method's own mechanism: the metric that shows it acting.
@@ -184,7 +210,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     # several processes: a batch that cannot be split into whole groups per process fails now, not
     # after the warm-start
-    distributed.rollout_share(mesh, cfg.train.prompts_per_step, cfg.train.group_size)
+    distributed.rollout_share(mesh, cfg.train.prompts_per_step, step_cfg.rows_per_prompt)
     qcfg = model_setup.model_config(cfg)
     if not cfg.model.hf_path and not cfg.model.allow_random_init:
         raise ConfigError(f"model.preset={cfg.model.preset!r} would start from random weights: set "
@@ -331,7 +357,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             tasks = [train_tasks[int(i)] for i in ds[step]]
             # Each process rolls out the prompts whose batch rows live on its devices (all of
             # them with one process), on its own devices with its own copy of the policy.
-            first, share = distributed.rollout_share(mesh, len(tasks), cfg.train.group_size)
+            step_cfg, method, step_fn = stage(step)
+            first, share = distributed.rollout_share(mesh, len(tasks), step_cfg.rows_per_prompt)
             mine = tasks[first:first + share]
             # Paper-scale rollouts take minutes: a line every 30 s (none for a short step).
             line = ProgressLine(len(mine) * cfg.train.group_size, label=f"step {step + 1} rollouts", every_s=30.0,
@@ -340,18 +367,21 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                                  rc, cfg.train.group_size, cfg.rollout.prompts_per_chunk,
                                  model_setup.DTYPES[cfg.model.compute_dtype], line, engine=engine_cfg,
                                  mesh=rollout_mesh, group_offset=first, run_config=cfg)
-            step_cfg, method, step_fn = stage(step)
             if slim_run is not None:  # the skills the slim controller puts in the prompts
                 ctx = dataclasses.replace(ctx, state=slim_run.library)
             res = method.rollout.fn(ctx, mine, cfg.seed * 100_003 + step)
             distributed.settle()  # the rollout's local collectives end before the step's cross-process ones
+            if len(res.trajectories) != len(mine) * step_cfg.rows_per_prompt:  # the batch's static row count
+                raise ValueError(f"rollout controller {method.rollout.name!r} returned {len(res.trajectories)} "
+                                 f"trajectories for {len(mine)} prompts; expected {step_cfg.rows_per_prompt} per "
+                                 f"prompt (rl.methods.RolloutController)")
             t_roll = time.perf_counter() - t_step
             batch, bstats, shapes = _local_batch(res.trajectories, mine, first, tok, step_cfg, method, cfg, shapes,
                                                   local_row_shards(mesh))
             work = _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_qcfg)
             if step in fault_nan_steps:
                 batch = _poison(batch)
-            rows = len(tasks) * cfg.train.group_size
+            rows = len(tasks) * step_cfg.rows_per_prompt
             global_batch = (distributed.assemble_rows(batch, mesh, rows, row_axis) if distributed.is_multiprocess()
                             else shard_batch(batch, mesh))
             with jax.set_mesh(mesh):
@@ -371,7 +401,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             else:
                 skipped_in_a_row = 0
             t_total = time.perf_counter() - t_step
-            metrics = _rollout_metrics(res.trajectories)
+            metrics = _rollout_metrics(res.trajectories, own_groups=bool(step_cfg.prompt_rows))
+            metrics.update(_controller_metrics(method.rollout.name, res.stats))
             if later is not None:  # which stage of a two-stage recipe ran (1, then 2)
                 metrics["rl/stage"] = 1.0 + float(step >= later[0])
             for k, v in m.items():

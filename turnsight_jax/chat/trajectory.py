@@ -108,6 +108,23 @@ class Trajectory:
         return len(self.turns)
 
 
+# finish_reason of a padding row (`padding_trajectory`).
+PADDING = "padding"
+
+
+def padding_trajectory(like: Trajectory) -> Trajectory:
+    """A row that fills a prompt's block of the batch when a rollout controller forms groups of
+    unequal size (rl.batch): one token (the first of `like`, so every forward has a real token to
+    attend to), no policy tokens, no turns, in no group (group_id -1), reward 0."""
+    return Trajectory(tokens=like.tokens[:1].copy(), policy_mask=np.zeros(1, bool), turn_ids=np.full(1, -1, np.int32),
+                      old_logprobs=np.zeros(1, np.float32), prompt_len=1, turns=[], group_id=-1,
+                      task_id=like.task_id, finish_reason=PADDING)
+
+
+def is_padding(traj: Trajectory) -> bool:
+    return traj.finish_reason == PADDING
+
+
 class TrajectoryBuilder:
     """Assembles a Trajectory turn by turn during a rollout.
 

@@ -12,7 +12,10 @@ tokens per row, K = max turns):
   pol_valid [B, N] bool                    False on padding slots
   turn_ids [B, N] int32                    turn of each policy token, -1 on padding
   old_logprobs [B, N] float32              the sampler's log-probs of the policy tokens
-  group_ids [B] int32                      prompt group, renumbered 0 .. B/G-1
+  group_ids [B] int32                      prompt group, renumbered in order of appearance
+                                           from group_offset (0 .. B/G-1 in the fixed layout);
+                                           -1: in no group (a padding row or an exemplar of a
+                                           controller that forms its own groups, see below)
   num_turns [B] int32
   signals: {name: [B] or [B, K] float32}   what the method's rewards filled ("rewards",
                                            "turn_rewards", ...; turnsight_jax.rl.methods)
@@ -31,6 +34,16 @@ tokens per row, K = max turns):
   probes: RetroProbes or None              the retrospective teacher's probe rows (rl.orchard:
                                            tokens/layout [B, Q], at/exists [B, K+1]), when a loss
                                            term reads "rise_mask"
+
+Rows and groups. In the fixed layout (StepConfig.prompt_rows = 0) every group holds exactly G
+rows, B = prompts x G. A rollout controller that forms its own groups (BAR's early stops, AKBE's
+exemplars; rl.methods.RolloutController.rows_per_prompt) gives R = prompt_rows rows per prompt,
+B = prompts x R, static for the compiled step: a prompt's block holds its group (any size 1..R),
+rows in no group (group id -1), and padding rows (chat.trajectory.padding_trajectory: one token,
+no policy token, no reward computed). A row in no group gets advantage 0 from every group
+estimator and carries no policy-gradient, KL, entropy or value loss (rl.losses: the RL terms
+aggregate over the policy tokens of grouped rows); a loss term with its own rows (LossTerm.rows,
+AKBE's CE) trains on it.
 """
 
 from __future__ import annotations
@@ -47,7 +60,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from turnsight_jax.chat.trajectory import Trajectory
+from turnsight_jax.chat.trajectory import Trajectory, is_padding
 from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.models.attention import PAD_SEGMENT, Layout
@@ -131,14 +144,18 @@ def student_context(trajs: Sequence[Trajectory], width: int) -> np.ndarray:
     return keep
 
 
-def group_index(trajs: Sequence[Trajectory], group_size: int) -> np.ndarray:
-    """Group ids renumbered 0..B/G-1 in order of appearance; every group must hold G rows."""
+def group_index(trajs: Sequence[Trajectory], group_size: int | None) -> np.ndarray:
+    """Group ids renumbered 0, 1, ... in order of appearance, -1 for a row in no group
+    (Trajectory.group_id < 0). group_size: every group must hold exactly that many rows (the
+    fixed layout); None: groups of any size (a controller that forms its own groups)."""
     index: dict[int, int] = {}
-    ids = np.array([index.setdefault(t.group_id, len(index)) for t in trajs], np.int32)
-    counts = np.bincount(ids)
-    bad = np.flatnonzero(counts != group_size)
-    if bad.size:
-        raise ConfigError(f"group {bad[0]} has {counts[bad[0]]} trajectories, expected group_size={group_size}")
+    ids = np.array([index.setdefault(t.group_id, len(index)) if t.group_id >= 0 else -1 for t in trajs], np.int32)
+    counts = np.bincount(ids[ids >= 0], minlength=len(index))
+    if group_size is not None:
+        bad = np.flatnonzero(counts != group_size)
+        if bad.size or (ids < 0).any():
+            g, n = (bad[0], counts[bad[0]]) if bad.size else ("-1 (no group)", int((ids < 0).sum()))
+            raise ConfigError(f"group {g} has {n} trajectories, expected group_size={group_size}")
     return ids
 
 
@@ -148,14 +165,16 @@ def compute_signals(method: ResolvedMethod, trajs: Sequence[Trajectory], tasks: 
     if len(tasks) != len(trajs):
         raise ValueError(f"{len(trajs)} trajectories but {len(tasks)} row tasks")
     out: dict[str, np.ndarray] = {}
+    padding = {i for i, t in enumerate(trajs) if is_padding(t)}  # their outputs stay 0
     for reward in method.rewards:
-        lacking = [i for i, task in enumerate(tasks) if any(getattr(task, f, None) is None for f in reward.needs)]
+        lacking = [i for i, task in enumerate(tasks)
+                   if i not in padding and any(getattr(task, f, None) is None for f in reward.needs)]
         if reward.per == "trajectory":
             arr = np.zeros(len(trajs), np.float32)
         else:
             arr = np.zeros((len(trajs), cfg.max_turns), np.float32)
         for i, (traj, task) in enumerate(zip(trajs, tasks)):
-            if i in lacking:
+            if i in lacking or i in padding:
                 continue
             value = reward.fn(traj, task, cfg.algo)
             if reward.per == "trajectory":
@@ -303,12 +322,17 @@ def make_train_batch(
         stats.update(pstats)
     batch = TrainBatch(
         tokens=tokens, valid=valid, pol_pos=pol_pos, pol_valid=pol_valid, turn_ids=turn_ids, old_logprobs=old_lp,
-        group_ids=group_index(trajs, cfg.group_size) + np.int32(group_offset),
+        group_ids=_offset_groups(group_index(trajs, None if cfg.prompt_rows else cfg.group_size), group_offset),
         num_turns=np.asarray([t.num_turns for t in trajs], np.int32),
         signals=compute_signals(method, trajs, tasks, cfg),
         views=views, length_class=classes, classes=spec, packed=packed, probes=probes,
     )
     return batch, stats
+
+
+def _offset_groups(ids: np.ndarray, offset: int) -> np.ndarray:
+    """Group ids numbered from `offset` (the process's first group); -1 (no group) kept."""
+    return np.where(ids >= 0, ids + np.int32(offset), -1).astype(np.int32)
 
 
 @functools.lru_cache(maxsize=8)
@@ -387,7 +411,7 @@ def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod, step_cfg: S
     packed = pick_bucket(int(length * cfg.plan.packed_factor), DEFAULT_PACKED_BUCKETS, "plan: packed row")
     views = method.teacher_views(step_cfg.algo) + int(packed_reference(step_cfg, method))
     distinct = policy_bucket(int(policy * min(views, cfg.plan.distinct_factor)))
-    batch = t.prompts_per_step * t.group_size
+    batch = t.prompts_per_step * step_cfg.rows_per_prompt
     class_rows = pack_cell = None
     if step_cfg.length_classes > 1:  # the worst case: every class as wide as the widest row
         class_rows, _ = length_classes.cell_rows(batch, row_shards, step_cfg)

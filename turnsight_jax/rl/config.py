@@ -73,8 +73,9 @@ class AlgoConfig:
     reward from which a trajectory passes to the answer stage (rl.toolomni). Orchard's CA-SFT
     (rl.orchard): orchard_coef (the NLL's coefficient), orchard_rise (the credit c_k from which a
     turn is in a rise segment, 0.05), orchard_success (the outcome reward from which a trajectory
-    counts as solved; CA-SFT trains on the others). args: free-form knobs of plug-in
-    methods, as (key, value) pairs.
+    counts as solved; CA-SFT trains on the others). akbe_coef: AKBE's λ, the coefficient of its
+    auxiliary CE on the exemplars (the run config's akbe.coef; rl.akbe). args: free-form knobs of
+    plug-in methods, as (key, value) pairs.
     """
 
     method: str = "turnsight"
@@ -111,6 +112,7 @@ class AlgoConfig:
     orchard_coef: float = 1.0
     orchard_rise: float = 0.05
     orchard_success: float = 1.0
+    akbe_coef: float = 0.05
     args: tuple[tuple[str, Any], ...] = ()
 
     def arg(self, key: str, default: Any = None) -> Any:
@@ -256,6 +258,14 @@ class StepConfig:
     length_classes: int = 1  # rows run in this many length groups, each padded to its own width (rl.length_classes)
     pack_rows: bool = False  # forwards run several trajectories (teacher: packed views) per row (rl.packing)
     pack_width: int = 0  # with pack_rows: packed rows at least this wide (0: the batch's bucketed width)
+    # Batch rows per prompt when the rollout controller forms its own groups (rl.methods.
+    # RolloutController.rows_per_prompt: BAR's cap, AKBE's G + 1); 0: group_size, the fixed layout.
+    prompt_rows: int = 0
+
+    @property
+    def rows_per_prompt(self) -> int:
+        """Batch rows per prompt: prompt_rows, or group_size in the fixed layout."""
+        return self.prompt_rows or self.group_size
 
     @property
     def scoring_chunk(self) -> int:
@@ -319,6 +329,8 @@ class StepConfig:
             if not math.isfinite(v) or (name == "orchard_coef" and v < 0):
                 raise ConfigError(f"rl.{name} must be finite" + (" and >= 0" if name == "orchard_coef" else "")
                                   + f", got {v}")
+        if not (math.isfinite(algo.akbe_coef) and algo.akbe_coef >= 0):
+            raise ConfigError(f"akbe.coef must be finite and >= 0, got {algo.akbe_coef}")
         if not math.isfinite(algo.toolomni_gate):
             raise ConfigError(f"rl.toolomni_gate must be finite, got {algo.toolomni_gate}")
         if not isinstance(algo.gae_whiten, bool):
@@ -361,9 +373,12 @@ class StepConfig:
         if self.pack_rows and self.length_classes > 1:
             raise ConfigError(f"train.pack_rows=True and train.length_classes={self.length_classes}: choose one "
                               "(both cut the padding of the forwards; packing leaves less)")
+        if isinstance(self.prompt_rows, bool) or not isinstance(self.prompt_rows, int) or self.prompt_rows < 0:
+            raise ConfigError(f"prompt_rows must be an int >= 0 (0: group_size), got {self.prompt_rows!r}")
         if batch_size is not None:
-            if batch_size % self.group_size:
-                raise ConfigError(f"batch of {batch_size} trajectories is not divisible by group_size {self.group_size}")
+            if batch_size % self.rows_per_prompt:
+                what = f"prompt_rows {self.prompt_rows}" if self.prompt_rows else f"group_size {self.group_size}"
+                raise ConfigError(f"batch of {batch_size} trajectories is not divisible by {what}")
             per_mini = batch_size // self.mini_batches
             if batch_size % self.mini_batches or per_mini % self.micro_batches:
                 raise ConfigError(

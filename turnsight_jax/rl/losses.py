@@ -14,6 +14,13 @@ term's coefficient; `metrics` maps names to per-token [B, N] values. The step su
 weights tokens with `aggregation_weights` (so micro-batch accumulation equals one full pass
 exactly) and reports each metric as the same weighted sum.
 
+Which tokens a term aggregates over (`LossTerm.rows`): by default the policy tokens of the rows
+in a group (group id >= 0; every row of a fixed-layout batch), the RL terms' set, so a row in
+no group (a padding row, an exemplar; rl.batch) carries no policy-gradient, KL or entropy loss.
+A term with `rows=NAME` (NAME a per-trajectory [B] input, e.g. a reward's flag) aggregates over
+the policy tokens of the rows where NAME > 0 instead, with its own normaliser (`loss_weights`):
+AKBE's CE on its exemplars, which leaves the RL terms' loss exactly as without the exemplars.
+
 A term may also declare `optional_inputs`: arrays the step fills only in some configurations; the
 term gets them when they are filled and not otherwise. One exists: "is_weights" [B, N], the
 truncated importance weights of the sampler/trainer mismatch correction (`loss.tis_threshold`,
@@ -82,6 +89,17 @@ def clipped_surrogate(logprobs: Array, old_logprobs: Array, advantages: Array, c
                 "clip_frac_lower": capped.astype(jnp.float32)}
 
 
+def loss_weights(terms, pol_valid: Array, group_ids: Array, arrays: Mapping[str, Array], how: str) -> dict[str, Array]:
+    """{row set: [B, N] aggregation weights} for the terms' token sets: "" the RL terms' (the
+    policy tokens of rows in a group, group_ids >= 0), and each `LossTerm.rows` name's (the
+    policy tokens of rows where arrays[name] [B] > 0)."""
+    sets = {"": group_ids >= 0}
+    for t in terms:
+        if t.rows:
+            sets[t.rows] = arrays[t.rows] > 0
+    return {k: aggregation_weights(pol_valid & rows[:, None], how) for k, rows in sets.items()}
+
+
 def aggregation_weights(pol_valid: Array, how: str) -> Array:
     """Per-token weights [B, N] whose weighted sum is the aggregated loss of these rows.
 
@@ -107,27 +125,32 @@ LossFn = Callable[[Mapping[str, Array], LossConfig, AlgoConfig], tuple[Array, di
 @dataclasses.dataclass(frozen=True)
 class LossTerm:
     """A registered loss term: `fn` (see the module docstring), the arrays it reads, the names
-    of the metrics it returns (the step accumulates exactly these), and the optional arrays it
-    reads when the step fills them (the module docstring)."""
+    of the metrics it returns (the step accumulates exactly these), the optional arrays it
+    reads when the step fills them, and the rows it aggregates over ("": the policy tokens of
+    grouped rows; a [B] input's name: its rows > 0; the module docstring)."""
 
     name: str
     fn: LossFn
     inputs: tuple[str, ...]
     metrics: tuple[str, ...]
     optional_inputs: tuple[str, ...] = ()
+    rows: str = ""
 
 
 LOSS_TERMS: dict[str, LossTerm] = {}
 
 
 def register_loss_term(name: str, inputs: tuple[str, ...], metrics: tuple[str, ...],
-                       optional_inputs: tuple[str, ...] = ()):
-    """Decorator: register `fn(x, loss_cfg, algo_cfg) -> (loss [B, N], {metric: [B, N]})`."""
+                       optional_inputs: tuple[str, ...] = (), rows: str = ""):
+    """Decorator: register `fn(x, loss_cfg, algo_cfg) -> (loss [B, N], {metric: [B, N]})`;
+    `rows`: see LossTerm (it must be one of `inputs`)."""
+    if rows and rows not in inputs:
+        raise ValueError(f"loss term {name!r}: rows={rows!r} must be one of its inputs {tuple(inputs)}")
 
     def deco(fn: LossFn) -> LossFn:
         if name in LOSS_TERMS:
             raise ValueError(f"loss term {name!r} already registered")
-        LOSS_TERMS[name] = LossTerm(name, fn, tuple(inputs), tuple(metrics), tuple(optional_inputs))
+        LOSS_TERMS[name] = LossTerm(name, fn, tuple(inputs), tuple(metrics), tuple(optional_inputs), rows)
         return fn
 
     return deco
@@ -157,6 +180,22 @@ def _entropy_term(x, cfg: LossConfig, algo: AlgoConfig):
     entropy (verl: policy_loss = pg_loss - entropy_coeff · agg_loss(entropy)). Added by
     rl.methods.resolve_method when loss.entropy_coef > 0."""
     return -cfg.entropy_coef * x["entropy"], {"entropy": x["entropy"]}
+
+
+def weighted_losses(terms: tuple[LossTerm, ...], x: Mapping[str, Array], weights: Mapping[str, Array],
+                    cfg: LossConfig, algo: AlgoConfig, extra=None) -> tuple[Array, dict[str, Array]]:
+    """The aggregated loss (a scalar) and each metric's weighted sum, each term weighted by its
+    rows' weights (`loss_weights`). extra: (per-token loss [B, N], {metric: [B, N]}) added to
+    the RL terms' set (the critic's value loss)."""
+    total, sums = 0.0, {}
+    for rows in dict.fromkeys([""] * (extra is not None) + [t.rows for t in terms]):
+        loss, parts = term_losses(tuple(t for t in terms if t.rows == rows), x, cfg, algo)
+        if not rows and extra is not None:
+            loss, parts = (extra[0] if loss is None else loss + extra[0]), {**parts, **extra[1]}
+        w = weights[rows]
+        total = total + jnp.sum(loss * w)
+        sums.update({k: jnp.sum(v * w) for k, v in parts.items()})
+    return total, sums
 
 
 def term_losses(terms: tuple[LossTerm, ...], x: Mapping[str, Array], cfg: LossConfig,

@@ -4,7 +4,8 @@ A method names one entry of each of the four pipeline interfaces:
 
 * a **rollout controller** (`register_rollout`): what is sampled; `fn(ctx, tasks, seed) ->
   RolloutResult` with `len(tasks) * ctx.group_size` trajectories, siblings of task i in rows
-  i*G .. i*G+G-1;
+  i*G .. i*G+G-1; or, for a controller that forms its own groups (`rows_per_prompt`), R rows per
+  task in prompt blocks, groups of any size, rows in no group (`RolloutController`);
 * **rewards** (`register_reward`): computed on the host from the rollout record, per trajectory,
   `fn(trajectory, task, algo) -> value`; each fills one batch array (`output`), per trajectory
   [B] or per turn [B, K];
@@ -19,11 +20,9 @@ anything compiles. The KL term is added when `loss.kl_coef > 0`, whatever the me
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any, Callable, Sequence
 
-import jax
 import numpy as np
 
 from turnsight_jax.chat.trajectory import Trajectory
@@ -34,14 +33,14 @@ from turnsight_jax.rewards import matchtir_turn_rewards, token_f1, toolrl_reward
 from turnsight_jax.rl import critic as _critic  # noqa: F401  (registers PPO's GAE estimator)
 from turnsight_jax.rl import distill  # noqa: F401  (registers the self-distillation baselines)
 from turnsight_jax.rl import orchard as _orchard  # noqa: F401  (registers CA-SFT's loss term)
-from turnsight_jax.rl import srl, toolomni
+from turnsight_jax.rl import akbe, bar, srl, toolomni  # akbe registers its CE loss term
 from turnsight_jax.rl.advantages import Estimator, get_estimator
 from turnsight_jax.rl.config import AlgoConfig, StepConfig
+from turnsight_jax.rl.episodes import run_episodes
 from turnsight_jax.rl.losses import LossTerm, get_loss_term
 from turnsight_jax.rl.slim import SkillLibrary
 from turnsight_jax.rl.slim_text import with_skills
-from turnsight_jax.rollout.driver import ModelPolicy, RolloutConfig, RolloutResult, rollout
-from turnsight_jax.rollout.engine import PagedEngine
+from turnsight_jax.rollout.driver import RolloutConfig, RolloutResult
 from turnsight_jax.rollout.sampler import SamplingParams
 
 # Arrays every batch has, in the compact layout of turnsight_jax.rl.batch.
@@ -89,25 +88,48 @@ class RolloutController:
     its mechanism with it: `rewards` (registered rewards whose outputs its other parts read, e.g.
     a per-trajectory flag it set on the record) and `loss_terms` (registered loss terms, e.g. an
     auxiliary CE on exemplars it chose). `resolve_method` adds both to whatever method runs with
-    the controller, so `rl.rollout=NAME` composes with GRPO, MatchTIR, TurnSight or any method."""
+    the controller, so `rl.rollout=NAME` composes with GRPO, MatchTIR, TurnSight or any method.
+
+    The batch layout it returns (docs/rollout_methods.md, "Unequal groups in the batch"):
+
+    * `rows_per_prompt` None (the fixed layout): len(tasks) * G trajectories, siblings of task i
+      in rows i*G .. i*G+G-1, every group exactly G rows.
+    * `rows_per_prompt(run_config) -> R` (a controller that forms its own groups): exactly
+      len(tasks) * R trajectories, rows i*R .. i*R+R-1 about task i (the rewards read task i),
+      each with `Trajectory.group_id` its group (any id >= 0, the batch renumbers them; a group's
+      rows in one block) or -1: in no group, so no advantage and no policy-gradient loss (an
+      exemplar a loss term of the controller trains on, or a padding row,
+      chat.trajectory.padding_trajectory). R is static (the compiled step's row count), so
+      `rl.episodes.pad_prompt_rows` fills each block to R.
+
+    `RolloutResult.stats` keys under the controller's name ("<name>/...") are per-process counts
+    or sums: the trainer sums them over processes and logs them; a pair "<name>/<x>_sum",
+    "<name>/<x>_n" is logged as their ratio "<name>/<x>_mean" too."""
 
     name: str
     fn: Callable[[RolloutContext, Sequence[Task], int], RolloutResult]
     rewards: tuple[str, ...] = ()
     loss_terms: tuple[str, ...] = ()
+    rows_per_prompt: Callable[[Any], int] | None = None
+
+    def prompt_rows(self, run_config: Any, group_size: int) -> int:
+        """Batch rows per prompt: `group_size` in the fixed layout, else the controller's R."""
+        return group_size if self.rows_per_prompt is None else int(self.rows_per_prompt(run_config))
 
 
 ROLLOUTS: dict[str, RolloutController] = {}
 
 
-def register_rollout(name: str, *, rewards: Sequence[str] = (), loss_terms: Sequence[str] = ()):
+def register_rollout(name: str, *, rewards: Sequence[str] = (), loss_terms: Sequence[str] = (),
+                     rows_per_prompt: Callable[[Any], int] | None = None):
     """Decorator: register `fn(ctx: RolloutContext, tasks, seed) -> RolloutResult`, with the rewards
-    and loss terms the controller's mechanism adds to any method it runs under (RolloutController)."""
+    and loss terms the controller's mechanism adds to any method it runs under, and for a
+    controller that forms its own groups `rows_per_prompt(run_config) -> R` (RolloutController)."""
 
     def deco(fn):
         if name in ROLLOUTS:
             raise ValueError(f"rollout controller {name!r} already registered")
-        ROLLOUTS[name] = RolloutController(name, fn, tuple(rewards), tuple(loss_terms))
+        ROLLOUTS[name] = RolloutController(name, fn, tuple(rewards), tuple(loss_terms), rows_per_prompt)
         return fn
 
     return deco
@@ -116,29 +138,10 @@ def register_rollout(name: str, *, rewards: Sequence[str] = (), loss_terms: Sequ
 @register_rollout("sampler")
 def sampler_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
     """The default: G samples per prompt, `prompts_per_chunk` prompts at a time (0: all), from the
-    paged engine (`ctx.engine`: continuous batching over `ctx.engine.slots` slots) or the lockstep
-    `ModelPolicy` (its static cache holds one chunk's rows); the chunks' trajectories and stats joined.
-    Every episode's draws depend on (seed, its global row) only: chunking and the split of a step
-    over processes (`ctx.group_offset`) change no token."""
-    per = ctx.prompts_per_chunk or len(tasks)
-    trajs, stats = [], {}
-    for i in range(0, len(tasks), per):
-        kwargs = {} if ctx.cache_dtype is None else {"cache_dtype": ctx.cache_dtype}
-        first = ctx.group_offset + i
-        if ctx.engine is not None:
-            policy = PagedEngine(ctx.graphdef, ctx.params, ctx.tokenizer, sampling=ctx.sampling, config=ctx.config,
-                                 engine=ctx.engine, seed=seed, mesh=ctx.mesh, row_offset=first * ctx.group_size,
-                                 **kwargs)
-        else:
-            policy = ModelPolicy(ctx.graphdef, ctx.params, ctx.tokenizer, sampling=ctx.sampling, config=ctx.config,
-                                 seed=seed, row_offset=first * ctx.group_size, **kwargs)
-        with jax.set_mesh(ctx.mesh) if ctx.mesh is not None else contextlib.nullcontext():
-            res = rollout(policy, ctx.env, tasks[i:i + per], tokenizer=ctx.tokenizer, group_size=ctx.group_size,
-                          config=ctx.config, seed=seed, group_offset=first, progress=ctx.progress)
-        trajs.extend(res.trajectories)
-        for k, v in res.stats.items():
-            stats[k] = stats.get(k, 0.0) + v if k != "compilations" else v
-    return RolloutResult(trajs, stats)
+    paged engine or the lockstep `ModelPolicy` (`run_episodes`). Every episode's draws depend on
+    (seed, its global row) only: chunking and the split of a step over processes
+    (`ctx.group_offset`) change no token."""
+    return run_episodes(ctx, tasks, seed)
 
 
 @register_rollout("slim")
@@ -156,6 +159,28 @@ def judged_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> Rol
     """The model-judged reward (judge.method, OpenWebRL): the default sampler's rollouts, each
     labelled by the judge model of the run config's judge.* section (ctx.run_config)."""
     return judge.judge_rollout(ctx, sampler_rollout(ctx, tasks, seed), tasks)
+
+
+def _section(ctx: RolloutContext, name: str):
+    if ctx.run_config is None or name not in ctx.run_config:
+        raise ValueError(f"the {name!r} rollout controller reads the run config's {name}.* section: "
+                         f"RolloutContext.run_config must hold it")
+    return ctx.run_config[name]
+
+
+@register_rollout("bar", rows_per_prompt=lambda cfg: bar.bar_settings(cfg.bar, cfg.train.group_size).cap)
+def bar_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
+    """BAR (rl.bar): each prompt sampled bar.chunk rollouts at a time until its success share
+    lies in [bar.low, bar.high], or bar.cap rollouts; groups of unequal size, padded to the cap."""
+    return bar.bar_rollout(ctx, tasks, seed, bar.bar_settings(_section(ctx, "bar"), ctx.group_size))
+
+
+@register_rollout("akbe", rewards=("akbe_exemplar",), loss_terms=("akbe_ce",),
+                  rows_per_prompt=lambda cfg: cfg.train.group_size + 1)
+def akbe_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
+    """AKBE (rl.akbe): a with-tool and a no-tool group per prompt, the 2-bit label, one exemplar
+    per prompt for the auxiliary CE (akbe.coef) next to the method's unchanged update."""
+    return akbe.akbe_rollout(ctx, tasks, seed, akbe.akbe_settings(_section(ctx, "akbe")))
 
 
 # ---- rewards ----
@@ -196,6 +221,9 @@ def register_reward(name: str, output: str, *, per: str = "trajectory", needs: t
 def outcome_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> float:
     """The environment's own score of the episode (FTRL/built-in: Solve-F1; ToolHop: answer match)."""
     return float(traj.reward)
+
+
+register_reward(akbe.EXEMPLAR, akbe.EXEMPLAR)(akbe.exemplar_flag)
 
 
 @register_reward("matchtir_turns", "turn_rewards", per="turn", needs=("gold_calls",))
@@ -485,6 +513,10 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
         missing = [k for k in term.inputs if k not in term_provided]
         if missing:
             raise ConfigError(f"method {m.name!r}: loss term {term.name!r} reads {missing}, which nothing fills")
+        per_row = {r.output for r in rewards if r.per == "trajectory"}
+        if term.rows and term.rows not in per_row:
+            raise ConfigError(f"method {m.name!r}: loss term {term.name!r} trains the rows of {term.rows!r}, which no "
+                              f"per-trajectory reward of [{', '.join(reward_names)}] fills")
         if any(k in term.inputs for k in RETRO_ARRAYS) and "rewards" not in outputs:
             raise ConfigError(f"method {m.name!r}: loss term {term.name!r} trains on failed trajectories, which the "
                               f"outcome reward (\"rewards\") tells; no reward of [{', '.join(reward_names)}] fills it")

@@ -50,7 +50,7 @@ from turnsight_jax.rl import prm as prm_lib
 from turnsight_jax.rl.batch import TrainBatch, packed_reference, row_axis
 from turnsight_jax.rl.config import OptimConfig, StepConfig
 from turnsight_jax.rl.logprobs import policy_logprobs, teacher_logprobs
-from turnsight_jax.rl.losses import aggregation_weights, term_losses, tis_weights
+from turnsight_jax.rl.losses import loss_weights, tis_weights, weighted_losses
 from turnsight_jax.rl.methods import ResolvedMethod, resolve_method
 
 # The critic's per-token metrics (token-weighted like the loss; reported under critic/).
@@ -82,7 +82,9 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
 def advantage_knobs(cfg: StepConfig, batch_size: int) -> dict:
     """The KNOBS of rl.advantages for this config and batch."""
     a = cfg.algo
-    return {"eps": a.eps, "gamma": a.gamma, "num_groups": batch_size // cfg.group_size, "max_turns": cfg.max_turns,
+    # num_groups: B, a bound on the groups of any layout (ids are < the prompts <= B; a controller
+    # may form groups of unequal size), so the segment sums never depend on group sizes
+    return {"eps": a.eps, "gamma": a.gamma, "num_groups": batch_size, "max_turns": cfg.max_turns,
             "lam": a.lam, "eps_w": a.eps_w, "selection": a.selection, "aggregation": a.aggregation,
             "group_norm": a.group_norm, "turns": a.turns, "matchtir_singleton": a.matchtir_singleton,
             "norm_pool": a.norm_pool, "uncovered_in_stats": a.uncovered_in_stats, "sdpo_coef": a.sdpo_coef,
@@ -431,14 +433,13 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
              "pol_valid": mb.pol_valid, "turn_ids": mb.turn_ids, "policy_mask": mb.pol_valid,
              "group_ids": mb.group_ids, "num_turns": mb.num_turns, "entropy": entropy, **mb.signals,
              "is_weights": is_w, **tx}
-        loss_tok, parts = term_losses(terms, x, cfg.loss, cfg.algo)
-        if critic is not None:
+        extra = None
+        if critic is not None:  # the value loss, on the RL terms' rows
             values = critic_lib.policy_values(nnx.merge(graphdef, critic["trunk"]), critic["head"], mb)
             vl, vclip = critic_lib.value_loss(values, cx["old_values"], cx["returns"], cfg.critic.value_clip)
-            loss_tok = loss_tok + vl
-            parts = {**parts, "value_loss": vl, "value_clip_frac": vclip, "values_mean": values}
-        loss = jnp.sum(loss_tok * weights)
-        sums = {k: jnp.sum(parts[k] * weights) for k in metric_names}
+            extra = (vl, {"value_loss": vl, "value_clip_frac": vclip, "values_mean": values})
+        loss, sums = weighted_losses(terms, x, weights, cfg.loss, cfg.algo, extra)
+        sums = {k: sums[k] for k in metric_names}
         # With one update the forward's own log-probs are the trainer's at the step-start
         # parameters: handed back (no gradient) so the step reports the mismatch at no extra cost.
         return loss, (sums, current if one_update else None)
@@ -450,12 +451,14 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         the critic's, with its own clip and AdamW, when there is a critic)."""
         m = cfg.micro_batches
         critic = None if critic_state is None else critic_state["params"]
-        weights = aggregation_weights(mb.pol_valid, cfg.loss.aggregation)
+        # each term's token set (the RL terms': the policy tokens of grouped rows; rl.losses)
+        weights = loss_weights(terms, mb.pol_valid, mb.group_ids, mb.signals, cfg.loss.aggregation)
         if m == 1:
             (grads, c_grads), (sums, current) = grad_fn(params, critic, mb, adv, ref_lp, weights, sampler_lp, tx, cx)
         else:
             opt_split = lambda a: None if a is None else _split(a, m)
-            xs = (split_batch(mb, m), _split(adv, m), opt_split(ref_lp), _split(weights, m), opt_split(sampler_lp),
+            xs = (split_batch(mb, m), _split(adv, m), opt_split(ref_lp), jax.tree.map(lambda a: _split(a, m), weights),
+                  opt_split(sampler_lp),
                   jax.tree.map(lambda a: _split(a, m), tx), jax.tree.map(lambda a: _split(a, m), cx))
 
             def acc(carry, x):
@@ -562,12 +565,14 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
             mismatch = mismatch_metrics(current, batch.old_logprobs, batch.pol_valid, tis)
         metrics = {k: jnp.mean(jnp.stack([log[k] for log in logs])) for k in logs[0]}
         metrics["skipped_updates"] = sum(log["skipped_updates"] for log in logs)  # a count, not a mean
-        valid = batch.pol_valid
+        grouped = batch.group_ids >= 0  # the rows the RL terms train (padding and exemplar rows are not)
+        valid = batch.pol_valid & grouped[:, None]
         n = jnp.maximum(valid.sum(), 1)
         metrics["adv_mean"] = jnp.sum(jnp.where(valid, adv, 0.0)) / n
         metrics["adv_abs_mean"] = jnp.sum(jnp.where(valid, jnp.abs(adv), 0.0)) / n
         if "rewards" in batch.signals:
-            metrics["reward_mean"] = jnp.mean(batch.signals["rewards"])
+            metrics["reward_mean"] = jnp.sum(jnp.where(grouped, batch.signals["rewards"], 0.0)) / jnp.maximum(
+                grouped.sum(), 1)
         for k in CRITIC_METRICS + ("critic_grad_norm",):  # the critic's under critic/
             if k in metrics:
                 metrics["critic/" + k.removeprefix("critic_")] = metrics.pop(k)

@@ -34,7 +34,7 @@ from turnsight_jax.distributed import to_host
 from turnsight_jax.envs.base import Environment, VectorEnv
 from turnsight_jax.models.qwen3 import KVCache
 from turnsight_jax.rollout.control import EpisodeStart, RolloutHooks
-from turnsight_jax.rollout.sampler import SamplingParams, append_tokens, decode_turn
+from turnsight_jax.rollout.sampler import SamplingParams, append_tokens, decode_turn, global_rows
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,8 @@ class ModelPolicy:
         run through the real decode loop and cache; log-probs remain the model's). Row r's draws
         come from fold_in(key(seed), row_offset + r), token by token, as the paged engine's: the
         same episodes sample the same tokens whatever the batch they share (row_offset: the
-        rows' global index, when a step's episodes are split over calls or processes)."""
+        rows' global index, when a step's episodes are split over calls or processes; or one
+        global row per episode, `global_rows`)."""
         self.graphdef, self.state = graphdef, state
         self.tokenizer = tokenizer
         self.sampling = sampling
@@ -159,7 +160,7 @@ class ModelPolicy:
         self.turn = 0
         self.lengths = np.asarray(lens)[np.asarray(take)]  # host copy of the filled slots per row
         self.row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
-            self.key, jnp.arange(self.padded_rows, dtype=jnp.int32) + self.row_offset)
+            self.key, jnp.asarray(global_rows(self.row_offset, self.rows, self.padded_rows)))
         self.sampled = np.zeros(self.padded_rows, np.int32)  # tokens each row drew so far
         self.timings["prefill"] += time.perf_counter() - t0
 
@@ -409,11 +410,14 @@ def rollout(
     seed: int = 0,
     group_offset: int = 0,
     progress: ProgressCallback | None = None,
+    row_ids: Sequence[int] | None = None,
     hooks: RolloutHooks | None = None,
 ) -> RolloutResult:
     """Run len(tasks) * group_size episodes to the end. Trajectory r belongs to group
     group_offset + r // group_size. `progress` (optional) receives a `RolloutProgress` after
-    every `generate` and a final one with done=True (it throttles its own output).
+    every `generate` and a final one with done=True (it throttles its own output). row_ids:
+    the global row of each episode, which seeds its environment (default: group_offset *
+    group_size + r; give the policy the same rows, `row_offset`, so its draws match).
 
     With a continuous backend (`continuous = True`: the paged engine) the tool calls of the turns
     one `generate` returns run in a worker thread while the next `generate` decodes the other rows;
@@ -456,7 +460,9 @@ def rollout(
     turn_of = [0] * n
     final_text: list[str | None] = [None] * n
     finish: list[str | None] = [None] * n
-    env_seed = [seed * 1_000_003 + group_offset * group_size + r for r in range(n)]
+    # Episode seeds depend on (seed, global row), not on how rows were batched.
+    env_seed = [seed * 1_000_003 + int(g)
+                for g in global_rows(group_offset * group_size if row_ids is None else row_ids, n)]
     partial: list[tuple | None] = [None] * n  # a branch's first turn: the parent's tokens before the branch point
     live = set(range(n))
     live_in_prompt = collections.Counter(prompt_of)
@@ -575,7 +581,6 @@ def rollout(
             with_backend.add(r)
 
     try:
-        # Episode seeds depend on (seed, global row), not on how rows were batched.
         vec.start([tasks[p] for p in prompt_of], env_seed)
         backend.begin(prompts, group_size)
         with_backend = set(range(n))

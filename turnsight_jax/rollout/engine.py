@@ -51,7 +51,7 @@ from turnsight_jax.distributed import to_host
 from turnsight_jax.models.paged_cache import LiveBlocks, PagedKV, bytes_per_token, empty_pool, live_blocks, paged_extend
 from turnsight_jax.models.sharding import BATCH, fit_spec
 from turnsight_jax.rollout.control import Chunk, DecodeSignals, EngineController
-from turnsight_jax.rollout.sampler import SamplingParams, sample_rows, token_signals
+from turnsight_jax.rollout.sampler import SamplingParams, global_rows, sample_rows, token_signals
 
 _FREE, _DECODE, _WAIT = 0, 1, 2
 _NO_SIGNALS = DecodeSignals()
@@ -237,10 +237,11 @@ class PagedEngine:
     mesh: rows and the pool are split over its (data, fsdp) axes; None: one shard.
     forced_scripts: optional turn texts per row replacing the draws (the model's log-probs are
     still recorded), as `ModelPolicy`'s. row_offset: the rows' global index (episode r draws
-    from fold_in(key(seed), row_offset + r)), as `ModelPolicy`'s. controller: a
-    rollout.control.EngineController (its signals computed in the decode, its edits and
-    re-samples applied); retain: finished episodes keep their blocks until `release` (the driver's
-    RolloutHooks add episodes of their prompt or branch from them)."""
+    from fold_in(key(seed), row_offset + r)), or one global row per episode, as `ModelPolicy`'s
+    (rollout.driver.global_rows). controller: a rollout.control.EngineController (its signals
+    computed in the decode, its edits and re-samples applied); retain: finished episodes keep their
+    blocks until `release` (the driver's RolloutHooks add episodes of their prompt or branch from
+    them)."""
 
     def __init__(self, graphdef, state, tokenizer, *, sampling: SamplingParams, config, engine: EngineConfig,
                  seed: int = 0, cache_dtype=jnp.float32, mesh=None, forced_scripts: Sequence[Sequence[str]] | None = None,
@@ -289,7 +290,8 @@ class PagedEngine:
         n = len(prompts) * group_size
         self.rows = n
         self.group_of = [r // group_size for r in range(n)]  # each episode's prompt
-        self.key_rows = [self.row_offset + r for r in range(n)]  # each episode's global row (its sampling key)
+        # each episode's global row: its sampling key is fold_in(key, global row)
+        self.key_rows = global_rows(self.row_offset, n).tolist()
         self.queue = collections.deque(range(n))
         self.queued_in_group = collections.Counter(self.group_of)
         self.slots = [[_Slot() for _ in range(self.slots_per_shard)] for _ in range(self.shards)]

@@ -17,6 +17,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from turnsight_jax.models.qwen3 import KVCache, Qwen3
@@ -252,3 +253,21 @@ def decode_turn(graphdef, state, cache: KVCache, last_hidden, key, max_new: int,
     init = (jnp.int32(0), done0, jnp.zeros((b,), bool), zeros, out_tok, out_lp, cache, last_hidden, key)
     _, _, stopped, count, out_tok, out_lp, cache, hidden, key = jax.lax.while_loop(cond, body, init)
     return TurnOutput(out_tok, out_lp, count, stopped), cache, hidden, key
+
+
+def global_rows(row_offset, rows: int, padded: int | None = None) -> np.ndarray:
+    """[padded] int32: the global row of each of `rows` episodes, whose sampling key is
+    fold_in(key(seed), global row): row_offset + r for an int offset, or row_offset[r] for a
+    sequence of `rows` ids (a rollout controller's own stable numbering, e.g. prompt x cap + k,
+    when the episodes of one call are not a contiguous range). Rows past `rows` (a policy's
+    padding, never sampled from) continue the numbering after the largest id."""
+    padded = rows if padded is None else padded
+    if np.ndim(row_offset) == 0:
+        return np.arange(padded, dtype=np.int32) + np.int32(row_offset)
+    ids = np.asarray(row_offset, np.int64)
+    if ids.shape != (rows,):
+        raise ValueError(f"row_offset: {ids.shape[0] if ids.ndim == 1 else ids.shape} global rows for {rows} episodes")
+    if rows and (ids.min() < 0 or ids.max() >= 2**31 - padded):
+        raise ValueError(f"row_offset: global rows must lie in [0, 2**31 - {padded}), got {ids.min()}..{ids.max()}")
+    top = int(ids.max()) + 1 if rows else 0
+    return np.concatenate([ids, np.arange(top, top + padded - rows)]).astype(np.int32)
