@@ -151,7 +151,8 @@ def _controller_metrics(name: str, stats: dict[str, float]) -> dict[str, float]:
 MECHANISM_METRICS = {"turnsight/weight_max": "w_max", "rlsd/weight_max": "w_max", "train/sdpo_kl": "sdpo_kl",
                      "sdpo/gap_mean": "sdpo_gap", "train/sdar_gate": "gate", "train/sod_weight": "sod_w",
                      "critic/value_loss": "v_loss", "prm/gain_abs_mean": "prm_gain", "slim/library_size": "skills",
-                     "judge/agreement": "judge_agree"}
+                     "judge/agreement": "judge_agree", "t2po/tti_triggers": "tti", "t2po/tds_resamples": "tds",
+                     "appo/branches": "branches"}
 
 
 def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_cfg=None) -> flops.UpdateFlops:
@@ -290,6 +291,11 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                 teacher_graphdef=teacher_graphdef, aux_optimizers=aux_opts))
         return stage_steps[1]
 
+    # A rollout controller that scores with the policy before the last update (APPO's pi_old,
+    # rl.methods.RolloutController.old_policy): a copy of the parameters kept before each update,
+    # checkpointed, so a resumed run continues with it; None before the first update.
+    old_kinds = {m.rollout.old_policy_kind(cfg) for m in ([method] + ([later[2]] if later is not None else []))}
+    previous = None
     latest = checkpointing.resume_step(workdir, log)  # the newest valid step; invalid newer ones moved aside
     ckpt = Checkpointer(workdir, keep=cfg.checkpoint.keep)
     start = 0
@@ -307,6 +313,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                     log(f"checkpoint {latest} has no {name}: it starts afresh (a critic from the restored policy)")
                     fresh = fresh or _new_aux(method, params, qcfg, aux_opts, mesh)
                 aux_state[name] = fresh[name] if saved is None else saved
+        if "previous" in old_kinds:
+            previous = ckpt.restore_item(latest, "previous_policy", params)
         start = int(meta["next_step"])
         resumed_shapes = {k: int(v) for k, v in meta.get("batch_shapes", {}).items()}
         log(f"resumed from {workdir}/checkpoints/{latest} (next step {start})")
@@ -369,6 +377,11 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                                  mesh=rollout_mesh, group_offset=first, run_config=cfg)
             if slim_run is not None:  # the skills the slim controller puts in the prompts
                 ctx = dataclasses.replace(ctx, state=slim_run.library)
+            old_kind = method.rollout.old_policy_kind(cfg)
+            if old_kind:
+                old = previous if old_kind == "previous" else ref_params
+                ctx = dataclasses.replace(ctx, old_params=None if old is None else
+                                          distributed.local_replica(old, mesh, rollout_mesh))
             res = method.rollout.fn(ctx, mine, cfg.seed * 100_003 + step)
             distributed.settle()  # the rollout's local collectives end before the step's cross-process ones
             if len(res.trajectories) != len(mine) * step_cfg.rows_per_prompt:  # the batch's static row count
@@ -384,6 +397,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             rows = len(tasks) * step_cfg.rows_per_prompt
             global_batch = (distributed.assemble_rows(batch, mesh, rows, row_axis) if distributed.is_multiprocess()
                             else shard_batch(batch, mesh))
+            if "previous" in old_kinds:  # the update donates params: the copy is taken first
+                previous = jax.tree.map(jnp.copy, params)
             with jax.set_mesh(mesh):
                 if aux_state is None:
                     params, opt_state, m = step_fn(params, opt_state, ref_params, global_batch, teacher_params)
@@ -473,7 +488,9 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                                             f"(last checkpoint: {ckpt.latest_step() or 'none'})")
                 ckpt.save(step + 1, params, opt_state, {"next_step": step + 1, "seed": cfg.seed,
                                                         "data_position": step + 1, "batch_shapes": shapes},
-                          teacher=teacher_params if tw == "ema" else None, aux=aux_state,
+                          teacher=teacher_params if tw == "ema" else None,
+                          aux={**(aux_state or {}), **({"previous_policy": previous} if previous is not None else {})}
+                          or None,
                           files=slim_run.checkpoint_files() if slim_run is not None else None)
             if stop:
                 log(f"stopped after step {step + 1} (checkpoint {step + 1} written by all processes); rerun "

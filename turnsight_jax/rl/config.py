@@ -74,7 +74,9 @@ class AlgoConfig:
     (rl.orchard): orchard_coef (the NLL's coefficient), orchard_rise (the credit c_k from which a
     turn is in a rise segment, 0.05), orchard_success (the outcome reward from which a trajectory
     counts as solved; CA-SFT trains on the others). akbe_coef: AKBE's λ, the coefficient of its
-    auxiliary CE on the exemplars (the run config's akbe.coef; rl.akbe). args: free-form knobs of
+    auxiliary CE on the exemplars (the run config's akbe.coef; rl.akbe). appo_amplify: beta of
+    APPO's amplification of the final advantage, A * (1 + beta (clip(Omega) - 1)) (the run
+    config's appo.amplify; rl.appo; 0: off). args: free-form knobs of
     plug-in methods, as (key, value) pairs.
     """
 
@@ -113,6 +115,7 @@ class AlgoConfig:
     orchard_rise: float = 0.05
     orchard_success: float = 1.0
     akbe_coef: float = 0.05
+    appo_amplify: float = 0.5
     args: tuple[tuple[str, Any], ...] = ()
 
     def arg(self, key: str, default: Any = None) -> Any:
@@ -331,6 +334,8 @@ class StepConfig:
                                   + f", got {v}")
         if not (math.isfinite(algo.akbe_coef) and algo.akbe_coef >= 0):
             raise ConfigError(f"akbe.coef must be finite and >= 0, got {algo.akbe_coef}")
+        if isinstance(algo.appo_amplify, bool) or not (math.isfinite(algo.appo_amplify) and algo.appo_amplify >= 0):
+            raise ConfigError(f"appo.amplify must be finite and >= 0, got {algo.appo_amplify}")
         if not math.isfinite(algo.toolomni_gate):
             raise ConfigError(f"rl.toolomni_gate must be finite, got {algo.toolomni_gate}")
         if not isinstance(algo.gae_whiten, bool):

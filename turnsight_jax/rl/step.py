@@ -88,7 +88,8 @@ def advantage_knobs(cfg: StepConfig, batch_size: int) -> dict:
             "lam": a.lam, "eps_w": a.eps_w, "selection": a.selection, "aggregation": a.aggregation,
             "group_norm": a.group_norm, "turns": a.turns, "matchtir_singleton": a.matchtir_singleton,
             "norm_pool": a.norm_pool, "uncovered_in_stats": a.uncovered_in_stats, "sdpo_coef": a.sdpo_coef,
-            "gae_gamma": a.gae_gamma, "gae_lam": a.gae_lam, "gae_whiten": a.gae_whiten, "toolomni_gate": a.toolomni_gate}
+            "gae_gamma": a.gae_gamma, "gae_lam": a.gae_lam, "gae_whiten": a.gae_whiten, "toolomni_gate": a.toolomni_gate,
+            "appo_amplify": a.appo_amplify}
 
 
 def teacher_covered(batch: TrainBatch):
@@ -118,7 +119,8 @@ def compute_advantages(batch: TrainBatch, teacher_lp, cfg: StepConfig, method: R
     """Advantages [B, N] of the method over the whole batch, and diagnostics (GAE's "returns"
     [B, N] among them when the estimator gives them)."""
     fn = make_advantage_fn(method.advantage.name, base=method.base.name if method.base else None,
-                           knobs=advantage_knobs(cfg, batch.pol_valid.shape[0]))
+                           knobs=advantage_knobs(cfg, batch.pol_valid.shape[0]),
+                           transform=method.transform.name if method.transform else None)
     out = fn(advantage_inputs(batch, teacher_lp, values, process_rewards))
     # TurnSight's diagnostics by name; a plug-in estimator's under its own "<method>/" prefix
     diag = {k: out[k] for k in out if k in TURNSIGHT_METRICS or "/" in k}

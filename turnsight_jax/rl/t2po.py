@@ -30,12 +30,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Sequence
 
 import numpy as np
 
 from turnsight_jax.chat import tokenizer as tok_lib
+from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
+from turnsight_jax.rl.episodes import run_episodes
 from turnsight_jax.rollout.control import ENTROPY, TOP_J_NLL, Chunk, DecodeSignals, Edit, EngineController
+from turnsight_jax.rollout.driver import RolloutResult
+from turnsight_jax.rollout.engine import PagedEngine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,3 +208,44 @@ class T2POController(EngineController):
         self.stats["phi_sum"] += phi
         self.stats["phi_n"] += 1
         return False
+
+
+def t2po_settings(section) -> T2POConfig:
+    """The run config's `t2po` ConfigDict (or any mapping of its keys) -> a checked T2POConfig."""
+    fields = {f.name for f in dataclasses.fields(T2POConfig)}
+    unknown = sorted(set(section.keys()) - fields)
+    if unknown:
+        raise ConfigError(f"t2po.{unknown[0]} is not a T2PO key; keys: {', '.join(sorted(fields))}")
+    return T2POConfig(**dict(section.items())).validate()
+
+
+def t2po_rollout(ctx, tasks: Sequence[Task], seed: int, cfg: T2POConfig) -> RolloutResult:
+    """G rollouts of each task from the paged engine with a T2POController (TTI, TDS), the fixed
+    layout (rl.episodes.run_episodes: the same episodes, keys and seeds as the default sampler).
+    Stats under "t2po/" (counts of this process): tti_triggers, tds_resamples, tds_checked (turns
+    k >= 1 whose Gamma was computed), gamma_sum / gamma_n and phi_sum / phi_n (the trainer logs
+    their means), discarded_tokens (decoded, then dropped: TTI's cut chunk tails and re-sampled
+    turns), recompute_tokens (one per rollback to a mid-turn slot)."""
+    if ctx.engine is None:
+        raise ConfigError("rl.rollout=t2po acts inside the paged engine's decode: set rollout.engine=paged")
+    controllers: list[T2POController] = []
+
+    def policy(c, s, rows):
+        ctl = T2POController(cfg, c.tokenizer, enable_thinking=c.config.enable_thinking)
+        controllers.append(ctl)
+        kwargs = {} if c.cache_dtype is None else {"cache_dtype": c.cache_dtype}
+        return PagedEngine(c.graphdef, c.params, c.tokenizer, sampling=c.sampling, config=c.config, engine=c.engine,
+                           seed=s, mesh=c.mesh, row_offset=rows, controller=ctl, **kwargs)
+
+    res = run_episodes(ctx, tasks, seed, policy=policy)
+    total = {k: sum(c.stats[k] for c in controllers) for k in controllers[0].stats} if controllers else {}
+    res.stats.update({
+        "t2po/tti_triggers": total.get("tti_triggers", 0.0),
+        "t2po/tds_resamples": total.get("tds_resamples", 0.0),
+        "t2po/tds_checked": total.get("tds_checked_turns", 0.0),
+        "t2po/gamma_sum": total.get("gamma_sum", 0.0), "t2po/gamma_n": total.get("tds_checked_turns", 0.0),
+        "t2po/phi_sum": total.get("phi_sum", 0.0), "t2po/phi_n": total.get("phi_n", 0.0),
+        "t2po/discarded_tokens": res.stats.get("engine/discarded_tokens", 0.0),
+        "t2po/recompute_tokens": res.stats.get("engine/recompute_tokens", 0.0),
+    })
+    return res
