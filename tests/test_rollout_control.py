@@ -184,6 +184,7 @@ def test_appo_hooks_branch_at_the_hand_computed_positions():
     hooks = appo.APPOHooks(cfg, 2, first_prompt=7,
                            score_old=lambda ts: (scored.append(len(ts)), [old[id(t)] for t in ts])[1])
     starts = hooks.after_group(0, [0, 1], trajs)
+    branch.token_values[appo.OMEGA] = trajs[0].token_values[appo.OMEGA].copy()  # the driver copies a parent's values
     assert [(s.parent, s.position) for s in starts] == [(0, 6), (0, 7), (1, 4), (1, 6)]
     assert all(s.group_id == 15 for s in starts) and trajs[0].group_id == trajs[1].group_id == 14
     assert len({s.key_row for s in starts}) == 4 and min(s.key_row for s in starts) >= appo.BRANCH_KEY_BASE
@@ -197,3 +198,185 @@ def test_appo_hooks_branch_at_the_hand_computed_positions():
     assert hooks.after_group(0, [0, 1, 2], trajs + [branch]) == [] and scored == [2, 1]
     np.testing.assert_allclose(branch.token_values[appo.OMEGA][3:8],
                                np.exp([0.19375, 0.1875, 0.175, 0.15, 0.1]), rtol=1e-5)
+
+
+# ---- on the real engine (a tiny random Qwen3 with the real vocabulary) ----
+
+TINY = dict(vocab_size=151936, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+            head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from turnsight_jax.models.config import Qwen3Config
+    from turnsight_jax.models.qwen3 import init_model
+
+    return nnx.split(init_model(Qwen3Config(**TINY), seed=0))
+
+
+def _teacher_forced_error(model, trajs) -> float:
+    """The largest |recorded - teacher-forced| log-prob over the trajectories' policy tokens (f32)."""
+    from turnsight_jax.rl.logprobs import student_logprobs
+
+    m = nnx.merge(*model)
+    worst = 0.0
+    for t in trajs:
+        pos = np.flatnonzero(t.policy_mask)
+        toks = jnp.asarray(t.tokens)[None]
+        lp = student_logprobs(m, toks, jnp.ones_like(toks, bool), jnp.asarray(pos)[None], chunk=64, temperature=1.0)
+        worst = max(worst, float(np.abs(np.asarray(lp)[0] - t.old_logprobs[pos]).max()))
+    return worst
+
+
+def _reference_tti(h, c, alpha, window, threshold):
+    """TTI's first firing token of a trajectory's first turn, by plain loops: running min-max
+    normalisation, M, the mean of the last `window` |Delta M|; -1 if none."""
+    ms, lo_h, hi_h, lo_c, hi_c = [], math.inf, -math.inf, math.inf, -math.inf
+    for t, (a, b) in enumerate(zip(h, c)):
+        lo_h, hi_h, lo_c, hi_c = min(lo_h, a), max(hi_h, a), min(lo_c, b), max(hi_c, b)
+        hn = (a - lo_h) / (hi_h - lo_h) if hi_h > lo_h else 0.0
+        cn = (b - lo_c) / (hi_c - lo_c) if hi_c > lo_c else 0.0
+        ms.append(alpha * hn + (1 - alpha) * cn)
+        if t >= window and sum(abs(ms[s] - ms[s - 1]) for s in range(t - window + 1, t + 1)) / window < threshold:
+            return t
+    return -1
+
+
+def test_engine_forces_resamples_and_branches_on_the_shared_prefix(tok, model):
+    """The paged engine with controllers. (1) T2PO's TTI on sampled rollouts, thinking on: </think>
+    is forced right after the token a loop over the recorded entropies and top-j NLLs says TTI fires
+    at, and its log-prob is the policy's (a teacher-forced forward of the final sequence, f32, 1e-4).
+    (2) TDS re-sampling every turn 1 (threshold 1, cap 1) on forced gold scripts, with rollout hooks
+    that branch two finished episodes inside turns 0 and 1 and add a fresh one: the prompts are
+    prefilled once each (prefill tokens = their lengths: a re-sampled turn, a branch and an added
+    episode prefill nothing), a branch holds its parent's tokens up to its branch point, every
+    recorded log-prob equals the teacher-forced forward, and every block is freed at the end."""
+    from turnsight_jax.envs.ftrl import FTRLEnv
+    from turnsight_jax.envs.synthetic import SyntheticConfig, generate_task, gold_turn_texts
+    from turnsight_jax.rollout import engine as E
+    from turnsight_jax.rollout.driver import RolloutConfig, rollout
+    from turnsight_jax.rollout.sampler import SamplingParams
+
+    graphdef, state = model
+    sampling = SamplingParams(temperature=1.0, top_k=20)
+    tasks = [generate_task("multi_hop", s, SyntheticConfig(hops=2)) for s in (1, 2)]
+    env = FTRLEnv(num_workers=1)
+    try:
+        # (1) TTI
+        rc = RolloutConfig(max_turns=2, max_prompt_tokens=1024, max_response_tokens=64, max_turn_tokens=24,
+                           enable_thinking=True)
+        cfg = t2po.T2POConfig(tti_window=3, tti_threshold=0.25, tds=False)
+        ctl = t2po.T2POController(cfg, tok, enable_thinking=True)
+        eng = E.PagedEngine(graphdef, state, tok, sampling=sampling, config=rc, controller=ctl, seed=3,
+                            engine=E.EngineConfig(slots=3, block_size=16, decode_chunk=8))
+        res = rollout(eng, env, tasks, tokenizer=tok, group_size=2, config=rc)
+        assert ctl.stats["tti_triggers"] >= 2 and res.stats["engine/forced_tokens"] == ctl.stats["tti_triggers"]
+        for row, turn, at in ctl.fired:
+            t = res.trajectories[row]
+            span = slice(t.turns[0].policy_start, t.turns[0].policy_end)
+            ids = t.tokens[span]
+            assert turn == 0 and ids[at + 1] == THINK_CLOSE and THINK_CLOSE not in ids[:at + 1]
+            h, c = t.token_values[ENTROPY][span], t.token_values[TOP_J_NLL][span]
+            assert _reference_tti(h[:at + 1], c[:at + 1], cfg.alpha, cfg.tti_window, cfg.tti_threshold) == at
+        assert _teacher_forced_error(model, res.trajectories) < 1e-4
+        assert res.stats["engine/prefill_tokens"] == sum(len(p) for p in eng.prompts)
+
+        # (2) TDS, branches, an added episode
+        G = 2
+        scripts = [gold_turn_texts(t) for t in tasks for _ in range(G)]
+        rc = RolloutConfig(max_turns=4, max_prompt_tokens=1024, max_response_tokens=400, max_turn_tokens=64)
+        ctl = t2po.T2POController(t2po.T2POConfig(tti=False, tds_threshold=1.0, tds_max_resamples=1), tok,
+                                  enable_thinking=False)
+
+        class Hooks:
+            chosen = {}
+
+            def after_group(self, p, rows, trajs):
+                if len(rows) > G:
+                    return []
+                t = trajs[0]
+                at = [int(np.flatnonzero(t.policy_mask)[5]), t.turns[1].policy_start + 3]
+                self.chosen[p] = (rows[0], at)
+                return [EpisodeStart(1000 + 10 * p + j, 100 + p, rows[0], a) for j, a in enumerate(at)] + [
+                    EpisodeStart(1002 + 10 * p, 100 + p)]
+
+        hooks = Hooks()
+        eng = E.PagedEngine(graphdef, state, tok, sampling=sampling, config=rc, controller=ctl, seed=3, retain=True,
+                            forced_scripts=scripts, engine=E.EngineConfig(slots=3, block_size=16, decode_chunk=8))
+        res = rollout(eng, env, tasks, tokenizer=tok, group_size=G, config=rc, hooks=hooks)
+    finally:
+        env.close()
+    trajs = res.trajectories
+    assert len(trajs) == 4 + 6 and all(t.reward == pytest.approx(1.0) for t in trajs[:4])  # the gold scripts
+    # every forced episode re-sampled its turn 1 once (the script gives the same turn again)
+    assert ctl.resampled == {r: [1] for r in range(4)} or all(v == [1] for v in ctl.resampled.values())
+    assert res.stats["engine/resampled_turns"] == ctl.stats["tds_resamples"] >= 4
+    assert res.stats["engine/prefill_tokens"] == sum(len(p) for p in eng.prompts)  # nothing prefilled twice
+    assert res.stats["branches"] == 4 and res.stats["added_episodes"] == 2 and res.stats["replay_mismatches"] == 0
+    positions = [a for _, ats in hooks.chosen.values() for a in ats]
+    assert res.stats["engine/branch_shared_tokens"] == sum(positions)
+    added = {(t.group_id, j): t for j, t in enumerate(trajs[4:])}
+    for p, (parent, ats) in hooks.chosen.items():
+        branches = [t for t in trajs[4:] if t.group_id == 100 + p][:2]
+        for b, at in zip(branches, ats):
+            np.testing.assert_array_equal(b.tokens[:at], trajs[parent].tokens[:at])
+    assert added and _teacher_forced_error(model, trajs) < 1e-4
+    assert all(len(f) == eng.pool_blocks - 1 for f in eng.free) and eng.committed == [0] and not eng.retained
+
+
+def test_appo_amplification_in_the_step(tok):
+    """The step applies the controller's advantage transform to the method's final advantage:
+    GRPO's (and TurnSight's over GRPO) times 1 + amplify * (clip(Omega) - 1) per policy token,
+    exactly; with amplify = 0 the update is the one without any transform, bit for bit."""
+    import optax
+
+    from _replayed import gold_and_wrong
+    from _vocab import SMALL_VOCAB, fold_batch
+    from turnsight_jax.models.config import Qwen3Config
+    from turnsight_jax.models.qwen3 import init_model
+    from turnsight_jax.rl.batch import make_train_batch
+    from turnsight_jax.rl.config import AlgoConfig, StepConfig
+    from turnsight_jax.rl.methods import resolve_method
+    from turnsight_jax.rl.step import compute_advantages, make_train_step
+
+    trajs, tasks = gold_and_wrong(tok)
+    rng = np.random.default_rng(0)
+    for t in trajs:  # a clip(Omega) per policy token, as the APPO controller records it
+        t.token_values[appo.OMEGA] = np.where(t.policy_mask, rng.uniform(0.8, 1.28, t.length), 0).astype(np.float32)
+        t.old_logprobs = np.where(t.policy_mask, -rng.uniform(0.1, 3.0, t.length), 0).astype(np.float32)
+    row_tasks = [tasks[i // 2] for i in range(len(trajs))]
+
+    def setup(method, rollout, amplify, base="grpo"):
+        cfg = StepConfig(algo=AlgoConfig(method=method, base=base, rollout=rollout, appo_amplify=amplify),
+                         group_size=2, max_turns=5, logprob_chunk=64)
+        m = resolve_method(cfg)
+        return cfg, m, fold_batch(make_train_batch(trajs, row_tasks, tok, cfg, m)[0])
+
+    for method in ("grpo", "turnsight"):
+        cfg0, m0, b0 = setup(method, "", 0.5)
+        cfg1, m1, b1 = setup(method, "appo", 0.5)
+        assert m1.transform.name == appo.AMPLIFY and "appo_omega" in b1.signals and "appo_omega" not in b0.signals
+        teacher = None
+        if m0.needs_views:  # TurnSight's teacher log-probs: any fixed values serve both sides
+            teacher = jnp.asarray(rng.normal(-1.0, 0.5, (len(cfg0.algo.depths), *b0.pol_valid.shape)), jnp.float32)
+        a0, _ = compute_advantages(jax.tree.map(jnp.asarray, b0), teacher, cfg0, m0)
+        a1, diag = compute_advantages(jax.tree.map(jnp.asarray, b1), teacher, cfg1, m1)
+        omega, mask = np.asarray(b1.signals["appo_omega"]), np.asarray(b1.pol_valid)
+        want = np.where(mask, np.asarray(a0) * (1 + 0.5 * (omega - 1)), 0)
+        np.testing.assert_allclose(np.asarray(a1), want, rtol=1e-6, atol=1e-7)
+        assert np.abs(np.asarray(a0)).max() > 0.1 and float(diag["appo/amplify_max"]) > 1.1
+        assert float(diag["appo/amplify_min"]) == pytest.approx(1 + 0.5 * (omega[mask].min() - 1))
+
+    # amplify = 0: the update equals GRPO's without a transform, bit for bit
+    policy = init_model(Qwen3Config(vocab_size=SMALL_VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+                                    num_heads=2, num_kv_heads=1, head_dim=16), seed=0)
+    graphdef, params = nnx.split(policy)
+    outs = []
+    for rollout in ("", "appo"):
+        cfg, m, batch = setup("grpo", rollout, 0.0)
+        step = make_train_step(graphdef, cfg, optax.sgd(1.0), m)
+        p = jax.tree.map(jnp.copy, params)
+        new, _, metrics = step(p, optax.sgd(1.0).init(p), params, jax.tree.map(jnp.asarray, batch))
+        outs.append((jax.tree.map(np.asarray, new), float(metrics["adv_abs_mean"])))
+    assert outs[0][1] == outs[1][1] > 0
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(outs[0][0]), jax.tree.leaves(outs[1][0])))

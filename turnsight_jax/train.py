@@ -369,7 +369,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             first, share = distributed.rollout_share(mesh, len(tasks), step_cfg.rows_per_prompt)
             mine = tasks[first:first + share]
             # Paper-scale rollouts take minutes: a line every 30 s (none for a short step).
-            line = ProgressLine(len(mine) * cfg.train.group_size, label=f"step {step + 1} rollouts", every_s=30.0,
+            line = ProgressLine(len(mine) * step_cfg.rows_per_prompt, label=f"step {step + 1} rollouts", every_s=30.0,
                                 patient=True, quiet=not cfg.log.progress or jax.process_index() != 0)
             ctx = RolloutContext(graphdef, distributed.local_replica(params, mesh, rollout_mesh), tok, env, sampling,
                                  rc, cfg.train.group_size, cfg.rollout.prompts_per_chunk,

@@ -179,6 +179,7 @@ class APPOHooks:
         self.cfg, self.g, self.first, self.score_old = cfg, group_size, first_prompt, score_old
         self.branch_of: list[tuple[int, int, int]] = []  # (prompt, parent n, rank j) of each branch, in start order
         self.chosen: dict[tuple[int, int], list[int]] = {}  # (prompt, n) -> the branch positions (token indices)
+        self.scored: set[int] = set()  # rows whose Omega is recorded (a branch inherits its parent's values)
         self.stats: dict[str, float] = {}
 
     def _add(self, key: str, value: float) -> None:
@@ -200,7 +201,8 @@ class APPOHooks:
 
     def after_group(self, prompt: int, rows: Sequence[int], trajectories: Sequence[Trajectory]):
         gp = self.first + prompt
-        fresh = [t for t in trajectories if OMEGA not in t.token_values]
+        fresh = [t for r, t in zip(rows, trajectories) if r not in self.scored]
+        self.scored.update(rows)
         omegas = self._omega(fresh) if fresh else []
         if len(rows) > self.g:  # the branches ended: their Omega is recorded, nothing more to start
             return []
@@ -300,9 +302,12 @@ def appo_rollout(ctx, tasks: Sequence[Task], seed: int, cfg: APPOConfig) -> Roll
 @register_advantage_transform(AMPLIFY, ("advantages", OMEGA, "policy_mask"), ("appo_amplify",))
 def amplify_advantages(advantages, omega, policy_mask, *, appo_amplify):
     """APPO's amplification: advantages [B, N] * (1 + appo_amplify * (omega - 1)), omega [B, N] =
-    clip(Omega) per policy token (the `appo_omega` reward); 0 off policy_mask. amplify = 0 returns
-    the advantages unchanged, bit for bit. Diagnostics appo/amplify_{mean,min,max} over the policy
-    tokens."""
+    clip(Omega) per policy token (the `appo_omega` reward); 0 off policy_mask. Diagnostics
+    appo/amplify_{mean,min,max} over the policy tokens. amplify = 0 (a Python number: the
+    configured value) returns the advantages themselves: the step's program is then the one
+    without the transform, bit for bit (a multiply by 1.0 could still change how XLA fuses)."""
+    if isinstance(appo_amplify, (int, float)) and appo_amplify == 0:
+        return advantages
     factor = 1.0 + appo_amplify * (omega - 1.0)
     n = jnp.maximum(policy_mask.sum(), 1)
     return {"advantages": jnp.where(policy_mask, advantages * factor, 0.0),
