@@ -24,6 +24,9 @@ def get_config():
     c.rl.rollout = "appo"
     c.rollout.engine = "paged"  # branches share the prefix's blocks in the paged engine
     c.appo.branches = 1
+    # no warm-up: Omega compares the policy with the one before the last update, which a zero-lr
+    # warm-up step would leave equal (rho = 1 everywhere)
+    c.optim.warmup_steps = 0
     c.train.steps = 8
     c.data.num_eval = 32
     return c

@@ -28,7 +28,7 @@ def get_config():
     c.rollout.enable_thinking = True  # TTI closes the turn's thinking
     c.t2po.tti_window = 3
     c.t2po.tti_threshold = 0.25
-    c.t2po.tds_threshold = 0.05
+    c.t2po.tds_threshold = 0.5
     c.t2po.tds_max_resamples = 2
     c.train.steps = 8
     c.data.num_eval = 32
