@@ -161,6 +161,9 @@ TODAY_DEFAULT["slim"] = {"initial": "builtin", "audit_every": 1, "audit_tasks": 
 TODAY_DEFAULT["judge"] = {"checkpoint": "", "rationale": True, "reference": False, "max_new_tokens": 256,
                           "max_prompt_tokens": 4096, "batch_size": 32, "default_label": 0, "verifier_threshold": 1.0,
                           "dtype": "float32"}
+# BAR and AKBE (rl.rollout=bar / akbe): no effect on the default method (its controller is the sampler).
+TODAY_DEFAULT["bar"] = {"chunk": 4, "cap": 0, "low": 0.375, "high": 0.625, "success": 1.0, "fallback": "keep"}
+TODAY_DEFAULT["akbe"] = {"coef": 0.05, "correct": "answer_correct", "correct_min": 1.0, "no_tool_calls": "refuse"}
 
 # Keys where configs/qwen3_8b.py's experiment departs from base + its model layer: how the run
 # fits 8 x 80 GB devices and how it evaluates. Anything else would be a value from somewhere else.

@@ -179,6 +179,7 @@ def test_sampled_draws_depend_on_the_episode_only(tok, env, model):
     episodes rolled out all at once or split in two calls (as two processes split them) sample
     the same tokens. Top-k 20: over all 151,936 tokens a random model's distribution is so flat
     that the last-bit differences between batch shapes move a draw to a neighbouring token id."""
+    from turnsight_jax.rl.episodes import run_episodes
     from turnsight_jax.rl.methods import RolloutContext, sampler_rollout
 
     tasks = [generate_task(c, 40 + i) for i, c in enumerate(CATEGORIES)]
@@ -200,5 +201,11 @@ def test_sampled_draws_depend_on_the_episode_only(tok, env, model):
             assert a.group_id == b.group_id
             np.testing.assert_array_equal(a.tokens, b.tokens)
             np.testing.assert_allclose(a.old_logprobs, b.old_logprobs, atol=1e-6)
+        # a controller's own numbering of the episodes (rl.episodes.run_episodes rows=, e.g. BAR's
+        # prompt * cap + k): the episodes of rows 2G, 2G+1, 0, 1 in one call, in that order
+        ctx = RolloutContext(graphdef, state, tok, env, sampling, rc, 1, engine=engine)
+        picked = run_episodes(ctx, [tasks[2], tasks[2], tasks[0], tasks[0]], 11, rows=[2 * G, 2 * G + 1, 0, 1])
+        for a, b in zip(picked.trajectories, whole[2 * G:2 * G + 2] + whole[:2], strict=True):
+            np.testing.assert_array_equal(a.tokens, b.tokens)
         # siblings (same prompt, other rows) and other groups draw differently
         assert not np.array_equal(whole[0].tokens, whole[1].tokens)

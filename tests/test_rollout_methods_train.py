@@ -34,7 +34,7 @@ def test_t2po_trains_under_grpo_and_turnsight(root, warm_start):
     advantage. (The warm-start was trained without thinking: in thinking mode it solves none of
     the tasks, so the advantages are 0 here; the test is of the mechanism and its composition.)"""
     for extra, expect in (([], "grpo"), (TURNSIGHT, "turnsight")):
-        records = train("t2po", root / f"t2po_{expect}", warm_start, *SHORT, *extra, expect=expect)
+        records = train("t2po", root / f"t2po_{expect}", warm_start, *SHORT, *extra)
         _common(records)
         total = lambda key: sum(r[key] for r in records)  # noqa: E731
         assert total("t2po/tti_triggers") > 0 and total("t2po/tds_resamples") > 0, expect
@@ -51,7 +51,7 @@ def test_appo_trains_under_grpo_and_turnsight(root, warm_start):
     no prefill of them: the prefill is the prompts'), Omega non-constant once the policy has moved
     (steps 2 and 3) and the amplification acting on the final advantage, GRPO's or TurnSight's."""
     for extra, expect in (([], "grpo"), (TURNSIGHT, "turnsight")):
-        records = train("appo", root / f"appo_{expect}", warm_start, *SHORT, *extra, expect=expect)
+        records = train("appo", root / f"appo_{expect}", warm_start, *SHORT, *extra)
         _common(records)
         for r in records:
             assert r["appo/branches"] == 8 and r["appo/rollouts"] == 8 and r["rollout/groups"] == 4

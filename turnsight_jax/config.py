@@ -712,29 +712,33 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
             SamplingParams(temperature=c.temperature, top_k=int(c.top_k), top_p=float(c.top_p))
         except ValueError as e:
             raise ConfigError(f"{section}: {e}") from None
+    sc = step_config(cfg)
+    sc.validate()
+    method = resolve_method(sc)
+    # the sections of the controllers that run (BAR's bar.cap 0 follows train.group_size)
+    episodes_per_prompt = cfg.train.group_size  # one rollout call's siblings of a prompt
+    if method.rollout.name == "bar":
+        episodes_per_prompt = bar_config(cfg).chunk
+    if method.rollout.name == "akbe":
+        akbe_config(cfg)
+    if method.rollout.name == "appo":
+        appo_config(cfg)
     engine = engine_config(cfg)
+    if method.rollout.engine_only and engine is None:
+        raise ConfigError(f"rl.rollout={method.rollout.name!r} acts inside the paged engine's decode (rollout.control): "
+                          f"set rollout.engine=paged (the lockstep sampler has no controller hooks)")
+    if method.rollout.name == "t2po" and t2po_config(cfg).tti and not cfg.rollout.enable_thinking:
+        raise ConfigError("t2po.tti forces </think>: it needs rollout.enable_thinking=True (with thinking off the "
+                          "prompt closes the think block itself); or set t2po.tti=False")
     if engine is not None and num_devices is not None:  # refuse before anything runs, with the numbers
         from turnsight_jax.rollout.engine import check_pool
 
         tensor = cfg.mesh.tensor if cfg.mesh.tensor > 0 else 1
         try:
             check_pool(engine, max(num_devices // tensor, 1), cfg.rollout.max_prompt_tokens,
-                       cfg.rollout.max_response_tokens, cfg.train.group_size)
+                       cfg.rollout.max_response_tokens, episodes_per_prompt)
         except ValueError as e:
             raise ConfigError(f"rollout: {e}") from None
-    sc = step_config(cfg)
-    sc.validate()
-    bar_config(cfg)  # the controllers' sections, checked whatever runs
-    akbe_config(cfg)
-    t2 = t2po_config(cfg)
-    appo_config(cfg)
-    method = resolve_method(sc)
-    if method.rollout.engine_only and engine is None:
-        raise ConfigError(f"rl.rollout={method.rollout.name!r} acts inside the paged engine's decode (rollout.control): "
-                          f"set rollout.engine=paged (the lockstep sampler has no controller hooks)")
-    if method.rollout.name == "t2po" and t2.tti and not cfg.rollout.enable_thinking:
-        raise ConfigError("t2po.tti forces </think>: it needs rollout.enable_thinking=True (with thinking off the "
-                          "prompt closes the think block itself); or set t2po.tti=False")
     # a controller that forms its own groups (BAR, AKBE) gives each prompt its own number of rows
     if method.rollout.rows_per_prompt is not None:
         sc = dataclasses.replace(sc, prompt_rows=method.rollout.prompt_rows(cfg, cfg.train.group_size))

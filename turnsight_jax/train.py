@@ -426,7 +426,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             if "views_skipped" in bstats:  # privileged views without a block (e.g. no successful sibling)
                 metrics["teacher/views_skipped"] = bstats["views_skipped"]
                 metrics["teacher/views_built"] = bstats.get("views_built", 0.0)
-            counts = _summed({**{f"r.{k}": res.stats.get(k, 0.0) for k in ("tokens", "decoded_tokens", "env_errors")},
+            counts = _summed({**{f"r.{k}": res.stats.get(k, 0.0) for k in ("tokens", "decoded_tokens", "env_errors",
+                                                                            "episodes")},
                               **{f"b.{k}": bstats.get(k, 0.0) for k in ("trajectory_tokens", "view_tokens",
                                                                         "policy_tokens")},
                               "f.rollout": flops.rollout_flops(qcfg, [t.length for t in res.trajectories],
@@ -451,6 +452,11 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                             "perf/tool_s": res.stats["tool_s"], "perf/tokens_per_s": tokens / t_total,
                             # episodes an environment error ended (a raising step or scorer), a count
                             "rollout/env_errors": counts["r.env_errors"],
+                            # what the controller sampled (BAR's rounds, AKBE's no-tool group included):
+                            # episodes, their tokens after the prompt, the policy tokens decoded
+                            "rollout/episodes": counts["r.episodes"],
+                            "rollout/episode_tokens": counts["r.tokens"],
+                            "rollout/decoded_tokens": counts["r.decoded_tokens"],
                             "perf/compilations": res.stats.get("compilations", 0.0),
                             "perf/step_compilations": float(step_fn._cache_size()),  # programs compiled so far
                             **{f"shape/{k}": float(v) for k, v in shapes.items()},

@@ -332,8 +332,6 @@ class StepConfig:
             if not math.isfinite(v) or (name == "orchard_coef" and v < 0):
                 raise ConfigError(f"rl.{name} must be finite" + (" and >= 0" if name == "orchard_coef" else "")
                                   + f", got {v}")
-        if not (math.isfinite(algo.akbe_coef) and algo.akbe_coef >= 0):
-            raise ConfigError(f"akbe.coef must be finite and >= 0, got {algo.akbe_coef}")
         if isinstance(algo.appo_amplify, bool) or not (math.isfinite(algo.appo_amplify) and algo.appo_amplify >= 0):
             raise ConfigError(f"appo.amplify must be finite and >= 0, got {algo.appo_amplify}")
         if not math.isfinite(algo.toolomni_gate):

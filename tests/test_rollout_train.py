@@ -1,0 +1,52 @@
+"""BAR and AKBE (rl.rollout=bar / akbe) train 3 steps from their tiny configs
+(configs/methods/{bar,akbe}.py) through `python -m turnsight_jax.train` on the built-in tasks, from
+the shared warm-start (tests/_train_runs.py), each once under GRPO and once under TurnSight over
+GRPO; their mechanism shows in the logged metrics (BAR: early stops, groups of unequal size;
+AKBE: a quadrant besides (0, 0), exemplars and their CE)."""
+
+from __future__ import annotations
+
+from _train_runs import train
+
+TURNSIGHT = ["--config.rl.method=turnsight", "--config.rl.base=grpo"]
+# small enough for CI: 2 prompts, BAR 2 rollouts a round up to 4, AKBE groups of 2 (+ 2 no-tool)
+BAR = ["--config.bar.chunk=2", "--config.bar.cap=4"]
+AKBE = ["--config.train.group_size=2"]
+
+
+def _common(records, rows):
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(r["train/skipped_updates"] == 0.0 for r in records)
+    assert all(r["shape/T"] > 0 for r in records)
+    # the static row count: every step compiled the same program
+    assert len({r["perf/step_compilations"] for r in records}) == 1, rows
+
+
+def test_bar_trains_under_grpo_and_turnsight(tmp_path, warm_start):
+    for name, more in (("grpo", []), ("turnsight", TURNSIGHT)):
+        records = train("bar", tmp_path / name, warm_start, *BAR, *more)
+        _common(records, 8)
+        # BAR acted: some prompt stopped in the band after one round of 2 (a group of 2, the cap 4)
+        assert sum(r["bar/early_stops"] for r in records) > 0, name
+        assert any(r["rollout/group_size_min"] < r["rollout/group_size_max"] or r["rollout/group_size_max"] < 4
+                   for r in records), name
+        for r in records:
+            assert r["bar/rollouts"] == r["bar/group_size_sum"] == r["rollout/rows_in_groups"]
+            assert r["bar/early_stops"] + r["bar/cap_mixed"] + r["bar/fallbacks"] + r["bar/in_band"] >= 2
+        assert any(r["train/adv_abs_mean"] > 0 for r in records), name
+        if name == "turnsight":
+            assert any(r["turnsight/weight_max"] > 1.0 for r in records)
+
+
+def test_akbe_trains_under_grpo_and_turnsight(tmp_path, warm_start):
+    for name, more in (("grpo", []), ("turnsight", TURNSIGHT)):
+        records = train("akbe", tmp_path / name, warm_start, *AKBE, *more)
+        _common(records, 6)
+        for r in records:
+            assert sum(r[f"akbe/q{q}"] for q in ("11", "10", "01", "00")) == 2
+            assert r["akbe/no_tool_rollouts"] == 4 and r["rollout/rows_in_groups"] == 4
+        # a quadrant besides (0, 0), its exemplar imitated: the CE is a positive NLL
+        assert any(r["akbe/q11"] + r["akbe/q10"] + r["akbe/q01"] > 0 for r in records), name
+        assert any(r["akbe/exemplars"] > 0 and r["train/akbe_ce"] > 0 and r["akbe/exemplar_tokens_mean"] > 0
+                   for r in records), name
+        assert all((r["akbe/exemplars"] > 0) == (r["train/akbe_ce"] > 0) for r in records), name
