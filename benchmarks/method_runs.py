@@ -1,10 +1,11 @@
 """Methods whose cost lies outside the train step (SLIM's audits and skill writing, the model
-judge's decoding, the rollout controllers BAR and AKBE), against GRPO, as whole trainer steps:
+judge's decoding, the rollout controllers BAR, AKBE, T2PO and APPO), against GRPO, as whole trainer steps:
 `python -m turnsight_jax.train` runs of each method's tiny config at the same sizes, from the
 same random tiny-default policy (or, with --warm_start, from one supervised warm-start shared by
 every run: a controller that reacts to successes, BAR, needs a policy that succeeds sometimes).
 
     python benchmarks/method_runs.py [--steps 4] [--methods grpo,slim,judge,bar,akbe] [--warm_start]
+    python benchmarks/method_runs.py --warm_start --methods grpo,grpo_paged,grpo_thinking,t2po,appo
 
 Each run: 2 prompts x 4 samples per step, no warm-start, no held-out evaluation. The per-step
 cost is perf/step_s (rollout + update) plus slim/audit_s (SLIM's leave-one-out audit and its
@@ -14,7 +15,13 @@ closes its output, so it decodes its full `judge.max_new_tokens` (48 in the tiny
 every trajectory, the worst case. BAR (configs/methods/bar.py: 2 rollouts a round, up to 8) and
 AKBE (a no-tool group as large as the with-tool one) sample a different number of episodes than
 GRPO's 2 x 4: the table gives each run's episodes and tokens per step (rollout/episodes,
-rollout/decoded_tokens) and their ratio to GRPO's. Prints a table with the ratio to GRPO's step."""
+rollout/decoded_tokens) and their ratio to GRPO's. T2PO and APPO run in the paged engine (their
+hooks live in its decode) and T2PO with thinking on: `grpo_paged` (GRPO on the paged engine) and
+`grpo_thinking` (the same, thinking on) are their like-for-like baselines, their ratio to which is
+in the note with what the controller did: T2PO's TTI triggers and TDS re-samples and the tokens it
+decoded then dropped, APPO's branches, the tokens they sampled past their branch points and the
+prefix tokens they reused without prefill (rollout/prefill_tokens stays the prompts'). Prints a
+table with the ratio to GRPO's step."""
 
 from __future__ import annotations
 
@@ -52,6 +59,15 @@ def random_judge(folder: pathlib.Path) -> pathlib.Path:
     return folder
 
 
+# GRPO on the embedded default (the lockstep sampler), and the paged engine's runs T2PO and APPO compare with.
+BASELINES = {"grpo": ["--config.rl.method=grpo"],
+             "grpo_paged": ["--config.rl.method=grpo", "--config.rollout.engine=paged"],
+             "grpo_thinking": ["--config.rl.method=grpo", "--config.rollout.engine=paged",
+                               "--config.rollout.enable_thinking=True"]}
+# each controller's like-for-like baseline (same engine, same thinking mode)
+PAGED_BASELINE = {"t2po": "grpo_thinking", "appo": "grpo_paged"}
+
+
 # The warm-start of --warm_start (tests/_train_runs.py's: gold demonstrations, 200 + 60 steps of 4 rows).
 WARM_START = ["--config.sft.curriculum_steps=200", "--config.sft.steps=60", "--config.sft.batch_size=4",
               "--config.sft.num_tasks=128", "--config.sft.wrong_call_rate=0.0"]
@@ -69,8 +85,8 @@ def warm_start(folder: pathlib.Path) -> pathlib.Path:
 def run(method: str, workdir: pathlib.Path, steps: int, judge: pathlib.Path, sft: pathlib.Path | None = None) -> list[dict]:
     import shutil
 
-    config = [] if method == "grpo" else ["--config", str(REPO / "configs" / "methods" / f"{method}.py")]
-    more = ["--config.rl.method=grpo"] if method == "grpo" else []
+    config = [] if method in BASELINES else ["--config", str(REPO / "configs" / "methods" / f"{method}.py")]
+    more = list(BASELINES.get(method, []))
     if method == "judge":
         more.append(f"--config.judge.checkpoint={judge}")
     sizes = SIZES
@@ -116,6 +132,17 @@ def main():
                 extra = (f"groups of {statistics.mean(r['bar/group_size_mean'] for r in recs):.1f} on average; "
                          f"{sum(r['bar/early_stops'] for r in recs) / n:.0%} of prompts stopped early, "
                          f"{sum(r['bar/fallbacks'] for r in recs) / n:.0%} fell back at the cap")
+            elif name == "t2po":
+                extra = (f"{sum(r['t2po/tti_triggers'] for r in recs) / len(recs):.1f} TTI triggers, "
+                         f"{sum(r['t2po/tds_resamples'] for r in recs) / len(recs):.1f} TDS re-samples, "
+                         f"{statistics.mean(r['t2po/discarded_tokens'] for r in recs):.0f} tokens decoded then dropped, "
+                         f"{statistics.mean(r['t2po/recompute_tokens'] for r in recs):.0f} recomputed per step")
+            elif name == "appo":
+                extra = (f"{statistics.mean(r['appo/branches'] for r in recs):.0f} branches, "
+                         f"{statistics.mean(r['appo/branch_tokens'] for r in recs):.0f} tokens past their branch points, "
+                         f"{statistics.mean(r['appo/shared_prefix_tokens'] for r in recs):.0f} prefix tokens shared, "
+                         f"{statistics.mean(r['rollout/prefill_tokens'] for r in recs):.0f} prefilled (the prompts') "
+                         f"per step")
             elif name == "akbe":
                 q = {k: sum(r[f"akbe/q{k}"] for r in recs) for k in ("11", "10", "01", "00")}
                 extra = (f"quadrants 11/10/01/00 {q['11']:.0f}/{q['10']:.0f}/{q['01']:.0f}/{q['00']:.0f}; "
@@ -124,6 +151,10 @@ def main():
                          f"{sampled[name][0]:.1f}", None, f"{sampled[name][1]:.0f}", None, extra])
             print(f"{name}: {cost[name]:.2f} s/step", file=sys.stderr)
     for r in rows:
+        if r[0] in PAGED_BASELINE and PAGED_BASELINE[r[0]] in cost:
+            base = PAGED_BASELINE[r[0]]
+            r[10] = (f"{cost[r[0]] / cost[base]:.2f}x {base}'s step, {sampled[r[0]][1] / max(sampled[base][1], 1.0):.2f}x "
+                     f"its decoded tokens; " + r[10])
         r[5] = f"{cost[r[0]] / cost['grpo']:.2f}"
         r[7] = f"{sampled[r[0]][0] / sampled['grpo'][0]:.2f}"
         r[9] = f"{sampled[r[0]][1] / max(sampled['grpo'][1], 1.0):.2f}"

@@ -380,3 +380,34 @@ def test_appo_amplification_in_the_step(tok):
         outs.append((jax.tree.map(np.asarray, new), float(metrics["adv_abs_mean"])))
     assert outs[0][1] == outs[1][1] > 0
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(outs[0][0]), jax.tree.leaves(outs[1][0])))
+
+
+def test_decode_signals_are_the_tempered_distributions_and_only_when_declared(model):
+    """rollout.sampler.token_signals equals H and C computed in float64 from softmax(logits / T);
+    the compiled decode computes them only when a controller declares them (with a top-k-free
+    sampler, the top-j search appears in the program only then)."""
+    from turnsight_jax.models.paged_cache import LiveBlocks, empty_pool
+    from turnsight_jax.models.config import Qwen3Config
+    from turnsight_jax.rollout import engine as E
+    from turnsight_jax.rollout.sampler import SamplingParams, token_signals
+
+    logits = np.random.default_rng(0).normal(0, 3, (3, 2000)).astype(np.float32)
+    got = token_signals(jnp.asarray(logits), SamplingParams(temperature=0.7), entropy=True, top_j=4)
+    z = logits.astype(np.float64) / 0.7
+    logp = z - np.log(np.exp(z - z.max(1, keepdims=True)).sum(1, keepdims=True)) - z.max(1, keepdims=True)
+    np.testing.assert_allclose(got[ENTROPY], -(np.exp(logp) * logp).sum(1), rtol=1e-4)
+    np.testing.assert_allclose(got[TOP_J_NLL], -np.sort(logp, 1)[:, -4:].mean(1), rtol=1e-5)
+
+    graphdef, state = model
+    cfg = Qwen3Config(**TINY)
+    r, steps = 2, 4
+    live = LiveBlocks(*(jnp.zeros((1, 8), jnp.int32) for _ in range(3)), jnp.zeros((1, r), jnp.int32))
+    args = (graphdef, state, empty_pool(cfg, 1, 9, 16, jnp.float32), jnp.zeros((r, cfg.hidden_size)),
+            jnp.zeros((r, 8), jnp.int32), live, jnp.zeros(r, jnp.int32), jnp.ones(r, jnp.int32),
+            jax.vmap(jax.random.key)(jnp.arange(r)), jnp.zeros(r, jnp.int32), jnp.array([1, 2], jnp.int32),
+            jnp.full((r, steps), -1, jnp.int32))
+    params = SamplingParams(temperature=1.0)
+    plain = E._decode.lower(*args, steps=steps, params=params).as_text()
+    declared = E._decode.lower(*args, steps=steps, params=params, signals=DecodeSignals(entropy=True, top_j=5)).as_text()
+    assert "top_k" not in plain and "top_k" in declared
+    assert plain == E._decode.lower(*args, steps=steps, params=params, signals=DecodeSignals()).as_text()
