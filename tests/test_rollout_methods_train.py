@@ -46,15 +46,15 @@ def test_t2po_trains_under_grpo_and_turnsight(root, warm_start):
 
 
 def test_appo_trains_under_grpo_and_turnsight(root, warm_start):
-    """APPO branches every initial rollout once (configs/methods/appo.py: appo.branches = 1): 8
-    branches a step, two groups per prompt, the branches' prefixes reused (shared prefix tokens,
+    """APPO branches every initial rollout once (configs/methods/appo.py: appo.branches = 1; here 2
+    prompts x 2 rollouts, for time): 4 branches a step, two groups per prompt, the branches' prefixes reused (shared prefix tokens,
     no prefill of them: the prefill is the prompts'), Omega non-constant once the policy has moved
     (steps 2 and 3) and the amplification acting on the final advantage, GRPO's or TurnSight's."""
     for extra, expect in (([], "grpo"), (TURNSIGHT, "turnsight")):
-        records = train("appo", root / f"appo_{expect}", warm_start, *SHORT, *extra)
+        records = train("appo", root / f"appo_{expect}", warm_start, *SHORT, "--config.train.group_size=2", *extra)
         _common(records)
         for r in records:
-            assert r["appo/branches"] == 8 and r["appo/rollouts"] == 8 and r["rollout/groups"] == 4
+            assert r["appo/branches"] == 4 and r["appo/rollouts"] == 4 and r["rollout/groups"] == 4
             assert r["appo/shared_prefix_tokens"] > 0 and r["appo/branch_tokens"] > 0
             assert r["appo/replay_mismatches"] == 0
             assert r["rollout/prefill_tokens"] < r["appo/shared_prefix_tokens"]

@@ -44,6 +44,7 @@ from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.rl.advantages import register_advantage_transform
 from turnsight_jax.rl.episodes import run_episodes
+from turnsight_jax.models.sharding import BATCH
 from turnsight_jax.rl.logprobs import student_logprobs
 from turnsight_jax.rollout.control import ENTROPY, DecodeSignals, EngineController, EpisodeStart
 from turnsight_jax.rollout.driver import RolloutResult
@@ -247,11 +248,13 @@ class APPOHooks:
         return out
 
 
-def appo_pool_blocks(engine, config, prompts: int, group_size: int) -> int:
-    """Blocks per shard for APPO's engine: every initial rollout of the call kept at full length
-    (until its branches have started), plus the slots at full length for the branches."""
+def appo_pool_blocks(engine, config, prompts: int, group_size: int, shards: int = 1) -> int:
+    """Blocks per shard for APPO's engine: the slots at full length (the default pool) plus every
+    initial rollout of the call kept at full length until its branches start (any of them may be
+    kept on any shard: the worst case)."""
     shared, own = blocks_per_episode(config.max_prompt_tokens, config.max_response_tokens, engine.block_size)
-    slots = default_pool_blocks(engine.slots, config.max_prompt_tokens, config.max_response_tokens, engine.block_size)
+    slots = default_pool_blocks(-(-engine.slots // shards), config.max_prompt_tokens, config.max_response_tokens,
+                                engine.block_size)
     return max(engine.pool_blocks, slots + prompts * group_size * (shared + own))
 
 
@@ -273,8 +276,9 @@ def appo_rollout(ctx, tasks: Sequence[Task], seed: int, cfg: APPOConfig) -> Roll
 
     def policy(c, s, rows):
         n_prompts = len(rows) // c.group_size
+        shards = 1 if c.mesh is None else math.prod(c.mesh.shape[a] for a in BATCH)
         engine = dataclasses.replace(c.engine, pool_blocks=appo_pool_blocks(c.engine, c.config, n_prompts,
-                                                                            c.group_size))
+                                                                            c.group_size, shards))
         kwargs = {} if c.cache_dtype is None else {"cache_dtype": c.cache_dtype}
         return PagedEngine(c.graphdef, c.params, c.tokenizer, sampling=c.sampling, config=c.config, engine=engine,
                            seed=s, mesh=c.mesh, row_offset=rows, controller=_Entropy(), retain=True, **kwargs)
