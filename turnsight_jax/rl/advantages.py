@@ -230,25 +230,33 @@ class Estimator:
 ESTIMATORS: dict[str, Estimator] = {}
 
 
-def register_advantage(name: str, inputs: tuple[str, ...], knobs: tuple[str, ...] = ()):
-    """Decorator: register `fn(*batch[inputs], **knobs)` as the advantage estimator `name`."""
+def _registrar(table: dict[str, Estimator], kind: str, name: str, inputs: tuple[str, ...], knobs: tuple[str, ...]):
     unknown = [k for k in knobs if k not in KNOBS]
     if unknown:
-        raise ValueError(f"advantage estimator {name!r}: unknown knobs {unknown}; known: {KNOBS}")
+        raise ValueError(f"{kind} {name!r}: unknown knobs {unknown}; known: {KNOBS}")
 
     def deco(fn):
-        if name in ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} already registered")
-        ESTIMATORS[name] = Estimator(name, fn, tuple(inputs), tuple(knobs))
+        if name in table:
+            raise ValueError(f"{kind} {name!r} already registered")
+        table[name] = Estimator(name, fn, tuple(inputs), tuple(knobs))
         return fn
 
     return deco
 
 
+def _lookup(table: dict[str, Estimator], kind: str, name: str) -> Estimator:
+    if name not in table:
+        raise KeyError(f"unknown {kind} {name!r}; known: {sorted(table)}")
+    return table[name]
+
+
+def register_advantage(name: str, inputs: tuple[str, ...], knobs: tuple[str, ...] = ()):
+    """Decorator: register `fn(*batch[inputs], **knobs)` as the advantage estimator `name`."""
+    return _registrar(ESTIMATORS, "advantage estimator", name, inputs, knobs)
+
+
 def get_estimator(name: str) -> Estimator:
-    if name not in ESTIMATORS:
-        raise KeyError(f"unknown advantage estimator {name!r}; known: {sorted(ESTIMATORS)}")
-    return ESTIMATORS[name]
+    return _lookup(ESTIMATORS, "advantage estimator", name)
 
 
 # Advantage transforms: applied to the method's final advantage (after its estimator, and after the
@@ -261,25 +269,13 @@ TRANSFORMS: dict[str, Estimator] = {}
 def register_advantage_transform(name: str, inputs: tuple[str, ...], knobs: tuple[str, ...] = ()):
     """Decorator: register `fn(*batch[inputs], **knobs) -> [B, N]` (or a dict holding "advantages"
     and diagnostics), `inputs` including "advantages", as the advantage transform `name`."""
-    unknown = [k for k in knobs if k not in KNOBS]
-    if unknown:
-        raise ValueError(f"advantage transform {name!r}: unknown knobs {unknown}; known: {KNOBS}")
     if "advantages" not in inputs:
         raise ValueError(f"advantage transform {name!r}: its inputs must include 'advantages'")
-
-    def deco(fn):
-        if name in TRANSFORMS:
-            raise ValueError(f"advantage transform {name!r} already registered")
-        TRANSFORMS[name] = Estimator(name, fn, tuple(inputs), tuple(knobs))
-        return fn
-
-    return deco
+    return _registrar(TRANSFORMS, "advantage transform", name, inputs, knobs)
 
 
 def get_transform(name: str) -> Estimator:
-    if name not in TRANSFORMS:
-        raise KeyError(f"unknown advantage transform {name!r}; known: {sorted(TRANSFORMS)}")
-    return TRANSFORMS[name]
+    return _lookup(TRANSFORMS, "advantage transform", name)
 
 
 register_advantage("grpo", ("rewards", "group_ids", "policy_mask"), ("eps", "num_groups"))(grpo_advantages)

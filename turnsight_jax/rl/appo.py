@@ -43,6 +43,7 @@ from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.rl.advantages import register_advantage_transform
+from turnsight_jax.rl.config import section_settings
 from turnsight_jax.rl.episodes import run_episodes
 from turnsight_jax.models.sharding import BATCH
 from turnsight_jax.rl.logprobs import student_logprobs
@@ -89,11 +90,7 @@ class APPOConfig:
 
 def appo_settings(section) -> APPOConfig:
     """The run config's `appo` ConfigDict (or any mapping of its keys) -> a checked APPOConfig."""
-    fields = {f.name for f in dataclasses.fields(APPOConfig)}
-    unknown = sorted(set(section.keys()) - fields)
-    if unknown:
-        raise ConfigError(f"appo.{unknown[0]} is not an APPO key; keys: {', '.join(sorted(fields))}")
-    return APPOConfig(**dict(section.items())).validate()
+    return section_settings(APPOConfig, section, "appo", "an APPO")
 
 
 # ---- the signal (pure functions on one rollout's policy tokens) ----

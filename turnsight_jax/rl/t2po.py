@@ -37,6 +37,7 @@ import numpy as np
 from turnsight_jax.chat import tokenizer as tok_lib
 from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
+from turnsight_jax.rl.config import section_settings
 from turnsight_jax.rl.episodes import run_episodes
 from turnsight_jax.rollout.control import ENTROPY, TOP_J_NLL, Chunk, DecodeSignals, Edit, EngineController
 from turnsight_jax.rollout.driver import RolloutResult
@@ -212,11 +213,7 @@ class T2POController(EngineController):
 
 def t2po_settings(section) -> T2POConfig:
     """The run config's `t2po` ConfigDict (or any mapping of its keys) -> a checked T2POConfig."""
-    fields = {f.name for f in dataclasses.fields(T2POConfig)}
-    unknown = sorted(set(section.keys()) - fields)
-    if unknown:
-        raise ConfigError(f"t2po.{unknown[0]} is not a T2PO key; keys: {', '.join(sorted(fields))}")
-    return T2POConfig(**dict(section.items())).validate()
+    return section_settings(T2POConfig, section, "t2po", "a T2PO")
 
 
 def t2po_rollout(ctx, tasks: Sequence[Task], seed: int, cfg: T2POConfig) -> RolloutResult:
