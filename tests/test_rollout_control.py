@@ -8,6 +8,7 @@ prefill of it again) and their log-probs equal a teacher-forced forward of the f
 from __future__ import annotations
 
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from flax import nnx
 from turnsight_jax.rl import appo, t2po
 from turnsight_jax.rollout.control import ENTROPY, TOP_J_NLL, Chunk, DecodeSignals, EpisodeStart
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
 THINK_CLOSE, TOOL_CALL, IM_END = 151668, 151657, 151645  # Qwen3's </think>, <tool_call>, <|im_end|>
 
 
@@ -133,6 +135,19 @@ def test_t2po_config_is_checked(tok):
         appo.appo_settings({"amplify": 5.0, "clip_low": 0.2})
     with pytest.raises(Exception, match=r"appo.ratio_to must be one of"):
         appo.appo_settings({"ratio_to": "ema"})
+    # the run config: the controllers need the paged engine; TTI needs thinking; APPO's rows
+    from turnsight_jax.config import load_run_config, validate
+    from turnsight_jax.errors import ConfigError
+
+    for name, more, match in (("t2po", ["--config.rollout.engine=lockstep"], r"rl.rollout='t2po' acts inside the paged"),
+                              ("appo", ["--config.rollout.engine=lockstep"], r"rl.rollout='appo' acts inside the paged"),
+                              ("t2po", ["--config.rollout.enable_thinking=False"], r"t2po.tti forces </think>"),
+                              ("appo", ["--config.appo.branches=0"], r"appo.branches must be an int >= 1")):
+        with pytest.raises(ConfigError, match=match):
+            validate(load_run_config(str(REPO / "configs" / "methods" / f"{name}.py"), more), 1)
+    sc, method = validate(load_run_config(str(REPO / "configs" / "methods" / "appo.py"), ["--config.rl.method=turnsight"]), 1)
+    assert sc.rows_per_prompt == 4 * 2 and method.transform.name == appo.AMPLIFY and method.base.name == "grpo"
+    assert method.rollout.old_policy_kind(load_run_config(str(REPO / "configs" / "methods" / "appo.py"), [])) == "previous"
 
 
 def test_appo_omega_and_branch_points_equal_hand_computed():
