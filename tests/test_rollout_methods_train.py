@@ -8,6 +8,7 @@ short (2 turns of at most 24 tokens) for CI time."""
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 
@@ -49,8 +50,9 @@ def test_appo_trains_under_grpo_and_turnsight(root, warm_start):
     """APPO branches every initial rollout once (configs/methods/appo.py: appo.branches = 1; here 2
     prompts x 2 rollouts, for time): 4 branches a step, two groups per prompt, the branches' prefixes reused (shared prefix tokens,
     no prefill of them: the prefill is the prompts'), Omega non-constant once the policy has moved
-    (steps 2 and 3) and the amplification acting on the final advantage, GRPO's or TurnSight's."""
-    for extra, expect in (([], "grpo"), (TURNSIGHT, "turnsight")):
+    (steps 2 and 3) and the amplification acting on the final advantage, GRPO's or TurnSight's;
+    a run resumed from its step-2 checkpoint (the previous policy restored with it) repeats step 3."""
+    for extra, expect in ((["--config.checkpoint.every=1"], "grpo"), (TURNSIGHT, "turnsight")):
         records = train("appo", root / f"appo_{expect}", warm_start, *SHORT, "--config.train.group_size=2", *extra)
         _common(records)
         for r in records:
@@ -65,3 +67,10 @@ def test_appo_trains_under_grpo_and_turnsight(root, warm_start):
         assert any(r["train/adv_abs_mean"] > 0.1 for r in records)
         if expect == "turnsight":
             assert all("turnsight/weight_max" in r for r in records)
+        if expect == "grpo":  # resumed from step 2: the checkpointed previous policy gives step 3 the same Omega
+            resumed = root / "appo_resumed"
+            shutil.copytree(root / "appo_grpo", resumed)
+            shutil.rmtree(resumed / "checkpoints" / "3")
+            again = train("appo", resumed, warm_start, *SHORT, "--config.train.group_size=2", *extra)
+            for key in ("appo/omega_log_mean", "appo/omega_log_sq_mean", "appo/branch_score_mean", "train/grad_norm"):
+                assert again[2][key] == records[2][key], key

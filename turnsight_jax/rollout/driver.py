@@ -646,8 +646,10 @@ def rollout(
     if env_errors:
         print(f"rollout: {len(env_errors)} episode(s) ended by an environment error; first: "
               f"{env_errors[0]}", file=sys.stderr, flush=True)
-    stats = {"rollout_s": elapsed, "tool_s": tool_s[0], "env_errors": float(len(env_errors)), "episodes": float(n),
-             "tokens": float(sum(t.length - t.prompt_len for t in trajectories))}
+    # episodes: every one run, those the hooks added included; tokens: after the prompts (a branch's
+    # prefix counted again: what it decoded itself is the backend's decoded_tokens)
+    stats = {"rollout_s": elapsed, "tool_s": tool_s[0], "env_errors": float(len(env_errors)),
+             "episodes": float(len(builders)), "tokens": float(sum(t.length - t.prompt_len for t in trajectories))}
     if hooks is not None:
         stats.update(added)
     for k, v in getattr(policy, "timings", {}).items():
