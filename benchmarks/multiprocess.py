@@ -3,6 +3,7 @@ a preemption and its resume, and the wall times.
 
     python benchmarks/multiprocess.py                 # ~16 minutes on the 2-core box
     python benchmarks/multiprocess.py --warm RUN      # reuse RUN/sft, a finished warm start (~5 minutes)
+    python benchmarks/multiprocess.py --args "--config.rl.method=grpo --config.rl.rollout=bar"  # another method
 
 Warm-starts the tiny config once (its default SFT, one process), then trains 3 RL steps from
 that checkpoint three ways: (a) 2 processes (launch/local_multiprocess.sh),
@@ -160,6 +161,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--warm", default="", help="reuse this warm-start run folder (its sft/ is complete) instead of "
                                              "making one (~11 minutes)")
+    ap.add_argument("--args", default="", help="more --config overrides for the three RL runs (e.g. a rollout "
+                                              "controller: groups of unequal size, a batch of prompts x R rows)")
     opts = ap.parse_args()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="multiprocess-"))
     warm, two, one, cut = tmp / "warm", tmp / "two", tmp / "one", tmp / "preempted"
@@ -171,7 +174,9 @@ def main() -> int:
         t_warm, _ = _run([*TRAIN, "--workdir", str(warm), "--config.train.steps=0", "--config.data.num_eval=0"],
                          _env(**ONE_PROCESS), "warm-start")
     print(f"warm-start (SFT, 1 process): {t_warm:.1f} s{' (reused)' if opts.warm else ''}", flush=True)
-    args = [f"--config.model.hf_path={warm / 'sft'}", *ARGS]
+    import shlex
+
+    args = [f"--config.model.hf_path={warm / 'sft'}", *ARGS, *shlex.split(opts.args)]
     t_two, _ = _run(_two(two, 12611, args), _env(), "2-process run")
     print(f"(a) 2 processes: {t_two:.1f} s", flush=True)
     t_one, _ = _run([*TRAIN, "--workdir", str(one), *args], _env(**ONE_PROCESS), "1-process run")
@@ -189,10 +194,11 @@ def main() -> int:
     diff_ab = _param_diff(two, one, "2 vs 1 process", problems)
     diff_cb = _param_diff(cut, one, "preempted + resumed vs 1 process", problems)
 
-    episodes = PROMPTS * GROUP
     calls_two = [[x.get(f"dist/tool_calls_p{p}", float("nan")) for p in (0, 1)] for x in a]
     calls_one = [x["rollout/tool_calls"] for x in b]
     for step, x in enumerate(a):
+        # the episodes in groups (a controller that forms its own groups: as many as the 1-process run's)
+        episodes = b[step].get("rollout/rows_in_groups", PROMPTS * GROUP)
         eps = [x.get(f"dist/episodes_p{p}", 0.0) for p in (0, 1)]
         if sum(eps) != episodes or min(eps) <= 0:
             problems.append(f"step {step}: episodes per process {eps}, expected a split of {episodes}")

@@ -53,7 +53,7 @@ def train(method: str, workdir: pathlib.Path, warm_start: pathlib.Path | None, *
             "--workdir", str(workdir), *SIZES, *more]
     proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"{method}: exit {proc.returncode}\n{proc.stderr[-4000:]}"
-    # a method's config names it; a rollout controller's (configs/methods/bar.py) its controller
+    # the config's method, or its rollout controller (configs/methods/<controller>.py: rl.rollout=<controller>)
     assert f"method {method}:" in proc.stderr or f"rollout {method}," in proc.stderr
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 

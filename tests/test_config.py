@@ -164,6 +164,8 @@ TODAY_DEFAULT["judge"] = {"checkpoint": "", "rationale": True, "reference": Fals
 # BAR and AKBE (rl.rollout=bar / akbe): no effect on the default method (its controller is the sampler).
 TODAY_DEFAULT["bar"] = {"chunk": 4, "cap": 0, "low": 0.375, "high": 0.625, "success": 1.0, "fallback": "keep"}
 TODAY_DEFAULT["akbe"] = {"coef": 0.05, "correct": "answer_correct", "correct_min": 1.0, "no_tool_calls": "refuse"}
+# MM-GRPO's rollout controller (rl.rollout=mm_grpo): no effect on the default method (its sampler).
+TODAY_DEFAULT["mm_grpo"] = {"window": 1, "placeholder": "[earlier tool output omitted]", "refill_rounds": 3}
 # T2PO and APPO (rl.rollout=t2po / appo): no effect on the default method (its controller is the sampler).
 TODAY_DEFAULT["t2po"] = {"alpha": 0.5, "top_j": 5, "tti": True, "tti_window": 8, "tti_threshold": 0.05, "tds": True,
                          "tds_threshold": 0.02, "tds_max_resamples": 2, "phi_floor": 1e-3}

@@ -1,5 +1,6 @@
 """Packed hindsight views: the teacher's log-probs on the packed copies equal those of each
-(turn, depth) view built as its own plain sequence."""
+(turn, depth) view built as its own plain sequence, also when an observation window (rl.mm_grpo)
+elided observations from the turns' contexts."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import numpy as np
 import pytest
 
 from turnsight_jax.chat.hindsight import teacher_view_ids
+from turnsight_jax.chat.trajectory import turn_context
 from turnsight_jax.envs.ftrl import FTRLEnv
 from turnsight_jax.envs.synthetic import SyntheticConfig, generate_task, gold_turn_texts
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import RuntimeOptions, init_model
-from turnsight_jax.rollout.driver import ReplayPolicy, RolloutConfig, rollout
+from turnsight_jax.rollout.driver import ObservationWindow, ReplayPolicy, RolloutConfig, placeholder_suffix, rollout
 from turnsight_jax.rl.logprobs import logprobs_at, teacher_logprobs
 from turnsight_jax.rl.views import ViewOptions, build_views, covered_turns
 
@@ -25,8 +27,7 @@ CFG = Qwen3Config(vocab_size=SMALL_VOCAB, hidden_size=32, intermediate_size=64, 
                   num_kv_heads=2, head_dim=8, tie_word_embeddings=False)
 
 
-@pytest.fixture(scope="module")
-def trajectories(tok):
+def _replayed(tok, window=None):
     """Real multi-turn trajectories: gold chains, wrong calls, malformed calls, parallel calls."""
     rng = np.random.default_rng(0)
     tasks = [generate_task(c, s, SyntheticConfig(hops=3)) for s, c in
@@ -41,8 +42,18 @@ def trajectories(tok):
         scripts.append(noisy[: int(rng.integers(2, len(noisy) + 1))])
     with FTRLEnv(num_workers=1) as env:
         res = rollout(ReplayPolicy(tok, scripts), env, tasks, tokenizer=tok, group_size=2,
-                      config=RolloutConfig(max_turns=6, max_response_tokens=4096))
+                      config=RolloutConfig(max_turns=6, max_response_tokens=4096), window=window)
     return tasks, res.trajectories
+
+
+@pytest.fixture(scope="module")
+def trajectories(tok):
+    return _replayed(tok)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(CFG, seed=1, options=RuntimeOptions(attn_q_chunk=128))
 
 
 @pytest.mark.parametrize("options", [
@@ -50,11 +61,29 @@ def trajectories(tok):
     ViewOptions(source="tool_results_answer", turns="last:2"),
     ViewOptions(source="answer", depths=(2,), turns="first:1"),  # answer-only source, one depth, first turn
 ])
-def test_packed_views_equal_plain_sequences(tok, trajectories, options):
-    tasks, trajs = trajectories
+def test_packed_views_equal_plain_sequences(tok, trajectories, model, options):
+    _check_views_against_plain_sequences(tok, *trajectories, model, options)
+
+
+def test_packed_views_under_an_observation_window_equal_plain_sequences(tok, model):
+    """An observation window of one (rl.mm_grpo): every turn's views and its own-context row are
+    built on the context that turn saw (older tool responses replaced by the placeholder)."""
+    window = ObservationWindow(1, placeholder_suffix(tok, "[earlier tool output omitted]", enable_thinking=False))
+    tasks, trajs = _replayed(tok, window)
+    assert sum(t.contexts is not None for t in trajs) >= 4  # elisions happened
+    assert sum(t.contexts.counts[k] > 0 for t in trajs if t.contexts for k in range(t.num_turns)) >= 8
+    _check_views_against_plain_sequences(tok, tasks, trajs, model, ViewOptions())
+
+
+def _own_context(traj, k) -> list[int]:
+    """Turn k's own context and its tokens (what the student scores)."""
+    turn = traj.turns[k]
+    return [int(x) for x in turn_context(traj, k)[0]] + [int(x) for x in traj.tokens[turn.policy_start:turn.policy_end]]
+
+
+def _check_views_against_plain_sequences(tok, tasks, trajs, model, options):
     answers = [tasks[i // 2].answer for i in range(len(trajs))]
     views, stats = build_views(trajs, tok, options=options, gold_answers=answers, with_reference=True)
-    model = init_model(CFG, seed=1, options=RuntimeOptions(attn_q_chunk=128))
     # the model's vocabulary is small: ids folded identically on both sides (tests/_vocab.py)
     packed = np.asarray(jax.jit(lambda v: teacher_logprobs(model, v, chunk=64), compiler_options=OPTIMIZED)(
         jax.tree.map(jnp.asarray, fold_views(views))))
@@ -70,11 +99,10 @@ def test_packed_views_equal_plain_sequences(tok, trajectories, options):
                     seq = teacher_view_ids(tok, traj, k, d, max_depth=max(options.depths), source=options.source,
                                            gold_answer=answers[b], template=options.template)
                 else:  # outside coverage the teacher reads the student's own context
-                    seq = [int(x) for x in traj.tokens[: turn.policy_end]]
+                    seq = _own_context(traj, k)
                 cases.append((b, k, di, seq, turn.policy_end - turn.policy_start))
             # the reference row: the student's own context
-            cases.append((b, k, len(options.depths), [int(x) for x in traj.tokens[: turn.policy_end]],
-                          turn.policy_end - turn.policy_start))
+            cases.append((b, k, len(options.depths), _own_context(traj, k), turn.policy_end - turn.policy_start))
     rows, width, most = 8, 1024, 64  # fixed shapes: one compilation
     assert max(n for *_, n in cases) <= most
     score = jax.jit(lambda x, m, pred, y: logprobs_at(model, model.hidden_states(x, Layout.causal(m)), pred, y,

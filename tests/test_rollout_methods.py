@@ -102,18 +102,19 @@ def test_bar_stops_each_prompt_where_the_hand_computed_schedule_says(tok, env):
         assert [t.reward for t in group] == [float(s) for s in pattern]  # rollout k in position k
         assert [t.metrics["bar_round"] for t in group] == [float(k // 2) for k in range(size)]
         assert all(is_padding(t) and t.group_id == -1 and t.policy_mask.sum() == 0 for t in pad)
-    assert res.stats["bar/rollouts"] == 30 and res.stats["bar/rounds"] == 1 + 2 + 4 + 4 + 4
-    assert (res.stats["bar/early_stops"], res.stats["bar/in_band"], res.stats["bar/cap_mixed"],
-            res.stats["bar/fallbacks"], res.stats["bar/dropped"]) == (2, 3, 1, 1, 0)
-    assert res.stats["bar/group_size_sum"] == 30 and res.stats["bar/group_size_n"] == 5
+    m = res.metrics
+    assert m["bar/prompts"] == 5 and m["bar/rollouts"] == 30 and m["bar/rounds"] == 1 + 2 + 4 + 4 + 4
+    assert (m["bar/early_stops"], m["bar/in_band"], m["bar/cap_mixed"], m["bar/fallbacks"], m["bar/dropped"]) == (
+        2, 3, 1, 1, 0)
+    assert m["bar/rows_in_groups"] == 30 and m["bar/group_size_mean"] == 30 / 5
 
 
 def test_bar_drop_fallback_leaves_the_prompt_out(tok, env):
     _, res, _ = _bar(tok, env, fallback="drop", offset=0)
     block = res.trajectories[16:24]  # prompt 2: all failures at the cap
     assert all(is_padding(t) for t in block)
-    assert res.stats["bar/dropped"] == 1 and res.stats["bar/group_size_n"] == 4
-    assert res.stats["bar/group_size_sum"] == 2 + 4 + 8 + 8
+    assert res.metrics["bar/dropped"] == 1 and res.metrics["bar/rows_in_groups"] == 2 + 4 + 8 + 8
+    assert res.metrics["bar/group_size_mean"] == (2 + 4 + 8 + 8) / 4
 
 
 @pytest.mark.parametrize("method", ["grpo", "turnsight", "orchard", "rlsd"])
@@ -205,12 +206,12 @@ def test_akbe_quadrants_and_exemplars_match_the_hand_computed_ones(tok, env):
             exemplar_tokens.append(int(chosen.policy_mask.sum()))
             exemplar_calls.append(sum(len(t.calls) for t in chosen.turns))
     assert exemplar_calls == [0, 1, 0]
-    assert [res.stats[f"akbe/q{a}{b}"] for a, b in [(1, 1), (1, 0), (0, 1), (0, 0)]] == [1, 1, 1, 1]
-    assert res.stats["akbe/exemplars"] == 3
-    assert res.stats["akbe/exemplar_tokens_sum"] == sum(exemplar_tokens) and res.stats["akbe/exemplar_tokens_n"] == 3
-    assert res.stats["akbe/exemplar_calls_sum"] == 1
-    assert res.stats["akbe/refused_calls"] == 3 and res.stats["akbe/no_tool_correct"] == 4
-    assert res.stats["akbe/no_tool_rollouts"] == n * G
+    m = res.metrics
+    assert [m[f"akbe/q{a}{b}"] for a, b in [(1, 1), (1, 0), (0, 1), (0, 0)]] == [1, 1, 1, 1]
+    assert m["akbe/exemplars"] == 3
+    assert m["akbe/exemplar_tokens_mean"] == sum(exemplar_tokens) / 3 and m["akbe/exemplar_calls_mean"] == 1 / 3
+    assert m["akbe/refused_calls"] == 3 and m["akbe/no_tool_correct"] == 4
+    assert m["akbe/no_tool_rollouts"] == n * G
 
 
 def test_akbe_refuses_no_tool_calls_or_ends_the_episode(tok, env):
@@ -218,9 +219,9 @@ def test_akbe_refuses_no_tool_calls_or_ends_the_episode(tok, env):
     refused = [t for t in res.trajectories if t.metrics.get(akbe_lib.REFUSED)]
     assert refused == []  # no refused rollout is an exemplar or in a group; they are counted above
     _, res_end, _ = _akbe(tok, env, mode="end")
-    assert res_end.stats["akbe/refused_calls"] == 3
+    assert res_end.metrics["akbe/refused_calls"] == 3
     # the choice does not depend on what refused calls lead to here: same quadrants
-    assert [res_end.stats[f"akbe/q{a}{b}"] for a, b in [(1, 1), (1, 0), (0, 1), (0, 0)]] == [1, 1, 1, 1]
+    assert [res_end.metrics[f"akbe/q{a}{b}"] for a, b in [(1, 1), (1, 0), (0, 1), (0, 0)]] == [1, 1, 1, 1]
 
 
 def test_no_tool_episodes_answer_a_call_with_the_refusal_and_never_run_it(tok, env):

@@ -262,6 +262,11 @@ def base_config() -> mlc.ConfigDict:
     c.judge.verifier_threshold = 1.0  # an environment reward >= this is the verifier's success (judge/agreement)
     c.judge.dtype = "float32"  # the judge's weights: float32 | bfloat16
 
+    c.mm_grpo = mlc.ConfigDict()  # MM-GRPO's rollout controller (rl.rollout=mm_grpo, OpenWebRL; turnsight_jax.rl.mm_grpo, docs/rollout_methods.md)
+    c.mm_grpo.window = 1  # observations a turn's context keeps in full, the most recent (the paper keeps one screenshot); 0: all
+    c.mm_grpo.placeholder = "[earlier tool output omitted]"  # the tool response that replaces each older observation in the context
+    c.mm_grpo.refill_rounds = 3  # dynamic sampling: rounds of new prompts for groups whose rewards have zero variance; 0: off
+
     c.train = mlc.ConfigDict()  # the RL loop and the split of a step's batch
     c.train.steps = 208  # RL steps: 3 epochs x ceil(2215 FTRL training tasks / 32) (paper: 3 epochs)
     c.train.prompts_per_step = 32  # prompts per step (paper: 32)
@@ -789,6 +794,13 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
             except (OSError, ValueError) as e:
                 raise ConfigError(str(e)) from None
             check_writer(scfg, policy.vocab_size)
+    if "mm_grpo" in cfg:  # MM-GRPO's keys; the window needs every turn scored under its own context
+        from turnsight_jax.rl.mm_grpo import check_method, mm_grpo_settings
+
+        mcfg = mm_grpo_settings(cfg.mm_grpo)
+        for _, m in stages:
+            if m.rollout.name == "mm_grpo":
+                check_method(mcfg, m)
     for sc_i, method_i in stages:
         who = f"rl.method={sc_i.algo.method!r}" + (f" over rl.base={sc_i.algo.base!r}" if method_i.base else "")
         for field in method_i.task_needs:

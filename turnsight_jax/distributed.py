@@ -84,6 +84,13 @@ def gather(x) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=False))
 
 
+def summed(values: dict[str, float]) -> dict[str, float]:
+    """Each value summed over the processes (counts each one made); one process: as given."""
+    keys = sorted(values)
+    total = gather(np.array([values[k] for k in keys], np.float64)).reshape(-1, len(keys)).sum(axis=0)
+    return dict(zip(keys, total.tolist()))
+
+
 def any_process(flag: bool) -> bool:
     """True on every process when `flag` is True on any (e.g. one process got SIGTERM)."""
     return bool(gather(np.int32(bool(flag))).any())

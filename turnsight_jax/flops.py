@@ -178,7 +178,9 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     trunk = trunk_flops_per_token(cfg)
     score_chunk = score_chunk or logprob_chunk
     tokens = float(np.asarray(batch.valid).sum())
-    pairs = readable_pairs(batch.valid)
+    lay = getattr(batch, "layout", None)  # rows with several contexts (rl.context_rows): what each token reads
+    pairs = readable_pairs(batch.valid) if lay is None else layout_pairs(
+        lay.segment_ids, lay.ctx1_segment, lay.ctx1_end, lay.ctx2_segment, lay.ctx2_end)
     policy = float(np.asarray(batch.pol_valid).sum())
     need_fwd = forward_flops(cfg, tokens, pairs, policy)
     widths = _row_widths(batch.tokens, getattr(batch, "classes", None), getattr(batch, "length_class", None),

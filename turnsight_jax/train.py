@@ -129,29 +129,13 @@ def _local_batch(trajs, tasks, first, tok, step_cfg, method, cfg, shapes, row_sh
     return batch, bstats, {k: int(v) for k, v in zip(keys, agreed)}
 
 
-def _summed(values: dict[str, float]) -> dict[str, float]:
-    """Each value summed over the processes (counts of the episodes each one ran)."""
-    keys = sorted(values)
-    total = distributed.gather(np.array([values[k] for k in keys], np.float64)).sum(axis=0)
-    return dict(zip(keys, total.tolist()))
-
-
-def _controller_metrics(name: str, stats: dict[str, float]) -> dict[str, float]:
-    """The rollout controller's own stats ("<name>/..." counts, rl.methods.RolloutController)
-    summed over the processes, each "<name>/<x>_sum" / "<name>/<x>_n" pair also as its mean."""
-    own = _summed({k: v for k, v in stats.items() if k.startswith(name + "/")})
-    for key in [k for k in own if k.endswith("_sum")]:
-        n = own.get(key[:-len("_sum")] + "_n")
-        if n is not None:
-            own[key[:-len("_sum")] + "_mean"] = own[key] / n if n else 0.0
-    return own
-
-
 # The progress line's view of the method's own mechanism: the metric that shows it acting.
 MECHANISM_METRICS = {"turnsight/weight_max": "w_max", "rlsd/weight_max": "w_max", "train/sdpo_kl": "sdpo_kl",
                      "sdpo/gap_mean": "sdpo_gap", "train/sdar_gate": "gate", "train/sod_weight": "sod_w",
                      "critic/value_loss": "v_loss", "prm/gain_abs_mean": "prm_gain", "slim/library_size": "skills",
-                     "judge/agreement": "judge_agree", "t2po/tti_triggers": "tti", "t2po/tds_resamples": "tds",
+                     "judge/agreement": "judge_agree", "mm_grpo/dropped_groups": "dropped",
+                     "mm_grpo/elided_observations": "elided", "bar/group_size_mean": "group",
+                     "akbe/exemplars": "exemplars", "t2po/tti_triggers": "tti", "t2po/tds_resamples": "tds",
                      "appo/branches": "branches"}
 
 
@@ -374,7 +358,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             ctx = RolloutContext(graphdef, distributed.local_replica(params, mesh, rollout_mesh), tok, env, sampling,
                                  rc, cfg.train.group_size, cfg.rollout.prompts_per_chunk,
                                  model_setup.DTYPES[cfg.model.compute_dtype], line, engine=engine_cfg,
-                                 mesh=rollout_mesh, group_offset=first, run_config=cfg)
+                                 mesh=rollout_mesh, group_offset=first, run_config=cfg, task_pool=train_tasks)
             if slim_run is not None:  # the skills the slim controller puts in the prompts
                 ctx = dataclasses.replace(ctx, state=slim_run.library)
             old_kind = method.rollout.old_policy_kind(cfg)
@@ -383,6 +367,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                 ctx = dataclasses.replace(ctx, old_params=None if old is None else
                                           distributed.local_replica(old, mesh, rollout_mesh))
             res = method.rollout.fn(ctx, mine, cfg.seed * 100_003 + step)
+            if res.tasks is not None:  # the controller rolled out other prompts (MM-GRPO's refills)
+                mine = list(res.tasks)
             distributed.settle()  # the rollout's local collectives end before the step's cross-process ones
             if len(res.trajectories) != len(mine) * step_cfg.rows_per_prompt:  # the batch's static row count
                 raise ValueError(f"rollout controller {method.rollout.name!r} returned {len(res.trajectories)} "
@@ -417,7 +403,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                 skipped_in_a_row = 0
             t_total = time.perf_counter() - t_step
             metrics = _rollout_metrics(res.trajectories, own_groups=bool(step_cfg.prompt_rows))
-            metrics.update(_controller_metrics(method.rollout.name, res.stats))
+            metrics.update(res.metrics)  # the controller's own (already over every process)
             if later is not None:  # which stage of a two-stage recipe ran (1, then 2)
                 metrics["rl/stage"] = 1.0 + float(step >= later[0])
             for k, v in m.items():
@@ -426,7 +412,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             if "views_skipped" in bstats:  # privileged views without a block (e.g. no successful sibling)
                 metrics["teacher/views_skipped"] = bstats["views_skipped"]
                 metrics["teacher/views_built"] = bstats.get("views_built", 0.0)
-            counts = _summed({**{f"r.{k}": res.stats.get(k, 0.0) for k in ("tokens", "decoded_tokens", "env_errors",
+            counts = distributed.summed({**{f"r.{k}": res.stats.get(k, 0.0) for k in ("tokens", "decoded_tokens", "env_errors",
                                                                             "episodes")},
                               **{f"b.{k}": bstats.get(k, 0.0) for k in ("trajectory_tokens", "view_tokens",
                                                                         "policy_tokens")},

@@ -43,7 +43,7 @@ from typing import Any
 
 from turnsight_jax.chat import tokenizer as tok_lib
 from turnsight_jax.chat.parsing import render_tool_call
-from turnsight_jax.chat.trajectory import Trajectory, TurnRecord
+from turnsight_jax.chat.trajectory import Trajectory, TurnRecord, turn_context
 from turnsight_jax.chat.types import CallError, ToolCall
 from turnsight_jax.chat.hindsight_template import HindsightTemplate
 
@@ -191,12 +191,15 @@ def teacher_view_ids(
     d: int,
     **kwargs: Any,
 ) -> list[int]:
-    """The naive teacher sequence for (k, d): context before turn k's header, the hindsight
-    message, turn k's header, turn k's policy tokens (int list). Reference for the packed views."""
+    """The naive teacher sequence for (k, d): turn k's context before its header (what the policy
+    saw: `trajectory.turn_context`, the trajectory itself unless an observation window elided
+    some observations), the hindsight message, turn k's header, turn k's policy tokens (int list).
+    Reference for the packed views."""
     turn = traj.turns[k]
     pieces = hindsight_pieces(tokenizer, traj, k, **kwargs)
+    context, header = turn_context(traj, k)
     return (
-        [int(x) for x in traj.tokens[: turn.header_start]]
+        [int(x) for x in context[:header]]
         + pieces.message_ids(d)
         + pieces.header_ids
         + [int(x) for x in traj.tokens[turn.policy_start : turn.policy_end]]

@@ -10,6 +10,11 @@ A trajectory is ``prompt + turn_0 + obs_0 + turn_1 + obs_1 + ... + turn_{K-1} [+
 
 Only ``turn_k`` tokens are policy tokens (``policy_mask``; ``turn_ids`` = k there, -1 elsewhere).
 The training batch built from trajectories is turnsight_jax.rl.batch.
+
+The tokens are what happened, every observation in full. When the policy generated its turns
+under an observation window (rl.mm_grpo: only the most recent observations in full, older ones
+replaced by a placeholder), ``Trajectory.contexts`` records what each turn saw
+(`ElidedContexts`) and `turn_context` rebuilds it.
 """
 
 from __future__ import annotations
@@ -61,6 +66,20 @@ class TurnRecord:
         return self.obs_end > self.obs_start
 
 
+@dataclasses.dataclass(frozen=True)
+class ElidedContexts:
+    """What each turn's context showed when some observations were elided (an observation window).
+
+    counts: per turn k, how many of the trajectory's observations (the non-empty observation
+    suffixes, in order) were replaced when turn k was generated: always the first counts[k] of
+    them, non-decreasing in k. placeholder_ids: the ids that replaced each of them, a whole
+    observation suffix (it ends with the same assistant header as every observation suffix).
+    """
+
+    counts: tuple[int, ...]
+    placeholder_ids: tuple[int, ...]
+
+
 @dataclasses.dataclass
 class Trajectory:
     """One rollout.
@@ -70,6 +89,8 @@ class Trajectory:
     prompt_len: number of prompt tokens; turns: K TurnRecords; reward: outcome reward;
     metrics: free-form per-episode numbers (the environment's scores, turn statistics);
     truncated / finish_reason: how the rollout ended ("answer", "max_turns", "length", ...).
+    contexts: None when every turn saw the trajectory itself before it; else which observations
+    were elided from each turn's context (ElidedContexts; `turn_context`).
     token_values: per-token float32 [L] values recorded with the rollout, 0 off the policy tokens:
     the decode's signals a rollout controller declared ("entropy", "top_j_nll";
     rollout.control), and values a controller attaches (APPO's "appo_omega", rl.appo).
@@ -87,6 +108,7 @@ class Trajectory:
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
     truncated: bool = False
     finish_reason: str = ""
+    contexts: ElidedContexts | None = None
     token_values: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -98,6 +120,8 @@ class Trajectory:
         for name, arr in self.token_values.items():
             if arr.ndim != 1 or arr.shape[0] != n or arr.dtype != np.float32:
                 raise ValueError(f"Trajectory.token_values[{name!r}] must be float32[{n}], got {arr.dtype}{list(arr.shape)}")
+        if self.contexts is not None:
+            _check_contexts(self)
 
     @property
     def length(self) -> int:
@@ -106,6 +130,46 @@ class Trajectory:
     @property
     def num_turns(self) -> int:
         return len(self.turns)
+
+
+def observation_turns(traj: Trajectory) -> list[int]:
+    """The turns whose observation suffix is non-empty, in order: observation j is that of turn
+    observation_turns(traj)[j] (what ElidedContexts.counts counts)."""
+    return [k for k, t in enumerate(traj.turns) if t.has_observation]
+
+
+def _check_contexts(traj: Trajectory) -> None:
+    c = traj.contexts
+    counts = list(c.counts)
+    if len(counts) != traj.num_turns:
+        raise ValueError(f"Trajectory.contexts has {len(counts)} counts for {traj.num_turns} turns")
+    obs = observation_turns(traj)
+    for k, e in enumerate(counts):
+        before = sum(j < k for j in obs)
+        if not 0 <= e <= before or (k and e < counts[k - 1]):
+            raise ValueError(f"Trajectory.contexts: turn {k} elides {e} observation(s) but {before} precede it "
+                             f"(counts must be non-decreasing, each at most the observations before its turn)")
+    if counts and counts[-1] and not c.placeholder_ids:
+        raise ValueError("Trajectory.contexts: observations are elided but placeholder_ids is empty")
+
+
+def turn_context(traj: Trajectory, k: int) -> tuple[np.ndarray, int]:
+    """The ids [n] int32 the policy had before turn k's policy tokens (its assistant header
+    included), and where that header starts in them: ``tokens[:policy_start]`` with the first
+    ``contexts.counts[k]`` observation suffixes replaced by the placeholder. Without `contexts`,
+    ``(tokens[:policy_start], header_start)``."""
+    turn = traj.turns[k]
+    if traj.contexts is None or traj.contexts.counts[k] == 0:
+        return traj.tokens[: turn.policy_start], turn.header_start
+    placeholder = np.asarray(traj.contexts.placeholder_ids, np.int32)
+    parts, at = [], 0
+    for j in observation_turns(traj)[: traj.contexts.counts[k]]:
+        t = traj.turns[j]
+        parts += [traj.tokens[at: t.obs_start], placeholder]
+        at = t.obs_end
+    parts.append(traj.tokens[at: turn.policy_start])
+    ids = np.concatenate(parts)
+    return ids, len(ids) - (turn.policy_start - turn.header_start)
 
 
 # finish_reason of a padding row (`padding_trajectory`).
@@ -310,11 +374,13 @@ class TrajectoryBuilder:
         self._truncated = True
         self._truncation_reason = reason
 
-    def build(self, *, reward: float = 0.0, metrics: dict[str, Any] | None = None, finish_reason: str | None = None) -> Trajectory:
+    def build(self, *, reward: float = 0.0, metrics: dict[str, Any] | None = None, finish_reason: str | None = None,
+              contexts: ElidedContexts | None = None) -> Trajectory:
         """Concatenate everything into a Trajectory and check it.
 
         finish_reason: required unless the trajectory was marked truncated (its reason is used) or
-        the last turn gave an answer ("answer").
+        the last turn gave an answer ("answer"). contexts: what the turns saw when an observation
+        window elided some observations (Trajectory.contexts).
         """
         if self._truncated:
             if finish_reason is not None and finish_reason != self._truncation_reason:
@@ -344,6 +410,7 @@ class TrajectoryBuilder:
             metrics=dict(metrics or {}),
             truncated=self._truncated,
             finish_reason=finish_reason,
+            contexts=contexts,
             token_values={name: np.concatenate([seg.get(name, np.zeros(ids.size, np.float32))
                                                 for seg, ids in zip(self._values, self._tokens)])
                           for name in dict.fromkeys(k for seg in self._values for k in seg)},

@@ -31,6 +31,7 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from turnsight_jax import distributed
 from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.chat.types import Task
 from turnsight_jax.envs.base import Environment, Episode, EpisodeScore, StepResult
@@ -172,11 +173,11 @@ def akbe_rollout(ctx, tasks: Sequence[Task], seed: int, cfg: AkbeConfig, *, poli
     group is the one rl.rollout=sampler would draw), then G no-tool episodes per task (rows
     NO_TOOL_ROWS + the same). Returns len(tasks) * (G + 1) rows: task i's with-tool group (group
     ctx.group_offset + i), then its no-tool exemplar (group -1) or a padding row; the exemplar,
-    with-tool or no-tool, carries metrics[EXEMPLAR] = 1.0. Stats (counts of this process):
-    akbe/q11, akbe/q10, akbe/q01, akbe/q00 (the quadrants), akbe/exemplars, akbe/exemplar_tokens
-    and akbe/exemplar_calls as _sum / _n pairs (their means), akbe/no_tool_rollouts,
-    akbe/no_tool_tokens (tokens the no-tool group generated), akbe/no_tool_correct,
-    akbe/refused_calls. `policy`: rl.episodes.run_episodes'."""
+    with-tool or no-tool, carries metrics[EXEMPLAR] = 1.0. RolloutResult.metrics (over every
+    process): akbe/q11, akbe/q10, akbe/q01, akbe/q00 (prompts per quadrant), akbe/exemplars,
+    akbe/exemplar_tokens_mean, akbe/exemplar_calls_mean (over the exemplars),
+    akbe/no_tool_rollouts, akbe/no_tool_tokens (tokens after the prompt in the no-tool group),
+    akbe/no_tool_correct, akbe/refused_calls. `policy`: rl.episodes.run_episodes'."""
     g, n = ctx.group_size, len(tasks)
     base = (ctx.group_offset * g + np.arange(n * g)).tolist()
     env = NoToolEnvironment(ctx.env, cfg.no_tool_calls)
@@ -187,7 +188,6 @@ def akbe_rollout(ctx, tasks: Sequence[Task], seed: int, cfg: AkbeConfig, *, poli
     if cfg.correct != "reward" and not any(cfg.correct in t.metrics for t in trajs):
         raise ConfigError(f"akbe.correct={cfg.correct!r}: no rollout has that metric; the environment's metrics are "
                           f"{sorted({k for t in trajs for k in t.metrics})} (or 'reward': the outcome)")
-    stats = dict(res.stats)
     counts = {q: 0 for q in QUADRANTS}
     blocks, lengths, calls = [], [], []
     for i in range(n):
@@ -204,17 +204,20 @@ def akbe_rollout(ctx, tasks: Sequence[Task], seed: int, cfg: AkbeConfig, *, poli
             if any(exemplar is t for t in nt):
                 block.append(exemplar)
         blocks.append(block)
-    stats.update({f"akbe/q{a}{b}": float(counts[(a, b)]) for a, b in QUADRANTS})
-    stats.update({
+    metrics = distributed.summed({
+        **{f"akbe/q{a}{b}": float(counts[(a, b)]) for a, b in QUADRANTS},
         "akbe/exemplars": float(len(lengths)),
-        "akbe/exemplar_tokens_sum": float(sum(lengths)), "akbe/exemplar_tokens_n": float(len(lengths)),
-        "akbe/exemplar_calls_sum": float(sum(calls)), "akbe/exemplar_calls_n": float(len(calls)),
+        "akbe/exemplar_tokens": float(sum(lengths)),
+        "akbe/exemplar_calls": float(sum(calls)),
         "akbe/no_tool_rollouts": float(len(no_tool)),
         "akbe/no_tool_tokens": float(sum(t.length - t.prompt_len for t in no_tool)),
         "akbe/no_tool_correct": float(sum(correct(t, cfg) for t in no_tool)),
         "akbe/refused_calls": float(sum(t.metrics.get(REFUSED, 0.0) for t in no_tool)),
     })
-    return RolloutResult(pad_prompt_rows(blocks, g + 1), stats)
+    n_ex = metrics["akbe/exemplars"]
+    for key in ("akbe/exemplar_tokens", "akbe/exemplar_calls"):  # totals -> means over the exemplars
+        metrics[key + "_mean"] = metrics.pop(key) / n_ex if n_ex else 0.0
+    return RolloutResult(pad_prompt_rows(blocks, g + 1), res.stats, metrics=metrics)
 
 
 def exemplar_flag(traj: Trajectory, task: Task, algo: AlgoConfig) -> float:

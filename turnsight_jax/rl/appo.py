@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from typing import Sequence
 
 import jax
@@ -39,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from turnsight_jax import distributed
 from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
@@ -257,19 +259,25 @@ def appo_pool_blocks(engine, config, prompts: int, group_size: int, shards: int 
 
 def appo_rollout(ctx, tasks: Sequence[Task], seed: int, cfg: APPOConfig) -> RolloutResult:
     """APPO's rollouts of `tasks` (module docstring): len(tasks) * G * (1 + branches) rows, per
-    prompt its G initial rollouts (group 2p) then their branches (group 2p + 1). Stats under
-    "appo/" (this process): rollouts, branches, branch_tokens (tokens the branches sampled past
-    their branch point), shared_prefix_tokens (prefix tokens branches reused without prefill),
-    replay_mismatches, and _sum/_n pairs of the initial rollouts' log Omega, its square, clip(Omega),
-    the share of tokens clipped, entropy, and at the chosen points BS, H, clip(Omega) and the
-    relative position."""
+    prompt its G initial rollouts (group 2p) then their branches (group 2p + 1). Metrics (over
+    every process, under "appo/"): rollouts, branches, branch_tokens (tokens the branches decoded:
+    past their branch points), shared_prefix_tokens (prefix tokens branches reused without
+    prefill), replay_mismatches, old_policy_s (pi_old's scoring), and the means of the initial
+    rollouts' log Omega, its square, clip(Omega), the share of tokens clipped, the entropy, and at
+    the chosen points of BS, H, clip(Omega) and the relative position."""
     if ctx.engine is None:
         raise ConfigError("rl.rollout=appo branches inside the paged engine: set rollout.engine=paged")
     old = ctx.old_params  # the trainer's (rl.methods.RolloutController.old_policy); None: rho = 1
     temperature = 1.0 if ctx.sampling.greedy else ctx.sampling.temperature
 
+    scoring = [0.0]
+
     def score_old(trajs):
-        return old_logprobs(ctx.graphdef, old, trajs, temperature)
+        t0 = time.perf_counter()
+        try:
+            return old_logprobs(ctx.graphdef, old, trajs, temperature)
+        finally:
+            scoring[0] += time.perf_counter() - t0
 
     def policy(c, s, rows):
         n_prompts = len(rows) // c.group_size
@@ -282,22 +290,28 @@ def appo_rollout(ctx, tasks: Sequence[Task], seed: int, cfg: APPOConfig) -> Roll
 
     # one call per chunk of prompts (rollout.prompts_per_chunk), each with its hooks
     per = ctx.prompts_per_chunk or max(len(tasks), 1)
-    trajs, stats, calls = [], {}, []
+    trajs, stats, own = [], {}, {}
     for i in range(0, len(tasks), per):
         part = dataclasses.replace(ctx, group_offset=ctx.group_offset + i, prompts_per_chunk=0)
         hooks = APPOHooks(cfg, ctx.group_size, part.group_offset, score_old)
         res = run_episodes(part, tasks[i:i + per], seed, policy=policy, hooks=hooks)
         trajs.extend(hooks.ordered(res.trajectories, len(tasks[i:i + per])))
-        calls.append(hooks)
-        for k, v in [*res.stats.items(), *hooks.stats.items()]:
+        for k, v in res.stats.items():
             stats[k] = stats.get(k, 0.0) + v if k != "compilations" else v
+        for k, v in hooks.stats.items():
+            own[k] = own.get(k, 0.0) + v
     branches = [t for t in trajs if t.group_id % 2 == 1]
-    positions = [p for h in calls for ps in h.chosen.values() for p in ps]
-    stats.update({"appo/rollouts": float(len(trajs) - len(branches)), "appo/branches": float(len(branches)),
-                  "appo/branch_tokens": float(sum(t.length for t in branches) - sum(positions)),
-                  "appo/shared_prefix_tokens": stats.get("engine/branch_shared_tokens", 0.0),
-                  "appo/replay_mismatches": stats.get("replay_mismatches", 0.0)})
-    return RolloutResult(trajs, stats)
+    own.update({"appo/rollouts": float(len(trajs) - len(branches)), "appo/branches": float(len(branches)),
+                # the policy tokens the branches decoded (the initial rollouts decoded their own)
+                "appo/branch_tokens": float(stats.get("engine/decoded_tokens", 0.0) - sum(
+                    int(t.policy_mask.sum()) for t in trajs if t.group_id % 2 == 0)),
+                "appo/shared_prefix_tokens": stats.get("engine/branch_shared_tokens", 0.0),
+                "appo/replay_mismatches": stats.get("replay_mismatches", 0.0), "appo/old_policy_s": scoring[0]})
+    metrics = distributed.summed(own)
+    for key in [k for k in metrics if k.endswith("_sum")]:  # each _sum / _n pair as its mean
+        stem = key[:-len("_sum")]
+        metrics[stem + "_mean"] = metrics.pop(key) / max(metrics.pop(stem + "_n"), 1.0)
+    return RolloutResult(trajs, stats, metrics=metrics)
 
 
 @register_advantage_transform(AMPLIFY, ("advantages", OMEGA, "policy_mask"), ("appo_amplify",))

@@ -22,6 +22,7 @@ import dataclasses
 import math
 from typing import Sequence
 
+from turnsight_jax import distributed
 from turnsight_jax.chat.trajectory import Trajectory, padding_trajectory
 from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
@@ -93,10 +94,11 @@ def decide(successes: int, n: int, cfg: BarConfig) -> str:
 def bar_rollout(ctx, tasks: Sequence[Task], seed: int, cfg: BarConfig, *, policy=episode_policy) -> RolloutResult:
     """BAR's rollouts of `tasks` (the module docstring): len(tasks) * cfg.cap rows, prompt i's
     group (group id ctx.group_offset + i) first in its block, padding after. Each trajectory's
-    metrics gain "bar_round" (the round that sampled it). Stats (counts of this process):
-    bar/prompts, bar/rollouts, bar/rounds (summed over prompts), bar/early_stops (prompts stopped
-    below the cap), bar/in_band, bar/cap_mixed, bar/fallbacks, bar/dropped, and bar/group_size_sum
-    with bar/group_size_n (the trainer logs bar/group_size_mean). `policy`: rl.episodes.run_episodes'."""
+    metrics gain "bar_round" (the round that sampled it). RolloutResult.metrics (counts over every
+    process): bar/prompts, bar/rollouts, bar/rounds (summed over prompts), bar/early_stops
+    (prompts stopped below the cap), bar/in_band, bar/cap_mixed, bar/fallbacks, bar/dropped,
+    bar/rows_in_groups, and bar/group_size_mean (over the groups kept). `policy`:
+    rl.episodes.run_episodes'."""
     s, cap = cfg.chunk, cfg.cap
     sampled: list[list[Trajectory]] = [[] for _ in tasks]
     ended: dict[int, str] = {}
@@ -128,7 +130,7 @@ def bar_rollout(ctx, tasks: Sequence[Task], seed: int, cfg: BarConfig, *, policy
         blocks.append([padding_trajectory(group[0])] if drop else group)
     kept = [len(b) for i, b in enumerate(blocks) if not (ended[i] == FALLBACK and cfg.fallback == "drop")]
     verdicts = list(ended.values())
-    stats.update({
+    metrics = distributed.summed({
         "bar/prompts": float(len(tasks)),
         "bar/rollouts": float(sum(len(g) for g in sampled)),
         "bar/rounds": float(sum(len(g) // s for g in sampled)),
@@ -137,7 +139,8 @@ def bar_rollout(ctx, tasks: Sequence[Task], seed: int, cfg: BarConfig, *, policy
         "bar/cap_mixed": float(verdicts.count(CAP_MIXED)),
         "bar/fallbacks": float(verdicts.count(FALLBACK)),
         "bar/dropped": float(len(tasks) - len(kept)),
-        "bar/group_size_sum": float(sum(kept)),
-        "bar/group_size_n": float(len(kept)),
+        "bar/rows_in_groups": float(sum(kept)),
     })
-    return RolloutResult(pad_prompt_rows(blocks, cap), stats)
+    groups = metrics["bar/prompts"] - metrics["bar/dropped"]
+    metrics["bar/group_size_mean"] = metrics["bar/rows_in_groups"] / groups if groups else 0.0
+    return RolloutResult(pad_prompt_rows(blocks, cap), stats, metrics=metrics)

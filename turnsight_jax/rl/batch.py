@@ -8,7 +8,13 @@ tokens per row, K = max turns):
   valid [B, T] bool                        the tokens the student's forward reads: every real token;
                                            with rl.student_sees_observations=False only the prompt
                                            and the policy tokens (`student_context`)
-  pol_pos [B, N] int32                     position in `tokens` of the row's n-th policy token
+  layout: Layout [B, T] or None            when some trajectory's turns saw elided observations (an
+                                           observation window, rl.mm_grpo) and the student sees
+                                           observations: each row is its trajectory's
+                                           rl.context_rows row (every turn under its own context,
+                                           in segments) and this its Layout; None: plain rows
+  pol_pos [B, N] int32                     position in `tokens` of the row's n-th policy token (in
+                                           trajectory order)
   pol_valid [B, N] bool                    False on padding slots
   turn_ids [B, N] int32                    turn of each policy token, -1 on padding
   old_logprobs [B, N] float32              the sampler's log-probs of the policy tokens
@@ -64,12 +70,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from turnsight_jax.chat.trajectory import Trajectory, is_padding
 from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
-from turnsight_jax.models.attention import PAD_SEGMENT, Layout
+from turnsight_jax.models.attention import NO_SEGMENT, PAD_SEGMENT, Layout
 from turnsight_jax.models.sharding import BATCH, fit_spec, shard_rows
 from turnsight_jax.rl import length_classes
 from turnsight_jax.rl.config import StepConfig
+from turnsight_jax.rl.context_rows import ContextRow, context_row, has_elisions, row_policy_positions
 from turnsight_jax.rl.length_classes import LengthClasses
 from turnsight_jax.rl.methods import ResolvedMethod
+from turnsight_jax.rl.mm_grpo import planned_extra
 from turnsight_jax.rl.orchard import PROBE_TOKENS, RetroProbes, build_probes
 from turnsight_jax.chat.privileged import default_skills_path, load_skills, privileged_blocks
 from turnsight_jax.rl.privileged_views import build_privileged_views
@@ -105,6 +113,7 @@ class TrainBatch:
     classes: LengthClasses | None = struct.field(pytree_node=False, default=None)
     packed: Any = None
     probes: Any = None
+    layout: Any = None
 
     @property
     def size(self) -> int:
@@ -132,6 +141,25 @@ def pad_tokens(trajs: Sequence[Trajectory], width: int, pad_id: int = 0) -> tupl
         tokens[i, :t.length] = t.tokens
         valid[i, :t.length] = True
     return tokens, valid
+
+
+def pad_rows(rows: Sequence[ContextRow], width: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray, Layout]:
+    """Right-padded rl.context_rows rows: tokens [B, width] int32, valid [B, width] bool and their
+    Layout [B, width] (padding: PAD_SEGMENT, no context)."""
+    b = len(rows)
+    tokens = np.full((b, width), pad_id, np.int32)
+    valid = np.zeros((b, width), bool)
+    fields = {"positions": np.zeros((b, width), np.int32), "segment_ids": np.full((b, width), PAD_SEGMENT, np.int32),
+              "ctx1_segment": np.full((b, width), NO_SEGMENT, np.int32), "ctx1_end": np.zeros((b, width), np.int32),
+              "ctx2_segment": np.full((b, width), NO_SEGMENT, np.int32), "ctx2_end": np.zeros((b, width), np.int32)}
+    for i, r in enumerate(rows):
+        if r.length > width:
+            raise ValueError(f"row {i} has {r.length} tokens, over the batch width {width}")
+        tokens[i, :r.length] = r.tokens
+        valid[i, :r.length] = True
+        for name in ("positions", "segment_ids", "ctx1_segment", "ctx1_end"):
+            fields[name][i, :r.length] = getattr(r, name)
+    return tokens, valid, Layout(**fields)
 
 
 def student_context(trajs: Sequence[Trajectory], width: int) -> np.ndarray:
@@ -249,12 +277,18 @@ def make_train_batch(
     same as without packing."""
     cfg.validate(len(trajs))
     floor = {"T": 0, "N": 0, "P": 0, "U": 0, **(min_shapes or {})}
-    lengths = [t.length for t in trajs]
+    # Turns that saw elided observations (an observation window): each trajectory's row holds
+    # every turn under its own context (rl.context_rows); the student reads it when it sees the
+    # observations (masked out, no observation is read, so the trajectory itself serves).
+    own = [context_row(t) for t in trajs] if any(has_elisions(t) for t in trajs) else None
+    windowed = own is not None and cfg.algo.student_sees_observations
+    lengths = [r.length for r in own] if windowed else [t.length for t in trajs]
     modulus = packing_modulus(len(trajs), row_shards, cfg) if cfg.pack_rows else 1
     if cfg.pack_rows:  # rows move between micro-batches (never mini-batches) so cells pack alike
         order = balanced_order(lengths, shards=row_shards, modulus=modulus, keep=cfg.mini_batches)
         trajs, tasks = [trajs[i] for i in order], [tasks[i] for i in order]
         lengths = [lengths[i] for i in order]
+        own = None if own is None else [own[i] for i in order]
     classes = cls_widths = None
     if cfg.length_classes > 1:
         rows, modulus = length_classes.cell_rows(len(trajs), row_shards, cfg)
@@ -268,25 +302,35 @@ def make_train_batch(
         classes, cls_widths = classify(lengths, length_buckets, "T", "trajectory")
         floor["T"] = max(floor["T"], *cls_widths)
     width = _bucket(max(lengths), length_buckets, floor["T"], "trajectory")
-    tokens, valid = pad_tokens(trajs, width, pad_id)
+    layout = None
+    if windowed:
+        tokens, valid, layout = pad_rows(own, width, pad_id)
+    else:
+        tokens, valid = pad_tokens(trajs, width, pad_id)
     if not cfg.algo.student_sees_observations:
         valid &= student_context(trajs, width)
-    pol_pos, pol_valid = policy_positions(
+    x_pos, pol_valid = policy_positions(
         trajs, max(policy_bucket(max(int(t.policy_mask.sum()) for t in trajs)), floor["N"]))
-    turn_ids = np.full(pol_pos.shape, -1, np.int32)
-    old_lp = np.zeros(pol_pos.shape, np.float32)
+    turn_ids = np.full(x_pos.shape, -1, np.int32)
+    old_lp = np.zeros(x_pos.shape, np.float32)
     for i, t in enumerate(trajs):
         n = int(pol_valid[i].sum())
-        turn_ids[i, :n] = t.turn_ids[pol_pos[i, :n]]
-        old_lp[i, :n] = t.old_logprobs[pol_pos[i, :n]]
+        turn_ids[i, :n] = t.turn_ids[x_pos[i, :n]]
+        old_lp[i, :n] = t.old_logprobs[x_pos[i, :n]]
+    row_pos = x_pos if own is None else row_policy_positions(own, x_pos, pol_valid)  # the views' coordinates
+    pol_pos = row_pos if windowed else x_pos
     views = None
     stats = {"trajectory_tokens": float(sum(lengths)), "policy_tokens": float(pol_valid.sum()),
              "batch_width": float(width), "policy_width": float(pol_pos.shape[1]),
              "T": float(width), "N": float(pol_pos.shape[1])}
     packed = None
     if cfg.pack_rows:
-        items = [{"tokens": t.tokens, "positions": np.arange(t.length, dtype=np.int32),
-                  "segment_ids": np.where(valid[i, :t.length], 0, PAD_SEGMENT)} for i, t in enumerate(trajs)]
+        if windowed:
+            items = [{"tokens": r.tokens, "positions": r.positions, "segment_ids": r.segment_ids,
+                      "ctx1_segment": r.ctx1_segment, "ctx1_end": r.ctx1_end} for r in own]
+        else:
+            items = [{"tokens": t.tokens, "positions": np.arange(t.length, dtype=np.int32),
+                      "segment_ids": np.where(valid[i, :t.length], 0, PAD_SEGMENT)} for i, t in enumerate(trajs)]
         packed = _pack(items, _packed_width(width, cfg.pack_width, length_buckets), floor.get("RT", 0), row_shards,
                        processes, modulus, pad_id)
         stats["RT"] = float(packed.plan.rows)
@@ -314,7 +358,7 @@ def make_train_batch(
                                     template=a.hindsight_template),
                 gold_answers=[t.answer for t in tasks], buckets=packed_buckets,
                 with_reference=packed_reference(cfg, method), min_widths=(floor["P"], floor["U"]),
-                positions=(pol_pos, pol_valid),
+                positions=(row_pos, pol_valid),
             )
         stats.update(vstats)
         if classes is not None:
@@ -341,8 +385,10 @@ def make_train_batch(
                                  group_offset * (cfg.prompt_rows or 1)),
         num_turns=np.asarray([t.num_turns for t in trajs], np.int32),
         signals=compute_signals(method, trajs, tasks, cfg, (pol_pos, pol_valid)),
-        views=views, length_class=classes, classes=spec, packed=packed, probes=probes,
+        views=views, length_class=classes, classes=spec, packed=packed, probes=probes, layout=layout,
     )
+    if own is not None:
+        stats["context_segments"] = float(sum(r.segments - 1 for r in own))  # beyond each trajectory's segment 0
     return batch, stats
 
 
@@ -422,7 +468,9 @@ def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod, step_cfg: S
                         row_shards: int) -> Geometry:
     """The config's widest batch for a mesh of `row_shards` (data x fsdp) row shards."""
     r, t = cfg.rollout, cfg.train
-    length = pick_bucket(r.max_prompt_tokens + r.max_response_tokens, DEFAULT_BUCKETS, "plan: trajectory")
+    _, window_extra = planned_extra(cfg, method)  # MM-GRPO's rows of several contexts (rl.context_rows)
+    length = pick_bucket(r.max_prompt_tokens + r.max_response_tokens + window_extra, DEFAULT_BUCKETS,
+                         "plan: trajectory")
     policy = policy_bucket(r.max_response_tokens)
     packed = pick_bucket(int(length * cfg.plan.packed_factor), DEFAULT_PACKED_BUCKETS, "plan: packed row")
     views = method.teacher_views(step_cfg.algo) + int(packed_reference(step_cfg, method))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from turnsight_jax.rl.logprobs import gather_rows, predictor_positions
+from turnsight_jax.rl.logprobs import gather_rows, layout_fields, predictor_positions, row_layout
 from turnsight_jax.rl.packing import packed_index
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.rl.length_classes import run_by_class
@@ -126,12 +126,13 @@ def hidden_at(trunk, batch, positions: Array) -> Array:
         flat = packed_index(pk, positions)  # [S, B/S * M]
         return gather_rows(hidden.reshape(s, -1, hidden.shape[-1]), flat).reshape(b, m, -1)
     if batch.classes is None:
-        return gather_rows(trunk.hidden_states(batch.tokens, Layout.causal(batch.valid)), positions)
+        return gather_rows(trunk.hidden_states(batch.tokens, row_layout(batch.valid, batch.layout)), positions)
 
-    def one(_, pos, tokens, valid):
-        return gather_rows(trunk.hidden_states(tokens, Layout.causal(valid)), pos)
+    def one(_, pos, tokens, valid, *lay):
+        return gather_rows(trunk.hidden_states(tokens, row_layout(valid, Layout(*lay) if lay else None)), pos)
 
-    return run_by_class(one, batch.classes, batch.length_class, (positions,), (batch.tokens, batch.valid))
+    return run_by_class(one, batch.classes, batch.length_class, (positions,),
+                        (batch.tokens, batch.valid, *layout_fields(batch.layout)))
 
 
 def policy_values(trunk, head: dict, batch) -> Array:

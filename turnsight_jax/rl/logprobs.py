@@ -17,6 +17,7 @@ logit cross devices, [C] values, never [C, V].
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -304,17 +305,31 @@ def predictor_positions(valid_mask: jax.Array, pol_pos: jax.Array) -> jax.Array:
     return jnp.take_along_axis(last_readable, jnp.maximum(pol_pos - 1, 0), axis=1)
 
 
+def row_layout(valid_mask: jax.Array, layout: Layout | None = None) -> Layout:
+    """The layout of the student's rows: `layout` when the batch has one (rl.batch.TrainBatch.layout:
+    rows with several contexts, rl.context_rows), else plain causal over valid_mask [B, T]."""
+    return Layout.causal(valid_mask) if layout is None else layout
+
+
+def layout_fields(layout: Layout | None) -> tuple:
+    """A layout's [B, T] arrays in field order (() for None): for a per-class cut (run_by_class)."""
+    return () if layout is None else tuple(getattr(layout, f.name) for f in dataclasses.fields(Layout))
+
+
 def student_logprobs(model: Qwen3, tokens: jax.Array, valid_mask: jax.Array, pol_pos: jax.Array, *,
                      chunk: int = 1024, temperature: float = 1.0, with_entropy: bool = False,
-                     pol_valid: jax.Array | None = None, extra_targets: jax.Array | None = None):
+                     pol_valid: jax.Array | None = None, extra_targets: jax.Array | None = None,
+                     layout: Layout | None = None):
     """Student log-probs of its policy tokens. tokens, valid_mask [B, T]; pol_pos [B, N] -> [B, N]
     (with `with_entropy`: (log-probs, token entropies), both [B, N]). pol_valid [B, N]: the real
     slots; padding slots then come back 0 and the head skips chunks of them.
 
     valid_mask names the tokens the forward reads (rl.batch.TrainBatch.valid); an unreadable token
     is neither attended to nor a predictor. Rotary positions stay the tokens' own indices, so a
-    masked span leaves a gap in the positions, as in the released code (docs/spec.md §1.9)."""
-    hidden = model.hidden_states(tokens, Layout.causal(valid_mask))
+    masked span leaves a gap in the positions, as in the released code (docs/spec.md §1.9).
+    layout: the rows' own segments (rows holding several contexts, rl.context_rows; every policy
+    token's predictor is the token before it there); None: plain causal rows."""
+    hidden = model.hidden_states(tokens, row_layout(valid_mask, layout))
     targets = jnp.take_along_axis(tokens, pol_pos, axis=1)
     return logprobs_at(model, hidden, predictor_positions(valid_mask, pol_pos), targets, chunk=chunk,
                        temperature=temperature, with_entropy=with_entropy, used=pol_valid,
@@ -336,15 +351,18 @@ def policy_logprobs(model: Qwen3, batch, *, chunk: int = 1024, temperature: floa
                                   used=batch.pol_valid, extra_targets=extra_targets, **kw)
     if batch.classes is None:
         return student_logprobs(model, batch.tokens, batch.valid, batch.pol_pos, pol_valid=batch.pol_valid,
-                                extra_targets=extra_targets, **kw)
+                                extra_targets=extra_targets, layout=batch.layout, **kw)
+
+    fields = layout_fields(batch.layout)
 
     def one(_, pos, pv, *rest):
-        *extra, tokens, valid = rest
+        extra = rest[:len(rest) - 2 - len(fields)]
+        tokens, valid, *lay = rest[len(extra):]
         return student_logprobs(model, tokens, valid, pos, pol_valid=pv, extra_targets=extra[0] if extra else None,
-                                **kw)
+                                layout=Layout(*lay) if lay else None, **kw)
 
     per_row = (batch.pol_pos, batch.pol_valid) + (() if extra_targets is None else (extra_targets,))
-    return run_by_class(one, batch.classes, batch.length_class, per_row, (batch.tokens, batch.valid))
+    return run_by_class(one, batch.classes, batch.length_class, per_row, (batch.tokens, batch.valid, *fields))
 
 
 def teacher_logprobs(model: Qwen3, views: PackedViews, *, chunk: int = 1024, temperature: float = 1.0,

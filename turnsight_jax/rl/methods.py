@@ -33,14 +33,14 @@ from turnsight_jax.rewards import matchtir_turn_rewards, token_f1, toolrl_reward
 from turnsight_jax.rl import critic as _critic  # noqa: F401  (registers PPO's GAE estimator)
 from turnsight_jax.rl import distill  # noqa: F401  (registers the self-distillation baselines)
 from turnsight_jax.rl import orchard as _orchard  # noqa: F401  (registers CA-SFT's loss term)
-from turnsight_jax.rl import akbe, appo, bar, srl, t2po, toolomni  # akbe registers its CE loss term, appo its transform
+from turnsight_jax.rl import akbe, appo, bar, mm_grpo, srl, t2po, toolomni  # akbe registers its CE loss term, appo its transform
 from turnsight_jax.rl.advantages import Estimator, get_estimator, get_transform
 from turnsight_jax.rl.config import AlgoConfig, StepConfig
 from turnsight_jax.rl.episodes import run_episodes
 from turnsight_jax.rl.losses import LossTerm, get_loss_term
 from turnsight_jax.rl.slim import SkillLibrary
 from turnsight_jax.rl.slim_text import with_skills
-from turnsight_jax.rollout.driver import RolloutConfig, RolloutResult
+from turnsight_jax.rollout.driver import ObservationWindow, RolloutConfig, RolloutResult
 from turnsight_jax.rollout.sampler import SamplingParams
 
 # Arrays every batch has, in the compact layout of turnsight_jax.rl.batch.
@@ -80,6 +80,7 @@ class RolloutContext:
     group_offset: int = 0  # global index of the first prompt (a process rolls out its share of a step's prompts)
     run_config: Any = None  # the run's ConfigDict, for a controller with its own section (the judge: judge.*)
     state: Any = None  # the trainer's host-side state a controller reads (SLIM: its rl.slim.SkillLibrary)
+    task_pool: Sequence[Task] = ()  # the training tasks a controller may draw more prompts from (rl.mm_grpo's refills)
     # the earlier policy a controller with `old_policy` scores with (same graphdef): the policy before
     # the last update (None at the first step) or the frozen reference (APPO's pi_old)
     old_params: Any = None
@@ -105,9 +106,8 @@ class RolloutController:
       chat.trajectory.padding_trajectory). R is static (the compiled step's row count), so
       `rl.episodes.pad_prompt_rows` fills each block to R.
 
-    `RolloutResult.stats` keys under the controller's name ("<name>/...") are per-process counts
-    or sums: the trainer sums them over processes and logs them; a pair "<name>/<x>_sum",
-    "<name>/<x>_n" is logged as their ratio "<name>/<x>_mean" too.
+    The controller's own diagnostics go in `RolloutResult.metrics`, over every process
+    (distributed.summed), under its name ("<name>/...").
 
     Controllers that act inside the decode (rollout.control; docs/rollout_methods.md):
     `engine_only` (they need rollout.engine=paged: `config.validate` refuses the lockstep sampler);
@@ -157,12 +157,14 @@ def register_rollout(name: str, *, rewards: Sequence[str] = (), loss_terms: Sequ
 
 
 @register_rollout("sampler")
-def sampler_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
+def sampler_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int, *,
+                    window: ObservationWindow | None = None) -> RolloutResult:
     """The default: G samples per prompt, `prompts_per_chunk` prompts at a time (0: all), from the
-    paged engine or the lockstep `ModelPolicy` (`run_episodes`). Every episode's draws depend on
-    (seed, its global row) only: chunking and the split of a step over processes
-    (`ctx.group_offset`) change no token."""
-    return run_episodes(ctx, tasks, seed)
+    paged engine or the lockstep `ModelPolicy` (`rl.episodes.run_episodes`). Every episode's draws
+    depend on (seed, its global row) only: chunking and the split of a step over processes
+    (`ctx.group_offset`) change no token. `window`: the policy's context keeps only the most recent
+    observations (rollout.driver.rollout; rl.mm_grpo)."""
+    return run_episodes(ctx, tasks, seed, window=window)
 
 
 @register_rollout("slim")
@@ -220,6 +222,14 @@ def akbe_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> Ro
     """AKBE (rl.akbe): a with-tool and a no-tool group per prompt, the 2-bit label, one exemplar
     per prompt for the auxiliary CE (akbe.coef) next to the method's unchanged update."""
     return akbe.akbe_rollout(ctx, tasks, seed, akbe.akbe_settings(_section(ctx, "akbe")))
+
+
+@register_rollout("mm_grpo")
+def mm_grpo_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
+    """MM-GRPO (rl.mm_grpo): the default sampler under an observation window (mm_grpo.window),
+    with dynamic sampling (zero-variance groups refilled with new prompts, mm_grpo.refill_rounds)."""
+    return mm_grpo.dynamic_rollout(ctx, tasks, seed,
+                                   sample=lambda c, t, s, w: sampler_rollout(c, t, s, window=w))
 
 
 # ---- rewards ----

@@ -34,6 +34,7 @@ from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.chat.types import Task
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.rl.config import AlgoConfig, LossConfig
+from turnsight_jax.rl.context_rows import context_row, has_elisions
 from turnsight_jax.rl.logprobs import gather_rows
 from turnsight_jax.rl.losses import register_loss_term
 from turnsight_jax.rl.views import _Row, pick_bucket
@@ -92,6 +93,10 @@ def build_probes(trajs: Sequence[Trajectory], tasks: Sequence[Task], tokenizer, 
     text is encoded as plain text (a special token in it stays text)."""
     if len(tasks) != len(trajs):
         raise ValueError(f"{len(trajs)} trajectories but {len(tasks)} tasks")
+    windowed = [b for b, t in enumerate(trajs) if has_elisions(t)]
+    if windowed:
+        raise ValueError(f"retrospective probes: trajectory {windowed[0]}'s turns saw elided observations (an "
+                         f"observation window, rl.mm_grpo); the probes read the whole trajectory only")
     open_ids = tok_lib.encode(tokenizer, template.message_open)
     close_ids = tok_lib.encode(tokenizer, template.message_close)
     answer_ids = []
@@ -112,7 +117,7 @@ def build_probes(trajs: Sequence[Trajectory], tasks: Sequence[Task], tokenizer, 
         text = template.question.format(reward=f"{reward:.2f}", answer="" if task.answer is None else task.answer,
                                         outcome="solved" if reward >= success_threshold else "not solved")
         body = open_ids + tok_lib.encode_plain(tokenizer, text) + close_ids
-        row = _Row(traj)
+        row = _Row(context_row(traj))
         for k, end in enumerate(state_boundaries(traj)):
             # the prefix before a header ends with "<|im_end|>\n"; the whole trajectory with the
             # sampled <|im_end|>: the newline a chat template puts between messages, added

@@ -26,6 +26,7 @@ from turnsight_jax.config import validate
 from turnsight_jax.models.qwen3 import Qwen3
 from turnsight_jax.models.sharding import make_mesh, opt_state_shardings, state_shardings
 from turnsight_jax.rl.batch import abstract_batch, worst_case_geometry
+from turnsight_jax.rl.mm_grpo import planned_extra
 from turnsight_jax.rl.step import init_aux, make_aux_optimizers, make_optimizer, make_train_step
 from turnsight_jax.runlog import log
 
@@ -157,8 +158,8 @@ def rollout_plan(cfg: mlc.ConfigDict) -> dict:
     decode = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cdtype, sharding=x.sharding), params)
     shards = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
     per_shard = -(-ecfg.slots // shards)
-    blocks = ecfg.pool_blocks or eng_lib.default_pool_blocks(per_shard, rc.max_prompt_tokens, rc.max_response_tokens,
-                                                             ecfg.block_size)
+    context = rc.max_response_tokens + planned_extra(cfg, method)[0]  # an episode's slots after its prompt
+    blocks = ecfg.pool_blocks or eng_lib.default_pool_blocks(per_shard, rc.max_prompt_tokens, context, ecfg.block_size)
     if method.rollout.name == "appo":  # APPO keeps a call's initial rollouts for their branches (rl.appo)
         from turnsight_jax.rl.appo import appo_pool_blocks
 
@@ -169,8 +170,8 @@ def rollout_plan(cfg: mlc.ConfigDict) -> dict:
     kv = PagedKV(*(jax.ShapeDtypeStruct(shape, storage_dtype(cdtype), sharding=kv_sharding) for _ in range(2)),
                  jnp.dtype(cdtype).name)
     rows = shards * per_shard
-    table_width = eng_lib._pow2(-(-(rc.max_prompt_tokens + rc.max_response_tokens) // ecfg.block_size) + 1)
-    listed = per_shard * (-(-(rc.max_prompt_tokens + rc.max_response_tokens) // ecfg.block_size))
+    table_width = eng_lib._pow2(-(-(rc.max_prompt_tokens + context) // ecfg.block_size) + 1)
+    listed = per_shard * (-(-(rc.max_prompt_tokens + context) // ecfg.block_size))
     row = lambda shp, dt: jax.ShapeDtypeStruct(shp, dt, sharding=NamedSharding(  # noqa: E731
         mesh, P(("data", "fsdp"), *([None] * (len(shp) - 1)))))
     i32 = jnp.int32

@@ -12,6 +12,9 @@ so every policy token sees exactly what it sees in the plain sequence original[:
 original[hs:] (rotary positions continue from hs), and the prompt is never copied. A trajectory
 (or turn) without a block keeps the student's own context (its predictors stay in segment 0) and
 is marked uncovered (`PackedViews.covered`).
+
+Trajectories whose turns saw elided observations (an observation window, rl.mm_grpo) are
+refused: the blocks are placed on the trajectory itself, not on each turn's context.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 
 from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.models.attention import Layout
+from turnsight_jax.rl.context_rows import context_row, has_elisions
 from turnsight_jax.rl.views import (DEFAULT_PACKED_BUCKETS, PackedViews, _distinct_predictors, _Row, pick_bucket,
                                     policy_positions)
 
@@ -55,13 +59,17 @@ def build_privileged_views(
         return views.replace(covered=_policy_valid(trajs, positions, policy_width)), stats
     if len(blocks) != len(trajs):
         raise ValueError(f"{len(trajs)} trajectories but {len(blocks)} privileged blocks")
+    windowed = [b for b, t in enumerate(trajs) if has_elisions(t)]
+    if windowed:
+        raise ValueError(f"privileged views: trajectory {windowed[0]}'s turns saw elided observations (an observation "
+                         f"window, rl.mm_grpo); privileged blocks are placed on the whole trajectory only")
     pol_pos, pol_valid = positions if positions is not None else policy_positions(trajs, policy_width)
     n_views = 1 + int(with_reference)
     view_pred = np.zeros((n_views, len(trajs), pol_pos.shape[1]), np.int32)
     covered = np.zeros(pol_pos.shape, bool)
     rows, built, skipped = [], 0, 0
     for b, (traj, blk) in enumerate(zip(trajs, blocks)):
-        row = _Row(traj)
+        row = _Row(context_row(traj))
         where = {int(p): j for j, p in enumerate(pol_pos[b, : int(pol_valid[b].sum())])}
         for p, j in where.items():
             view_pred[:, b, j] = p - 1  # the student's own context (the reference row keeps it)
@@ -87,7 +95,8 @@ def build_privileged_views(
         rows.append(row)
     width = pick_bucket(max([r.length for r in rows] + [min_widths[0]]), buckets, "packed privileged row")
     tok, pos, seg, c1s, c1e, c2s, c2e = [np.stack(c) for c in zip(*(r.arrays(width) for r in rows))]
-    pred, pred_target, slot = _distinct_predictors(trajs, view_pred, pol_pos, pol_valid, min_widths[1])
+    pred, pred_target, slot = _distinct_predictors([t.tokens for t in trajs], view_pred, pol_pos, pol_valid,
+                                                   min_widths[1])
     views = PackedViews(tok, Layout(pos, seg, c1s, c1e, c2s, c2e), view_pred, pred, pred_target, slot,
                         covered=covered)
     own, packed = sum(t.length for t in trajs), sum(r.length for r in rows)

@@ -34,6 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
+from turnsight_jax import distributed
 from turnsight_jax.chat import tokenizer as tok_lib
 from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
@@ -219,10 +220,11 @@ def t2po_settings(section) -> T2POConfig:
 def t2po_rollout(ctx, tasks: Sequence[Task], seed: int, cfg: T2POConfig) -> RolloutResult:
     """G rollouts of each task from the paged engine with a T2POController (TTI, TDS), the fixed
     layout (rl.episodes.run_episodes: the same episodes, keys and seeds as the default sampler).
-    Stats under "t2po/" (counts of this process): tti_triggers, tds_resamples, tds_checked (turns
-    k >= 1 whose Gamma was computed), gamma_sum / gamma_n and phi_sum / phi_n (the trainer logs
-    their means), discarded_tokens (decoded, then dropped: TTI's cut chunk tails and re-sampled
-    turns), recompute_tokens (one per rollback to a mid-turn slot)."""
+    Metrics (over every process): t2po/tti_triggers, t2po/tds_resamples, t2po/tds_checked (turns
+    k >= 1 whose Gamma was computed, re-sampled attempts included), t2po/gamma_mean and
+    t2po/phi_mean (over the checked turns, over the kept turns), t2po/discarded_tokens (decoded,
+    then dropped: TTI's cut chunk tails and re-sampled turns), t2po/recompute_tokens (one per
+    rollback to a mid-turn slot)."""
     if ctx.engine is None:
         raise ConfigError("rl.rollout=t2po acts inside the paged engine's decode: set rollout.engine=paged")
     controllers: list[T2POController] = []
@@ -236,13 +238,15 @@ def t2po_rollout(ctx, tasks: Sequence[Task], seed: int, cfg: T2POConfig) -> Roll
 
     res = run_episodes(ctx, tasks, seed, policy=policy)
     total = {k: sum(c.stats[k] for c in controllers) for k in controllers[0].stats} if controllers else {}
-    res.stats.update({
+    metrics = distributed.summed({
         "t2po/tti_triggers": total.get("tti_triggers", 0.0),
         "t2po/tds_resamples": total.get("tds_resamples", 0.0),
         "t2po/tds_checked": total.get("tds_checked_turns", 0.0),
-        "t2po/gamma_sum": total.get("gamma_sum", 0.0), "t2po/gamma_n": total.get("tds_checked_turns", 0.0),
+        "t2po/gamma_sum": total.get("gamma_sum", 0.0),
         "t2po/phi_sum": total.get("phi_sum", 0.0), "t2po/phi_n": total.get("phi_n", 0.0),
         "t2po/discarded_tokens": res.stats.get("engine/discarded_tokens", 0.0),
         "t2po/recompute_tokens": res.stats.get("engine/recompute_tokens", 0.0),
     })
-    return res
+    metrics["t2po/gamma_mean"] = metrics.pop("t2po/gamma_sum") / max(metrics["t2po/tds_checked"], 1.0)
+    metrics["t2po/phi_mean"] = metrics.pop("t2po/phi_sum") / max(metrics.pop("t2po/phi_n"), 1.0)
+    return dataclasses.replace(res, metrics=metrics)

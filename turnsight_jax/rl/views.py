@@ -19,6 +19,11 @@ Everything is indexed by *policy positions*: `pol_pos [B, N]` lists each row's p
 positions (N = a bucket of the longest row's count), and `view_pred [D, B, N]` gives, for depth
 d, the packed index whose hidden state predicts that token. The trainer works on these compact
 [B, N] arrays (turn means, group statistics and the loss only involve policy tokens).
+
+A trajectory whose turns saw elided observations (an observation window, rl.mm_grpo) has the
+segments of its rl.context_rows row in place of the original: each turn's own context is
+segment 0 up to a point, then the rest of its context (`TurnPrefix`), and the trunk of a turn
+scored outside segment 0 starts with that rest, so its views read exactly that turn's context.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from turnsight_jax.chat.hindsight import HindsightTemplate, hindsight_pieces
 from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.models.attention import NO_SEGMENT, PAD_SEGMENT, Layout
 from turnsight_jax.rl.config import parse_turn_coverage
+from turnsight_jax.rl.context_rows import ContextRow, context_row, row_policy_positions
 
 # multiples of 256 up to 4,096, of 1,024 up to 16,384, of 4,096 up to 131,072 (at most 1/4 padding
 # past 4,096; powers of two padded a 4.3k-token packed row to 8k)
@@ -128,19 +134,19 @@ def policy_positions(trajs: Sequence[Trajectory], width: int | None = None):
 
 
 class _Row:
-    """Accumulates one packed row."""
+    """Accumulates one packed row, from the trajectory's own (rl.context_rows) row."""
 
-    def __init__(self, traj: Trajectory):
-        n = traj.length
-        self.tok = [traj.tokens.astype(np.int32)]
-        self.pos = [np.arange(n, dtype=np.int32)]
-        self.seg = [np.zeros(n, np.int32)]
-        self.c1s = [np.full(n, NO_SEGMENT, np.int32)]
-        self.c1e = [np.zeros(n, np.int32)]
+    def __init__(self, own: ContextRow):
+        n = own.length
+        self.tok = [own.tokens.astype(np.int32)]
+        self.pos = [own.positions]
+        self.seg = [own.segment_ids]
+        self.c1s = [own.ctx1_segment]
+        self.c1e = [own.ctx1_end]
         self.c2s = [np.full(n, NO_SEGMENT, np.int32)]
         self.c2e = [np.zeros(n, np.int32)]
         self.length = n
-        self.next_seg = 1
+        self.next_seg = own.segments
 
     def add(self, ids, first_pos, ctx1_end, ctx2=(NO_SEGMENT, 0)) -> tuple[int, int]:
         """Append a segment; returns (segment id, packed start)."""
@@ -177,20 +183,25 @@ def build_views(
     positions: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[PackedViews, dict[str, float]]:
     """Packed teacher rows for `trajs` (numpy). Returns (views, stats) where stats counts the
-    packed tokens against the trajectories' own tokens. `with_reference` adds the student-context
-    row (view D) for a KL term. `positions`: the batch's (pol_pos, pol_valid) when already built
-    (otherwise computed at `policy_width`)."""
+    packed tokens against the trajectories' own rows' tokens. `with_reference` adds the
+    student-context row (view D) for a KL term. `positions`: (pol_pos, pol_valid) in the
+    trajectories' rl.context_rows coordinates (a trajectory's own positions when no turn saw an
+    elided observation) when already built (otherwise computed at `policy_width`)."""
     depths = tuple(options.depths)
     if not depths or any(d < 1 for d in depths):
         raise ValueError(f"hindsight depths must be a non-empty tuple of ints >= 1, got {depths}")
     max_depth = max(depths)
-    pol_pos, pol_valid = positions if positions is not None else policy_positions(trajs, policy_width)
+    own_rows = [context_row(t) for t in trajs]
+    if positions is None:
+        x_pos, pol_valid = policy_positions(trajs, policy_width)
+        positions = row_policy_positions(own_rows, x_pos, pol_valid), pol_valid
+    pol_pos, pol_valid = positions
     n_pol = pol_pos.shape[1]
     n_views = len(depths) + int(with_reference)
     view_pred = np.zeros((n_views, len(trajs), n_pol), np.int32)
     rows = []
-    for b, traj in enumerate(trajs):
-        row = _Row(traj)
+    for b, (traj, own) in enumerate(zip(trajs, own_rows)):
+        row = _Row(own)
         where = {int(p): j for j, p in enumerate(pol_pos[b, : int(pol_valid[b].sum())])}
         # Default predictor of every policy token: the original sequence (the student's context).
         # The reference row (with_reference) keeps it.
@@ -203,10 +214,13 @@ def build_views(
                                       gold_answer=answer, template=options.template)
             if pieces.is_empty:
                 continue
-            hs = turn.header_start
-            trunk = list(pieces.open_ids) + [t for item in pieces.item_ids for t in item]
-            trunk_seg, trunk_start = row.add(trunk, hs, hs)
-            ends = np.cumsum([len(pieces.open_ids)] + [len(item) for item in pieces.item_ids])
+            # the turn's context before its header: segment 0 before `read`, then `rest` (which
+            # opens the trunk, so the branches need no third context)
+            pre = own.prefixes[k]
+            read = pre.read
+            trunk = [int(t) for t in pre.rest] + list(pieces.open_ids) + [t for item in pieces.item_ids for t in item]
+            trunk_seg, trunk_start = row.add(trunk, read, read)
+            ends = pre.rest.size + np.cumsum([len(pieces.open_ids)] + [len(item) for item in pieces.item_ids])
             policy = [int(x) for x in traj.tokens[turn.policy_start: turn.policy_end - 1]]
             branch_of: dict[int, int] = {}
             for di, d in enumerate(depths):
@@ -214,19 +228,20 @@ def build_views(
                 if m not in branch_of:
                     end = int(ends[m])
                     branch = list(pieces.close_ids) + list(pieces.header_ids) + policy
-                    _, start = row.add(branch, hs + end, hs, (trunk_seg, trunk_start + end))
+                    _, start = row.add(branch, read + end, read, (trunk_seg, trunk_start + end))
                     # the token before policy token 0 is the header's last token
                     branch_of[m] = start + len(pieces.close_ids) + len(pieces.header_ids) - 1
                 first = branch_of[m]
                 for i, p in enumerate(range(turn.policy_start, turn.policy_end)):
-                    view_pred[di, b, where[p]] = first + i
+                    view_pred[di, b, where[int(own.index[p])]] = first + i
         rows.append(row)
     width = pick_bucket(max([r.length for r in rows] + [min_widths[0]]), buckets, "packed hindsight row")
     cols = [np.stack(c) for c in zip(*(r.arrays(width) for r in rows))]
     tok, pos, seg, c1s, c1e, c2s, c2e = cols
-    pred, pred_target, slot = _distinct_predictors(trajs, view_pred, pol_pos, pol_valid, min_widths[1])
+    pred, pred_target, slot = _distinct_predictors([r.tokens for r in own_rows], view_pred, pol_pos, pol_valid,
+                                                   min_widths[1])
     views = PackedViews(tok, Layout(pos, seg, c1s, c1e, c2s, c2e), view_pred, pred, pred_target, slot)
-    own = sum(t.length for t in trajs)
+    own = sum(r.length for r in own_rows)
     packed = sum(r.length for r in rows)
     stats = {"view_tokens": float(packed), "trajectory_tokens": float(own), "view_overhead": packed / max(own, 1),
              "packed_width": float(width), "teacher_rows": float(pol_valid.sum() * n_views),
@@ -234,10 +249,11 @@ def build_views(
     return views, stats
 
 
-def _distinct_predictors(trajs, view_pred, pol_pos, pol_valid, min_width: int = 0):
-    """(pred [B, U], pred_target [B, U], slot [R, B, N]): one entry per distinct predictor."""
+def _distinct_predictors(row_tokens, view_pred, pol_pos, pol_valid, min_width: int = 0):
+    """(pred [B, U], pred_target [B, U], slot [R, B, N]): one entry per distinct predictor;
+    row_tokens: each row's own tokens, which pol_pos indexes."""
     r, b, n = view_pred.shape
-    targets = [t.tokens[pol_pos[i]] for i, t in enumerate(trajs)]
+    targets = [tokens[pol_pos[i]] for i, tokens in enumerate(row_tokens)]
     uniq = []
     for i in range(b):
         valid = pol_valid[i]

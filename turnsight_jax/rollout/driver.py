@@ -28,7 +28,7 @@ import numpy as np
 from turnsight_jax.chat import template as tmpl
 from turnsight_jax.chat import tokenizer as tok_lib
 from turnsight_jax.chat.parsing import parse_turn
-from turnsight_jax.chat.trajectory import Trajectory, TrajectoryBuilder
+from turnsight_jax.chat.trajectory import ElidedContexts, Trajectory, TrajectoryBuilder
 from turnsight_jax.chat.types import CallError, Task
 from turnsight_jax.distributed import to_host
 from turnsight_jax.envs.base import Environment, VectorEnv
@@ -68,6 +68,34 @@ class RolloutConfig:
                 raise ValueError(f"rollout.{name} must be positive, got {getattr(self, name)}")
 
 
+@dataclasses.dataclass(frozen=True)
+class ObservationWindow:
+    """The policy's context keeps only the most recent `size` observations in full (>= 1); each
+    older one is replaced by `placeholder_ids`, a whole observation suffix (`placeholder_suffix`).
+    An observation is the suffix appended after a turn (its tool responses or user message, then
+    the next assistant header); a turn without one counts none."""
+
+    size: int
+    placeholder_ids: tuple[int, ...]
+
+    def __post_init__(self):
+        if self.size < 1:
+            raise ValueError(f"an observation window keeps at least the newest observation, got size {self.size}")
+        if not self.placeholder_ids:
+            raise ValueError("an observation window needs placeholder ids")
+
+    def slack(self, max_turns: int) -> int:
+        """Tokens a context may hold beyond its trajectory's (a placeholder can be longer than the
+        observation it replaces): at most max_turns - 1 - size observations are ever elided."""
+        return max(0, max_turns - 1 - self.size) * len(self.placeholder_ids)
+
+
+def placeholder_suffix(tokenizer, text: str, *, enable_thinking: bool) -> tuple[int, ...]:
+    """The ids that replace an elided observation: a tool-response message holding `text`, then
+    the next assistant header, as `template.observation_suffix_ids` renders one result."""
+    return tuple(tmpl.observation_suffix_ids(tokenizer, [text], enable_thinking=enable_thinking).ids)
+
+
 @dataclasses.dataclass
 class GeneratedTurn:
     """One policy turn: token ids as generated (stop token included when `stopped`), their
@@ -91,6 +119,10 @@ class TurnPolicy(Protocol):
     def append(self, suffixes: Sequence[Sequence[int] | None]) -> None:
         """Append observation tokens to the rows given (None: nothing)."""
 
+    def rewind(self, counts: Sequence[int]) -> None:
+        """Drop the last counts[r] tokens of row r's context (before an `append` that re-renders
+        them: an observation window; `rollout(window=...)`). Needed only with a window."""
+
 
 def _bucket(n: int, minimum: int = 16) -> int:
     """Next power of two >= n: bounds how many shapes (compilations) a run can see."""
@@ -107,13 +139,15 @@ class ModelPolicy:
 
     def __init__(self, graphdef, state, tokenizer, *, sampling: SamplingParams, config: RolloutConfig,
                  seed: int = 0, cache_dtype=jnp.float32, forced_scripts: Sequence[Sequence[str]] | None = None,
-                 row_offset: int = 0):
+                 row_offset: int = 0, context_slack: int = 0):
         """forced_scripts: optional turn texts per row that override sampling (a scripted policy
         run through the real decode loop and cache; log-probs remain the model's). Row r's draws
         come from fold_in(key(seed), row_offset + r), token by token, as the paged engine's: the
         same episodes sample the same tokens whatever the batch they share (row_offset: the
         rows' global index, when a step's episodes are split over calls or processes; or one
-        global row per episode, `global_rows`)."""
+        global row per episode, `global_rows`). context_slack: cache slots beyond prompt +
+        max_response_tokens (an observation window's contexts may outgrow the trajectory:
+        `ObservationWindow.slack`)."""
         self.graphdef, self.state = graphdef, state
         self.tokenizer = tokenizer
         self.sampling = sampling
@@ -126,6 +160,7 @@ class ModelPolicy:
         self.timings = {"prefill": 0.0, "decode": 0.0, "append": 0.0}
         self.decoded_tokens = 0
         self.forced_scripts = forced_scripts
+        self.context_slack = int(context_slack)
         self.turn = 0
 
     @staticmethod
@@ -141,7 +176,7 @@ class ModelPolicy:
         longest = max(len(p) for p in prompts)
         width = _bucket(longest, 64)
         # Cache: the prompt bucket plus the response budget (+ one turn of slack for padded appends).
-        max_len = width + self.config.max_response_tokens + 1
+        max_len = width + self.config.max_response_tokens + self.context_slack + 1
         prompt_rows = _bucket(n_prompts, 1)
         toks = np.zeros((prompt_rows, width), np.int32)
         lens = np.zeros((prompt_rows,), np.int32)
@@ -232,6 +267,15 @@ class ModelPolicy:
         self.lengths = self.lengths + lens
         self.timings["append"] += time.perf_counter() - t0
 
+    def rewind(self, counts):
+        """Row r's cache forgets its last counts[r] slots (the next append overwrites them)."""
+        drop = np.zeros(self.padded_rows, np.int32)
+        drop[: len(counts)] = counts
+        if np.any(drop > self.lengths):
+            raise ValueError(f"rewind past the start of a row: {drop.tolist()} > {self.lengths.tolist()}")
+        self.cache = KVCache(self.cache.k, self.cache.v, self.cache.lengths - jnp.asarray(drop))
+        self.lengths = self.lengths - drop
+
 
 class ReplayPolicy:
     """Replays fixed turn texts: `scripts[r]` is the list of turn texts of row r. Each turn is
@@ -266,6 +310,9 @@ class ReplayPolicy:
         return out
 
     def append(self, suffixes):
+        pass
+
+    def rewind(self, counts):
         pass
 
 
@@ -310,8 +357,17 @@ ProgressCallback = Callable[[RolloutProgress], None]
 
 @dataclasses.dataclass
 class RolloutResult:
+    """trajectories: len(tasks) * G, siblings adjacent (a controller that forms its own groups:
+    len(tasks) * R in prompt blocks, rl.methods.RolloutController). stats: this process's counts
+    and seconds.
+    tasks: the task of each group when a controller rolled out other prompts than it was given
+    (dynamic sampling's refills), else None. metrics: a controller's own diagnostics, logged as
+    they are (already over every process)."""
+
     trajectories: list[Trajectory]
     stats: dict[str, float]
+    tasks: list[Task] | None = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def all_unparsable(calls) -> bool:
@@ -346,8 +402,10 @@ class RolloutBackend(Protocol):
     def generate(self) -> dict[int, GeneratedTurn]:
         """Advance decoding; return the turns that completed (possibly none)."""
 
-    def append(self, row: int, ids: Sequence[int], budget: int) -> None:
-        """Observation tokens behind row's last turn; its next turn emits at most `budget` tokens."""
+    def append(self, row: int, ids: Sequence[int], budget: int, rewind: int = 0) -> None:
+        """Observation tokens behind row's last turn; its next turn emits at most `budget` tokens.
+        rewind > 0: first drop that many tokens from the end of the row's context (an observation
+        window re-renders what follows an elided observation; never into the prompt)."""
 
     def finish(self, row: int) -> None:
         """The episode is over: release what it holds (a backend with `retain` keeps it until
@@ -374,18 +432,23 @@ class LockstepBackend:
         self.ready = np.ones(n, bool)
         self.budgets = np.full(n, self.config.max_response_tokens, np.int64)
         self.suffixes: list = [None] * n
+        self.rewinds = np.zeros(n, np.int64)
         self.first = True
 
-    def append(self, row, ids, budget):
+    def append(self, row, ids, budget, rewind=0):
         self.suffixes[row] = list(ids)
         self.ready[row] = True
         self.budgets[row] = budget
+        self.rewinds[row] = rewind
 
     def finish(self, row):
         pass
 
     def generate(self):
         if not self.first:
+            if self.rewinds.any():
+                self.policy.rewind(self.rewinds.tolist())
+                self.rewinds[:] = 0
             self.policy.append(self.suffixes)
         self.first = False
         self.suffixes = [None] * len(self.suffixes)
@@ -393,6 +456,54 @@ class LockstepBackend:
         outs = self.policy.generate(active, self.budgets)
         self.ready[:] = False
         return {int(r): outs[r] for r in np.flatnonzero(active)}
+
+
+class _WindowedContexts:
+    """Each row's context as the backend holds it under an observation window: its tokens, where
+    each observation sits in them, how many are elided, and what every turn saw (`rollout`)."""
+
+    def __init__(self, window: ObservationWindow, prompts: Sequence[Sequence[int]]):
+        self.window = window
+        self.tokens = [list(p) for p in prompts]
+        self.spans: list[list[tuple[int, int]]] = [[] for _ in prompts]  # each observation's [start, end)
+        self.elided = [0] * len(prompts)
+        self.counts: list[list[int]] = [[] for _ in prompts]
+        self.elisions = 0
+        self.reprefill = 0
+
+    def turn(self, r: int, ids: Sequence[int]) -> None:
+        self.counts[r].append(self.elided[r])
+        self.tokens[r].extend(ids)
+
+    def observation(self, r: int, ids: Sequence[int]) -> tuple[list[int], int]:
+        """(ids to append, tokens to rewind first) for row r's new observation `ids`: when the
+        window now elides an older observation, the context from that observation on is
+        re-rendered (the placeholder, then what followed it, then the new observation)."""
+        ctx, spans = self.tokens[r], self.spans[r]
+        end = len(ctx)
+        spans.append((end, end + len(ids)))
+        ctx.extend(ids)
+        elide = max(0, len(spans) - self.window.size)
+        if elide <= self.elided[r]:
+            return list(ids), 0
+        first = spans[self.elided[r]][0]
+        placeholder = list(self.window.placeholder_ids)
+        for j in range(self.elided[r], elide):
+            a, b = spans[j]
+            ctx[a:b] = placeholder
+            shift = len(placeholder) - (b - a)
+            spans[j] = (a, a + len(placeholder))
+            spans[j + 1:] = [(x + shift, y + shift) for x, y in spans[j + 1:]]
+        self.elisions += elide - self.elided[r]
+        self.elided[r] = elide
+        out = ctx[first:]
+        self.reprefill += len(out) - len(ids)
+        return out, end - first
+
+    def contexts(self, r: int) -> ElidedContexts | None:
+        if not any(self.counts[r]):
+            return None
+        return ElidedContexts(tuple(self.counts[r]), tuple(self.window.placeholder_ids))
 
 
 def as_backend(policy, config: RolloutConfig):
@@ -411,6 +522,7 @@ def rollout(
     group_offset: int = 0,
     progress: ProgressCallback | None = None,
     row_ids: Sequence[int] | None = None,
+    window: ObservationWindow | None = None,
     hooks: RolloutHooks | None = None,
 ) -> RolloutResult:
     """Run len(tasks) * group_size episodes to the end. Trajectory r belongs to group
@@ -418,6 +530,14 @@ def rollout(
     every `generate` and a final one with done=True (it throttles its own output). row_ids:
     the global row of each episode, which seeds its environment (default: group_offset *
     group_size + r; give the policy the same rows, `row_offset`, so its draws match).
+
+    `window` (rl.mm_grpo): each turn sees only the most recent `window.size` observations in full.
+    When an observation leaves the window the backend rewinds to it and re-prefills the placeholder
+    and everything after it (`stats["reprefill_tokens"]`, beyond the new observation itself); the
+    trajectory keeps every observation in full and records what each turn saw
+    (`Trajectory.contexts`; `stats["elided_observations"]` counts the elisions). The budgets
+    (max_response_tokens) count the trajectory's tokens, as without a window; the backend must hold
+    `window.slack(max_turns)` more slots per episode.
 
     With a continuous backend (`continuous = True`: the paged engine) the tool calls of the turns
     one `generate` returns run in a worker thread while the next `generate` decodes the other rows;
@@ -451,6 +571,10 @@ def rollout(
                           im_end_id=ids.im_end)
         for p in prompt_of
     ]
+    if hooks is not None and window is not None:
+        raise ValueError("rollout hooks and an observation window together are not supported (a branch would need "
+                         "its parent's windowed contexts)")
+    ctxs = None if window is None else _WindowedContexts(window, [prompts[p] for p in prompt_of])
     overlap = getattr(backend, "continuous", False)  # tool calls run while other rows decode
     vec = VectorEnv(env)
     tools = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-tools")
@@ -488,8 +612,11 @@ def rollout(
             if score.metrics.get("env_error", 0.0) > 0 and finish[r] != "env_error":
                 env_errors.append(f"row {r}, scoring failed")  # VectorEnv.score: reward 0, metric env_error
             traj = b.build(reward=score.reward, metrics=dict(score.metrics),
-                           finish_reason=None if b._truncated else (finish[r] or "max_turns"))
+                           finish_reason=None if b._truncated else (finish[r] or "max_turns"),
+                           contexts=None if ctxs is None else ctxs.contexts(r))
             traj.metrics.update(_turn_metrics(traj))
+            if ctxs is not None:
+                traj.metrics["elided_observations"] = float(max(ctxs.counts[r], default=0))  # from its last turn
             built[r] = traj
 
     def new_row(p: int, builder: TrajectoryBuilder, seed_of_env: int) -> int:
@@ -577,7 +704,11 @@ def rollout(
                 continue
             builders[r].add_observation(sid, list(step.observations), spans, header)
             used[r] += len(sid)
-            backend.append(r, sid, int(config.max_response_tokens - used[r]))
+            if ctxs is None:
+                backend.append(r, sid, int(config.max_response_tokens - used[r]))
+            else:
+                ids, rewind = ctxs.observation(r, sid)
+                backend.append(r, ids, int(config.max_response_tokens - used[r]), rewind=rewind)
             with_backend.add(r)
 
     try:
@@ -614,6 +745,8 @@ def rollout(
                 parsed = parse_turn(out.text, calls_in_think=config.calls_in_think)
                 builders[r].add_policy_turn(out.ids, out.logprobs, out.text, parsed.calls, parsed.answer,
                                             signals=out.signals)
+                if ctxs is not None:
+                    ctxs.turn(r, out.ids)
                 used[r] += len(out.ids) - head_len
                 generated += len(out.ids) - head_len
                 final_text[r] = out.text
@@ -652,6 +785,9 @@ def rollout(
              "episodes": float(len(builders)), "tokens": float(sum(t.length - t.prompt_len for t in trajectories))}
     if hooks is not None:
         stats.update(added)
+    if ctxs is not None:
+        stats["elided_observations"] = float(ctxs.elisions)
+        stats["reprefill_tokens"] = float(ctxs.reprefill)
     for k, v in getattr(policy, "timings", {}).items():
         stats[f"{k}_s"] = v
     if isinstance(policy, ModelPolicy):

@@ -238,14 +238,17 @@ class PagedEngine:
     forced_scripts: optional turn texts per row replacing the draws (the model's log-probs are
     still recorded), as `ModelPolicy`'s. row_offset: the rows' global index (episode r draws
     from fold_in(key(seed), row_offset + r)), or one global row per episode, as `ModelPolicy`'s
-    (rollout.driver.global_rows). controller: a rollout.control.EngineController (its signals
-    computed in the decode, its edits and re-samples applied); retain: finished episodes keep their
-    blocks until `release` (the driver's RolloutHooks add episodes of their prompt or branch from
-    them)."""
+    (rollout.sampler.global_rows). context_slack: KV slots an episode may hold beyond prompt +
+    max_response_tokens, reserved at admission (an observation window's contexts may outgrow the
+    trajectory: rollout.driver.ObservationWindow.slack). controller: a
+    rollout.control.EngineController (its signals computed in the decode, its edits and re-samples
+    applied); retain: finished episodes keep their blocks until `release` (the driver's
+    RolloutHooks add episodes of their prompt or branch from them)."""
 
     def __init__(self, graphdef, state, tokenizer, *, sampling: SamplingParams, config, engine: EngineConfig,
                  seed: int = 0, cache_dtype=jnp.float32, mesh=None, forced_scripts: Sequence[Sequence[str]] | None = None,
-                 row_offset: int = 0, controller: EngineController | None = None, retain: bool = False):
+                 row_offset: int = 0, context_slack: int = 0, controller: EngineController | None = None,
+                 retain: bool = False):
         self.graphdef, self.tokenizer, self.sampling, self.config = graphdef, tokenizer, sampling, config
         self.engine, self.mesh, self.cache_dtype = engine, mesh, jnp.dtype(cache_dtype)
         self.state = _decode_copy(state, self.cache_dtype)
@@ -253,10 +256,12 @@ class PagedEngine:
         self.shards = 1 if mesh is None else math.prod(mesh.shape[a] for a in BATCH)
         self.slots_per_shard = -(-engine.slots // self.shards)
         bs = engine.block_size
-        self.max_len = config.max_prompt_tokens + config.max_response_tokens
+        # the most KV slots an episode's context holds after its prompt
+        self.max_context = config.max_response_tokens + int(context_slack)
+        self.max_len = config.max_prompt_tokens + self.max_context
         self.table_width = _pow2(-(-self.max_len // bs) + 1)
         self.pool_blocks = engine.pool_blocks or default_pool_blocks(
-            self.slots_per_shard, config.max_prompt_tokens, config.max_response_tokens, bs)
+            self.slots_per_shard, config.max_prompt_tokens, self.max_context, bs)
         self.kv = empty_pool(self.model_config, self.shards, self.pool_blocks, bs, self.cache_dtype, mesh)
         self.trash = self.pool_blocks - 1
         n_slots = self.shards * self.slots_per_shard
@@ -284,7 +289,7 @@ class PagedEngine:
                 raise ValueError(f"prompt of {len(p)} tokens over rollout.max_prompt_tokens="
                                  f"{self.config.max_prompt_tokens}")
         check_pool(dataclasses.replace(self.engine, pool_blocks=self.pool_blocks), self.shards,
-                   max(len(p) for p in prompts), self.config.max_response_tokens, group_size)
+                   max(len(p) for p in prompts), self.max_context, group_size)
         self.prompts = [list(p) for p in prompts]
         self.group_size = group_size
         n = len(prompts) * group_size
@@ -307,10 +312,17 @@ class PagedEngine:
         self.sampled = [0] * n  # tokens each episode drew so far (its key stream position)
         self.first_budget = min(self.config.max_response_tokens, self.config.max_turn_tokens)
 
-    def append(self, row: int, ids: Sequence[int], budget: int) -> None:
+    def append(self, row: int, ids: Sequence[int], budget: int, rewind: int = 0) -> None:
         s, j = self.where[row]
-        if self.slots[s][j].state != _WAIT:
+        slot = self.slots[s][j]
+        if slot.state != _WAIT:
             raise RuntimeError(f"append to row {row}, which is not waiting for an observation")
+        if not 0 <= rewind <= slot.length - max(len(self.prompts[self.group_of[row]]), slot.own_from * self.engine.block_size):
+            raise ValueError(f"row {row}: rewind {rewind} reaches into the shared prompt (context {slot.length})")
+        # The slots after the rewound length are the slot's own and are overwritten by the append
+        # (attention reads none past a query's own slot).
+        slot.length -= int(rewind)
+        del slot.history[slot.length:]
         self.pending_appends[row] = (list(ids), int(budget))
 
     def finish(self, row: int) -> None:
@@ -446,7 +458,7 @@ class PagedEngine:
                     prompt_blocks = min(b, pslot.prompt_blocks)
                     # conservative: its reservation also covers the parent's blocks it shares, which
                     # it keeps when the parent is released
-                    need = -(-(plen + self.config.max_response_tokens) // bs) - prompt_blocks
+                    need = -(-(plen + self.max_context) // bs) - prompt_blocks
                     if self.committed[s] + need > self.pool_blocks - 1:
                         break
                     del self.queue[i], self.pending_branches[row]
@@ -469,7 +481,7 @@ class PagedEngine:
                         del self.retained[parent]
                         dropped.append((s, pslot))
                     continue
-                shared, own = blocks_per_episode(plen, self.config.max_response_tokens, bs)
+                shared, own = blocks_per_episode(plen, self.max_context, bs)
                 new_prompt = g not in self.on_shard[s]
                 need = own + (shared if new_prompt else 0)
                 if self.committed[s] + need > self.pool_blocks - 1:
