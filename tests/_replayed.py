@@ -18,7 +18,12 @@ def gold_and_wrong(tok):
     scripts = []
     for t in tasks:
         scripts += [gold_turn_texts(t), WRONG_CALL]
+    return replayed(tok, tasks, scripts), tasks
+
+
+def replayed(tok, tasks, scripts, group_size: int = 2):
+    """The trajectories of `scripts` (turn texts per row; row r is task r // group_size) replayed
+    through the built-in tasks' environment, up to 5 turns."""
     with FTRLEnv(num_workers=1) as env:
-        trajs = rollout(ReplayPolicy(tok, scripts), env, tasks, tokenizer=tok, group_size=2,
-                        config=RolloutConfig(max_turns=5, max_response_tokens=2048)).trajectories
-    return trajs, tasks
+        return rollout(ReplayPolicy(tok, scripts), env, tasks, tokenizer=tok, group_size=group_size,
+                       config=RolloutConfig(max_turns=5, max_response_tokens=2048)).trajectories

@@ -14,12 +14,17 @@ from _train_runs import train
 
 EXTRA = {"sdpo": ["--config.teacher.sibling_min_reward=0.01"]}
 METHODS = ("rlsd", "sdpo", "sdar", "sod")
+RECORDS = "--config.log.records_every=1"  # trajectory records of every step: the privileged gaps and gates
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, warm_start):
-    root = tmp_path_factory.mktemp("baselines")
-    return {method: train(method, root / method, warm_start, *EXTRA.get(method, [])) for method in METHODS}
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("baselines")
+
+
+@pytest.fixture(scope="module")
+def runs(root, warm_start):
+    return {method: train(method, root / method, warm_start, RECORDS, *EXTRA.get(method, [])) for method in METHODS}
 
 
 def test_every_baseline_trains_three_steps_with_its_mechanism_acting(runs):
@@ -56,3 +61,41 @@ def test_every_baseline_trains_three_steps_with_its_mechanism_acting(runs):
     assert all(0.0 < r["train/sod_weight"] <= 1.0 + 1e-5 for r in sod)  # a token mean of weights <= 1
     assert abs(sod[0]["train/sod_kl"]) < 1e-7 and abs(sod[0]["train/sod_weight"] - 1.0) < 3e-6
     assert sod[-1]["train/sod_kl"] > 1e-6 and sod[-1]["train/sod_weight"] < 1.0 - 3e-6
+
+
+def _record_turns(run):
+    """{step: [turn records]} of a run's trajectory records."""
+    from turnsight_jax import records
+
+    out = {}
+    for path in records.run_record_files(run):
+        header, trajs = records.read_records(path)
+        out[header["step"]] = [t for tr in trajs for t in tr["turns"]]
+    return out
+
+
+def _extreme(value, which):
+    """A recorded per-turn value's min or max (the value itself when constant over the turn)."""
+    return value if isinstance(value, float) else value[which]
+
+
+def test_the_privileged_methods_record_their_gaps_and_gates(runs, root):
+    """The records of every step hold each turn's teacher-student gap on the privileged view and the
+    method's own per-token quantity, equal to the step's metrics where those are extremes."""
+    for method, records in runs.items():
+        turns = _record_turns(root / method)
+        assert sorted(turns) == [0, 1, 2], method
+        for step, ts in turns.items():
+            covered = [t for t in ts if t.get("gap") is not None]
+            assert covered or records[step]["teacher/covered_frac"] == 0, (method, step)
+            if method == "rlsd":  # w_t = clip(exp(sign(A) gap)): the turn extremes give the step's
+                assert max(_extreme(t["rlsd_weight"], "max") for t in ts) == records[step]["rlsd/weight_max"]
+                assert min(_extreme(t["rlsd_weight"], "min") for t in ts) == records[step]["rlsd/weight_min"]
+            if method == "sdar":  # the gate of the first (only) update, per turn, strictly in (0, 1)
+                assert all(0 < _extreme(t["terms"]["sdar_gate"], "min") <= _extreme(t["terms"]["sdar_gate"], "max") < 1
+                           for t in covered)
+            if method == "sod":  # one attenuation per turn: constant over its tokens, in (0, 1]
+                assert all(isinstance(t["terms"]["sod_weight"], float) and 0 < t["terms"]["sod_weight"] <= 1 + 1e-6
+                           for t in ts)
+            if method == "sdpo":
+                assert all("sdpo_kl" in t["terms"] for t in ts)

@@ -123,3 +123,50 @@ def test_missing_empty_and_broken_metrics_files(tmp_path, capsys):
     assert capsys.readouterr().err.strip().startswith(f"error: {tmp_path / 'metrics.jsonl'}: line 2: invalid JSON")
     assert report.main([str(tmp_path / "nope")]) == 2
     assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nope'}: no such run folder"
+
+
+def cost_record(step: int, *, teacher: bool, device_gib: float | None = None) -> dict:
+    """One step's cost metrics as turnsight_jax.cost logs them (round numbers to add by hand)."""
+    rec = {"step": step, "rollout/reward_mean": 0.5, "perf/rollout_s": 3.0, "perf/rollout_prefill_s": 0.5,
+           "perf/rollout_decode_s": 2.0, "perf/tool_s": 0.25, "perf/batch_s": 0.25, "perf/step_fn_s": 4.0 + step,
+           "perf/step_s": 7.5 + step, "perf/records_s": 0.125, "perf/eval_s": 0.0,
+           "perf/checkpoint_s": 1.0 if step == 2 else 0.0, "perf/step_fn_optimizer_s_est": 0.5,
+           "perf/step_fn_student_s_est": 3.5 + step - (1.0 if teacher else 0.0), "perf/update_flops_necessary": 4e9,
+           "perf/host_rss_peak_gib": 1.5 + step, "perf/student_tokens": 1000.0, "perf/step_compilations": 1.0}
+    if teacher:
+        rec.update({"perf/step_fn_teacher_s_est": 1.0, "perf/teacher_flops_necessary": 1e9,
+                    "perf/teacher_tokens_trajectory": 1000.0, "perf/teacher_tokens_blocks": 600.0,
+                    "perf/teacher_tokens_turn_copies": 400.0})
+    if device_gib is not None:
+        rec["perf/device_peak_gib"] = device_gib + step
+    return rec
+
+
+def test_the_cost_table_of_a_run_and_its_base(tmp_path, capsys):
+    """`--compare`: the two runs' wall split (sums over steps, medians per step, the ratio), the
+    teacher's FLOPs and share, tokens per view kind and peak memory, in cost.md and cost.png;
+    a run's missing device memory stats are said to be unavailable, not filled in."""
+    write_metrics(tmp_path / "turnsight", [cost_record(s, teacher=True, device_gib=2.0) for s in range(3)])
+    write_metrics(tmp_path / "grpo", [cost_record(s, teacher=False) for s in range(3)])
+    code = report.main([str(tmp_path / "turnsight"), "--compare", str(tmp_path / "grpo")])
+    capsys.readouterr()
+    assert code == 0
+    out = tmp_path / "turnsight" / "report"
+    rows = {line.split(" | ")[0].strip("| *"): [c.strip() for c in line.strip("|").split(" | ")[1:]]
+            for line in (out / "cost.md").read_text().splitlines() if line.startswith("| ") and "---" not in line}
+    assert rows["rollout: decode"] == ["6.00 s", "2.00 s", "6.00 s", "2.00 s", "1.00x"]
+    # rollout 3 - 0.5 - 2 - 0.25 of host work per step
+    assert rows["rollout: host (parsing, episodes; < 0: tools overlapped decoding)"][:2] == ["0.75 s", "0.25 s"]
+    # student fwd+bwd: 2.5, 3.5, 4.5 (TurnSight) against 3.5, 4.5, 5.5 (GRPO)
+    assert rows["update: student forward + backward (est.)"] == ["10.5 s", "3.50 s", "13.5 s", "4.50 s", "0.78x"]
+    assert rows["update: teacher (est.)"] == ["3.00 s", "1.00 s", "—", "—", "—"]
+    assert rows["checkpoint"] == ["1.00 s", "0.00 s", "1.00 s", "0.00 s", "1.00x"]
+    # total: step_s + records + eval + checkpoint = 7.625, 8.625, 10.625
+    assert rows["total"] == ["26.9 s", "8.62 s", "26.9 s", "8.62 s", "1.00x"]
+    assert rows["teacher share of the update's FLOPs"][0] == "25.0%"
+    assert rows["tokens scored, teacher: hindsight / privileged blocks"][0] == "1.8e+03"
+    assert rows["peak device memory"][0] == "4.00 GiB"
+    assert rows["peak device memory"][2] == "unavailable (no device memory stats: CPU backend)"
+    assert rows["peak host RSS of the process"][0] == "3.50 GiB"
+    assert png_size(out / "cost.png") == (800, 450)
+    assert "## Cost" in (out / "index.md").read_text()

@@ -252,6 +252,15 @@ def ref_turnsight(delta, policy_mask, turn_ids, group_ids, base_adv, *, lam=0.5,
                     weights[i, t] = 1 + eps_w * math.tanh(sgn * d_hat[i, t])
             out[i, t] = a * ((1 - lam) + lam * weights[i, t])
 
+    # δ̄^{(d)} of every (trajectory, turn) segment, whatever the aggregation (0 for an empty turn)
+    depth_turn_means = np.zeros((n_d, n_b, n_k))
+    for i in range(n_b):
+        for k in range(n_k):
+            positions = [t for t in range(n_t) if assigned(i, t) and int(turn_ids[i, t]) == k]
+            for d in range(n_d):
+                if positions:
+                    depth_turn_means[d, i, k] = sum(float(delta[d, i, t]) for t in positions) / len(positions)
+
     pol_w = [weights[i, t] for i in range(n_b) for t in range(n_t) if policy_mask[i, t]]
     turn_w = []  # token-mean weight of each non-empty turn
     for i in range(n_b):
@@ -262,7 +271,7 @@ def ref_turnsight(delta, policy_mask, turn_ids, group_ids, base_adv, *, lam=0.5,
         turn_w += [sum(ws) / len(ws) for ws in by_turn.values()]
     return {
         "advantages": out, "weights": weights, "selected_depth": d_star, "delta_bar": x_star,
-        "delta_hat": d_hat, "group_mean": mu, "group_std": sigma,
+        "delta_hat": d_hat, "depth_turn_means": depth_turn_means, "group_mean": mu, "group_std": sigma,
         "agreement_rate": agree / max(len(units), 1), "depth_histogram": hist,
         "num_units": len(units),
         "weight_mean": sum(pol_w) / len(pol_w) if pol_w else 1.0,
@@ -276,7 +285,7 @@ def ref_turnsight(delta, policy_mask, turn_ids, group_ids, base_adv, *, lam=0.5,
 # ------------------------------------------------------------------------------------------------
 
 
-_FLOAT_KEYS = ("advantages", "weights", "delta_bar", "group_mean", "group_std",
+_FLOAT_KEYS = ("advantages", "weights", "delta_bar", "depth_turn_means", "group_mean", "group_std",
                "weight_mean", "weight_min", "weight_max")
 _EXACT_KEYS = ("selected_depth", "depth_histogram", "num_units")
 _ORDER = _FLOAT_KEYS + ("delta_hat",) + _EXACT_KEYS + (

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from turnsight_jax.chat.hindsight import teacher_view_ids
+from turnsight_jax.chat.hindsight import hindsight_pieces, teacher_view_ids
 from turnsight_jax.chat.trajectory import turn_context
 from turnsight_jax.envs.ftrl import FTRLEnv
 from turnsight_jax.envs.synthetic import SyntheticConfig, generate_task, gold_turn_texts
@@ -143,6 +143,18 @@ def test_depths_share_trunk_and_dedupe(tok, trajectories):
     naive = sum(len(teacher_view_ids(tok, traj, k, d)) - t.header_start
                 for k, t in enumerate(traj.turns) if k < traj.num_turns - 1 for d in (1, 2, 3))
     assert extra1 < extra3 < naive
+    # the packed tokens by kind: the trajectory, each turn's trunk (the hindsight block: message
+    # open + items) and its branches (message close + header + a copy of the turn)
+    blocks = copies = 0
+    for k, t in enumerate(traj.turns):
+        pieces = hindsight_pieces(tok, traj, k, max_depth=3)
+        if not pieces.is_empty:
+            blocks += len(pieces.open_ids) + sum(len(item) for item in pieces.item_ids)
+            branch = len(pieces.close_ids) + len(pieces.header_ids) + t.num_policy_tokens - 1
+            copies += branch * len({min(d, pieces.num_items) for d in (1, 2, 3)})
+    assert (s3["view_tokens_trajectory"], s3["view_tokens_blocks"], s3["view_tokens_turn_copies"]) == (
+        traj.length, blocks, copies)
+    assert blocks + copies == extra3 > 0
     last = traj.turns[-2]  # the last tool turn: items for itself and the answer turn, so d = 3 clips to d = 2
     pol = np.flatnonzero(traj.policy_mask)
     j = int(np.searchsorted(pol, last.policy_start))

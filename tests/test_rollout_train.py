@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from _train_runs import train
 
-TURNSIGHT = ["--config.rl.method=turnsight", "--config.rl.base=grpo"]
+# TurnSight over GRPO, with trajectory records of every step (groups of unequal size in them)
+TURNSIGHT = ["--config.rl.method=turnsight", "--config.rl.base=grpo", "--config.log.records_every=1"]
 # small enough for CI: 2 prompts, BAR 2 rollouts a round up to 4, AKBE groups of 2 (+ 2 no-tool)
 BAR = ["--config.bar.chunk=2", "--config.bar.cap=4"]
 AKBE = ["--config.train.group_size=2"]
@@ -20,6 +21,21 @@ def _common(records, rows):
     assert all(r["shape/T"] > 0 for r in records)
     # the static row count: every step compiled the same program
     assert len({r["perf/step_compilations"] for r in records}) == 1, rows
+
+
+def _recorded(run, records):
+    """Each step's records file against its metrics: the rows in groups all there (padding rows
+    never), rows in no group without group statistics, every group's rows of one group id."""
+    from turnsight_jax import records as rec
+
+    for path in rec.run_record_files(run):
+        header, trajs = rec.read_records(path)
+        metrics = records[header["step"]]
+        grouped = [t for t in trajs if t["group"] >= 0]
+        assert len(grouped) == metrics["rollout/rows_in_groups"] and header["dropped"] == 0
+        assert all("group_mean" not in t for t in trajs if t["group"] < 0)
+        assert all(t["turns"] and "weight" in t["turns"][0] for t in trajs)
+    assert len(rec.run_record_files(run)) == 3
 
 
 def test_bar_trains_under_grpo_and_turnsight(tmp_path, warm_start):
@@ -36,6 +52,7 @@ def test_bar_trains_under_grpo_and_turnsight(tmp_path, warm_start):
         assert any(r["train/adv_abs_mean"] > 0 for r in records), name
         if name == "turnsight":
             assert any(r["turnsight/weight_max"] > 1.0 for r in records)
+            _recorded(tmp_path / name, records)
 
 
 def test_akbe_trains_under_grpo_and_turnsight(tmp_path, warm_start):
@@ -50,3 +67,5 @@ def test_akbe_trains_under_grpo_and_turnsight(tmp_path, warm_start):
         assert any(r["akbe/exemplars"] > 0 and r["train/akbe_ce"] > 0 and r["akbe/exemplar_tokens_mean"] > 0
                    for r in records), name
         assert all((r["akbe/exemplars"] > 0) == (r["train/akbe_ce"] > 0) for r in records), name
+        if name == "turnsight":
+            _recorded(tmp_path / name, records)

@@ -24,6 +24,7 @@ FAST = [
     "--config.rollout.max_turn_tokens=12", "--config.rollout.max_response_tokens=64",
     "--config.checkpoint.every=0", "--config.log.tensorboard=False", "--config.model.attn_q_chunk=128",
     "--config.rollout.prompts_per_chunk=1",  # exercise chunked rollouts
+    "--config.log.records_every=2",  # trajectory records of steps 1 and 3 (0-based)
 ]
 
 
@@ -306,6 +307,71 @@ def test_the_update_flops_are_logged(uninterrupted):
         assert "perf/update_padding_ratio_student" in parts and all(v >= 1.0 for v in parts.values()), parts
 
 
+# The wall split every step logs (turnsight_jax.cost): measured parts, and the fused step's
+# estimated ones (student forward+backward, teacher, optimizer) that add up to it.
+WALL_SPLIT = ("perf/rollout_s", "perf/rollout_prefill_s", "perf/rollout_decode_s", "perf/tool_s", "perf/batch_s",
+              "perf/step_fn_s", "perf/records_s", "perf/eval_s", "perf/checkpoint_s")
+STEP_FN_PARTS = ("perf/step_fn_student_s_est", "perf/step_fn_teacher_s_est", "perf/step_fn_optimizer_s_est")
+
+
+def test_every_step_logs_its_costs_and_records_are_written(uninterrupted):
+    """Each step's metrics hold the wall split (the fused step's estimated parts summing to its
+    measured time), the teacher's FLOPs, the tokens per view kind and the peak memory (the CPU
+    backend has no device memory stats: that key is absent, the process's peak RSS is there); the
+    final checkpoint's time is in the last step's line. Records are written every 2nd step, one
+    file per step, and their depth histogram equals the step's metric."""
+    from turnsight_jax import records
+
+    recs = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
+    for r in recs:
+        assert all(r[k] >= 0 for k in WALL_SPLIT), r
+        assert r["perf/rollout_prefill_s"] + r["perf/rollout_decode_s"] <= r["perf/rollout_s"]
+        assert sum(r[k] for k in STEP_FN_PARTS) == pytest.approx(r["perf/step_fn_s"], rel=1e-9)
+        assert 0 < r["perf/step_fn_optimizer_s_est"] == r["perf/optimizer_probe_s"] < r["perf/step_fn_s"]
+        assert 0 < r["perf/teacher_flops_necessary"] and 0 < r["perf/teacher_flops_share"] < 1
+        assert r["perf/teacher_tokens_trajectory"] == r["perf/student_tokens"] > 0
+        assert (r["perf/teacher_tokens_trajectory"] + r["perf/teacher_tokens_blocks"] + r["perf/teacher_tokens_turn_copies"]
+                == pytest.approx(r["perf/view_overhead"] * r["perf/student_tokens"]))
+        assert "perf/device_peak_gib" not in r and r["perf/host_rss_peak_gib"] > 0.1
+    assert [r["perf/checkpoint_s"] > 0 for r in recs] == [False, False, False, True]
+    files = records.run_record_files(uninterrupted)
+    assert [p.name for p in files] == ["step_000001.jsonl.gz", "step_000003.jsonl.gz"]
+    for path in files:
+        header, trajs = records.read_records(path)
+        assert header["trajectories"] == 4 and header["dropped"] == 0 and header["method"] == "turnsight"
+        hist = [sum(t.get("depth") == d for tr in trajs for t in tr["turns"]) for d in header["depths"]]
+        assert hist == recs[header["step"]]["turnsight/depth_histogram"]
+
+
+def test_the_runs_viewer_in_a_real_browser(uninterrupted, tmp_path):
+    """`python -m turnsight_jax.inspect RUN` on the trainer's own run folder, opened in headless
+    Chromium: no console error, and the weight and chosen depth of three turns picked at random
+    equal the records."""
+    import random
+
+    from _browser import Browser, find_browser
+    from turnsight_jax import records
+
+    proc = subprocess.run([sys.executable, "-m", "turnsight_jax.inspect", str(uninterrupted), "--out",
+                           str(tmp_path / "viewer.html")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "2 steps, 8 trajectories" in proc.stdout, proc.stderr
+    binary = find_browser()
+    if binary is None:
+        pytest.skip("no headless Chromium (apt-get install chromium-headless-shell; .ci/run installs it)")
+    header, trajs = records.read_records(records.run_record_files(uninterrupted)[-1])
+    turns = [(tr, t) for tr in trajs for t in tr["turns"]]
+    with Browser(binary) as browser:
+        browser.open((tmp_path / "viewer.html").as_uri())
+        assert browser.eval("document.body.dataset.ready") == "1" and browser.errors == []
+        assert browser.eval("window.viewer.state.step") == header["step"]
+        for tr, t in random.Random(1).sample(turns, 3):
+            sel = f"#turn-{header['step']}-{tr['row']}-{t['k']}"
+            got = browser.eval(f"['weight', 'depth'].map(f => document.querySelector('{sel} "
+                               f"[data-field=\"' + f + '\"]').dataset.value)")
+            assert [float(v) for v in got] == [t["weight"], t["depth"]], sel
+        assert browser.errors == []
+
+
 def test_a_packed_run_equals_the_plain_run(uninterrupted, tmp_path):
     """train.pack_rows with rows wider than the batch's (several trajectories and hindsight rows
     per row): the run's every logged value (rollouts, rewards, losses, advantages, eval) equals
@@ -323,6 +389,19 @@ def test_a_packed_run_equals_the_plain_run(uninterrupted, tmp_path):
             if key.startswith("shape/") or not isinstance(value, (int, float)):
                 continue
             assert value == pytest.approx(plain[step][key], rel=1e-4, abs=1e-5), (step, key)
+    # the records of step 1: the packed batch holds the rows in another order, yet each trajectory's
+    # record pairs its own turns with its own numbers, as the plain run's
+    from turnsight_jax import records
+
+    def by_trajectory(run):
+        _, trajs = records.read_records(records.records_path(run, 1))
+        return sorted((tr["group"], [t["text"] for t in tr["turns"]], [[t[k] for k in ("adv", "weight", "depth",
+                                                                                        "delta_star")] + t["delta"]
+                                                                       for t in tr["turns"]]) for tr in trajs)
+
+    for (g, texts, nums), (g2, texts2, nums2) in zip(by_trajectory(tmp_path), by_trajectory(uninterrupted), strict=True):
+        assert (g, texts) == (g2, texts2)
+        np.testing.assert_allclose(np.array(nums, float), np.array(nums2, float), rtol=1e-4, atol=1e-5)
 
 
 def test_a_dry_run_whose_plan_does_not_fit_exits_1(tmp_path):

@@ -318,6 +318,10 @@ def base_config() -> mlc.ConfigDict:
     c.log = mlc.ConfigDict()  # run logs (metrics.jsonl is always written)
     c.log.tensorboard = True  # TensorBoard event files next to metrics.jsonl
     c.log.progress = True  # progress lines on stderr
+    # trajectory records (turnsight_jax.records, docs/records.md; `python -m turnsight_jax.inspect RUN`)
+    c.log.records_every = 5  # every N steps, RUN/records/step_<step>.jsonl.gz (0: none)
+    c.log.records_max_kib = 8192  # bound per step and process: whole prompt groups while the JSON fits
+    c.log.records_text_chars = 4000  # each text (policy turn, observation, prompt) cut to this many characters
     return c
 
 
@@ -699,6 +703,10 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
         raise ConfigError(f"train.max_skipped_steps must be >= 1, got {cfg.train.max_skipped_steps}")
     if cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.keep must be >= 1 (0 would delete every save), got {cfg.checkpoint.keep}")
+    for key, least in (("records_every", 0), ("records_max_kib", 1), ("records_text_chars", 16)):
+        value = cfg.log[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"log.{key} must be an int >= {least}, got {value!r}")
     if num_devices is not None:
         shape = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
         known = [s for s in shape if s != -1]

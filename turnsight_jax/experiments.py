@@ -78,3 +78,7 @@ def tiny_cpu(c: mlc.ConfigDict) -> None:
 
     c.checkpoint.every = 10
     c.checkpoint.keep = 2
+
+    # trajectory records of every step (32 short trajectories: ~10 kB each compressed; BENCHMARKS.md
+    # "Trajectory records and cost accounting" measured the run's wall time with and without them)
+    c.log.records_every = 1

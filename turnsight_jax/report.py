@@ -13,6 +13,9 @@ Writes PNG files of a fixed size (8 x 4.5 in at 100 dpi = 800 x 450 px) and an i
   optimization.png      pg_loss, kl, clip_frac, grad_norm, step time, tool error rate
   slim.png              SLIM runs only: library size, skills written / retired, Eval(S) and mean Δ of the
                         audits; index.md then also lists the skill library and its history (rl.slim_report)
+  cost.png, cost.md     where the wall-clock went (measured and estimated parts), teacher FLOPs and their
+                        share, tokens per view kind, peak memory (turnsight_jax.cost_report); with
+                        `--compare OTHER_RUN` both runs side by side (TurnSight and its base)
 
 A plot whose keys are all absent is skipped with a note (printed and listed in index.md); a
 panel or line whose key is absent is left out. Steps written twice (a resumed run) keep the
@@ -29,6 +32,7 @@ import pathlib
 import sys
 from typing import Callable, Sequence
 
+from turnsight_jax import cost_report
 from turnsight_jax.rl import slim_report
 
 FIG_SIZE = (8.0, 4.5)  # inches
@@ -252,6 +256,25 @@ def plot_slim(m: Metrics, path: pathlib.Path) -> None:
     _save(fig, path)
 
 
+def plot_cost(names: Sequence[str], summaries: Sequence[cost_report.CostSummary], path: pathlib.Path) -> None:
+    """Each run's wall-clock total, stacked by part (negative parts, tools overlapping decoding, as 0)."""
+    fig, ax = _figure()
+    a = ax[0, 0]
+    labels = [lab for lab in dict.fromkeys(lab for s in summaries for lab, _, _ in s.wall) if lab != "total"]
+    left = [0.0] * len(summaries)
+    cmap = __import__("matplotlib").colormaps["tab20"]
+    for i, label in enumerate(labels):
+        widths = [max(next((t for lab, t, _ in s.wall if lab == label), 0.0), 0.0) for s in summaries]
+        a.barh(list(range(len(summaries))), widths, left=left, color=cmap(i % 20), label=label.replace(" (est.)", "*"))
+        left = [x + w for x, w in zip(left, widths)]
+    a.set_yticks(list(range(len(summaries))), [f"{n}\n({s.steps} steps)" for n, s in zip(names, summaries)])
+    a.set_xlabel("seconds (sum over the logged steps; * estimated)")
+    a.set_title("Where the wall-clock went")
+    a.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    a.grid(alpha=0.3, axis="x")
+    _save(fig, path)
+
+
 PLOTS: tuple[tuple[str, Sequence[str], Callable], ...] = (
     ("reward.png", ("rollout/reward_mean",), plot_reward),
     ("solve.png", SOLVE_KEYS, plot_solve),
@@ -271,8 +294,10 @@ class Report:
 
 
 def make_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None = None,
-                log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> Report:
-    """Writes the plots of `run_dir/metrics.jsonl` into `out_dir` (default run_dir/report)."""
+                log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
+                compare: str | pathlib.Path | None = None) -> Report:
+    """Writes the plots of `run_dir/metrics.jsonl` into `out_dir` (default run_dir/report); the
+    cost table also holds `compare`'s run when given (its own metrics.jsonl)."""
     run_dir = pathlib.Path(run_dir)
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir}: no such run folder")
@@ -296,25 +321,49 @@ def make_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None 
         plot_slim(metrics, out / slim_report.PLOT)
         files.append(out / slim_report.PLOT)
         log(f"wrote {out / slim_report.PLOT}")
+    cost_lines = _cost_section(run_dir, metrics, compare, out, files, notes, log)
     for note in notes:
         log(f"note: {note}")
     index = [f"# Training report: {run_dir.name}", "",
              f"{len(metrics.steps)} steps ({metrics.steps[0]}..{metrics.steps[-1]}).", ""]
     index += [f"![{f.stem}]({f.name})" for f in files]
-    index += slim_lines
+    index += slim_lines + cost_lines
     if notes:
         index += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     (out / "index.md").write_text("\n".join(index) + "\n")
     return Report(files, notes, len(metrics.steps))
 
 
+def _cost_section(run_dir, metrics, compare, out, files, notes, log) -> list[str]:
+    """cost.md and cost.png of the run (and `compare`'s); the index's lines for them."""
+    runs = [(run_dir.name, metrics)]
+    if compare is not None:
+        other, other_notes = load_metrics(pathlib.Path(compare) / "metrics.jsonl")
+        notes += [f"{pathlib.Path(compare).name}: {n}" for n in other_notes]
+        runs.append((pathlib.Path(compare).name if pathlib.Path(compare).name != run_dir.name else f"{compare}", other))
+    missing = [name for name, m in runs if not cost_report.has_costs(m.records)]
+    if missing:
+        notes.append(f"no cost table: {', '.join(missing)} logged no cost metrics (perf/step_fn_s; runs before them)")
+        return []
+    names = [name for name, _ in runs]
+    summaries = [cost_report.summarize(m.records) for _, m in runs]
+    table = cost_report.cost_markdown(names, summaries)
+    (out / "cost.md").write_text("\n".join([f"# Cost: {' vs '.join(names)}", "", *table, ""]) + "\n")
+    plot_cost(names, summaries, out / "cost.png")
+    files.append(out / "cost.png")
+    log(f"wrote {out / 'cost.md'} and {out / 'cost.png'}")
+    return ["", "## Cost", "", *table]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m turnsight_jax.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="training run folder holding metrics.jsonl")
     parser.add_argument("--out", default=None, help="output folder (default: RUN_DIR/report)")
+    parser.add_argument("--compare", default=None, metavar="OTHER_RUN",
+                        help="a second run folder whose costs go next to RUN_DIR's in cost.md (e.g. the base method)")
     args = parser.parse_args(argv)
     try:
-        report = make_report(args.run_dir, args.out)
+        report = make_report(args.run_dir, args.out, compare=args.compare)
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ the measured matmul peak that CPU MFU figures divide by. Only process 0 writes."
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import sys
 import time
@@ -57,6 +58,32 @@ class MetricsLog:
         if self.tb is not None:
             for k, v in rec.items():
                 if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+    def amend(self, step: int, metrics: dict[str, Any]) -> None:
+        """Add `metrics` to the line of `step` already written (the last one holding it): the file
+        is rewritten to a temporary name and renamed, so a kill leaves the old or the new file."""
+        if not self.enabled:
+            return
+        lines = self.path.read_text().splitlines()
+        for i in range(len(lines) - 1, -1, -1):
+            try:
+                rec = json.loads(lines[i])
+            except json.JSONDecodeError:
+                continue
+            if rec.get("step") == step:
+                rec.update({k: _jsonable(v) for k, v in metrics.items()})
+                lines[i] = json.dumps(rec)
+                break
+        else:
+            raise ValueError(f"{self.path}: no line of step {step} to amend")
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in lines))
+        os.replace(tmp, self.path)
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
 

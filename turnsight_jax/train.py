@@ -29,7 +29,7 @@ import ml_collections as mlc
 import numpy as np
 from flax import nnx
 
-from turnsight_jax import checkpointing, distributed, flops, model_setup, sources
+from turnsight_jax import checkpointing, cost, distributed, flops, model_setup, records, sources
 from turnsight_jax.checkpointing import Checkpointer, write_run_config, write_run_files
 from turnsight_jax.config import (engine_config, load_run_config, model_layer_name, rollout_config, sampling_params,
                                   second_stage, slim_config, validate)
@@ -38,7 +38,8 @@ from turnsight_jax.errors import ConfigError, NonFiniteTraining
 from turnsight_jax.eval.heldout import evaluate_policy
 from turnsight_jax.models.sharding import make_mesh, opt_state_shardings
 from turnsight_jax.models.weights import save_pretrained
-from turnsight_jax.rl.batch import make_train_batch, packed_reference, row_axis, shape_keys, shard_batch
+from turnsight_jax.rl.batch import (batch_row_order, make_train_batch, packed_reference, row_axis, shape_keys,
+                                    shard_batch)
 from turnsight_jax.rl.methods import RolloutContext
 from turnsight_jax.rl.slim_runner import LIBRARY_FILE, SlimRunner, uses_slim
 from turnsight_jax.rl.step import TURNSIGHT_METRICS, init_aux, make_aux_optimizers, make_optimizer, make_train_step
@@ -112,11 +113,11 @@ def _rollout_metrics(trajs, own_groups: bool = False) -> dict[str, float]:
     return out
 
 
-def _local_batch(trajs, tasks, first, tok, step_cfg, method, cfg, shapes, row_shards):
-    """This process's batch rows (its episodes, groups numbered from `first`), padded to widths
-    every process agrees on (the largest of theirs and of the run so far: shapes only grow).
-    Returns (batch, stats, the widths now in use)."""
-    row_tasks = [t for t in tasks for _ in range(step_cfg.rows_per_prompt)]  # block i: task i's rows
+def _local_batch(trajs, row_tasks, first, tok, step_cfg, method, cfg, shapes, row_shards):
+    """This process's batch rows (its episodes, groups numbered from `first`; `row_tasks`: each
+    row's task, block i of step_cfg.rows_per_prompt rows task i's), padded to widths every process
+    agrees on (the largest of theirs and of the run so far: shapes only grow). Returns (batch,
+    stats, the widths now in use)."""
     batch, bstats = make_train_batch(trajs, row_tasks, tok, step_cfg, method, min_shapes=shapes, group_offset=first,
                                      row_shards=row_shards, processes=jax.process_count())
     keys = shape_keys(bstats)
@@ -127,6 +128,21 @@ def _local_batch(trajs, tasks, first, tok, step_cfg, method, cfg, shapes, row_sh
                                          min_shapes=dict(zip(keys, agreed.tolist())), group_offset=first,
                                          row_shards=row_shards, processes=jax.process_count())
     return batch, bstats, {k: int(v) for k, v in zip(keys, agreed)}
+
+
+VIEW_TOKEN_KINDS = ("view_tokens_trajectory", "view_tokens_blocks", "view_tokens_turn_copies")  # rl.views
+
+
+def _write_records(workdir, step, trajs, row_tasks, batch, arrays, step_cfg, method, cfg, mesh, rows) -> None:
+    """This process's trajectory records of `step` (turnsight_jax.records): the step's per-turn
+    arrays fetched (all-gathered across processes), this process's rows written to its own file."""
+    host = records.host_arrays(arrays)
+    start, stop = distributed.process_rows(mesh, rows) if distributed.is_multiprocess() else (0, rows)
+    lines = records.build_step_records(
+        step, trajs, row_tasks, batch, host, method, step_cfg, rows=range(start, stop),
+        order=batch_row_order(trajs, step_cfg, local_row_shards(mesh)), text_chars=cfg.log.records_text_chars,
+        max_bytes=cfg.log.records_max_kib * 1024, process=jax.process_index())
+    records.write_records(records.records_path(workdir, step, jax.process_index()), lines)
 
 
 # The progress line's view of the method's own mechanism: the metric that shows it acting.
@@ -254,9 +270,10 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
         log(f"step-PRM: a logistic head on the frozen reference trunk, lr {step_cfg.prm.optim.lr:g}, "
             f"reward {step_cfg.prm.alpha:g} * {step_cfg.prm.decay:g}^(k-1) * (h_(k-1) - h_k - {step_cfg.prm.baseline:g})")
     shardings = (params, opt_state) + ((aux_state,) if aux_state is not None else ())
+    with_records = cfg.log.records_every > 0  # the step then also returns the records' per-turn arrays
     step_fn = make_train_step(graphdef, step_cfg, optimizer, method,
                               state_shardings=jax.tree.map(lambda x: x.sharding, shardings),
-                              teacher_graphdef=teacher_graphdef, aux_optimizers=aux_opts)
+                              teacher_graphdef=teacher_graphdef, aux_optimizers=aux_opts, records=with_records)
 
     # A two-stage recipe (rl.switch_step / rl.switch_method, e.g. SRL then the outcome): the
     # second stage's step compiles when it starts (same state; config.second_stage checks it).
@@ -272,7 +289,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
         if 1 not in stage_steps:
             stage_steps[1] = (later[1], later[2], make_train_step(
                 graphdef, later[1], optimizer, later[2], state_shardings=jax.tree.map(lambda x: x.sharding, shardings),
-                teacher_graphdef=teacher_graphdef, aux_optimizers=aux_opts))
+                teacher_graphdef=teacher_graphdef, aux_optimizers=aux_opts, records=with_records))
         return stage_steps[1]
 
     # A rollout controller that scores with the policy before the last update (APPO's pi_old,
@@ -303,6 +320,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
         resumed_shapes = {k: int(v) for k, v in meta.get("batch_shapes", {}).items()}
         log(f"resumed from {workdir}/checkpoints/{latest} (next step {start})")
     mlog = MetricsLog(workdir, tensorboard=cfg.log.tensorboard, resume_step=start - 1 if latest is not None else -1)
+    records.clear_from(workdir, start, jax.process_index())  # the steps this run will redo, like their metrics
+    optimizer_probe = cost.OptimizerProbe(optimizer)
     # SLIM (rl.method=slim): the skill library, audited and expanded after steps (rl.slim_runner);
     # a resumed run continues with the library saved in its checkpoint.
     slim_run = None
@@ -375,7 +394,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                                  f"trajectories for {len(mine)} prompts; expected {step_cfg.rows_per_prompt} per "
                                  f"prompt (rl.methods.RolloutController)")
             t_roll = time.perf_counter() - t_step
-            batch, bstats, shapes = _local_batch(res.trajectories, mine, first, tok, step_cfg, method, cfg, shapes,
+            row_tasks = [t for t in mine for _ in range(step_cfg.rows_per_prompt)]  # block i: task i's rows
+            batch, bstats, shapes = _local_batch(res.trajectories, row_tasks, first, tok, step_cfg, method, cfg, shapes,
                                                   local_row_shards(mesh))
             work = _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_qcfg)
             if step in fault_nan_steps:
@@ -385,6 +405,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                             else shard_batch(batch, mesh))
             if "previous" in old_kinds:  # the update donates params: the copy is taken first
                 previous = jax.tree.map(jnp.copy, params)
+            t_step_fn = time.perf_counter()
             with jax.set_mesh(mesh):
                 if aux_state is None:
                     params, opt_state, m = step_fn(params, opt_state, ref_params, global_batch, teacher_params)
@@ -393,7 +414,9 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                                                               teacher_params, aux_state)
                 if ema_fn is not None:
                     teacher_params = ema_fn(teacher_params, params)
+                record_arrays = m.pop("records", None)  # fetched only on the steps that write records
                 m = jax.device_get(m)
+            step_fn_s = time.perf_counter() - t_step_fn
             if m["skipped_updates"] > 0:
                 skipped_in_a_row += 1
                 log(f"step {step + 1}: non-finite loss or gradient, {int(m['skipped_updates'])} update(s) skipped "
@@ -404,6 +427,15 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             t_total = time.perf_counter() - t_step
             metrics = _rollout_metrics(res.trajectories, own_groups=bool(step_cfg.prompt_rows))
             metrics.update(res.metrics)  # the controller's own (already over every process)
+            if step == start:  # once per process: the optimizer's share of the fused step (turnsight_jax.cost)
+                with jax.set_mesh(mesh):
+                    optimizer_probe.measure(params, opt_state)
+            records_s = 0.0
+            if record_arrays is not None and records.due(step, cfg.log.records_every):
+                t0 = time.perf_counter()
+                _write_records(workdir, step, res.trajectories, row_tasks, batch, record_arrays, step_cfg, method, cfg,
+                               mesh, rows)
+                records_s = time.perf_counter() - t0
             if later is not None:  # which stage of a two-stage recipe ran (1, then 2)
                 metrics["rl/stage"] = 1.0 + float(step >= later[0])
             for k, v in m.items():
@@ -415,7 +447,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             counts = distributed.summed({**{f"r.{k}": res.stats.get(k, 0.0) for k in ("tokens", "decoded_tokens", "env_errors",
                                                                             "episodes")},
                               **{f"b.{k}": bstats.get(k, 0.0) for k in ("trajectory_tokens", "view_tokens",
-                                                                        "policy_tokens")},
+                                                                        "policy_tokens", *VIEW_TOKEN_KINDS)},
                               "f.rollout": flops.rollout_flops(qcfg, [t.length for t in res.trajectories],
                                                                res.stats.get("decoded_tokens", 0.0)),
                               **{f"f.{part}_{kind}": v for part, pair in work.parts.items()
@@ -434,6 +466,19 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                 metrics.update({"perf/teacher_flops_necessary": counts["f.teacher_necessary"],
                                 "perf/teacher_flops_executed": counts["f.teacher_executed"],
                                 "perf/teacher_flops_share": counts["f.teacher_necessary"] / max(update["necessary"], 1.0)})
+            # the wall split (turnsight_jax.cost: measured, and the fused step's parts estimated)
+            metrics.update({**cost.rollout_split(res.stats), "perf/batch_s": t_step_fn - t_step - t_roll,
+                            "perf/step_fn_s": step_fn_s, "perf/records_s": records_s,
+                            "perf/eval_s": 0.0, "perf/checkpoint_s": 0.0,  # set below when the step has them
+                            **cost.step_fn_split(step_fn_s, {part: counts[f"f.{part}_executed"] for part in work.parts},
+                                                 optimizer_probe.seconds, step_cfg.mini_batches * step_cfg.ppo_epochs),
+                            **cost.memory_metrics(),
+                            # tokens scored: the student's trajectories, the teacher's packed views by kind
+                            "perf/student_tokens": counts["b.trajectory_tokens"],
+                            **({f"perf/teacher_tokens_{k.removeprefix('view_tokens_')}": counts[f"b.{k}"]
+                                for k in VIEW_TOKEN_KINDS} if "view_tokens" in bstats else {})})
+            if optimizer_probe.seconds is not None:
+                metrics["perf/optimizer_probe_s"] = optimizer_probe.seconds
             metrics.update({"perf/step_s": t_total, "perf/rollout_s": t_roll, "perf/update_s": t_total - t_roll,
                             "perf/tool_s": res.stats["tool_s"], "perf/tokens_per_s": tokens / t_total,
                             # episodes an environment error ended (a raising step or scorer), a count
@@ -458,9 +503,11 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             if slim_run is not None and method.rollout.name == "slim":  # audits, retirements, expansions
                 metrics.update(slim_run.after_step(step, graphdef, params, env))
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < n_steps and eval_tasks:
+                t0 = time.perf_counter()
                 ev = evaluate_policy(graphdef, params, tok, eval_tasks, cfg, eval_env,
                                      progress=_eval_progress(cfg, len(eval_tasks)))
                 metrics.update({f"eval/{k}": v for k, v in ev.items() if isinstance(v, float)})
+                metrics["perf/eval_s"] = time.perf_counter() - t0
             mlog.write(step, metrics)
             progress.update(step, {"reward": metrics["rollout/reward_mean"],
                                    "solve_f1": metrics.get("rollout/solve_f1", float("nan")),
@@ -478,12 +525,16 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                 if not bool(_all_finite(params)) or (aux_state is not None and not bool(_all_finite(aux_state))):  # never rotate good checkpoints out for a NaN one
                     raise NonFiniteTraining(f"parameters are not finite after step {step + 1}; not checkpointed "
                                             f"(last checkpoint: {ckpt.latest_step() or 'none'})")
+                t0 = time.perf_counter()
                 ckpt.save(step + 1, params, opt_state, {"next_step": step + 1, "seed": cfg.seed,
                                                         "data_position": step + 1, "batch_shapes": shapes},
                           teacher=teacher_params if tw == "ema" else None,
                           aux={**(aux_state or {}), **({"previous_policy": previous} if previous is not None else {})}
                           or None,
                           files=slim_run.checkpoint_files() if slim_run is not None else None)
+                # the step's line is written before its checkpoint (a resume keeps every line up to
+                # it): the save's time is added to that line afterwards
+                mlog.amend(step, {"perf/checkpoint_s": time.perf_counter() - t0})
             if stop:
                 log(f"stopped after step {step + 1} (checkpoint {step + 1} written by all processes); rerun "
                     f"the same command to resume" if jax.process_count() > 1 else

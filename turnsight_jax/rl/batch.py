@@ -277,15 +277,11 @@ def make_train_batch(
     same as without packing."""
     cfg.validate(len(trajs))
     floor = {"T": 0, "N": 0, "P": 0, "U": 0, **(min_shapes or {})}
-    # Turns that saw elided observations (an observation window): each trajectory's row holds
-    # every turn under its own context (rl.context_rows); the student reads it when it sees the
-    # observations (masked out, no observation is read, so the trajectory itself serves).
-    own = [context_row(t) for t in trajs] if any(has_elisions(t) for t in trajs) else None
+    own, lengths = _row_lengths(trajs, cfg)
     windowed = own is not None and cfg.algo.student_sees_observations
-    lengths = [r.length for r in own] if windowed else [t.length for t in trajs]
     modulus = packing_modulus(len(trajs), row_shards, cfg) if cfg.pack_rows else 1
     if cfg.pack_rows:  # rows move between micro-batches (never mini-batches) so cells pack alike
-        order = balanced_order(lengths, shards=row_shards, modulus=modulus, keep=cfg.mini_batches)
+        order = _packing_order(lengths, cfg, row_shards)
         trajs, tasks = [trajs[i] for i in order], [tasks[i] for i in order]
         lengths = [lengths[i] for i in order]
         own = None if own is None else [own[i] for i in order]
@@ -390,6 +386,29 @@ def make_train_batch(
     if own is not None:
         stats["context_segments"] = float(sum(r.segments - 1 for r in own))  # beyond each trajectory's segment 0
     return batch, stats
+
+
+def _row_lengths(trajs: Sequence[Trajectory], cfg: StepConfig):
+    """(each trajectory's context row or None, the row lengths the student's forward reads).
+
+    Turns that saw elided observations (an observation window): each trajectory's row holds
+    every turn under its own context (rl.context_rows); the student reads it when it sees the
+    observations (masked out, no observation is read, so the trajectory itself serves)."""
+    own = [context_row(t) for t in trajs] if any(has_elisions(t) for t in trajs) else None
+    windowed = own is not None and cfg.algo.student_sees_observations
+    return own, [r.length for r in own] if windowed else [t.length for t in trajs]
+
+
+def batch_row_order(trajs: Sequence[Trajectory], cfg: StepConfig, row_shards: int = 1) -> list[int]:
+    """order[i]: the trajectory (index into `trajs`) that make_train_batch puts in row i: the
+    identity, or with train.pack_rows rl.packing.balanced_order's."""
+    return _packing_order(_row_lengths(trajs, cfg)[1], cfg, row_shards) if cfg.pack_rows else list(range(len(trajs)))
+
+
+def _packing_order(lengths: Sequence[int], cfg: StepConfig, row_shards: int) -> list[int]:
+    """train.pack_rows' row order of rows of `lengths` (rl.packing.balanced_order)."""
+    modulus = packing_modulus(len(lengths), row_shards, cfg)
+    return [int(i) for i in balanced_order(lengths, shards=row_shards, modulus=modulus, keep=cfg.mini_batches)]
 
 
 def _offset_groups(ids: np.ndarray, offset: int) -> np.ndarray:

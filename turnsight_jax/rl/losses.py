@@ -183,11 +183,12 @@ def _entropy_term(x, cfg: LossConfig, algo: AlgoConfig):
 
 
 def weighted_losses(terms: tuple[LossTerm, ...], x: Mapping[str, Array], weights: Mapping[str, Array],
-                    cfg: LossConfig, algo: AlgoConfig, extra=None) -> tuple[Array, dict[str, Array]]:
+                    cfg: LossConfig, algo: AlgoConfig, extra=None, *, with_parts: bool = False):
     """The aggregated loss (a scalar) and each metric's weighted sum, each term weighted by its
     rows' weights (`loss_weights`). extra: (per-token loss [B, N], {metric: [B, N]}) added to
-    the RL terms' set (the critic's value loss)."""
-    total, sums = 0.0, {}
+    the RL terms' set (the critic's value loss). with_parts: also every metric's per-token values
+    {metric: [B, N]} (the trajectory records read them)."""
+    total, sums, per_token = 0.0, {}, {}
     for rows in dict.fromkeys([""] * (extra is not None) + [t.rows for t in terms]):
         loss, parts = term_losses(tuple(t for t in terms if t.rows == rows), x, cfg, algo)
         if not rows and extra is not None:
@@ -195,7 +196,8 @@ def weighted_losses(terms: tuple[LossTerm, ...], x: Mapping[str, Array], weights
         w = weights[rows]
         total = total + jnp.sum(loss * w)
         sums.update({k: jnp.sum(v * w) for k, v in parts.items()})
-    return total, sums
+        per_token.update(parts)
+    return (total, sums, per_token) if with_parts else (total, sums)
 
 
 def term_losses(terms: tuple[LossTerm, ...], x: Mapping[str, Array], cfg: LossConfig,

@@ -27,7 +27,7 @@ from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.rl.context_rows import context_row, has_elisions
 from turnsight_jax.rl.views import (DEFAULT_PACKED_BUCKETS, PackedViews, _distinct_predictors, _Row, pick_bucket,
-                                    policy_positions)
+                                    policy_positions, view_token_kinds)
 
 
 def build_privileged_views(
@@ -68,6 +68,7 @@ def build_privileged_views(
     view_pred = np.zeros((n_views, len(trajs), pol_pos.shape[1]), np.int32)
     covered = np.zeros(pol_pos.shape, bool)
     rows, built, skipped = [], 0, 0
+    block_tokens = copy_tokens = 0
     for b, (traj, blk) in enumerate(zip(trajs, blocks)):
         row = _Row(context_row(traj))
         where = {int(p): j for j, p in enumerate(pol_pos[b, : int(pol_valid[b].sum())])}
@@ -87,6 +88,8 @@ def build_privileged_views(
                 continue
             built += 1
             _, start = row.add(list(ids) + [int(x) for x in traj.tokens[hs:end]], hs, hs)
+            block_tokens += len(ids)
+            copy_tokens += end - hs
             for p in scored:
                 j = where.get(p)
                 if j is not None:
@@ -104,7 +107,8 @@ def build_privileged_views(
              "packed_width": float(width), "teacher_rows": float(pol_valid.sum() * n_views),
              "teacher_distinct_rows": float(sum(len(set(view_pred[:, b, pol_valid[b]].ravel()))
                                                 for b in range(len(trajs)))),
-             "views_built": float(built), "views_skipped": float(skipped)}
+             "views_built": float(built), "views_skipped": float(skipped),
+             **view_token_kinds(own, block_tokens, copy_tokens)}
     return views, stats
 
 

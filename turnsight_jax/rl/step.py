@@ -47,6 +47,7 @@ from turnsight_jax.rl.advantages import make_advantage_fn
 from turnsight_jax.rl import critic as critic_lib
 from turnsight_jax.rl import orchard as orchard_lib
 from turnsight_jax.rl import prm as prm_lib
+from turnsight_jax.rl import turn_records
 from turnsight_jax.rl.batch import TrainBatch, packed_reference, row_axis
 from turnsight_jax.rl.config import OptimConfig, StepConfig
 from turnsight_jax.rl.logprobs import policy_logprobs, teacher_logprobs
@@ -115,9 +116,10 @@ def advantage_inputs(batch: TrainBatch, teacher_lp, values=None, process_rewards
 
 
 def compute_advantages(batch: TrainBatch, teacher_lp, cfg: StepConfig, method: ResolvedMethod, values=None,
-                       process_rewards=None):
+                       process_rewards=None, *, with_outputs: bool = False):
     """Advantages [B, N] of the method over the whole batch, and diagnostics (GAE's "returns"
-    [B, N] among them when the estimator gives them)."""
+    [B, N] among them when the estimator gives them); with_outputs: and the estimator's whole
+    output dict (per-token weights, depths, ...: rl.turn_records reads it)."""
     fn = make_advantage_fn(method.advantage.name, base=method.base.name if method.base else None,
                            knobs=advantage_knobs(cfg, batch.pol_valid.shape[0]),
                            transform=method.transform.name if method.transform else None)
@@ -139,6 +141,8 @@ def compute_advantages(batch: TrainBatch, teacher_lp, cfg: StepConfig, method: R
             diag["teacher/gap_abs_mean"] = jnp.sum(jnp.where(covered, jnp.abs(gap[0]), 0.0)) / m
             diag["teacher/frac_teacher_higher"] = jnp.sum(covered & (gap[0] > 0)) / m
             diag["teacher/frac_teacher_lower"] = jnp.sum(covered & (gap[0] < 0)) / m
+    if with_outputs:
+        return out["advantages"], diag, out
     return out["advantages"], diag
 
 
@@ -359,7 +363,7 @@ def prm_stage(ref_model, prm, batch: TrainBatch, cfg: StepConfig, optimizer):
 
 def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransformation,
                     method: ResolvedMethod | None = None, *, state_shardings=None, teacher_graphdef=None,
-                    aux_optimizers: dict | None = None):
+                    aux_optimizers: dict | None = None, records: bool = False):
     """Returns step(params, opt_state, ref_params, batch, teacher_params=None, aux=None) ->
     (params, opt_state, metrics), jitted with params and opt_state donated. `params`/`ref_params`
     are nnx.State of the policy and the frozen reference (same graphdef). `method` defaults to
@@ -380,7 +384,12 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
     x.sharding, (params, opt_state))`) pins the updated state to them. Left to the compiler, the
     outputs come back in equivalent but unequal shardings (P(None,) as P(); axes of size 1
     dropped), so the second step, and every rollout program taking the new parameters, would
-    compile again."""
+    compile again.
+
+    `records=True`: metrics["records"] also holds the per-turn arrays of the trajectory records
+    (rl.turn_records.step_records: Ã, the base advantage, the estimator's weights / depths / gaps,
+    the loss terms' per-token values of the first update, summarised per turn), computed from the
+    very arrays the update uses; the other outputs are the same (tests/test_records_viewer.py)."""
     method = method or resolve_method(cfg)
     terms = method.loss_terms
     weights_kind = cfg.teacher.weights
@@ -440,11 +449,13 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
             values = critic_lib.policy_values(nnx.merge(graphdef, critic["trunk"]), critic["head"], mb)
             vl, vclip = critic_lib.value_loss(values, cx["old_values"], cx["returns"], cfg.critic.value_clip)
             extra = (vl, {"value_loss": vl, "value_clip_frac": vclip, "values_mean": values})
-        loss, sums = weighted_losses(terms, x, weights, cfg.loss, cfg.algo, extra)
+        loss, sums, parts = weighted_losses(terms, x, weights, cfg.loss, cfg.algo, extra, with_parts=True)
         sums = {k: sums[k] for k in metric_names}
+        # the terms' per-token values, for the trajectory records (none without them)
+        per_token = {k: jax.lax.stop_gradient(parts[k]) for k in metric_names} if records else None
         # With one update the forward's own log-probs are the trainer's at the step-start
         # parameters: handed back (no gradient) so the step reports the mismatch at no extra cost.
-        return loss, (sums, current if one_update else None)
+        return loss, (sums, current if one_update else None, per_token)
 
     grad_fn = jax.grad(loss_fn, argnums=(0, 1), has_aux=True)
 
@@ -456,7 +467,8 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         # each term's token set (the RL terms': the policy tokens of grouped rows; rl.losses)
         weights = loss_weights(terms, mb.pol_valid, mb.group_ids, mb.signals, cfg.loss.aggregation)
         if m == 1:
-            (grads, c_grads), (sums, current) = grad_fn(params, critic, mb, adv, ref_lp, weights, sampler_lp, tx, cx)
+            (grads, c_grads), (sums, current, per_token) = grad_fn(params, critic, mb, adv, ref_lp, weights,
+                                                                   sampler_lp, tx, cx)
         else:
             opt_split = lambda a: None if a is None else _split(a, m)
             xs = (split_batch(mb, m), _split(adv, m), opt_split(ref_lp), jax.tree.map(lambda a: _split(a, m), weights),
@@ -466,15 +478,16 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
             def acc(carry, x):
                 g_acc, c_acc, s_acc = carry
                 mb_, adv_, ref_, w_, sl_, tx_, cx_ = x
-                (g, cg), (s, cur) = grad_fn(params, critic, mb_, adv_, ref_, w_, sl_, tx_, cx_)
+                (g, cg), (s, cur, tok) = grad_fn(params, critic, mb_, adv_, ref_, w_, sl_, tx_, cx_)
                 return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, c_acc, cg),
-                        jax.tree.map(jnp.add, s_acc, s)), cur
+                        jax.tree.map(jnp.add, s_acc, s)), (cur, tok)
 
             zeros_g = jax.tree.map(jnp.zeros_like, params)
             zeros_c = jax.tree.map(jnp.zeros_like, critic)
             zeros_s = {k: jnp.zeros((), jnp.float32) for k in metric_names}
-            (grads, c_grads, sums), current = jax.lax.scan(acc, (zeros_g, zeros_c, zeros_s), xs)
+            (grads, c_grads, sums), (current, per_token) = jax.lax.scan(acc, (zeros_g, zeros_c, zeros_s), xs)
             current = None if current is None else _merge(current)
+            per_token = jax.tree.map(_merge, per_token)
         grad_norm = optax.tree.norm(grads)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
@@ -495,7 +508,7 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
             critic_state = jax.tree.map(keep, new_critic, critic_state)
         sums["grad_norm"] = grad_norm
         sums["skipped_updates"] = 1.0 - finite.astype(jnp.float32)
-        return params, opt_state, critic_state, sums, current
+        return params, opt_state, critic_state, sums, current, per_token
 
     def step(params, opt_state, ref_params, batch: TrainBatch, teacher_params=None, aux=None):
         missing = [k for k in method.aux if not aux or k not in aux]
@@ -518,8 +531,9 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         prm_metrics = {}
         if with_prm:
             proc, new_prm, prm_metrics = prm_stage(ref_model, aux["prm"], batch, cfg, aux_opts["prm"])
-        adv, diag = compute_advantages(batch, teacher_lp, cfg, method, old_values, proc)
+        adv, diag, est_out = compute_advantages(batch, teacher_lp, cfg, method, old_values, proc, with_outputs=True)
         returns = diag.pop("returns", None)
+        rec_batch = batch  # δ's old log-probs (the sampler's), before any replacement below
         cx, critic_diag = None, {}
         if with_critic:
             if returns is None:  # an advantage without a critic (e.g. GRPO's): GAE's returns train it
@@ -557,12 +571,14 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
             pick = lambda tree, i: jax.tree.map(lambda x: x[i], tree)
             minis = [(pick(sb, i), sa[i], None if sr is None else sr[i], None if ss is None else ss[i], pick(st, i),
                       pick(sc, i)) for i in range(nm)]
-        logs = []
-        for _ in range(cfg.ppo_epochs):
+        logs, first_epoch = [], []
+        for epoch in range(cfg.ppo_epochs):
             for mb, a, r, sl, t, c in minis:
-                params, opt_state, critic, sums, current = minibatch_update(params, opt_state, critic, mb, a, r, sl,
-                                                                            t, c)
+                params, opt_state, critic, sums, current, per_token = minibatch_update(params, opt_state, critic, mb,
+                                                                                       a, r, sl, t, c)
                 logs.append(sums)
+                if epoch == 0:
+                    first_epoch.append(per_token)
         if one_update:  # the update's forward ran the step-start parameters: the mismatch for free
             mismatch = mismatch_metrics(current, batch.old_logprobs, batch.pol_valid, tis)
         metrics = {k: jnp.mean(jnp.stack([log[k] for log in logs])) for k in logs[0]}
@@ -583,6 +599,11 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
         metrics.update(retro_metrics)
         metrics.update(diag)
         metrics.update(mismatch)
+        if records:  # each row's loss-term values from the first epoch's pass over it
+            term_values = first_epoch[0] if nm == 1 else jax.tree.map(lambda *x: _merge(jnp.stack(x)), *first_epoch)
+            covered = teacher_covered(rec_batch) if method.teacher == "privileged" and teacher_lp is not None else None
+            metrics["records"] = turn_records.step_records(adv, est_out, rec_batch, teacher_lp, covered, term_values,
+                                                           cfg.max_turns)
         if method.aux:
             new_aux = dict(aux)
             if with_critic:

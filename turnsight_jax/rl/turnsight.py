@@ -146,8 +146,10 @@ def turnsight_advantages(
     Returns a dict:
       advantages [B, T] f32 (Ã); weights [B, T] f32 (w); selected_depth [B, T] int32 (d*, −1 off
       policy / unassigned / selection="mean"); delta_bar [B, T] (δ̄* per token); delta_hat [B, T]
-      (δ̂ per token); group_mean, group_std [G] (μ_g, σ_g of δ̄*; 0 for empty groups, reported even
-      when group_norm=False); diagnostics (scalars unless noted):
+      (δ̂ per token); depth_turn_means [D, B, K] (δ̄^{(d)} of every (trajectory, turn k) segment, the
+      values the vote reads under aggregation="turn"; 0 for empty turns); group_mean, group_std [G]
+      (μ_g, σ_g of δ̄*; 0 for empty groups, reported even when group_norm=False); diagnostics
+      (scalars unless noted):
         agreement_rate: fraction of selection units where all D depths share one sign — units are
           non-empty turns for aggregation="turn" and assigned policy tokens for "token".
         depth_histogram [D] int32: count of selection units per selected depth (zeros for "mean").
@@ -216,17 +218,19 @@ def _turnsight_impl(
     )[:n_seg]  # [B·K]
     nonempty = tok_count > 0
 
+    # Sum δ and a per-depth token count in one scatter. The count is carried as D columns
+    # rather than broadcast from tok_count because XLA rewrites x / broadcast(n) into
+    # x * broadcast(1/n), which is not exact: a constant turn would get a mean 1 ulp off its
+    # value, and a constant group a spurious σ ~ 1e-8 that eps does not fully absorb. (Computed
+    # for aggregation="token" too: the per-depth turn means are an output, dropped by the
+    # compiler when unused.)
+    flat = delta.reshape(num_depths, -1).T  # [B·T, D]
+    ones = jnp.broadcast_to(assigned.reshape(-1, 1), flat.shape).astype(jnp.float32)
+    acc = jax.ops.segment_sum(
+        jnp.concatenate([flat, ones], axis=1), seg_flat, num_segments=n_seg + 1
+    )[:n_seg]  # [B·K, 2D]
+    turn_mean = acc[:, :num_depths] / jnp.maximum(acc[:, num_depths:], 1.0)  # [B·K, D]
     if aggregation == "turn":
-        # Sum δ and a per-depth token count in one scatter. The count is carried as D columns
-        # rather than broadcast from tok_count because XLA rewrites x / broadcast(n) into
-        # x * broadcast(1/n), which is not exact: a constant turn would get a mean 1 ulp off its
-        # value, and a constant group a spurious σ ~ 1e-8 that eps does not fully absorb.
-        flat = delta.reshape(num_depths, -1).T  # [B·T, D]
-        ones = jnp.broadcast_to(assigned.reshape(-1, 1), flat.shape).astype(jnp.float32)
-        acc = jax.ops.segment_sum(
-            jnp.concatenate([flat, ones], axis=1), seg_flat, num_segments=n_seg + 1
-        )[:n_seg]  # [B·K, 2D]
-        turn_mean = acc[:, :num_depths] / jnp.maximum(acc[:, num_depths:], 1.0)  # [B·K, D]
         x_star_u, d_star_u, agree_u = _select_depth(turn_mean.T, sel_code, fixed_depth)  # [B·K]
         unit_mask = nonempty
         # Gather turn values back to tokens; the trash segment reads (0, −1).
@@ -293,6 +297,7 @@ def _turnsight_impl(
         "selected_depth": d_star,
         "delta_bar": x_star,
         "delta_hat": d_hat,
+        "depth_turn_means": jnp.moveaxis(turn_mean.reshape(b, k, num_depths), 2, 0),
         "group_mean": mean_g,
         "group_std": std_g,
         "agreement_rate": agreement,

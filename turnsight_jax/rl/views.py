@@ -200,6 +200,7 @@ def build_views(
     n_views = len(depths) + int(with_reference)
     view_pred = np.zeros((n_views, len(trajs), n_pol), np.int32)
     rows = []
+    block_tokens = copy_tokens = 0  # the packed tokens of each view kind (next to the trajectories)
     for b, (traj, own) in enumerate(zip(trajs, own_rows)):
         row = _Row(own)
         where = {int(p): j for j, p in enumerate(pol_pos[b, : int(pol_valid[b].sum())])}
@@ -220,6 +221,7 @@ def build_views(
             read = pre.read
             trunk = [int(t) for t in pre.rest] + list(pieces.open_ids) + [t for item in pieces.item_ids for t in item]
             trunk_seg, trunk_start = row.add(trunk, read, read)
+            block_tokens += len(trunk)
             ends = pre.rest.size + np.cumsum([len(pieces.open_ids)] + [len(item) for item in pieces.item_ids])
             policy = [int(x) for x in traj.tokens[turn.policy_start: turn.policy_end - 1]]
             branch_of: dict[int, int] = {}
@@ -229,6 +231,7 @@ def build_views(
                     end = int(ends[m])
                     branch = list(pieces.close_ids) + list(pieces.header_ids) + policy
                     _, start = row.add(branch, read + end, read, (trunk_seg, trunk_start + end))
+                    copy_tokens += len(branch)
                     # the token before policy token 0 is the header's last token
                     branch_of[m] = start + len(pieces.close_ids) + len(pieces.header_ids) - 1
                 first = branch_of[m]
@@ -245,8 +248,18 @@ def build_views(
     packed = sum(r.length for r in rows)
     stats = {"view_tokens": float(packed), "trajectory_tokens": float(own), "view_overhead": packed / max(own, 1),
              "packed_width": float(width), "teacher_rows": float(pol_valid.sum() * n_views),
-             "teacher_distinct_rows": float(sum(len(set(view_pred[:, b, pol_valid[b]].ravel())) for b in range(len(trajs))))}
+             "teacher_distinct_rows": float(sum(len(set(view_pred[:, b, pol_valid[b]].ravel())) for b in range(len(trajs)))),
+             **view_token_kinds(own, block_tokens, copy_tokens)}
     return views, stats
+
+
+def view_token_kinds(trajectory: int, blocks: int, copies: int) -> dict[str, float]:
+    """The packed teacher tokens by kind (they sum to stats["view_tokens"]): the trajectories
+    themselves (segment 0), the blocks the teacher is shown (hindsight items, privileged texts;
+    under an observation window with the rest of the turn's context that opens the trunk) and the
+    copies of the turns scored behind them (with their message close and assistant header)."""
+    return {"view_tokens_trajectory": float(trajectory), "view_tokens_blocks": float(blocks),
+            "view_tokens_turn_copies": float(copies)}
 
 
 def _distinct_predictors(row_tokens, view_pred, pol_pos, pol_valid, min_width: int = 0):

@@ -197,6 +197,8 @@ class ModelPolicy:
         self.row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
             self.key, jnp.asarray(global_rows(self.row_offset, self.rows, self.padded_rows)))
         self.sampled = np.zeros(self.padded_rows, np.int32)  # tokens each row drew so far
+        # the prefill's own time, not the decode's: the decode that follows waits for it anyway
+        jax.block_until_ready(self.hidden)
         self.timings["prefill"] += time.perf_counter() - t0
 
     def _window(self, needed: int) -> int:
@@ -265,6 +267,7 @@ class ModelPolicy:
             window=self._window(int((self.lengths + lens).max())),
         )
         self.lengths = self.lengths + lens
+        jax.block_until_ready(self.hidden)  # the append's own time (the next decode waits for it anyway)
         self.timings["append"] += time.perf_counter() - t0
 
     def rewind(self, counts):
