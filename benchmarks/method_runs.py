@@ -21,6 +21,17 @@ The note gives its median refill rollouts, elided observations and re-prefilled 
 BAR (configs/methods/bar.py: 2 rollouts a round, up to 8) and AKBE (a no-tool group as large as the
 with-tool one) sample another number of episodes than GRPO's 2 x 4: every row gives its episodes
 and decoded tokens per step (rollout/episodes, rollout/decoded_tokens) and their ratio to GRPO's.
+T2PO and APPO run in the paged engine (their hooks live in its decode), T2PO with thinking on:
+give their like-for-like baselines as entries, `grpo@rollout.engine=paged` and
+`grpo@rollout.engine=paged+rollout.enable_thinking=True`; each controller's note then gives its
+step and decoded tokens against that baseline, with what the controller did: T2PO's TTI triggers
+and TDS re-samples and the tokens it decoded then dropped, APPO's branches, the tokens they
+sampled past their branch points, the prefix tokens they reused without prefill (the prefill
+stays the prompts': rollout/prefill_tokens) and the seconds of pi_old's teacher-forced scoring.
+
+    python benchmarks/method_runs.py --warm-start DIR --methods grpo,grpo@rollout.engine=paged,\
+        grpo@rollout.engine=paged+rollout.enable_thinking=True,t2po,appo
+
 Prints a table with the ratio to GRPO's step."""
 
 from __future__ import annotations
@@ -57,6 +68,11 @@ def random_judge(folder: pathlib.Path) -> pathlib.Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(default_tokenizer_dir() / name, folder / name)
     return folder
+
+
+# T2PO's and APPO's like-for-like baselines: GRPO in the paged engine (thinking on, for T2PO)
+PAGED = "grpo@rollout.engine=paged"
+PAGED_THINKING = "grpo@rollout.engine=paged+rollout.enable_thinking=True"
 
 
 def run(entry: str, workdir: pathlib.Path, steps: int, judge: pathlib.Path,
@@ -117,6 +133,17 @@ def main():
                 extra = (f"groups of {statistics.mean(r['bar/group_size_mean'] for r in recs):.1f} on average; "
                          f"{sum(r['bar/early_stops'] for r in recs) / n:.0%} of prompts stopped early, "
                          f"{sum(r['bar/fallbacks'] for r in recs) / n:.0%} fell back at the cap")
+            elif name == "t2po":
+                extra = (f"{statistics.mean(r['t2po/tti_triggers'] for r in recs):.1f} TTI triggers, "
+                         f"{statistics.mean(r['t2po/tds_resamples'] for r in recs):.1f} TDS re-samples, "
+                         f"{statistics.mean(r['t2po/discarded_tokens'] for r in recs):.0f} tokens decoded then dropped, "
+                         f"{statistics.mean(r['t2po/recompute_tokens'] for r in recs):.0f} recomputed per step")
+            elif name == "appo":
+                extra = (f"{statistics.mean(r['appo/branches'] for r in recs):.0f} branches, "
+                         f"{statistics.mean(r['appo/branch_tokens'] for r in recs):.0f} tokens past their branch points, "
+                         f"{statistics.mean(r['appo/shared_prefix_tokens'] for r in recs):.0f} prefix tokens shared, "
+                         f"{statistics.mean(r['rollout/prefill_tokens'] for r in recs):.0f} prefilled (the prompts'), "
+                         f"{statistics.median(r['appo/old_policy_s'] for r in recs):.2f} s scoring pi_old per step")
             elif name.partition("@")[0] == "akbe":
                 q = {k: sum(r[f"akbe/q{k}"] for r in recs) for k in ("11", "10", "01", "00")}
                 extra = (f"quadrants 11/10/01/00 {q['11']:.0f}/{q['10']:.0f}/{q['01']:.0f}/{q['00']:.0f}; "
@@ -124,7 +151,11 @@ def main():
             rows.append([name, f"{rollout:.2f}", f"{step - rollout:.2f}", f"{audit:.2f}", f"{cost[name]:.2f}", None,
                          f"{sampled[name][0]:.1f}", None, f"{sampled[name][1]:.0f}", None, extra])
             print(f"{name}: {cost[name]:.2f} s/step", file=sys.stderr)
-    for r in rows:
+    for r in rows:  # T2PO and APPO against GRPO on the paged engine (thinking on for T2PO), when measured
+        base = {"t2po": PAGED_THINKING, "appo": PAGED}.get(r[0])
+        if base in cost:
+            r[10] = (f"{cost[r[0]] / cost[base]:.2f}x {base}'s step, {sampled[r[0]][1] / max(sampled[base][1], 1.0):.2f}x "
+                     f"its decoded tokens; " + r[10])
         r[5] = f"{cost[r[0]] / cost['grpo']:.2f}"
         r[7] = f"{sampled[r[0]][0] / sampled['grpo'][0]:.2f}"
         r[9] = f"{sampled[r[0]][1] / max(sampled['grpo'][1], 1.0):.2f}"

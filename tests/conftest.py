@@ -103,13 +103,14 @@ HEAVIEST_FIRST = (
     # the trainer runs on the shared warm-start: the first builds it (~100 s), the second file
     # comes late enough to find it built
     "test_baselines_train.py", "test_docs.py", "test_rl_step.py", "test_signal_train.py", "test_train.py",
-    "test_rollout_train.py", "test_mm_grpo_train.py", "test_rl_distill_step.py", "test_rl_critic_step.py",
-    "test_slim.py", "test_orchard.py", "test_judge.py", "test_rl_packing.py", "test_rollout_engine.py",
-    "test_mm_grpo.py", "test_rl_step_pinned.py", "test_records_viewer.py", "test_custom_method.py",
-    "test_models_qwen3.py", "test_sft.py", "test_eval_heldout.py", "test_rollout_sampler.py", "test_rl_views.py",
-    "test_evaluate.py", "test_rl_turnsight_reference.py", "test_paper_configs.py", "test_notebook.py",
-    "test_rl_advantages.py", "test_rl_advantages_properties.py", "test_rl_unequal_groups.py", "test_rl_logprobs.py",
-    "test_chat_parsing.py", "test_rollout_driver.py", "test_rollout_methods.py", "test_envs_bfcl.py", "test_sandbox.py",
+    "test_rollout_train.py", "test_rollout_methods_train.py", "test_mm_grpo_train.py", "test_rl_distill_step.py",
+    "test_rl_critic_step.py", "test_slim.py", "test_orchard.py", "test_judge.py", "test_rl_packing.py",
+    "test_rollout_engine.py", "test_rollout_control.py", "test_mm_grpo.py", "test_rl_step_pinned.py",
+    "test_records_viewer.py", "test_custom_method.py", "test_models_qwen3.py", "test_sft.py", "test_eval_heldout.py",
+    "test_rollout_sampler.py", "test_rl_views.py", "test_evaluate.py", "test_rl_turnsight_reference.py",
+    "test_paper_configs.py", "test_notebook.py", "test_rl_advantages.py", "test_rl_advantages_properties.py",
+    "test_rl_unequal_groups.py", "test_rl_logprobs.py", "test_chat_parsing.py", "test_rollout_driver.py",
+    "test_rollout_methods.py", "test_envs_bfcl.py", "test_sandbox.py",
 )
 
 

@@ -175,6 +175,11 @@ TODAY_DEFAULT["data"].update(max_hops=0)
 TODAY_DEFAULT["log"].update(turn_records=False)
 TODAY_DEFAULT["faults"] = {"wrong_rate": 0.0, "unavailable_rate": 0.0, "unavailable_attempts": 1, "delay_rate": 0.0,
                            "delay_s": 0.0, "seed": 0}
+# T2PO and APPO (rl.rollout=t2po / appo): no effect on the default method (its controller is the sampler).
+TODAY_DEFAULT["t2po"] = {"alpha": 0.5, "top_j": 5, "tti": True, "tti_window": 8, "tti_threshold": 0.05, "tds": True,
+                         "tds_threshold": 0.02, "tds_max_resamples": 2, "phi_floor": 1e-3}
+TODAY_DEFAULT["appo"] = {"branches": 2, "gamma": 0.9, "clip_low": 0.2, "clip_high": 0.28, "amplify": 0.5,
+                         "ratio_to": "previous"}
 
 # Keys where configs/qwen3_8b.py's experiment departs from base + its model layer: how the run
 # fits 8 x 80 GB devices and how it evaluates. Anything else would be a value from somewhere else.

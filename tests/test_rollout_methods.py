@@ -119,8 +119,8 @@ def test_bar_drop_fallback_leaves_the_prompt_out(tok, env):
 
 @pytest.mark.parametrize("method", ["grpo", "turnsight", "orchard", "rlsd"])
 def test_bar_rows_through_the_batch(tok, env, method):
-    """Groups of 2, 4, 8, 8, 8 and padding: ids renumbered from the offset in order, -1 for
-    padding; the outcome reward filled on real rows, 0 (not computed) on padding rows; the
+    """Groups of 2, 4, 8, 8, 8 and padding: ids renumbered in order from the first prompt (10)
+    times the rows per prompt (8: a block may hold several groups, APPO's), -1 for padding; the outcome reward filled on real rows, 0 (not computed) on padding rows; the
     teacher's rows (TurnSight's hindsight views, RLSD's privileged views, Orchard's probes) built
     for padding rows too (one token each)."""
     tasks, res, _ = _bar(tok, env)
@@ -128,7 +128,7 @@ def test_bar_rows_through_the_batch(tok, env, method):
     batch, _ = make_train_batch(res.trajectories, [t for t in tasks for _ in range(8)], tok, cfg, resolve_method(cfg),
                                 group_offset=10)
     ids = np.asarray(batch.group_ids)
-    expected = np.concatenate([np.r_[np.full(n, 10 + i), np.full(8 - n, -1)] for i, n in enumerate([2, 4, 8, 8, 8])])
+    expected = np.concatenate([np.r_[np.full(n, 80 + i), np.full(8 - n, -1)] for i, n in enumerate([2, 4, 8, 8, 8])])
     np.testing.assert_array_equal(ids, expected)
     assert not np.asarray(batch.pol_valid)[ids < 0].any()
     np.testing.assert_array_equal(np.asarray(batch.signals["rewards"]),

@@ -146,7 +146,7 @@ def no_valid_checkpoint(workdir, skipped: list[tuple[int, str]]) -> CheckpointEr
 
 
 # The step's learned auxiliaries (rl.step.init_aux), each an optional item of a step's checkpoint.
-AUX_ITEMS = ("critic", "prm")
+AUX_ITEMS = ("critic", "prm", "previous_policy")  # previous_policy: a rollout controller's old policy (rl.appo)
 
 
 class Checkpointer:

@@ -242,6 +242,23 @@ def base_config() -> mlc.ConfigDict:
     c.akbe.correct = "answer_correct"  # trajectory metric that makes a rollout correct (WT/NT); "reward": the outcome reward
     c.akbe.correct_min = 1.0  # ... from this value on
     c.akbe.no_tool_calls = "refuse"  # a call in a no-tool rollout: refuse (answered with a refusal, the episode goes on) | end (the episode ends)
+    c.t2po = mlc.ConfigDict()  # T2PO's rollout hooks (rl.rollout=t2po; turnsight_jax.rl.t2po, docs/rollout_methods.md); paged engine only
+    c.t2po.alpha = 0.5  # hesitation M = alpha * entropy~ + (1 - alpha) * top-j NLL~ (each min-max normalised along the trajectory so far)
+    c.t2po.top_j = 5  # j: C is the mean negative log-prob of the policy's j most likely tokens (paper silent)
+    c.t2po.tti = True  # TTI: force </think> when thinking stalls (once per trajectory; needs rollout.enable_thinking)
+    c.t2po.tti_window = 8  # N: TTI looks at the mean of the last N |M_t - M_t-1| of the turn's thinking (paper silent)
+    c.t2po.tti_threshold = 0.05  # ... and fires when it is below this (paper silent)
+    c.t2po.tds = True  # TDS: sample turn k again when |Phi^k - Phi^k-1| is below tds_threshold (Phi: geometric mean of M over the turn)
+    c.t2po.tds_threshold = 0.02  # (paper silent)
+    c.t2po.tds_max_resamples = 2  # re-samples per trajectory at most (the last sample is kept)
+    c.t2po.phi_floor = 1e-3  # M floored at this in Phi's geometric mean (a normalised M is 0 at the running minimum)
+    c.appo = mlc.ConfigDict()  # APPO, branching by future appreciation (rl.rollout=appo; turnsight_jax.rl.appo, docs/rollout_methods.md); paged engine only
+    c.appo.branches = 2  # B: branch points per initial rollout; the batch holds train.group_size * (1 + B) rows per prompt
+    c.appo.gamma = 0.9  # Omega_i = exp(sum_i'>=i gamma^(i'-i) log rho_i') over the rollout's policy tokens (paper silent)
+    c.appo.clip_low = 0.2  # Omega clipped to [1 - clip_low, 1 + clip_high] before BS's z-score and in the amplification (paper silent)
+    c.appo.clip_high = 0.28  # (see clip_low)
+    c.appo.amplify = 0.5  # beta: the final advantage times 1 + beta * (clip(Omega) - 1) per token; 0: no amplification (paper silent)
+    c.appo.ratio_to = "previous"  # rho = pi_current / pi_old with pi_old: previous (the policy before the last update; kept, checkpointed) | reference
     c.judge = mlc.ConfigDict()  # the model judge (rl.method=judge, OpenWebRL; turnsight_jax.judge, docs/signal_methods.md)
     c.judge.checkpoint = ""  # the judge: a Hugging Face Qwen3 folder (e.g. one `python -m turnsight_jax.judge distill` wrote)
     c.judge.rationale = True  # the judge writes <rationale>...</rationale> before <verdict>0|1</verdict>; False: the verdict only (ablation)
@@ -587,7 +604,7 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
                         sdpo_coef=r.sdpo_coef, sdpo_tail=r.sdpo_tail, sdar_coef=r.sdar_coef, sdar_beta=r.sdar_beta,
                         sod_coef=r.sod_coef, sod_tau=r.sod_tau, gae_gamma=r.gae_gamma, gae_lam=r.gae_lam,
                         gae_whiten=r.gae_whiten, toolomni_gate=r.toolomni_gate, orchard_coef=r.orchard_coef,
-                        orchard_rise=r.orchard_rise, orchard_success=r.orchard_success, akbe_coef=cfg.akbe.coef,
+                        orchard_rise=r.orchard_rise, orchard_success=r.orchard_success, akbe_coef=cfg.akbe.coef, appo_amplify=cfg.appo.amplify,
                         args=args),
         teacher=TeacherConfig(weights=te.weights, ema_decay=te.ema_decay, checkpoint=te.checkpoint,
                               source=te.source, placement=te.placement, skills=te.skills,
@@ -632,6 +649,20 @@ def bar_config(cfg: mlc.ConfigDict):
     from turnsight_jax.rl.bar import bar_settings
 
     return bar_settings(cfg.bar, cfg.train.group_size)
+
+
+def t2po_config(cfg: mlc.ConfigDict):
+    """t2po.* -> rl.t2po.T2POConfig, validated (a ConfigError naming the key)."""
+    from turnsight_jax.rl.t2po import t2po_settings
+
+    return t2po_settings(cfg.t2po)
+
+
+def appo_config(cfg: mlc.ConfigDict):
+    """appo.* -> rl.appo.APPOConfig, validated (a ConfigError naming the key)."""
+    from turnsight_jax.rl.appo import appo_settings
+
+    return appo_settings(cfg.appo)
 
 
 def akbe_config(cfg: mlc.ConfigDict):
@@ -750,7 +781,15 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
         episodes_per_prompt = bar_config(cfg).chunk
     if method.rollout.name == "akbe":
         akbe_config(cfg)
+    if method.rollout.name == "appo":
+        appo_config(cfg)
     engine = engine_config(cfg)
+    if method.rollout.engine_only and engine is None:
+        raise ConfigError(f"rl.rollout={method.rollout.name!r} acts inside the paged engine's decode (rollout.control): "
+                          f"set rollout.engine=paged (the lockstep sampler has no controller hooks)")
+    if method.rollout.name == "t2po" and t2po_config(cfg).tti and not cfg.rollout.enable_thinking:
+        raise ConfigError("t2po.tti forces </think>: it needs rollout.enable_thinking=True (with thinking off the "
+                          "prompt closes the think block itself); or set t2po.tti=False")
     if engine is not None and num_devices is not None:  # refuse before anything runs, with the numbers
         from turnsight_jax.rollout.engine import check_pool
 

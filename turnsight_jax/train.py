@@ -153,7 +153,8 @@ MECHANISM_METRICS = {"turnsight/weight_max": "w_max", "rlsd/weight_max": "w_max"
                      "critic/value_loss": "v_loss", "prm/gain_abs_mean": "prm_gain", "slim/library_size": "skills",
                      "judge/agreement": "judge_agree", "mm_grpo/dropped_groups": "dropped",
                      "mm_grpo/elided_observations": "elided", "bar/group_size_mean": "group",
-                     "akbe/exemplars": "exemplars"}
+                     "akbe/exemplars": "exemplars", "t2po/tti_triggers": "tti", "t2po/tds_resamples": "tds",
+                     "appo/branches": "branches"}
 
 
 def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_cfg=None) -> flops.UpdateFlops:
@@ -295,6 +296,11 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                 teacher_graphdef=teacher_graphdef, aux_optimizers=aux_opts, records=with_records))
         return stage_steps[1]
 
+    # A rollout controller that scores with the policy before the last update (APPO's pi_old,
+    # rl.methods.RolloutController.old_policy): a copy of the parameters kept before each update,
+    # checkpointed, so a resumed run continues with it; None before the first update.
+    old_kinds = {m.rollout.old_policy_kind(cfg) for m in ([method] + ([later[2]] if later is not None else []))}
+    previous = None
     latest = checkpointing.resume_step(workdir, log)  # the newest valid step; invalid newer ones moved aside
     ckpt = Checkpointer(workdir, keep=cfg.checkpoint.keep)
     start = 0
@@ -312,6 +318,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                     log(f"checkpoint {latest} has no {name}: it starts afresh (a critic from the restored policy)")
                     fresh = fresh or _new_aux(method, params, qcfg, aux_opts, mesh)
                 aux_state[name] = fresh[name] if saved is None else saved
+        if "previous" in old_kinds:
+            previous = ckpt.restore_item(latest, "previous_policy", params)
         start = int(meta["next_step"])
         resumed_shapes = {k: int(v) for k, v in meta.get("batch_shapes", {}).items()}
         log(f"resumed from {workdir}/checkpoints/{latest} (next step {start})")
@@ -371,7 +379,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             first, share = distributed.rollout_share(mesh, len(tasks), step_cfg.rows_per_prompt)
             mine = tasks[first:first + share]
             # Paper-scale rollouts take minutes: a line every 30 s (none for a short step).
-            line = ProgressLine(len(mine) * cfg.train.group_size, label=f"step {step + 1} rollouts", every_s=30.0,
+            line = ProgressLine(len(mine) * step_cfg.rows_per_prompt, label=f"step {step + 1} rollouts", every_s=30.0,
                                 patient=True, quiet=not cfg.log.progress or jax.process_index() != 0)
             ctx = RolloutContext(graphdef, distributed.local_replica(params, mesh, rollout_mesh), tok, env, sampling,
                                  rc, cfg.train.group_size, cfg.rollout.prompts_per_chunk,
@@ -379,6 +387,11 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                                  mesh=rollout_mesh, group_offset=first, run_config=cfg, task_pool=train_tasks)
             if slim_run is not None:  # the skills the slim controller puts in the prompts
                 ctx = dataclasses.replace(ctx, state=slim_run.library)
+            old_kind = method.rollout.old_policy_kind(cfg)
+            if old_kind:
+                old = previous if old_kind == "previous" else ref_params
+                ctx = dataclasses.replace(ctx, old_params=None if old is None else
+                                          distributed.local_replica(old, mesh, rollout_mesh))
             res = method.rollout.fn(ctx, mine, cfg.seed * 100_003 + step)
             if res.tasks is not None:  # the controller rolled out other prompts (MM-GRPO's refills)
                 mine = list(res.tasks)
@@ -397,6 +410,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
             rows = len(tasks) * step_cfg.rows_per_prompt
             global_batch = (distributed.assemble_rows(batch, mesh, rows, row_axis) if distributed.is_multiprocess()
                             else shard_batch(batch, mesh))
+            if "previous" in old_kinds:  # the update donates params: the copy is taken first
+                previous = jax.tree.map(jnp.copy, params)
             t_step_fn = time.perf_counter()
             with jax.set_mesh(mesh):
                 if aux_state is None:
@@ -546,7 +561,9 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                 t0 = time.perf_counter()
                 ckpt.save(step + 1, params, opt_state, {"next_step": step + 1, "seed": cfg.seed,
                                                         "data_position": step + 1, "batch_shapes": shapes},
-                          teacher=teacher_params if tw == "ema" else None, aux=aux_state,
+                          teacher=teacher_params if tw == "ema" else None,
+                          aux={**(aux_state or {}), **({"previous_policy": previous} if previous is not None else {})}
+                          or None,
                           files=slim_run.checkpoint_files() if slim_run is not None else None)
                 # the step's line is written before its checkpoint (a resume keeps every line up to
                 # it): the save's time is added to that line afterwards

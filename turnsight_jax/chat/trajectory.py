@@ -94,6 +94,9 @@ class Trajectory:
     truncated / finish_reason: how the rollout ended ("answer", "max_turns", "length", ...).
     contexts: None when every turn saw the trajectory itself before it; else which observations
     were elided from each turn's context (ElidedContexts; `turn_context`).
+    token_values: per-token float32 [L] values recorded with the rollout, 0 off the policy tokens:
+    the decode's signals a rollout controller declared ("entropy", "top_j_nll";
+    rollout.control), and values a controller attaches (APPO's "appo_omega", rl.appo).
     """
 
     tokens: np.ndarray
@@ -109,6 +112,7 @@ class Trajectory:
     truncated: bool = False
     finish_reason: str = ""
     contexts: ElidedContexts | None = None
+    token_values: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         n = self.tokens.shape[0]
@@ -116,6 +120,9 @@ class Trajectory:
             arr = getattr(self, name)
             if arr.ndim != 1 or arr.shape[0] != n or arr.dtype != dtype:
                 raise ValueError(f"Trajectory.{name} must be {np.dtype(dtype).name}[{n}], got {arr.dtype}{list(arr.shape)}")
+        for name, arr in self.token_values.items():
+            if arr.ndim != 1 or arr.shape[0] != n or arr.dtype != np.float32:
+                raise ValueError(f"Trajectory.token_values[{name!r}] must be float32[{n}], got {arr.dtype}{list(arr.shape)}")
         if self.contexts is not None:
             _check_contexts(self)
 
@@ -224,6 +231,7 @@ class TrajectoryBuilder:
         self._tokens: list[np.ndarray] = [prompt.astype(np.int32)]
         self._logprobs: list[np.ndarray] = [np.zeros(prompt.size, np.float32)]
         self._turn_ids: list[np.ndarray] = [np.full(prompt.size, -1, np.int32)]
+        self._values: list[dict[str, np.ndarray]] = [{}]  # per segment: the policy turn's signals
         self._length = int(prompt.size)
         self._next_header = int(starts[-1])  # turn 0's header = the prompt's generation prompt
         self._turns: list[TurnRecord] = []
@@ -244,11 +252,12 @@ class TrajectoryBuilder:
     def turns(self) -> list[TurnRecord]:
         return list(self._turns)
 
-    def _append(self, ids: np.ndarray, logprobs: np.ndarray, turn: int) -> tuple[int, int]:
+    def _append(self, ids: np.ndarray, logprobs: np.ndarray, turn: int, values=None) -> tuple[int, int]:
         start = self._length
         self._tokens.append(ids)
         self._logprobs.append(logprobs)
         self._turn_ids.append(np.full(ids.size, turn, np.int32))
+        self._values.append(values or {})
         self._length += int(ids.size)
         return start, self._length
 
@@ -263,6 +272,7 @@ class TrajectoryBuilder:
         text: str,
         calls: Sequence[Call],
         answer: str | None = None,
+        signals: dict[str, Sequence[float]] | None = None,
     ) -> TurnRecord:
         """Append the policy's sampled tokens for the next turn.
 
@@ -270,6 +280,7 @@ class TrajectoryBuilder:
           token_ids: int [n >= 1], as sampled (including the sampled <|im_end|>, if any).
           logprobs: float [n], the sampler's log-probabilities of those tokens.
           text: decoded text of the turn; calls / answer: from ``parsing.parse_turn``.
+          signals: optional {name: float [n]} per-token values of the turn (Trajectory.token_values).
         """
         self._check_open("add a policy turn")
         if not self._expect_policy:
@@ -286,7 +297,11 @@ class TrajectoryBuilder:
             raise ValueError(f"turn {k}: {ids.size} tokens but logprobs has shape {lp.shape}")
         if not np.all(np.isfinite(lp)):
             raise ValueError(f"turn {k}: non-finite sampling log-probs")
-        start, end = self._append(ids.astype(np.int32), lp, k)
+        values = {name: np.asarray(v, np.float32) for name, v in (signals or {}).items()}
+        for name, v in values.items():
+            if v.shape != ids.shape:
+                raise ValueError(f"turn {k}: {ids.size} tokens but signal {name!r} has shape {v.shape}")
+        start, end = self._append(ids.astype(np.int32), lp, k, values)
         record = TurnRecord(
             header_start=self._next_header,
             policy_start=start,
@@ -402,6 +417,9 @@ class TrajectoryBuilder:
             truncated=self._truncated,
             finish_reason=finish_reason,
             contexts=contexts,
+            token_values={name: np.concatenate([seg.get(name, np.zeros(ids.size, np.float32))
+                                                for seg, ids in zip(self._values, self._tokens)])
+                          for name in dict.fromkeys(k for seg in self._values for k in seg)},
         )
         check_trajectory(traj, segments=self._tokens)
         return traj

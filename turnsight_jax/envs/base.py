@@ -153,6 +153,11 @@ class VectorEnv:
         )
         return self.episodes
 
+    def add(self, task: Task, seed: int) -> int:
+        """Start one more episode next to the running ones; its index in `episodes`."""
+        self.episodes.append(self.env.start(task, seed=seed))
+        return len(self.episodes) - 1
+
     def step(self, calls_per_episode: Sequence[Sequence[Call] | None]) -> list[StepResult | None]:
         if len(calls_per_episode) != len(self.episodes):
             raise ValueError(
@@ -202,10 +207,13 @@ class VectorEnv:
                 results[i] = _failed(e)
         return results
 
-    def score(self, final_texts: Sequence[str | None] | None = None) -> list[EpisodeScore]:
+    def score(self, final_texts: Sequence[str | None] | None = None,
+              indices: Sequence[int] | None = None) -> list[EpisodeScore]:
+        """Scores of the episodes `indices` (default: all), given their final texts."""
+        episodes = self.episodes if indices is None else [self.episodes[i] for i in indices]
         if final_texts is None:
-            final_texts = [None] * len(self.episodes)
-        return [_score_or_failure(ep, text) for ep, text in zip(self.episodes, final_texts)]
+            final_texts = [None] * len(episodes)
+        return [_score_or_failure(ep, text) for ep, text in zip(episodes, final_texts)]
 
     def close_episodes(self) -> None:
         for ep in self.episodes:

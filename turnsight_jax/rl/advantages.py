@@ -196,7 +196,7 @@ def _matchtir_estimator(turn_rewards, num_turns, turn_ids, policy_mask, group_id
 # or the step geometry (num_groups = B / G, max_turns = the rollout's turn budget).
 KNOBS = ("eps", "gamma", "num_groups", "max_turns", "lam", "eps_w", "selection", "aggregation",
          "group_norm", "turns", "norm_pool", "uncovered_in_stats", "matchtir_singleton", "sdpo_coef",
-         "gae_gamma", "gae_lam", "gae_whiten", "toolomni_gate", "depths", "horizon_tol")
+         "gae_gamma", "gae_lam", "gae_whiten", "toolomni_gate", "depths", "horizon_tol", "appo_amplify")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,27 +233,55 @@ class Estimator:
 ESTIMATORS: dict[str, Estimator] = {}
 
 
-def register_advantage(name: str, inputs: tuple[str, ...], knobs: tuple[str, ...] = (),
-                       optional: tuple[str, ...] = ()):
-    """Decorator: register `fn(*batch[inputs], **knobs, **present optional arrays)` as the
-    advantage estimator `name`."""
+def _registrar(table: dict[str, Estimator], kind: str, name: str, inputs: tuple[str, ...], knobs: tuple[str, ...],
+               optional: tuple[str, ...] = ()):
     unknown = [k for k in knobs if k not in KNOBS]
     if unknown:
-        raise ValueError(f"advantage estimator {name!r}: unknown knobs {unknown}; known: {KNOBS}")
+        raise ValueError(f"{kind} {name!r}: unknown knobs {unknown}; known: {KNOBS}")
 
     def deco(fn):
-        if name in ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} already registered")
-        ESTIMATORS[name] = Estimator(name, fn, tuple(inputs), tuple(knobs), tuple(optional))
+        if name in table:
+            raise ValueError(f"{kind} {name!r} already registered")
+        table[name] = Estimator(name, fn, tuple(inputs), tuple(knobs), tuple(optional))
         return fn
 
     return deco
 
 
+def _lookup(table: dict[str, Estimator], kind: str, name: str) -> Estimator:
+    if name not in table:
+        raise KeyError(f"unknown {kind} {name!r}; known: {sorted(table)}")
+    return table[name]
+
+
+def register_advantage(name: str, inputs: tuple[str, ...], knobs: tuple[str, ...] = (),
+                       optional: tuple[str, ...] = ()):
+    """Decorator: register `fn(*batch[inputs], **knobs, **present optional arrays)` as the
+    advantage estimator `name`."""
+    return _registrar(ESTIMATORS, "advantage estimator", name, inputs, knobs, optional)
+
+
 def get_estimator(name: str) -> Estimator:
-    if name not in ESTIMATORS:
-        raise KeyError(f"unknown advantage estimator {name!r}; known: {sorted(ESTIMATORS)}")
-    return ESTIMATORS[name]
+    return _lookup(ESTIMATORS, "advantage estimator", name)
+
+
+# Advantage transforms: applied to the method's final advantage (after its estimator, and after the
+# base's for a wrapping method such as TurnSight), named by a rollout controller
+# (rl.methods.RolloutController.advantage_transform; APPO's Ω amplification). Same record as an
+# estimator; its inputs name "advantages" (the method's) and the batch arrays it reads.
+TRANSFORMS: dict[str, Estimator] = {}
+
+
+def register_advantage_transform(name: str, inputs: tuple[str, ...], knobs: tuple[str, ...] = ()):
+    """Decorator: register `fn(*batch[inputs], **knobs) -> [B, N]` (or a dict holding "advantages"
+    and diagnostics), `inputs` including "advantages", as the advantage transform `name`."""
+    if "advantages" not in inputs:
+        raise ValueError(f"advantage transform {name!r}: its inputs must include 'advantages'")
+    return _registrar(TRANSFORMS, "advantage transform", name, inputs, knobs)
+
+
+def get_transform(name: str) -> Estimator:
+    return _lookup(TRANSFORMS, "advantage transform", name)
 
 
 register_advantage("grpo", ("rewards", "group_ids", "policy_mask"), ("eps", "num_groups"))(grpo_advantages)
@@ -276,13 +304,14 @@ def _call(est: Estimator, arrays: Mapping[str, Array], knobs: Mapping[str, Any])
     return dict(out) if isinstance(out, Mapping) else {"advantages": out}
 
 
-def make_advantage_fn(name: str, *, base: str | None = None,
-                      knobs: Mapping[str, Any] | None = None) -> Callable[[Mapping[str, Array]], dict[str, Array]]:
-    """`fn(arrays) -> dict` for the estimator `name` (composed over `base` when it wraps one).
+def make_advantage_fn(name: str, *, base: str | None = None, knobs: Mapping[str, Any] | None = None,
+                      transform: str | None = None) -> Callable[[Mapping[str, Array]], dict[str, Array]]:
+    """`fn(arrays) -> dict` for the estimator `name` (composed over `base` when it wraps one), its
+    final advantage passed through the advantage transform `transform` when given.
 
     The dict always has "advantages" (what the surrogate uses) and "base_advantages"; a wrapping
     estimator adds its own outputs (TurnSight: weights, selected depths, diagnostics) to its base's
-    (GAE: "returns"). knobs: the
+    (GAE: "returns"), a transform its diagnostics. knobs: the
     values of KNOBS the estimators ask for. Unknown names and missing knobs fail here, at build
     time, not inside the step.
     """
@@ -294,13 +323,14 @@ def make_advantage_fn(name: str, *, base: str | None = None,
         base_est = get_estimator(base)
         if base_est.wraps_base:
             raise KeyError(f"base estimator {base!r} itself wraps a base; nest at most one level")
+    tr = get_transform(transform) if transform else None
     knobs = dict(knobs or {})
-    needed = set(est.knobs) | set(base_est.knobs if base_est else ())
+    needed = set(est.knobs) | set(base_est.knobs if base_est else ()) | set(tr.knobs if tr else ())
     missing = sorted(needed - set(knobs))
     if missing:
         raise KeyError(f"advantage estimator {name!r} needs knobs {missing}")
 
-    def fn(arrays: Mapping[str, Array]) -> dict[str, Array]:
+    def estimate(arrays: Mapping[str, Array]) -> dict[str, Array]:
         if base_est is None:
             out = _call(est, arrays, knobs)
             return {**out, "base_advantages": out["advantages"]}
@@ -309,5 +339,11 @@ def make_advantage_fn(name: str, *, base: str | None = None,
         out = _call(est, {**arrays, "base_advantages": a_base}, knobs)
         # the base's other outputs (e.g. GAE's "returns", the critic's targets) pass through
         return {**{k: v for k, v in base_out.items() if k != "advantages"}, **out, "base_advantages": a_base}
+
+    def fn(arrays: Mapping[str, Array]) -> dict[str, Array]:
+        out = estimate(arrays)
+        if tr is None:
+            return out
+        return {**out, **_call(tr, {**arrays, "advantages": out["advantages"]}, knobs)}
 
     return fn

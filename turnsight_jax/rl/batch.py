@@ -23,8 +23,9 @@ tokens per row, K = max turns):
                                            -1: in no group (a padding row or an exemplar of a
                                            controller that forms its own groups, see below)
   num_turns [B] int32
-  signals: {name: [B] or [B, K] float32}   what the method's rewards filled ("rewards",
-                                           "turn_rewards", ...; turnsight_jax.rl.methods)
+  signals: {name: [B], [B, K] or [B, N]}    what the method's rewards filled ("rewards",
+                                           "turn_rewards", per token: APPO's "appo_omega", ...;
+                                           float32; turnsight_jax.rl.methods)
   views: PackedViews or None               packed hindsight rows of the frozen teacher
                                            (turnsight_jax.rl.views), when the advantage needs them
   length_class [B] int32 or None           the row's length class (rl.length_classes): with
@@ -193,8 +194,9 @@ def group_index(trajs: Sequence[Trajectory], group_size: int | None) -> np.ndarr
 
 
 def compute_signals(method: ResolvedMethod, trajs: Sequence[Trajectory], tasks: Sequence[Task],
-                    cfg: StepConfig) -> dict[str, np.ndarray]:
-    """Run the method's rewards on the rollout record: {output: [B] or [B, K] float32}."""
+                    cfg: StepConfig, positions: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Run the method's rewards on the rollout record: {output: [B], [B, K] or [B, N] float32}.
+    positions: (pol_pos, pol_valid) [B, N] of the batch, for the per-token rewards."""
     if len(tasks) != len(trajs):
         raise ValueError(f"{len(trajs)} trajectories but {len(tasks)} row tasks")
     out: dict[str, np.ndarray] = {}
@@ -202,8 +204,12 @@ def compute_signals(method: ResolvedMethod, trajs: Sequence[Trajectory], tasks: 
     for reward in method.rewards:
         lacking = [i for i, task in enumerate(tasks)
                    if i not in padding and any(getattr(task, f, None) is None for f in reward.needs)]
+        if reward.per == "token" and positions is None:
+            raise ValueError(f"reward {reward.name!r} is per token: compute_signals needs the batch's positions")
         if reward.per == "trajectory":
             arr = np.zeros(len(trajs), np.float32)
+        elif reward.per == "token":
+            arr = np.zeros(positions[0].shape, np.float32)
         else:
             arr = np.zeros((len(trajs), cfg.max_turns), np.float32)
         for i, (traj, task) in enumerate(zip(trajs, tasks)):
@@ -214,6 +220,13 @@ def compute_signals(method: ResolvedMethod, trajs: Sequence[Trajectory], tasks: 
                 arr[i] = float(value)
                 continue
             value = np.asarray(value, np.float32)
+            if reward.per == "token":
+                if value.shape != (traj.length,):
+                    raise ValueError(f"reward {reward.name!r}: trajectory {i} has {traj.length} tokens but the "
+                                     f"reward returned shape {value.shape}")
+                n = int(positions[1][i].sum())
+                arr[i, :n] = value[positions[0][i, :n]]
+                continue
             if value.shape != (traj.num_turns,):
                 raise ValueError(f"reward {reward.name!r}: trajectory {i} has {traj.num_turns} turns but the "
                                  f"reward returned shape {value.shape}")
@@ -369,9 +382,12 @@ def make_train_batch(
         stats.update(pstats)
     batch = TrainBatch(
         tokens=tokens, valid=valid, pol_pos=pol_pos, pol_valid=pol_valid, turn_ids=turn_ids, old_logprobs=old_lp,
-        group_ids=_offset_groups(group_index(trajs, None if cfg.prompt_rows else cfg.group_size), group_offset),
+        # a controller's prompt block may hold several groups (APPO: initial rollouts and branches): a
+        # process numbers its groups from first prompt x rows per prompt, which no other process's reach
+        group_ids=_offset_groups(group_index(trajs, None if cfg.prompt_rows else cfg.group_size),
+                                 group_offset * (cfg.prompt_rows or 1)),
         num_turns=np.asarray([t.num_turns for t in trajs], np.int32),
-        signals=compute_signals(method, trajs, tasks, cfg),
+        signals=compute_signals(method, trajs, tasks, cfg, (pol_pos, pol_valid)),
         views=views, length_class=classes, classes=spec, packed=packed, probes=probes, layout=layout,
         turn_uses=dependency_batch(trajs, cfg.max_turns) if needs_turn_uses(cfg, method) else None,
     )
@@ -534,7 +550,8 @@ def abstract_batch(g: Geometry, mesh, method: ResolvedMethod) -> TrainBatch:
             views = views.replace(covered=arr((b, g.policy), bool))
         if g.pack_cell is not None:
             views = views.replace(tokens=None, layout=None, packed=packed_rows(g.packed))
-    signals = {r.output: arr((b,) if r.per == "trajectory" else (b, g.turns), jnp.float32) for r in method.rewards}
+    signals = {r.output: arr({"trajectory": (b,), "turn": (b, g.turns), "token": (b, g.policy)}[r.per], jnp.float32)
+               for r in method.rewards}
     probes = None
     if g.probes:
         probes = RetroProbes(arr((b, g.probes), i32), Layout(*(arr((b, g.probes), i32) for _ in range(6))),

@@ -36,6 +36,17 @@ PRIVILEGED_SOURCES = ("gold_answer", "sibling", "feedback", "skill", "none")
 PRIVILEGED_PLACEMENTS = ("prompt", "turn")
 
 
+def section_settings(cls, section, key: str, what: str):
+    """A run config's `key.*` section (a ConfigDict or any mapping of its keys) -> cls(**keys)
+    checked by its `validate()`; a ConfigError naming an unknown key (`what`: the method, for the
+    message)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(section.keys()) - fields)
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]} is not {what} key; keys: {', '.join(sorted(fields))}")
+    return cls(**dict(section.items())).validate()
+
+
 def parse_turn_coverage(turns: str) -> tuple[str, int]:
     """"all" | "first:N" | "last:N" (N >= 1) -> ("all", 0) | ("first", N) | ("last", N)."""
     if turns == "all":
@@ -80,7 +91,9 @@ class AlgoConfig:
     (rl.orchard): orchard_coef (the NLL's coefficient), orchard_rise (the credit c_k from which a
     turn is in a rise segment, 0.05), orchard_success (the outcome reward from which a trajectory
     counts as solved; CA-SFT trains on the others). akbe_coef: AKBE's λ, the coefficient of its
-    auxiliary CE on the exemplars (the run config's akbe.coef; rl.akbe). args: free-form knobs of
+    auxiliary CE on the exemplars (the run config's akbe.coef; rl.akbe). appo_amplify: beta of
+    APPO's amplification of the final advantage, A * (1 + beta (clip(Omega) - 1)) (the run
+    config's appo.amplify; rl.appo; 0: off). args: free-form knobs of
     plug-in methods, as (key, value) pairs.
     """
 
@@ -122,6 +135,7 @@ class AlgoConfig:
     orchard_rise: float = 0.05
     orchard_success: float = 1.0
     akbe_coef: float = 0.05
+    appo_amplify: float = 0.5
     args: tuple[tuple[str, Any], ...] = ()
 
     def arg(self, key: str, default: Any = None) -> Any:
@@ -356,6 +370,8 @@ class StepConfig:
             if not math.isfinite(v) or (name == "orchard_coef" and v < 0):
                 raise ConfigError(f"rl.{name} must be finite" + (" and >= 0" if name == "orchard_coef" else "")
                                   + f", got {v}")
+        if isinstance(algo.appo_amplify, bool) or not (math.isfinite(algo.appo_amplify) and algo.appo_amplify >= 0):
+            raise ConfigError(f"appo.amplify must be finite and >= 0, got {algo.appo_amplify}")
         if not math.isfinite(algo.toolomni_gate):
             raise ConfigError(f"rl.toolomni_gate must be finite, got {algo.toolomni_gate}")
         if not isinstance(algo.gae_whiten, bool):

@@ -48,7 +48,7 @@ def episode_policy(ctx, seed: int, rows, window: ObservationWindow | None = None
 
 def run_episodes(ctx, tasks: Sequence[Task], seed: int, *, group_size: int | None = None,
                  rows: Sequence[int] | None = None, env=None, policy=episode_policy,
-                 window: ObservationWindow | None = None) -> RolloutResult:
+                 window: ObservationWindow | None = None, hooks=None) -> RolloutResult:
     """`group_size` (default ctx.group_size) episodes of each task, `ctx.prompts_per_chunk`
     prompts per batched call (0: all), the calls' trajectories and stats joined. Episode j of task
     i is trajectory i*group_size + j, in group ctx.group_offset + i.
@@ -58,7 +58,9 @@ def run_episodes(ctx, tasks: Sequence[Task], seed: int, *, group_size: int | Non
     + j, the fixed layout's. A controller numbering its own episodes (e.g. prompt * cap + k) gets
     the same tokens for an episode whatever call or batch it runs in. env: default ctx.env.
     policy(ctx, seed, rows of one call) -> the backend (`episode_policy`; tests pass a scripted one).
-    window: an observation window (rollout.driver.rollout; rl.mm_grpo)."""
+    window: an observation window (rollout.driver.rollout; rl.mm_grpo). hooks:
+    rollout.control.RolloutHooks of the rollout (one call: ctx.prompts_per_chunk must not split
+    the tasks, the hooks' prompt indices being the call's)."""
     g = ctx.group_size if group_size is None else group_size
     if rows is None:
         rows = ctx.group_offset * g + np.arange(len(tasks) * g)
@@ -66,6 +68,8 @@ def run_episodes(ctx, tasks: Sequence[Task], seed: int, *, group_size: int | Non
     if rows.shape != (len(tasks) * g,):
         raise ValueError(f"run_episodes: {rows.shape} rows for {len(tasks)} tasks x {g} episodes")
     per = ctx.prompts_per_chunk or max(len(tasks), 1)
+    if hooks is not None and per < len(tasks):
+        raise ValueError(f"run_episodes: rollout hooks serve one call; {len(tasks)} tasks in chunks of {per}")
     trajs, stats = [], {}
     for i in range(0, len(tasks), per):
         part = rows[i * g:(i + per) * g]
@@ -73,7 +77,7 @@ def run_episodes(ctx, tasks: Sequence[Task], seed: int, *, group_size: int | Non
         with jax.set_mesh(ctx.mesh) if ctx.mesh is not None else contextlib.nullcontext():
             res = rollout(backend, ctx.env if env is None else env, tasks[i:i + per], tokenizer=ctx.tokenizer,
                           group_size=g, config=ctx.config, seed=seed, group_offset=ctx.group_offset + i,
-                          progress=ctx.progress, row_ids=part, window=window)
+                          progress=ctx.progress, row_ids=part, window=window, hooks=hooks)
         trajs.extend(res.trajectories)
         for k, v in res.stats.items():
             stats[k] = stats.get(k, 0.0) + v if k != "compilations" else v

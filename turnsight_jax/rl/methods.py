@@ -33,8 +33,8 @@ from turnsight_jax.rewards import matchtir_turn_rewards, token_f1, toolrl_reward
 from turnsight_jax.rl import critic as _critic  # noqa: F401  (registers PPO's GAE estimator)
 from turnsight_jax.rl import distill  # noqa: F401  (registers the self-distillation baselines)
 from turnsight_jax.rl import orchard as _orchard  # noqa: F401  (registers CA-SFT's loss term)
-from turnsight_jax.rl import akbe, bar, mm_grpo, srl, toolomni  # akbe registers its CE loss term
-from turnsight_jax.rl.advantages import Estimator, get_estimator
+from turnsight_jax.rl import akbe, appo, bar, mm_grpo, srl, t2po, toolomni  # akbe registers its CE loss term, appo its transform
+from turnsight_jax.rl.advantages import Estimator, get_estimator, get_transform
 from turnsight_jax.rl.config import AlgoConfig, StepConfig
 from turnsight_jax.rl.episodes import run_episodes
 from turnsight_jax.rl.losses import LossTerm, get_loss_term
@@ -81,6 +81,9 @@ class RolloutContext:
     run_config: Any = None  # the run's ConfigDict, for a controller with its own section (the judge: judge.*)
     state: Any = None  # the trainer's host-side state a controller reads (SLIM: its rl.slim.SkillLibrary)
     task_pool: Sequence[Task] = ()  # the training tasks a controller may draw more prompts from (rl.mm_grpo's refills)
+    # the earlier policy a controller with `old_policy` scores with (same graphdef): the policy before
+    # the last update (None at the first step) or the frozen reference (APPO's pi_old)
+    old_params: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,13 +107,28 @@ class RolloutController:
       `rl.episodes.pad_prompt_rows` fills each block to R.
 
     The controller's own diagnostics go in `RolloutResult.metrics`, over every process
-    (distributed.summed), under its name ("<name>/...")."""
+    (distributed.summed), under its name ("<name>/...").
+
+    Controllers that act inside the decode (rollout.control; docs/rollout_methods.md):
+    `engine_only` (they need rollout.engine=paged: `config.validate` refuses the lockstep sampler);
+    `advantage_transform` (a registered rl.advantages transform the step applies to the method's
+    final advantage, reading arrays the controller's rewards fill, e.g. APPO's Ω [B, N]);
+    `old_policy(run_config) -> "previous" | "reference" | ""` (the earlier policy the controller
+    scores with, `RolloutContext.old_params`: "previous", the parameters before the last update,
+    which the trainer then keeps a copy of and checkpoints; "reference", the frozen initial policy)."""
 
     name: str
     fn: Callable[[RolloutContext, Sequence[Task], int], RolloutResult]
     rewards: tuple[str, ...] = ()
     loss_terms: tuple[str, ...] = ()
     rows_per_prompt: Callable[[Any], int] | None = None
+    engine_only: bool = False
+    advantage_transform: str = ""
+    old_policy: Callable[[Any], str] | None = None
+
+    def old_policy_kind(self, run_config: Any) -> str:
+        """"previous", "reference" or "" (none): what `RolloutContext.old_params` must hold."""
+        return "" if self.old_policy is None else self.old_policy(run_config)
 
     def prompt_rows(self, run_config: Any, group_size: int) -> int:
         """Batch rows per prompt: `group_size` in the fixed layout, else the controller's R."""
@@ -121,15 +139,18 @@ ROLLOUTS: dict[str, RolloutController] = {}
 
 
 def register_rollout(name: str, *, rewards: Sequence[str] = (), loss_terms: Sequence[str] = (),
-                     rows_per_prompt: Callable[[Any], int] | None = None):
+                     rows_per_prompt: Callable[[Any], int] | None = None, engine_only: bool = False,
+                     advantage_transform: str = "", old_policy: Callable[[Any], str] | None = None):
     """Decorator: register `fn(ctx: RolloutContext, tasks, seed) -> RolloutResult`, with the rewards
-    and loss terms the controller's mechanism adds to any method it runs under, and for a
-    controller that forms its own groups `rows_per_prompt(run_config) -> R` (RolloutController)."""
+    and loss terms the controller's mechanism adds to any method it runs under, for a controller
+    that forms its own groups `rows_per_prompt(run_config) -> R`, and for one acting in the decode
+    `engine_only`, `advantage_transform` and `old_policy` (RolloutController)."""
 
     def deco(fn):
         if name in ROLLOUTS:
             raise ValueError(f"rollout controller {name!r} already registered")
-        ROLLOUTS[name] = RolloutController(name, fn, tuple(rewards), tuple(loss_terms), rows_per_prompt)
+        ROLLOUTS[name] = RolloutController(name, fn, tuple(rewards), tuple(loss_terms), rows_per_prompt, engine_only,
+                                           advantage_transform, old_policy)
         return fn
 
     return deco
@@ -170,6 +191,24 @@ def _section(ctx: RolloutContext, name: str):
     return ctx.run_config[name]
 
 
+@register_rollout("t2po", engine_only=True)
+def t2po_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
+    """T2PO (rl.t2po): G rollouts per prompt from the paged engine with T2PO's hooks in the decode:
+    TTI forces </think> when the hesitation signal stalls, TDS samples a turn again when its
+    hesitation barely moved from the previous turn's (t2po.*)."""
+    return t2po.t2po_rollout(ctx, tasks, seed, t2po.t2po_settings(_section(ctx, "t2po")))
+
+
+@register_rollout("appo", rewards=(appo.OMEGA,), engine_only=True, advantage_transform=appo.AMPLIFY,
+                  rows_per_prompt=lambda cfg: cfg.train.group_size * (1 + appo.appo_settings(cfg.appo).branches),
+                  old_policy=lambda cfg: appo.appo_settings(cfg.appo).ratio_to)
+def appo_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
+    """APPO (rl.appo): G rollouts per prompt, then appo.branches continuations of each from its
+    top branch points by Z(clip Ω) Z(H), sharing the prefix's KV; initial rollouts and branches
+    form two groups per prompt, and the step amplifies the final advantage by Ω."""
+    return appo.appo_rollout(ctx, tasks, seed, appo.appo_settings(_section(ctx, "appo")))
+
+
 @register_rollout("bar", rows_per_prompt=lambda cfg: bar.bar_settings(cfg.bar, cfg.train.group_size).cap)
 def bar_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
     """BAR (rl.bar): each prompt sampled bar.chunk rollouts at a time until its success share
@@ -198,7 +237,9 @@ def mm_grpo_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> Ro
 @dataclasses.dataclass(frozen=True)
 class Reward:
     """A registered reward: fills batch array `output`, one value per trajectory (`per="trajectory"`,
-    a float) or per turn (`per="turn"`, [num_turns] floats; the batch pads to [B, K] with 0).
+    a float), per turn (`per="turn"`, [num_turns] floats; the batch pads to [B, K] with 0) or per
+    token (`per="token"`, [trajectory length] floats; the batch takes the policy tokens', [B, N],
+    e.g. a value a rollout controller recorded in Trajectory.token_values).
     `needs`: Task fields the reward reads. `config.validate` refuses a `data.source` whose
     `TaskSource.provides` lacks one, and `sources.load_tasks(cfg, "train")` a training row without
     one (rl.batch.compute_signals, called on tasks from elsewhere, leaves such a row's output 0)."""
@@ -214,9 +255,9 @@ REWARDS: dict[str, Reward] = {}
 
 
 def register_reward(name: str, output: str, *, per: str = "trajectory", needs: tuple[str, ...] = ()):
-    """Decorator: register `fn(trajectory, task, algo_cfg) -> float | [num_turns]` as reward `name`."""
-    if per not in ("trajectory", "turn"):
-        raise ValueError(f"reward {name!r}: per must be 'trajectory' or 'turn', got {per!r}")
+    """Decorator: register `fn(trajectory, task, algo_cfg) -> float | [num_turns] | [length]` as reward `name`."""
+    if per not in ("trajectory", "turn", "token"):
+        raise ValueError(f"reward {name!r}: per must be 'trajectory', 'turn' or 'token', got {per!r}")
 
     def deco(fn):
         if name in REWARDS:
@@ -234,6 +275,7 @@ def outcome_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> float:
 
 
 register_reward(akbe.EXEMPLAR, akbe.EXEMPLAR)(akbe.exemplar_flag)
+register_reward(appo.OMEGA, appo.OMEGA, per="token")(appo.omega_reward)
 
 
 @register_reward("matchtir_turns", "turn_rewards", per="turn", needs=("gold_calls",))
@@ -397,6 +439,7 @@ class ResolvedMethod:
     teacher: str = "hindsight"
     critic: bool = False  # the method (or its base) trains a critic (rl.critic)
     prm: bool = False  # ... a step-PRM (rl.prm)
+    transform: Estimator | None = None  # the rollout controller's advantage transform (rl.advantages.TRANSFORMS)
 
     @property
     def aux(self) -> tuple[str, ...]:
@@ -446,7 +489,8 @@ class ResolvedMethod:
         return any("ref_logprobs" in t.inputs for t in self.loss_terms)
 
     def describe(self) -> str:
-        adv = self.advantage.name + (f"({self.base.name})" if self.base else "")
+        adv = self.advantage.name + (f"({self.base.name})" if self.base else "") + (
+            f" then {self.transform.name}" if self.transform else "")
         return (f"method {self.name}: rollout {self.rollout.name}, rewards [{', '.join(r.name for r in self.rewards)}], "
                 f"advantage {adv}, loss [{', '.join(t.name for t in self.loss_terms)}]"
                 + (", critic (value head, clipped value loss)" if self.critic else "")
@@ -530,5 +574,12 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
         if any(k in term.inputs for k in RETRO_ARRAYS) and "rewards" not in outputs:
             raise ConfigError(f"method {m.name!r}: loss term {term.name!r} trains on failed trajectories, which the "
                               f"outcome reward (\"rewards\") tells; no reward of [{', '.join(reward_names)}] fills it")
+    transform = None
+    if controller.advantage_transform:
+        transform = lookup(get_transform, controller.advantage_transform, "advantage transform", controller.name)
+        missing = [k for k in transform.inputs if k != "advantages" and k not in provided]
+        if missing:
+            raise ConfigError(f"rollout controller {controller.name!r}: advantage transform {transform.name!r} reads "
+                              f"{missing}, which no reward of [{', '.join(reward_names)}] fills")
     return ResolvedMethod(m.name, controller, rewards, advantage, base, tuple(terms), m.teacher, critic,
-                          prm)
+                          prm, transform)

@@ -160,6 +160,11 @@ def rollout_plan(cfg: mlc.ConfigDict) -> dict:
     per_shard = -(-ecfg.slots // shards)
     context = rc.max_response_tokens + planned_extra(cfg, method)[0]  # an episode's slots after its prompt
     blocks = ecfg.pool_blocks or eng_lib.default_pool_blocks(per_shard, rc.max_prompt_tokens, context, ecfg.block_size)
+    if method.rollout.name == "appo":  # APPO keeps a call's initial rollouts for their branches (rl.appo)
+        from turnsight_jax.rl.appo import appo_pool_blocks
+
+        blocks = appo_pool_blocks(ecfg, rc, cfg.rollout.prompts_per_chunk or cfg.train.prompts_per_step,
+                                  cfg.train.group_size, shards)
     shape = pool_shape(qcfg, shards, blocks, ecfg.block_size)
     kv_sharding = NamedSharding(mesh, pool_spec(shape, mesh))
     kv = PagedKV(*(jax.ShapeDtypeStruct(shape, storage_dtype(cdtype), sharding=kv_sharding) for _ in range(2)),
@@ -189,6 +194,8 @@ def rollout_plan(cfg: mlc.ConfigDict) -> dict:
     resident += 0 if teacher is None else _per_device_bytes(teacher)
     aux = abstract_aux(step_cfg, method, qcfg, params, mesh)
     resident += 0 if aux is None else _per_device_bytes(aux)
+    previous = method.rollout.old_policy_kind(cfg) == "previous"  # a controller's copy of the last policy
+    resident += _per_device_bytes(params) if previous else 0
     copy = 0 if pdtype == cdtype else _per_device_bytes(decode)
     pool = _per_device_bytes(kv)
     peak = resident + copy + pool + temps
@@ -200,7 +207,8 @@ def rollout_plan(cfg: mlc.ConfigDict) -> dict:
           f"{secs:.0f}s)")
     print("| per device | GiB |\n|---|---|")
     kept = ("params, optimizer, reference" + ("" if teacher is None else f", {step_cfg.teacher.weights} teacher")
-            + ("" if aux is None else f", {' and '.join(method.aux)} with optimizer"))
+            + ("" if aux is None else f", {' and '.join(method.aux)} with optimizer")
+            + (", the policy before the last update" if previous else ""))
     for name, v in ((f"trainer state kept while rolling out ({kept})", resident),
                     (f"decode copy of the weights ({cfg.model.compute_dtype})", copy),
                     ("KV block pool", pool), ("decode temporaries (widest program)", temps)):

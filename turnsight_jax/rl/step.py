@@ -90,7 +90,8 @@ def advantage_knobs(cfg: StepConfig, batch_size: int) -> dict:
             "group_norm": a.group_norm, "turns": a.turns, "matchtir_singleton": a.matchtir_singleton,
             "norm_pool": a.norm_pool, "uncovered_in_stats": a.uncovered_in_stats, "sdpo_coef": a.sdpo_coef,
             "depths": tuple(a.depths), "horizon_tol": a.horizon_tol,
-            "gae_gamma": a.gae_gamma, "gae_lam": a.gae_lam, "gae_whiten": a.gae_whiten, "toolomni_gate": a.toolomni_gate}
+            "gae_gamma": a.gae_gamma, "gae_lam": a.gae_lam, "gae_whiten": a.gae_whiten, "toolomni_gate": a.toolomni_gate,
+            "appo_amplify": a.appo_amplify}
 
 
 def teacher_covered(batch: TrainBatch):
@@ -123,7 +124,8 @@ def compute_advantages(batch: TrainBatch, teacher_lp, cfg: StepConfig, method: R
     [B, N] among them when the estimator gives them); with_outputs: and the estimator's whole
     output dict (per-token weights, depths, ...: rl.turn_records reads it)."""
     fn = make_advantage_fn(method.advantage.name, base=method.base.name if method.base else None,
-                           knobs=advantage_knobs(cfg, batch.pol_valid.shape[0]))
+                           knobs=advantage_knobs(cfg, batch.pol_valid.shape[0]),
+                           transform=method.transform.name if method.transform else None)
     out = fn(advantage_inputs(batch, teacher_lp, values, process_rewards))
     # TurnSight's diagnostics by name; a plug-in estimator's under its own "<method>/" prefix
     diag = {k: out[k] for k in out if k in TURNSIGHT_METRICS or "/" in k}

@@ -13,6 +13,7 @@ trained model.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -32,6 +33,7 @@ from turnsight_jax.chat.types import CallError, Task
 from turnsight_jax.distributed import to_host
 from turnsight_jax.envs.base import Environment, VectorEnv
 from turnsight_jax.models.qwen3 import KVCache
+from turnsight_jax.rollout.control import EpisodeStart, RolloutHooks
 from turnsight_jax.rollout.sampler import SamplingParams, append_tokens, decode_turn, global_rows
 
 log = logging.getLogger(__name__)
@@ -97,12 +99,14 @@ def placeholder_suffix(tokenizer, text: str, *, enable_thinking: bool) -> tuple[
 @dataclasses.dataclass
 class GeneratedTurn:
     """One policy turn: token ids as generated (stop token included when `stopped`), their
-    sampling log-probs, the decoded text."""
+    sampling log-probs, the decoded text, and the per-token signals a rollout controller declared
+    ({name: one float per token}, rollout.control.DecodeSignals; None when none was)."""
 
     ids: list[int]
     logprobs: list[float]
     text: str
     stopped: bool
+    signals: dict[str, list[float]] | None = None
 
 
 class TurnPolicy(Protocol):
@@ -407,7 +411,15 @@ class RolloutBackend(Protocol):
         window re-renders what follows an elided observation; never into the prompt)."""
 
     def finish(self, row: int) -> None:
-        """The episode is over: release what it holds."""
+        """The episode is over: release what it holds (a backend with `retain` keeps it until
+        `release`)."""
+
+    # Optional, for rollout hooks (rollout.control.RolloutHooks; the paged engine has them, with
+    # `retain = True`): episodes added to a running rollout, and the release of finished ones.
+    # add_episode(row, prompt, key_row): a new episode of prompt `prompt`, row the next row number.
+    # branch(row, parent, position, budget, key_row): continue finished row `parent` after its
+    # first `position` tokens, the continued turn emitting at most `budget` tokens.
+    # release(row): free a finished episode kept for the hooks.
 
 
 class LockstepBackend:
@@ -514,6 +526,7 @@ def rollout(
     progress: ProgressCallback | None = None,
     row_ids: Sequence[int] | None = None,
     window: ObservationWindow | None = None,
+    hooks: RolloutHooks | None = None,
 ) -> RolloutResult:
     """Run len(tasks) * group_size episodes to the end. Trajectory r belongs to group
     group_offset + r // group_size. `progress` (optional) receives a `RolloutProgress` after
@@ -532,7 +545,13 @@ def rollout(
     With a continuous backend (`continuous = True`: the paged engine) the tool calls of the turns
     one `generate` returns run in a worker thread while the next `generate` decodes the other rows;
     their observations are appended after it, so what runs when depends only on the episodes, never
-    on timing. A lockstep backend steps the tools right after its turns, as a turn loop does."""
+    on timing. A lockstep backend steps the tools right after its turns, as a turn loop does.
+
+    hooks (rollout.control.RolloutHooks; a backend with `retain`, the paged engine): when every
+    episode of a prompt ended, its trajectories are built and scored and `hooks.after_group` may
+    start more episodes of it (fresh, or branched from a finished one: `_start_branch`); they get
+    rows len(tasks) * group_size, ... in the order they were started, and the result lists every
+    row in row order."""
     t_start = time.perf_counter()
     ids = tok_lib.special_ids(tokenizer)
     prompts = []
@@ -544,25 +563,40 @@ def rollout(
                 f"{config.max_prompt_tokens}"
             )
         prompts.append(p)
-    row_tasks = [t for t in tasks for _ in range(group_size)]
-    n = len(row_tasks)
-    builders = [
-        TrajectoryBuilder(prompts[r // group_size], group_offset + r // group_size, row_tasks[r].task_id,
-                          im_start_id=ids.im_start, im_end_id=ids.im_end)
-        for r in range(n)
-    ]
     backend = as_backend(policy, config)
-    ctxs = None if window is None else _WindowedContexts(window, [prompts[r // group_size] for r in range(n)])
+    if hooks is not None and not getattr(backend, "retain", False):
+        raise ValueError("rollout hooks need a backend that keeps finished episodes for them "
+                         "(rollout.engine.PagedEngine(retain=True)); the lockstep sampler has none")
+    n = len(tasks) * group_size
+    prompt_of = [r // group_size for r in range(n)]
+    builders = [
+        TrajectoryBuilder(prompts[p], group_offset + p, tasks[p].task_id, im_start_id=ids.im_start,
+                          im_end_id=ids.im_end)
+        for p in prompt_of
+    ]
+    if hooks is not None and window is not None:
+        raise ValueError("rollout hooks and an observation window together are not supported (a branch would need "
+                         "its parent's windowed contexts)")
+    ctxs = None if window is None else _WindowedContexts(window, [prompts[p] for p in prompt_of])
     overlap = getattr(backend, "continuous", False)  # tool calls run while other rows decode
     vec = VectorEnv(env)
     tools = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-tools")
     tool_s = [0.0]
     env_errors: list[str] = []
-    used = np.zeros(n, np.int64)
-    turn_of = np.zeros(n, np.int64)
+    used = [0] * n
+    turn_of = [0] * n
     final_text: list[str | None] = [None] * n
     finish: list[str | None] = [None] * n
+    # Episode seeds depend on (seed, global row), not on how rows were batched.
+    env_seed = [seed * 1_000_003 + int(g)
+                for g in global_rows(group_offset * group_size if row_ids is None else row_ids, n)]
+    partial: list[tuple | None] = [None] * n  # a branch's first turn: the parent's tokens before the branch point
     live = set(range(n))
+    live_in_prompt = collections.Counter(prompt_of)
+    ready: list[int] = []  # prompts whose episodes all ended, for hooks.after_group
+    built: dict[int, Trajectory] = {}
+    released: set[int] = set()  # rows whose blocks the backend was told to free (hooks)
+    added = {"added_episodes": 0.0, "branches": 0.0, "replay_mismatches": 0.0}
     generated = 0
 
     def end(r: int, reason: str | None, truncated: bool = False) -> None:
@@ -571,6 +605,72 @@ def rollout(
         finish[r] = "length" if truncated else reason
         live.discard(r)
         backend.finish(r)
+        live_in_prompt[prompt_of[r]] -= 1
+        if hooks is not None and live_in_prompt[prompt_of[r]] == 0:
+            ready.append(prompt_of[r])
+
+    def build(rows) -> None:
+        for r, score in zip(rows, vec.score([final_text[r] for r in rows], rows)):
+            b = builders[r]
+            if score.metrics.get("env_error", 0.0) > 0 and finish[r] != "env_error":
+                env_errors.append(f"row {r}, scoring failed")  # VectorEnv.score: reward 0, metric env_error
+            traj = b.build(reward=score.reward, metrics=dict(score.metrics),
+                           finish_reason=None if b._truncated else (finish[r] or "max_turns"),
+                           contexts=None if ctxs is None else ctxs.contexts(r))
+            traj.metrics.update(_turn_metrics(traj))
+            if ctxs is not None:
+                traj.metrics["elided_observations"] = float(max(ctxs.counts[r], default=0))  # from its last turn
+            built[r] = traj
+
+    def new_row(p: int, builder: TrajectoryBuilder, seed_of_env: int) -> int:
+        r = len(builders)
+        builders.append(builder)
+        prompt_of.append(p)
+        for lst, v in ((used, 0), (turn_of, 0), (final_text, None), (finish, None), (partial, None),
+                       (env_seed, seed_of_env)):
+            lst.append(v)
+        live.add(r)
+        live_in_prompt[p] += 1
+        if vec.add(tasks[p], seed_of_env) != r:
+            raise RuntimeError(f"rollout: environment episode {len(vec.episodes) - 1} for row {r}")
+        return r
+
+    def start(p: int, st: EpisodeStart) -> None:
+        builder = TrajectoryBuilder(prompts[p], st.group_id, tasks[p].task_id, im_start_id=ids.im_start,
+                                    im_end_id=ids.im_end)
+        if st.parent is None:
+            r = new_row(p, builder, seed * 1_000_003 + st.key_row)
+            backend.add_episode(r, p, st.key_row)
+            added["added_episodes"] += 1
+        else:
+            if prompt_of[st.parent] != p or st.parent not in built:
+                raise ValueError(f"prompt {p}: branch from row {st.parent}, not a finished episode of this prompt")
+            parent = built[st.parent]
+            r = new_row(p, builder, env_seed[st.parent])  # the parent's environment, replayed below
+            added["replay_mismatches"] += _start_branch(parent, st.position, builder, vec, r)
+            k = int(parent.turn_ids[st.position])
+            head = slice(parent.turns[k].policy_start, st.position)
+            partial[r] = (parent.tokens[head].tolist(), parent.old_logprobs[head].tolist(),
+                          {name: v[head].tolist() for name, v in parent.token_values.items()})
+            used[r], turn_of[r] = st.position - parent.prompt_len, k
+            budget = min(config.max_turn_tokens - len(partial[r][0]), config.max_response_tokens - used[r])
+            backend.branch(r, st.parent, st.position, max(budget, 0), st.key_row)
+            added["branches"] += 1
+        with_backend.add(r)
+
+    def run_hooks() -> None:
+        """The prompts whose episodes all ended: build, score, ask the hooks (no tool call in flight)."""
+        while ready:
+            p = ready.pop(0)
+            rows = [r for r in range(len(builders)) if prompt_of[r] == p]
+            build([r for r in rows if r not in built])
+            starts = list(hooks.after_group(p, rows, [built[r] for r in rows]))
+            for st in starts:
+                start(p, st)
+            for r in rows:  # branches keep the blocks they share; a fresh episode the prompt's
+                if r not in released:
+                    backend.release(r)
+                    released.add(r)
 
     def timed_step(calls_per_row):
         t0 = time.perf_counter()
@@ -615,33 +715,43 @@ def rollout(
             with_backend.add(r)
 
     try:
-        # Episode seeds depend on (seed, global row), not on how rows were batched.
-        rows = global_rows(group_offset * group_size if row_ids is None else row_ids, n)
-        vec.start(row_tasks, [seed * 1_000_003 + int(g) for g in rows])
+        vec.start([tasks[p] for p in prompt_of], env_seed)
         backend.begin(prompts, group_size)
         with_backend = set(range(n))
         pending = None  # (future, calls per row) of the tool calls in flight
-        while live:
-            if not with_backend and pending is None:
+        while live or ready:
+            if live and not with_backend and pending is None and not ready:
                 raise RuntimeError(f"rollout: rows {sorted(live)[:8]} are neither generating nor in a tool call")
             outs = backend.generate() if with_backend else {}
             with_backend -= outs.keys()
             if pending is not None:
                 resolve(*pending)
                 pending = None
-            calls_per_row: list = [None] * n
+            run_hooks()
+            calls_per_row: list = [None] * len(builders)
             for r in sorted(outs):
                 out = outs[r]
                 turn_of[r] += 1
+                head_len = 0  # tokens of a branch's first turn that its parent sampled (counted there)
+                if partial[r] is not None:  # a branch's first turn: the parent's part, then its own
+                    head_ids, head_lps, head_sig = partial[r]
+                    partial[r] = None
+                    sig = None if out.signals is None and not head_sig else {
+                        k: head_sig.get(k, [0.0] * len(head_ids)) + (out.signals or {}).get(k, [0.0] * len(out.ids))
+                        for k in dict.fromkeys([*head_sig, *(out.signals or {})])}
+                    ids_all, head_len = head_ids + list(out.ids), len(head_ids)
+                    out = GeneratedTurn(ids_all, head_lps + list(out.logprobs),
+                                        tokenizer.decode(ids_all, skip_special_tokens=False), out.stopped, sig)
                 if not out.ids:  # no budget left for even one token
                     end(r, None, truncated=True)
                     continue
                 parsed = parse_turn(out.text, calls_in_think=config.calls_in_think)
-                builders[r].add_policy_turn(out.ids, out.logprobs, out.text, parsed.calls, parsed.answer)
+                builders[r].add_policy_turn(out.ids, out.logprobs, out.text, parsed.calls, parsed.answer,
+                                            signals=out.signals)
                 if ctxs is not None:
                     ctxs.turn(r, out.ids)
-                used[r] += len(out.ids)
-                generated += len(out.ids)
+                used[r] += len(out.ids) - head_len
+                generated += len(out.ids) - head_len
                 final_text[r] = out.text
                 if not out.stopped:
                     end(r, None, truncated=True)
@@ -656,34 +766,28 @@ def rollout(
                     resolve(*pending)
                     pending = None
             if progress is not None:
-                progress(RolloutProgress(n - len(live), n, int(turn_of.max()), generated,
+                progress(RolloutProgress(len(builders) - len(live), len(builders), max(turn_of), generated,
                                          time.perf_counter() - t_start))
-        turns_run = int(turn_of.max())
-        scores = vec.score(final_text)
+        turns_run = max(turn_of)
+        if len(built) < len(builders):
+            build([r for r in range(len(builders)) if r not in built])
     finally:
         tools.shutdown(wait=True)
         vec.close()
 
-    trajectories = []
-    for r, b in enumerate(builders):
-        score = scores[r]
-        if score.metrics.get("env_error", 0.0) > 0 and finish[r] != "env_error":
-            env_errors.append(f"row {r}, scoring failed")  # VectorEnv.score: reward 0, metric env_error
-        traj = b.build(reward=score.reward, metrics=dict(score.metrics),
-                       finish_reason=None if b._truncated else (finish[r] or "max_turns"),
-                       contexts=None if ctxs is None else ctxs.contexts(r))
-        traj.metrics.update(_turn_metrics(traj))
-        if ctxs is not None:
-            traj.metrics["elided_observations"] = float(max(ctxs.counts[r], default=0))  # from its last turn
-        trajectories.append(traj)
+    trajectories = [built[r] for r in range(len(builders))]
     elapsed = time.perf_counter() - t_start
     if progress is not None:
-        progress(RolloutProgress(n, n, turns_run, generated, elapsed, done=True))
+        progress(RolloutProgress(len(builders), len(builders), turns_run, generated, elapsed, done=True))
     if env_errors:
         print(f"rollout: {len(env_errors)} episode(s) ended by an environment error; first: "
               f"{env_errors[0]}", file=sys.stderr, flush=True)
-    stats = {"rollout_s": elapsed, "tool_s": tool_s[0], "env_errors": float(len(env_errors)), "episodes": float(n),
-             "tokens": float(sum(t.length - t.prompt_len for t in trajectories))}
+    # episodes: every one run, those the hooks added included; tokens: after the prompts (a branch's
+    # prefix counted again: what it decoded itself is the backend's decoded_tokens)
+    stats = {"rollout_s": elapsed, "tool_s": tool_s[0], "env_errors": float(len(env_errors)),
+             "episodes": float(len(builders)), "tokens": float(sum(t.length - t.prompt_len for t in trajectories))}
+    if hooks is not None:
+        stats.update(added)
     if ctxs is not None:
         stats["elided_observations"] = float(ctxs.elisions)
         stats["reprefill_tokens"] = float(ctxs.reprefill)
@@ -697,3 +801,27 @@ def rollout(
         stats["compilations"] = float(policy.compilations())
         stats["decoded_tokens"] = stats.get("engine/decoded_tokens", 0.0)
     return RolloutResult(trajectories, stats)
+
+
+def _start_branch(parent: Trajectory, position: int, builder: TrajectoryBuilder, vec: VectorEnv, r: int) -> int:
+    """Set up a branch of `parent` at its policy token `position` (in turn k): `builder` gets the
+    parent's turns 0..k-1 and their observations as recorded, and environment episode r (started
+    with the parent's seed) replays their calls, so it stands where the parent's stood before turn
+    k. Returns how many replayed observations differ from the recorded ones (0 for a deterministic
+    environment; the branch keeps the recorded ones, which its KV holds)."""
+    if not 0 <= position < parent.length or not parent.policy_mask[position]:
+        raise ValueError(f"branch position {position} is not a policy token of the parent ({parent.length} tokens)")
+    k = int(parent.turn_ids[position])
+    mismatches = 0
+    for j, t in enumerate(parent.turns[:k]):
+        span = slice(t.policy_start, t.policy_end)
+        builder.add_policy_turn(parent.tokens[span], parent.old_logprobs[span], t.text, t.calls, t.answer,
+                                signals={name: v[span] for name, v in parent.token_values.items()})
+        steps = vec.step([None] * r + [list(t.calls)] + [None] * (len(vec.episodes) - r - 1))
+        if steps[r] is None or list(steps[r].observations) != list(t.results):
+            mismatches += 1
+        if t.has_observation:
+            builder.add_observation(parent.tokens[t.obs_start:t.obs_end], t.results,
+                                    [(a - t.obs_start, b - t.obs_start) for a, b in t.result_spans],
+                                    parent.turns[j + 1].header_start - t.obs_start)
+    return mismatches

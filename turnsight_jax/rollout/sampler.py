@@ -47,8 +47,8 @@ class SamplingParams:
 _BLOCK = 1024  # vocabulary block of the top-k search and the two-level sampler
 
 
-def kth_largest(x: jax.Array, k: int) -> jax.Array:
-    """x [B, V] -> [B], the k-th largest value of each row (= lax.top_k(x, k)[0][:, -1]).
+def top_values(x: jax.Array, k: int) -> jax.Array:
+    """x [B, V] -> [B, k], the k largest values of each row, descending (= lax.top_k(x, k)[0]).
 
     XLA's CPU top-k sorts the whole row (seconds for 64 x 151,936 per decoded token). Here: the
     k blocks of 1024 with the largest maxima hold every top-k value (if a top-k value lay in
@@ -60,7 +60,29 @@ def kth_largest(x: jax.Array, k: int) -> jax.Array:
     best = jax.lax.top_k(jnp.max(blocks, axis=-1), min(k, nb))[1]  # [B, k] block indices
     sub = jnp.take_along_axis(blocks, best[..., None], axis=1)  # [B, k, 1024]
     cand = jax.lax.top_k(sub, min(k, _BLOCK))[0].reshape(b, -1)
-    return jax.lax.top_k(cand, k)[0][:, -1]
+    return jax.lax.top_k(cand, k)[0]
+
+
+def kth_largest(x: jax.Array, k: int) -> jax.Array:
+    """x [B, V] -> [B], the k-th largest value of each row (= lax.top_k(x, k)[0][:, -1]; `top_values`)."""
+    return top_values(x, k)[:, -1]
+
+
+def token_signals(logits: jax.Array, params: SamplingParams, *, entropy: bool, top_j: int) -> dict[str, jax.Array]:
+    """Per-row signals of the distribution the log-probs are of, softmax(logits / T) over the whole
+    vocabulary (T = 1 when greedy): logits [B, V] float32 -> {"entropy": H [B], "top_j_nll": C [B]}
+    (each only when asked), H = -sum_v p(v) log p(v) and C = -(1/j) sum of the j largest log p(v).
+    Rollout controllers read them (rollout.control.DecodeSignals); the decode calls this only when
+    one declared them."""
+    scaled = logits if params.greedy else logits / params.temperature
+    lse = jax.nn.logsumexp(scaled, axis=-1)
+    out = {}
+    if entropy:
+        p = jnp.exp(scaled - lse[:, None])
+        out["entropy"] = lse - jnp.sum(p * scaled, axis=-1)
+    if top_j:
+        out["top_j_nll"] = lse - jnp.mean(top_values(scaled, top_j), axis=-1)
+    return out
 
 
 def truncated_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
