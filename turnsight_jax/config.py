@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import ml_collections as mlc
 
-from turnsight_jax.chat.budget import DEFAULT_FILLER
+from turnsight_jax.chat.hindsight_template import DEFAULT_FILLER
 from turnsight_jax.chat.hindsight_template import HindsightTemplate
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.rl.config import (AlgoConfig, CriticConfig, LossConfig, OptimConfig, PRMConfig, StepConfig,

@@ -26,8 +26,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from turnsight_jax.chat import tokenizer as tok_lib
-
-DEFAULT_FILLER = ".\n"
+from turnsight_jax.chat.hindsight_template import DEFAULT_FILLER  # noqa: F401  (re-exported)
 
 
 def filler_ids(tokenizer: Any, text: str) -> list[int]:

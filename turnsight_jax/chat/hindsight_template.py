@@ -11,6 +11,11 @@ import string
 
 from turnsight_jax.errors import ConfigError
 
+# What pads a hindsight message or a privileged block to the equal-length budget (chat.budget),
+# tiled token by token: ".\n", a line holding a period. Here, in this leaf module, so the typed step
+# configs (rl.config) take the default without importing the tokenizer.
+DEFAULT_FILLER = ".\n"
+
 
 @dataclasses.dataclass(frozen=True)
 class HindsightTemplate:

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from typing import Any
 
-from turnsight_jax.chat.budget import DEFAULT_FILLER
+from turnsight_jax.chat.hindsight_template import DEFAULT_FILLER
 from turnsight_jax.chat.hindsight_template import HindsightTemplate, check_template
 from turnsight_jax.errors import ConfigError
 

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import numpy as np
 from flax import struct
 
-from turnsight_jax.chat.budget import DEFAULT_FILLER
+from turnsight_jax.chat.hindsight_template import DEFAULT_FILLER
 from turnsight_jax.chat.hindsight import HindsightTemplate, hindsight_pieces
 from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.models.attention import NO_SEGMENT, PAD_SEGMENT, Layout
