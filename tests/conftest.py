@@ -18,24 +18,18 @@ import sys
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 
-# The suite's own process compiles far more than it computes (tiny models, hundreds of distinct
-# programs), so XLA's CPU backend runs at optimisation level 0 in it: ~30% less compile time, same
-# results to float tolerance (the pinned step numbers hold). Subprocesses the tests start (the
-# trainer and the other CLIs, documented commands, the notebook kernel) get SUBPROCESS_XLA_FLAGS:
-# one CPU device at full optimisation, as a user's machine. A trainer run executes its programs many
-# times and the runs share them through the compilation cache below: measured on a 3-step run of
-# configs/methods/rlsd.py (the 2-core box, CPU seconds), level 0 costs 46 cold / 33 with the
-# cache warm, full optimisation 51 / 21. Commands that only compile (--dry_run) pass
-# COMPILE_ONLY_XLA_FLAGS.
-SUBPROCESS_XLA_FLAGS = ""
-COMPILE_ONLY_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# The suite compiles far more than it computes (tiny models, hundreds of distinct programs), so
+# XLA's CPU backend runs at optimisation level 0 in tests: ~30% less compile time, same results to
+# float tolerance (the pinned step numbers hold). Subprocesses the tests start (the CLI, documented
+# commands, the notebook kernel) get SUBPROCESS_XLA_FLAGS: one CPU device, as a user's machine.
+SUBPROCESS_XLA_FLAGS = "--xla_backend_optimization_level=0"
 # A program a test runs on large inputs or many times (measured: the packed-vs-plain view check
 # spends 3-4x longer executing at level 0 than at full optimisation) opts back in per jit:
 # `jax.jit(f, compiler_options=OPTIMIZED)`.
 OPTIMIZED = {"xla_backend_optimization_level": 3}
 # Eight fake CPU devices for the sharding tests; must be set before JAX initialises. Unsharded
 # code runs on device 0 as usual.
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {COMPILE_ONLY_XLA_FLAGS}")
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {SUBPROCESS_XLA_FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pathlib
 import shutil

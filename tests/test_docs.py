@@ -3,8 +3,8 @@
 A *command* is a non-comment line of a ```bash block, joined across trailing `\\` continuations
 and split at `&&` and `;`. Each command is one test case, id `FILE:LINE:what`, run from the
 repository root with this interpreter (`python` / `python3` -> sys.executable), XLA_FLAGS set to
-tests/conftest.py's SUBPROCESS_XLA_FLAGS (one CPU device unless the command sets it; optimisation
-level 0 for a --dry_run, which only compiles), and a JAX compilation cache shared by the session.
+tests/conftest.py's SUBPROCESS_XLA_FLAGS (one CPU device unless the command sets it), and a JAX
+compilation cache shared by the session.
 Independent commands run two at a time (`TURNSIGHT_DOC_TEST_JOBS`), started when the first case
 runs; each case waits for its own. A failure shows the command as run and the tail of its stderr
 and stdout.
@@ -60,7 +60,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import COMPILE_ONLY_XLA_FLAGS, SUBPROCESS_XLA_FLAGS
+from conftest import SUBPROCESS_XLA_FLAGS
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DOC_FILES = [p for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))] if p.is_file()]
@@ -331,10 +331,9 @@ class Session:
         return path
 
     # -- execution --
-    def env(self, extra: dict[str, str], compile_only: bool = False) -> dict[str, str]:
+    def env(self, extra: dict[str, str]) -> dict[str, str]:
         env = dict(os.environ)
-        # not the session's 8 fake devices; a command may set its own
-        env["XLA_FLAGS"] = COMPILE_ONLY_XLA_FLAGS if compile_only else SUBPROCESS_XLA_FLAGS
+        env["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS  # not the session's 8 fake devices; a command may set its own
         env.update({"JAX_COMPILATION_CACHE_DIR": str(self.cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1", "PYTHONUNBUFFERED": "1"})
         env.update(extra)
@@ -346,8 +345,8 @@ class Session:
         if argv and argv[0].startswith("launch/"):
             argv[0] = str(REPO / argv[0])
         try:
-            proc = subprocess.run(argv, cwd=REPO, env=self.env(extra_env or {}, "--dry_run" in argv),
-                                  capture_output=True, text=True, timeout=TIMEOUT_S)
+            proc = subprocess.run(argv, cwd=REPO, env=self.env(extra_env or {}), capture_output=True, text=True,
+                                  timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired as e:
             err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
             pytest.fail(f"{cmd.file}:{cmd.line}: timed out after {TIMEOUT_S}s\n  documented: {cmd.text}\n"
