@@ -131,6 +131,33 @@ def pytest_make_collect_report(collector):
     _fail_unexpected_skip(outcome.get_result())
 
 
+# The engine and rollout tests' policy: a 2-layer random Qwen3 with the real 151,936-token
+# vocabulary (so the bundled tokenizer's ids are all in range), 32 wide.
+TINY_POLICY = dict(vocab_size=151936, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                   head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """(graphdef, state) of TINY_POLICY at seed 0; a file that needs another model defines its own."""
+    from flax import nnx
+
+    from turnsight_jax.models.config import Qwen3Config
+    from turnsight_jax.models.qwen3 import init_model
+
+    return nnx.split(init_model(Qwen3Config(**TINY_POLICY), seed=0))
+
+
+@pytest.fixture(scope="module")
+def env():
+    """The built-in tasks' environment with one tool worker, closed after the file."""
+    from turnsight_jax.envs.ftrl import FTRLEnv
+
+    e = FTRLEnv(num_workers=1, timeout_s=5.0)
+    yield e
+    e.close()
+
+
 @pytest.fixture(scope="session")
 def tok():
     """The Qwen3 tokenizer the package ships (the same files as ../shared/fixtures/qwen3-tokenizer)."""

@@ -21,7 +21,6 @@ from flax import nnx
 from turnsight_jax import evaluate, sources
 from turnsight_jax.assets import default_tokenizer_dir
 from turnsight_jax.config import apply_overrides, default_config, load_config_file, rollout_config
-from turnsight_jax.envs.ftrl import FTRLEnv
 from turnsight_jax.envs.synthetic import generate_tasks, gold_turn_texts
 from turnsight_jax.eval import heldout
 from turnsight_jax.eval.heldout import evaluate_policy
@@ -72,13 +71,6 @@ def _reference(graphdef, state, tok, tasks, cfg, env, *, greedy):
             out[key + "_se"] = float(vals.std(ddof=1) / math.sqrt(vals.size)) if vals.size > 1 else 0.0
     out["per_task_solve_f1"] = [float(m.get("solve_f1", 0.0)) for m in per_task]
     return out, trajs
-
-
-@pytest.fixture(scope="module")
-def env():
-    e = FTRLEnv(num_workers=1, timeout_s=5.0)
-    yield e
-    e.close()
 
 
 @pytest.fixture(scope="module")

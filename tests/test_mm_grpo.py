@@ -18,11 +18,8 @@ from flax import nnx
 from turnsight_jax.chat import tokenizer as tok_lib
 from turnsight_jax.chat.trajectory import turn_context
 from turnsight_jax.config import base_config, default_config, step_config, validate
-from turnsight_jax.envs.ftrl import FTRLEnv
 from turnsight_jax.envs.synthetic import SyntheticConfig, generate_task, gold_turn_texts
 from turnsight_jax.errors import ConfigError
-from turnsight_jax.models.config import Qwen3Config
-from turnsight_jax.models.qwen3 import init_model
 from turnsight_jax.rl.batch import DEFAULT_BUCKETS, make_train_batch, worst_case_geometry
 from turnsight_jax.rl.context_rows import context_row
 from turnsight_jax.rl.logprobs import policy_logprobs, student_logprobs
@@ -36,21 +33,7 @@ from turnsight_jax.rollout.sampler import SamplingParams
 
 from _replayed import WRONG_CALL
 
-TINY = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                   num_kv_heads=1, head_dim=16)
 PLACEHOLDER = "[earlier tool output omitted]"
-
-
-@pytest.fixture(scope="module")
-def env():
-    e = FTRLEnv(num_workers=1, timeout_s=5.0)
-    yield e
-    e.close()
-
-
-@pytest.fixture(scope="module")
-def model():
-    return nnx.split(init_model(TINY, seed=0))
 
 
 def _window(tok, size):

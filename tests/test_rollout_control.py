@@ -19,6 +19,8 @@ from flax import nnx
 from turnsight_jax.rl import appo, t2po
 from turnsight_jax.rollout.control import ENTROPY, TOP_J_NLL, Chunk, DecodeSignals, EpisodeStart
 
+from conftest import TINY_POLICY
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 THINK_CLOSE, TOOL_CALL, IM_END = 151668, 151657, 151645  # Qwen3's </think>, <tool_call>, <|im_end|>
 
@@ -217,18 +219,6 @@ def test_appo_hooks_branch_at_the_hand_computed_positions():
 
 # ---- on the real engine (a tiny random Qwen3 with the real vocabulary) ----
 
-TINY = dict(vocab_size=151936, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-            head_dim=16)
-
-
-@pytest.fixture(scope="module")
-def model():
-    from turnsight_jax.models.config import Qwen3Config
-    from turnsight_jax.models.qwen3 import init_model
-
-    return nnx.split(init_model(Qwen3Config(**TINY), seed=0))
-
-
 def _teacher_forced_error(model, trajs) -> float:
     """The largest |recorded - teacher-forced| log-prob over the trajectories' policy tokens (f32)."""
     from turnsight_jax.rl.logprobs import student_logprobs
@@ -415,7 +405,7 @@ def test_decode_signals_are_the_tempered_distributions_and_only_when_declared(mo
     np.testing.assert_allclose(got[TOP_J_NLL], -np.sort(logp, 1)[:, -4:].mean(1), rtol=1e-5)
 
     graphdef, state = model
-    cfg = Qwen3Config(**TINY)
+    cfg = Qwen3Config(**TINY_POLICY)
     r, steps = 2, 4
     live = LiveBlocks(*(jnp.zeros((1, 8), jnp.int32) for _ in range(3)), jnp.zeros((1, r), jnp.int32))
     args = (graphdef, state, empty_pool(cfg, 1, 9, 16, jnp.float32), jnp.zeros((r, cfg.hidden_size)),

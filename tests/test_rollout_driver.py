@@ -9,7 +9,6 @@ from flax import nnx
 
 from turnsight_jax.chat import template as tmpl
 from turnsight_jax.chat.types import ToolCall
-from turnsight_jax.envs.ftrl import FTRLEnv
 from turnsight_jax.envs.synthetic import SyntheticConfig, generate_task, gold_tool_calls, gold_turn_texts
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import init_model
@@ -18,13 +17,6 @@ from turnsight_jax.rollout.sampler import SamplingParams
 
 TINY = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                    num_kv_heads=1, head_dim=16)
-
-
-@pytest.fixture(scope="module")
-def env():
-    e = FTRLEnv(num_workers=1, timeout_s=5.0)
-    yield e
-    e.close()
 
 
 def _check_against_env(traj, task, tok, env):

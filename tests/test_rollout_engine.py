@@ -12,32 +12,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from turnsight_jax.envs.ftrl import FTRLEnv
 from turnsight_jax.envs.synthetic import SyntheticConfig, generate_task, gold_turn_texts
-from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.paged_cache import LiveBlocks, live_blocks
-from turnsight_jax.models.qwen3 import init_model
 from turnsight_jax.models.sharding import make_mesh, state_shardings
 from turnsight_jax.rl.logprobs import student_logprobs
 from turnsight_jax.rollout import engine as E
 from turnsight_jax.rollout.driver import ModelPolicy, RolloutConfig, rollout
 from turnsight_jax.rollout.sampler import SamplingParams
 
-TINY = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                   num_kv_heads=1, head_dim=16)
+from conftest import TINY_POLICY
+
 CATEGORIES = ("single_hop", "parallel_single_hop", "multi_hop", "parallel_multi_hop")
-
-
-@pytest.fixture(scope="module")
-def env():
-    e = FTRLEnv(num_workers=1, timeout_s=5.0)
-    yield e
-    e.close()
-
-
-@pytest.fixture(scope="module")
-def model():
-    return nnx.split(init_model(TINY, seed=0))
 
 
 def _engine(model, tok, rc, sampling, *, slots=3, block=16, chunk=8, seed=0, scripts=None, mesh=None, state=None):
@@ -160,7 +145,7 @@ def test_pool_is_sharded_and_decode_stays_on_device(tok, env, model):
     live = LiveBlocks(**{k: eng._put(jnp.asarray(v)) for k, v in listed.items()})
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.key(0), jnp.arange(n))
     with jax.set_mesh(mesh):
-        hlo = E._decode.lower(graphdef, eng.state, eng.kv, eng._put(jnp.zeros((n, TINY.hidden_size))), rows[0], live,
+        hlo = E._decode.lower(graphdef, eng.state, eng.kv, eng._put(jnp.zeros((n, TINY_POLICY["hidden_size"]))), rows[0], live,
                               *rows[1:], keys, *eng._put_rows(np.zeros(n, np.int32)), eng.stop_ids,
                               *eng._put_rows(np.full((n, steps), -1, np.int32)), steps=steps,
                               params=sampling).compile().as_text()
