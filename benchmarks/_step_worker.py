@@ -46,14 +46,14 @@ def main():
     ap.add_argument("--geometry", choices=GEOMETRIES, required=True)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a StepConfig field (an int, true or false)")
-    ap.add_argument("--model", action="append", default=[], metavar="FIELD=INT",
-                    help="a model option of the config (cfg.model, e.g. attn_q_chunk=128)")
+    ap.add_argument("--model", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a model option of the config (cfg.model, e.g. attn_q_chunk=128, remat=true)")
     args = ap.parse_args()
     tok = default_tokenizer()
     trajs, row_tasks, turns = geometry_batch(args.geometry, tok)
     cfg = default_config()
     for key, v in (s.split("=", 1) for s in args.model):
-        cfg.model[key] = int(v)
+        cfg.model[key] = _value(v)
     sc = dataclasses.replace(step_config(cfg), max_turns=turns,
                              **{k: _value(v) for k, v in (s.split("=", 1) for s in args.set)})
     method = resolve_method(sc)

@@ -60,15 +60,19 @@ from turnsight_jax.rl.step import make_optimizer, make_train_step  # noqa: E402
 BEFORE_REV = "f375277"  # the step issue 21 was filed against
 
 
-def _worker(geometry: str, repeats: int, *, sets: dict | None = None, tree: str | None = None) -> dict:
+def _worker(geometry: str, repeats: int, *, sets: dict | None = None, model: dict | None = None,
+            tree: str | None = None) -> dict:
     """Time one fused step in a fresh process (benchmarks/_step_worker.py), with the package of
-    `tree` first on the path (an extracted revision) or the current one; `sets`: StepConfig fields."""
+    `tree` first on the path (an extracted revision) or the current one; `sets`: StepConfig fields;
+    `model`: cfg.model fields (ints)."""
     env = dict(os.environ)
     if tree:
         env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, str(HERE / "_step_worker.py"), "--geometry", geometry, "--repeats", str(repeats)]
     for key, value in (sets or {}).items():
         cmd += ["--set", f"{key}={str(value).lower()}"]
+    for key, value in (model or {}).items():
+        cmd += ["--model", f"{key}={value}"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode:
         raise SystemExit(f"step worker failed ({' '.join(cmd)}):\n{out.stderr[-2000:]}")
@@ -107,13 +111,17 @@ def compare_classes(args):
             walls["before"] = res["wall"]
             rows.append([f"the step at {BEFORE_REV}, issue 21's filing (T={res['T']:.0f}, P={res['P']:.0f})",
                          f"{res['wall']:.2f} s", "-", "(not counted: an earlier revision)", "-"])
-    variants = (("one width", {}), ("classes", {"length_classes": args.classes}),
-                ("packed", {"pack_rows": True, "pack_width": args.pack_width}))
-    for name, sets in variants:
+    # the head as it was before vocabulary blocks: the whole vocabulary per chunk, in the chunks
+    # the embedded default then used (256 rows for the update, 32 for the no-gradient forwards)
+    whole = ({"logprob_chunk": 256, "score_chunk": 32}, {"vocab_block": 0})
+    variants = (("whole-vocabulary head", *whole), ("one width", {}, {}),
+                ("classes", {"length_classes": args.classes}, {}),
+                ("packed", {"pack_rows": True, "pack_width": args.pack_width}, {}))
+    for name, sets, model_sets in variants:
         k = sets.get("length_classes", 1)
         sc = dataclasses.replace(step_config(cfg), max_turns=turns, **sets)
         batch, stats = make_train_batch(trajs, row_tasks, tok, sc, resolve_method(sc))
-        walls[name] = _worker(args.geometry, args.repeats, sets=sets)["wall"]
+        walls[name] = _worker(args.geometry, args.repeats, sets=sets, model=model_sets)["wall"]
         counts = {p: update_flops(get_preset(p), batch, updates=1, q_chunk=q_chunk, remat=cfg.model.remat,
                                   teacher_distinct_rows=stats["teacher_distinct_rows"], logprob_chunk=sc.logprob_chunk,
                                   score_chunk=sc.scoring_chunk)
@@ -131,6 +139,8 @@ def compare_classes(args):
             slots_t = sum(batch.classes.widths[c] for c in batch.length_class) if k > 1 else b_ * batch.tokens.shape[1]
             slots_p = sum(v_.classes.widths[c] for c in v_.row_class) if k > 1 else b_ * v_.tokens.shape[1]
             label = f"today, {k} class{'es' if k > 1 else ''} ({widths})"
+            if model_sets:
+                label += ", the whole-vocabulary head (vocab_block 0; chunks 256 / 32)"
         print(f"  {label}: {walls[name]:.2f} s", flush=True)
         rows.append([label, f"{walls[name]:.2f} s",
                      f"{slots_t / lengths.sum():.2f} / {slots_p / stats['view_tokens']:.2f}",
@@ -142,10 +152,13 @@ def compare_classes(args):
     print(table(rows, ["step", "fused step (tiny-default)", "token slots / real tokens: student / teacher",
                        "executed / necessary: student / teacher / update (tiny-default)",
                        "same, counted for qwen3-8b"]))
+    print(f"the head in vocabulary blocks over the whole-vocabulary head (one width): "
+          f"{walls['whole-vocabulary head'] / walls['one width']:.2f}x")
     print(f"speed-up over one width: {walls['one width'] / walls['classes']:.2f}x ({args.classes} length classes), "
           f"{walls['one width'] / walls['packed']:.2f}x (packed)")
     if "before" in walls:
-        print(f"today's step over the step at {BEFORE_REV}: {walls['before'] / walls['one width']:.2f}x (one width), "
+        print(f"today's step over the step at {BEFORE_REV}: {walls['before'] / walls['whole-vocabulary head']:.2f}x "
+              f"(one width, whole-vocabulary head), {walls['before'] / walls['one width']:.2f}x (one width), "
               f"{walls['before'] / walls['classes']:.2f}x ({args.classes} classes), "
               f"{walls['before'] / walls['packed']:.2f}x (packed)")
 

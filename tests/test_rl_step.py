@@ -254,6 +254,31 @@ def test_sharded_step_equals_unsharded(setup, tok, fsdp, tensor):
     assert abs(float(m0["pg_loss"]) - float(m1["pg_loss"])) < 1e-6
 
 
+@pytest.mark.parametrize("mesh", [None, "fsdp2_tensor4"])
+def test_vocab_blocks_equal_the_whole_vocabulary(setup, tok, mesh):
+    """The policy and reference with model.vocab_block = 96 (the 1,024-token head in 10 blocks
+    and a remainder; 256 columns per device on the tensor-4 mesh: 2 blocks and a remainder): the
+    fused step's gradients and loss equal the whole-vocabulary step's."""
+    if mesh and jax.device_count() < 8:
+        pytest.skip("needs 8 fake devices (tests/conftest.py)")
+    trajs, row_tasks, policy, ref = setup
+    cfg = _cfg(method="turnsight")
+    batch = _batch(trajs, row_tasks, tok, cfg)
+    whole, m0 = _sgd_step(cfg, policy, ref, batch)
+    blocked_policy = nnx.merge(*_with_options(policy, vocab_block=96))
+    blocked, m1 = _sgd_step(cfg, blocked_policy, ref, batch, mesh=mesh and make_mesh(fsdp=2, tensor=4))
+    scale = max(jax.tree.leaves(jax.tree.map(lambda x: float(np.abs(np.asarray(x)).max()), whole)))
+    assert scale > 1e-4 and _max_diff(whole, blocked) < 1e-6 * max(1.0, scale)
+    assert abs(float(m0["pg_loss"]) - float(m1["pg_loss"])) < 1e-6
+
+
+def _with_options(model, **options):
+    """(graphdef, params) of `model` with other runtime options: the same weights."""
+    fresh = init_model(model.config, seed=0, options=dataclasses.replace(model.options, **options))
+    graphdef, _ = nnx.split(fresh)
+    return graphdef, nnx.split(model)[1]
+
+
 def test_lambda_zero_equals_base_algorithm(setup, tok):
     trajs, row_tasks, policy, ref = setup
     ts = _cfg(method="turnsight", lam=0.0)

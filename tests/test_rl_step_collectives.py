@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from turnsight_jax.models.config import Qwen3Config
-from turnsight_jax.models.qwen3 import Qwen3
+from turnsight_jax.models.qwen3 import Qwen3, RuntimeOptions
 from turnsight_jax.models.sharding import make_mesh, state_shardings
 from turnsight_jax.rl.batch import Geometry, abstract_batch, packed_reference
 from turnsight_jax.rl.config import AlgoConfig, LossConfig, StepConfig
@@ -25,6 +25,7 @@ from turnsight_jax.rl.step import make_optimizer, make_train_step
 # A vocabulary no other dimension equals; hidden 64 < the 128-row log-prob chunk, so a [rows, V]
 # activation is never mistaken for the [D, V] weight.
 VOCAB, HIDDEN, CHUNK = 1000, 64, 128
+BLOCK = 96  # model.vocab_block of the blocked cases: 10 blocks and a 40-column remainder (no other dimension is 96)
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _CALLS = re.compile(r"(?:body|condition|to_apply|calls)=%?([\w.\-]+)|branch_computations=\{([^}]*)\}")
@@ -78,14 +79,15 @@ def parse_collectives(hlo: str) -> list[tuple[str, list[tuple[int, ...]], bool]]
     return out
 
 
-def _compiled_hlo(method: str, tied: bool, packed: bool = False, tensor: int = 1) -> str:
+def _compiled_hlo(method: str, tied: bool, packed: bool = False, tensor: int = 1, vocab_block: int = 0) -> str:
     cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16, tie_word_embeddings=tied)
     mesh = make_mesh(fsdp=8 // tensor, tensor=tensor)
     step_cfg = StepConfig(algo=AlgoConfig(method=method), loss=LossConfig(kl_coef=0.01), group_size=4, max_turns=4,
                           logprob_chunk=CHUNK, pack_rows=packed)
     m = resolve_method(step_cfg)
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0))))
+    options = RuntimeOptions(vocab_block=vocab_block)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0), options=options)))
     shard = state_shardings(params, mesh)
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shard)
     optimizer = make_optimizer(step_cfg.optim)
@@ -122,17 +124,25 @@ def test_parser_finds_collectives_in_loops():
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 fake devices (tests/conftest.py)")
-@pytest.mark.parametrize("method,tied,packed,tensor", [("turnsight", True, False, 1), ("grpo", False, False, 1),
-                                                       ("turnsight", False, True, 1), ("sdpo", False, False, 1),
-                                                       ("sdpo", False, False, 4)])
-def test_no_vocabulary_sized_collective_in_the_fused_step(method, tied, packed, tensor):
+@pytest.mark.parametrize("method,tied,packed,tensor,vocab_block", [
+    ("turnsight", True, False, 1, 0), ("grpo", False, False, 1, 0), ("turnsight", False, True, 1, 0),
+    ("sdpo", False, False, 1, 0), ("sdpo", False, False, 4, 0), ("turnsight", True, False, 1, BLOCK),
+    ("sdpo", False, False, 4, BLOCK)])
+def test_no_vocabulary_sized_collective_in_the_fused_step(method, tied, packed, tensor, vocab_block):
     """packed: rows packed several per row (rl.packing): the per-shard gather from the packed
     rows keeps the head's chunk loop on each device's own rows. sdpo: the teacher's top-K and the
     student's log-probs at those K ids run in the same per-device loops (the K candidates, not
-    the vocabulary, are what a tensor-sharded head would gather)."""
-    found = _vocab_collectives(_compiled_hlo(method, tied, packed, tensor))
+    the vocabulary, are what a tensor-sharded head would gather). vocab_block: the head in
+    vocabulary blocks (model.vocab_block): no block of the weight or of its gradient crosses
+    devices inside the loops either."""
+    hlo = _compiled_hlo(method, tied, packed, tensor, vocab_block)
+    found = _vocab_collectives(hlo)
     in_loops = [f for f in found if f[2]]
     assert not in_loops, f"vocabulary-sized collectives inside a loop: {in_loops}"
+    if vocab_block:
+        blocks = [(op, s) for op, shapes, loop in parse_collectives(hlo) for s in shapes
+                  if loop and {BLOCK, (VOCAB // tensor) % BLOCK} & set(s)]  # a block, or the remainder
+        assert not blocks, f"vocabulary-block collectives inside a loop: {blocks}"
     # outside loops only the weight itself ([D, V] or an fsdp shard of it) crosses devices
     activations = [f for f in found if math.prod(f[1]) // VOCAB > HIDDEN]
     assert not activations, f"vocabulary-sized activations crossing devices: {activations}"

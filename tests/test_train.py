@@ -58,6 +58,7 @@ def _records(workdir):
     (["--config.rl.method=ppo", "--config.rl.gae_lam=1.5"], r"rl.gae_lam must be in \[0, 1\], got 1.5"),
     (["--config.checkpoint.keep=0"], r"checkpoint.keep must be >= 1 \(0 would delete every save\), got 0"),
     (["--config.train.max_skipped_steps=0"], "train.max_skipped_steps must be >= 1, got 0"),
+    (["--config.model.vocab_block=-1"], r"model.vocab_block must be >= 0 \(vocab_block 0: the whole vocabulary"),
 ])
 def test_bad_inputs_fail_before_training(tmp_path, capsys, args, message):
     """In-process `train.main`: exit code 2, one `error:` line naming the problem, run folder untouched."""

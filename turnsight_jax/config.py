@@ -66,6 +66,9 @@ def base_config() -> mlc.ConfigDict:
     c.model.compute_dtype = "float32"  # matmul inputs and activations: float32 | bfloat16
     c.model.remat = False  # rematerialise each decoder layer in the backward pass
     c.model.attn_q_chunk = 512  # queries per attention chunk (bounds the [chunk, keys] score block)
+    # vocabulary columns per logits block of the log-prob head; 0: the whole vocabulary at once (an
+    # accelerator's choice); on a CPU ~1,024 keeps each block in cache (BENCHMARKS.md)
+    c.model.vocab_block = 0
     c.model.allow_random_init = False  # start from random weights when hf_path is "" (the paper starts from Qwen3)
 
     c.data = mlc.ConfigDict()  # the tasks (turnsight_jax.sources)
@@ -734,6 +737,10 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
     for key in ("param_dtype", "compute_dtype", "ref_dtype"):
         if cfg.model[key] not in ("float32", "bfloat16"):
             raise ConfigError(f"model.{key} must be float32 or bfloat16, got {cfg.model[key]!r}")
+    for key in ("attn_q_chunk", "vocab_block"):
+        if cfg.model[key] < (0 if key == "vocab_block" else 1):
+            raise ConfigError(f"model.{key} must be >= {0 if key == 'vocab_block' else 1} "
+                              f"(vocab_block 0: the whole vocabulary at once), got {cfg.model[key]}")
     if cfg.train.steps < 0 or cfg.train.prompts_per_step < 1:
         raise ConfigError("train.steps must be >= 0 and train.prompts_per_step >= 1")
     if cfg.train.max_skipped_steps < 1:

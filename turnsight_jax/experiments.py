@@ -19,6 +19,7 @@ TINY_DEFAULT_MODEL = dict(
     compute_dtype="float32",
     remat=False,
     attn_q_chunk=128,  # small chunks: cheaper on CPU (static causal bounds skip more)
+    vocab_block=1024,  # the head's logits 1,024 columns at a time: a [rows, 1,024] block stays in a CPU's cache
     allow_random_init=True,  # tiny: random init + the supervised warm-start below
 )
 
@@ -58,8 +59,11 @@ def tiny_cpu(c: mlc.ConfigDict) -> None:
     c.train.steps = 12
     c.train.prompts_per_step = 8
     c.train.group_size = 4
-    c.train.logprob_chunk = 256  # 128-256 are fastest for the update's forward + backward on CPU
-    c.train.score_chunk = 32  # no-gradient forwards: a [32, V] f32 logits block stays in cache (2.4x faster than 256)
+    # head rows per chunk, with the model layer's vocab_block: [rows, 1,024] logits blocks stay in
+    # cache whatever the rows, so chunks only need to cover the used rows with little rounding up
+    # (BENCHMARKS.md "Train step: the head in vocabulary blocks")
+    c.train.logprob_chunk = 640
+    c.train.score_chunk = 256
 
     c.eval.every = 0  # only before and after RL
     c.eval.max_turns = 4

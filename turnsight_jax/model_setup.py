@@ -22,7 +22,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 def runtime_options(cfg: mlc.ConfigDict) -> RuntimeOptions:
     return RuntimeOptions(compute_dtype=DTYPES[cfg.model.compute_dtype], remat=cfg.model.remat,
-                          attn_q_chunk=cfg.model.attn_q_chunk)
+                          attn_q_chunk=cfg.model.attn_q_chunk, vocab_block=cfg.model.vocab_block)
 
 
 def tokenizer_folder(explicit: str | pathlib.Path | None, hf_path: str | pathlib.Path | None) -> pathlib.Path:

@@ -165,7 +165,8 @@ def _sft_update(graphdef, optimizer, params, opt_state, tokens, valid, flat_row,
         model = nnx.merge(graphdef, p)
         hidden = model.hidden_states(tokens, Layout.causal(valid))
         rows = hidden[flat_row, jnp.maximum(flat_pos - 1, 0)]  # [P, D]
-        lp = chunked_logprobs(rows, tokens[flat_row, flat_pos], model.output_weight(), chunk=1024)
+        lp = chunked_logprobs(rows, tokens[flat_row, flat_pos], model.output_weight(), chunk=1024,
+                              vocab_block=model.options.vocab_block)
         return -jnp.sum(lp * keep) / jnp.maximum(keep.sum(), 1)
 
     loss, grads = jax.value_and_grad(loss_fn)(params)

@@ -98,7 +98,8 @@ def _target_nll(graphdef, params, tokens, valid, flat_row, flat_pos, keep):
     model = nnx.merge(graphdef, params)
     hidden = model.hidden_states(tokens, Layout.causal(valid))
     rows = hidden[flat_row, jnp.maximum(flat_pos - 1, 0)]
-    lp = chunked_logprobs(rows, tokens[flat_row, flat_pos], model.output_weight(), chunk=1024)
+    lp = chunked_logprobs(rows, tokens[flat_row, flat_pos], model.output_weight(), chunk=1024,
+                           vocab_block=model.options.vocab_block)
     return -jnp.sum(lp * keep) / jnp.maximum(keep.sum(), 1)
 
 

@@ -33,11 +33,14 @@ class RuntimeOptions:
     compute_dtype: dtype of matmul inputs and activations (float32 or bfloat16).
     remat: rematerialise each decoder layer in the backward pass.
     attn_q_chunk: queries per attention chunk (bounds the [chunk, keys] score block).
+    vocab_block: vocabulary columns per logits block of the log-prob head (rl.logprobs); 0: the
+        whole vocabulary at once.
     """
 
     compute_dtype: jnp.dtype = jnp.float32
     remat: bool = False
     attn_q_chunk: int = 512
+    vocab_block: int = 0
 
 
 @struct.dataclass

@@ -18,6 +18,7 @@ logit cross devices, [C] values, never [C, V].
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -32,11 +33,11 @@ from turnsight_jax.rl.packing import PackedRows, packed_index
 from turnsight_jax.rl.views import PackedViews, distinct_slots_used
 
 
-def _scan_rows(rows, skipped, args, *, chunk: int, used):
-    """rows(*chunk_args) over chunks of `chunk` rows of `args` (each [N, ...]), in a
-    rematerialised lax.scan; with `used` [N] bool the used rows go first and a chunk holding none
-    runs `skipped` (the same output structure) instead. Returns rows' outputs [N, ...] in the
-    rows' own order, 0 on unused rows."""
+def _scan_rows(rows, skipped, args, *, chunk: int, used, remat: bool = True):
+    """rows(*chunk_args) over chunks of `chunk` rows of `args` (each [N, ...]), in a lax.scan
+    (rematerialised unless `remat` is False: rows then keeps its own small residuals); with `used`
+    [N] bool the used rows go first and a chunk holding none runs `skipped` (the same output
+    structure) instead. Returns rows' outputs [N, ...] in the rows' own order, 0 on unused rows."""
     n = args[0].shape[0]
     if n <= chunk:
         out = rows(*args)
@@ -48,12 +49,14 @@ def _scan_rows(rows, skipped, args, *, chunk: int, used):
         args = tuple(a[order] for a in args)
     xs = tuple(jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)).reshape(num, chunk, *a.shape[1:]) for a in args)
 
-    @jax.checkpoint
     def body(_, x):
         if used is None:
             return None, rows(*x)
         *chunk_args, live = x
         return None, jax.lax.cond(live, rows, skipped, *chunk_args)
+
+    if remat:
+        body = jax.checkpoint(body)
 
     if used is not None:
         xs = xs + (jnp.arange(num) * chunk < jnp.sum(used),)
@@ -76,6 +79,71 @@ def _zeros_like_rows(t_chunk, shape, dtype):
     return z.reshape(z.shape + (1,) * len(shape)) + jnp.zeros((1,) + tuple(shape), dtype)
 
 
+def _pick(logits, ids, first):
+    """logits [C, W] of the global ids first .. first + W at ids [C] or [C, J]; 0 where an id is
+    outside those columns."""
+    local = ids - first
+    here = (local >= 0) & (local < logits.shape[1])
+    flat = local.reshape(local.shape[0], -1)
+    got = jnp.take_along_axis(logits, jnp.clip(flat, 0, logits.shape[1] - 1), axis=-1).reshape(local.shape)
+    return jnp.where(here, got, 0.0)
+
+
+def _block_stats(h, w, first, targets, extra, *, inv_t: float, with_entropy: bool):
+    """Softmax statistics of the logits l = h @ w / T over one block of columns (global ids
+    first .. first + w.shape[1]): (m = max l [C] without gradient, Σ exp(l - m) [C],
+    Σ exp(l - m)·l [C] or None, l at each target [C] and at each extra target [C, J] or None, 0
+    where the id is outside the block). h [C, D], w [D, W]; float32 statistics."""
+    logits = jnp.einsum("nd,dv->nv", h, w, preferred_element_type=jnp.float32) * inv_t
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+    e = jnp.exp(logits - m[:, None])
+    return (m, jnp.sum(e, axis=-1), jnp.sum(e * logits, axis=-1) if with_entropy else None,
+            _pick(logits, targets, first), None if extra is None else _pick(logits, extra, first))
+
+
+def _merge_stats(a, b):
+    """The statistics of two disjoint column blocks -> those of their union (the online
+    log-sum-exp: each sum rescaled to the larger max)."""
+    m = jnp.maximum(a[0], b[0])
+    ra, rb = jnp.exp(a[0] - m), jnp.exp(b[0] - m)
+    return (m, a[1] * ra + b[1] * rb, None if a[2] is None else a[2] * ra + b[2] * rb, a[3] + b[3],
+            None if a[4] is None else a[4] + b[4])
+
+
+def _vocab_blocks(w, block: int):
+    """w [D, V] -> (blocks [V // block, D, block], the remaining columns [D, V % block] or None);
+    None when one block holds every column (block 0 or >= V)."""
+    v = w.shape[1]
+    if not block or block >= v:
+        return None
+    nb = v // block
+    blocks = w[:, :nb * block].reshape(w.shape[0], nb, block).transpose(1, 0, 2)
+    return blocks, (w[:, nb * block:] if nb * block < v else None)
+
+
+def _vocab_stats(h, w, blocks, first, targets, extra, *, block: int, inv_t: float, with_entropy: bool):
+    """_block_stats over all of w's columns: at once (blocks None), else block by block
+    (_vocab_blocks) in a scan whose body is rematerialised, so the backward pass recomputes each
+    [C, block] logits block rather than keeping [C, V]. The first block is peeled to start the
+    carry (its type then matches the body's under shard_map)."""
+    stats = functools.partial(_block_stats, inv_t=inv_t, with_entropy=with_entropy)
+    if blocks is None:
+        return stats(h, w, first, targets, extra)
+    full, rest = blocks
+    acc = stats(h, full[0], first, targets, extra)
+
+    @jax.checkpoint
+    def body(acc, x):
+        wb, j = x
+        return _merge_stats(acc, stats(h, wb, first + j * block, targets, extra)), None
+
+    if full.shape[0] > 1:
+        acc, _ = jax.lax.scan(body, acc, (full[1:], jnp.arange(1, full.shape[0])))
+    if rest is not None:
+        acc = _merge_stats(acc, stats(h, rest, first + full.shape[0] * block, targets, extra))
+    return acc
+
+
 def chunked_logprobs(
     hidden: jax.Array,
     targets: jax.Array,
@@ -87,6 +155,7 @@ def chunked_logprobs(
     vocab_axis: str | None = None,
     used: jax.Array | None = None,
     extra_targets: jax.Array | None = None,
+    vocab_block: int = 0,
 ):
     """log softmax(hidden @ weight / temperature)[target] per row.
 
@@ -94,7 +163,7 @@ def chunked_logprobs(
     tuple (log-probs [N], entropy [N] with `with_entropy`, extra [N, J] with `extra_targets`) in
     that order: the entropy -Σ_v p_v log p_v of each row's tempered distribution, and the
     log-probs of extra_targets [N, J] int32 (e.g. a teacher's top-K ids) under the same
-    log-softmax, all from the same [C, V] logits block and differentiable like the log-probs.
+    log-softmax, all from the same logits and differentiable like the log-probs.
 
     vocab_axis: inside a `shard_map`, the mesh axis the vocabulary is split over; `weight` is then
     this device's [D, V / n] columns (device i holds ids [i·V/n, (i+1)·V/n)) and the max, the sum
@@ -103,35 +172,35 @@ def chunked_logprobs(
     used [N] bool: the rows whose values are read (the others come back 0). The used rows are
     moved to the front, and a chunk holding none is skipped (`lax.cond`), so the projection runs
     on ceil(used / chunk) chunks, not on every padding slot of a [B, N] layout.
+
+    vocab_block W > 0: each chunk's logits are formed W columns at a time and reduced by an online
+    log-sum-exp, so the largest float32 block is [chunk, W], not [chunk, V]. On a CPU a
+    [chunk, V] block is far larger than the cache and every pass over it (max, exponentials,
+    their gradient) goes to memory; the [C, W] block stays in cache (BENCHMARKS.md). The same
+    matmuls run either way; values agree to float rounding.
     """
     inv_t = 1.0 / float(temperature)
     w = weight.astype(hidden.dtype)
     first_id = 0 if vocab_axis is None else jax.lax.axis_index(vocab_axis) * w.shape[1]
     with_extra = extra_targets is not None
-
-    def across(x, op):
-        return x if vocab_axis is None else op(x, vocab_axis)
-
-    def pick(logits, ids):
-        """logits at global ids [C] or [C, J], combined over the vocabulary shards."""
-        local = ids - first_id
-        here = (local >= 0) & (local < w.shape[1])
-        flat = local.reshape(local.shape[0], -1)
-        got = jnp.take_along_axis(logits, jnp.clip(flat, 0, w.shape[1] - 1), axis=-1).reshape(local.shape)
-        return across(jnp.where(here, got, 0.0), jax.lax.psum)
+    blocks = _vocab_blocks(w, vocab_block)  # sliced once, outside the chunk loop
 
     def rows(h, t, *e):
-        logits = jnp.einsum("nd,dv->nv", h, w, preferred_element_type=jnp.float32) * inv_t
-        # log-sum-exp from a (stop-gradient) max shared by the vocabulary shards
-        top = across(jax.lax.stop_gradient(jnp.max(logits, axis=-1)), jax.lax.pmax)
-        lse = top + jnp.log(across(jnp.sum(jnp.exp(logits - top[:, None]), axis=-1), jax.lax.psum))
-        out = [pick(logits, t) - lse]
-        if with_entropy:
-            # H = lse - Σ p·logits (p = softmax): no [C, V] log-prob array beyond p itself
-            probs = jnp.exp(logits - lse[:, None])
-            out.append(lse - across(jnp.sum(probs * logits, axis=-1), jax.lax.psum))
+        m, s, u, tl, xl = _vocab_stats(h, w, blocks, first_id, t, e[0] if with_extra else None, block=vocab_block,
+                                       inv_t=inv_t, with_entropy=with_entropy)
+        if vocab_axis is not None:  # [C] values cross devices, never [C, V]
+            top = jax.lax.pmax(m, vocab_axis)
+            r = jnp.exp(m - top)
+            s, m = jax.lax.psum(s * r, vocab_axis), top
+            u = None if u is None else jax.lax.psum(u * r, vocab_axis)
+            tl = jax.lax.psum(tl, vocab_axis)
+            xl = None if xl is None else jax.lax.psum(xl, vocab_axis)
+        lse = m + jnp.log(s)
+        out = [tl - lse]
+        if with_entropy:  # H = lse - Σ p·logits, p = exp(l - m) / s
+            out.append(lse - u / s)
         if with_extra:
-            out.append(pick(logits, e[0]) - lse[:, None])
+            out.append(xl - lse[:, None])
         return out[0] if len(out) == 1 else tuple(out)
 
     def skipped(_h, t, *e):
@@ -143,7 +212,9 @@ def chunked_logprobs(
         return out[0] if len(out) == 1 else tuple(out)
 
     args = (hidden, targets) + ((extra_targets,) if with_extra else ())
-    return _scan_rows(rows, skipped, args, chunk=chunk, used=used)
+    # with vocabulary blocks the chunk keeps only [C]-sized residuals (its block scan is
+    # rematerialised): rematerialising the chunk too would run its projection a fifth time
+    return _scan_rows(rows, skipped, args, chunk=chunk, used=used, remat=blocks is None)
 
 
 def chunked_topk(hidden: jax.Array, weight: jax.Array, k: int, *, chunk: int = 1024, temperature: float = 1.0,
@@ -224,6 +295,7 @@ def logprobs_at(model: Qwen3, hidden: jax.Array, pred_index: jax.Array, targets:
     b, n = targets.shape
     weight = model.output_weight()
     kw = dict(chunk=chunk, temperature=temperature)
+    vocab_block = model.options.vocab_block
     with_extra = extra_targets is not None
 
     def compute(rows, tgt, w, u, extra, vocab_axis):
@@ -231,7 +303,8 @@ def logprobs_at(model: Qwen3, hidden: jax.Array, pred_index: jax.Array, targets:
         flat = rows.reshape(lb * ln, -1)
         uf = None if u is None else u.reshape(-1)
         out = chunked_logprobs(flat, tgt.reshape(-1), w, with_entropy=with_entropy, vocab_axis=vocab_axis, used=uf,
-                               extra_targets=None if extra is None else extra.reshape(lb * ln, -1), **kw)
+                               extra_targets=None if extra is None else extra.reshape(lb * ln, -1),
+                               vocab_block=vocab_block, **kw)
         out = list(out) if (with_entropy or with_extra) else [out]
         if top_k:
             out.extend(chunked_topk(flat, w, top_k, vocab_axis=vocab_axis, used=uf, **kw))
