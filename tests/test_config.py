@@ -125,6 +125,10 @@ TODAY_DEFAULT["train"].update(length_classes=1)
 TODAY_DEFAULT["train"].update(pack_rows=False, pack_width=0)
 # The no-gradient forwards' head chunk (issue 21): speed only (the same log-probs to float rounding, ~2e-6).
 TODAY_DEFAULT["train"].update(score_chunk=32)
+# The head in vocabulary blocks (issue 21): speed only; the default run's held-out figures were the
+# same with and without (BENCHMARKS.md "Train step: the head in vocabulary blocks").
+TODAY_DEFAULT["model"].update(vocab_block=1024)
+TODAY_DEFAULT["train"].update(logprob_chunk=640, score_chunk=256)
 # The non-finite guard (issue 19): a bound on skipped steps, not a training value.
 TODAY_DEFAULT["train"].update(max_skipped_steps=3)
 TODAY_DEFAULT["rl"].update(norm_pool="turn_mean", uncovered_in_stats=True, student_sees_observations=True,

@@ -66,9 +66,7 @@ def base_config() -> mlc.ConfigDict:
     c.model.compute_dtype = "float32"  # matmul inputs and activations: float32 | bfloat16
     c.model.remat = False  # rematerialise each decoder layer in the backward pass
     c.model.attn_q_chunk = 512  # queries per attention chunk (bounds the [chunk, keys] score block)
-    # vocabulary columns per logits block of the log-prob head; 0: the whole vocabulary at once (an
-    # accelerator's choice); on a CPU ~1,024 keeps each block in cache (BENCHMARKS.md)
-    c.model.vocab_block = 0
+    c.model.vocab_block = 0  # vocabulary columns per logits block of the log-prob head; 0: all at once (accelerators); ~1,024 on a CPU
     c.model.allow_random_init = False  # start from random weights when hf_path is "" (the paper starts from Qwen3)
 
     c.data = mlc.ConfigDict()  # the tasks (turnsight_jax.sources)

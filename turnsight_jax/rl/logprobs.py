@@ -79,6 +79,10 @@ def _zeros_like_rows(t_chunk, shape, dtype):
     return z.reshape(z.shape + (1,) * len(shape)) + jnp.zeros((1,) + tuple(shape), dtype)
 
 
+# the carry's starting max: exp(NEG - max) is 0 and NEG * 0 is 0 (with -inf, -inf - -inf is a NaN)
+NEG = -1e30
+
+
 def _pick(logits, ids, first):
     """logits [C, W] of the global ids first .. first + W at ids [C] or [C, J]; 0 where an id is
     outside those columns."""
@@ -124,21 +128,26 @@ def _vocab_blocks(w, block: int):
 def _vocab_stats(h, w, blocks, first, targets, extra, *, block: int, inv_t: float, with_entropy: bool):
     """_block_stats over all of w's columns: at once (blocks None), else block by block
     (_vocab_blocks) in a scan whose body is rematerialised, so the backward pass recomputes each
-    [C, block] logits block rather than keeping [C, V]. The first block is peeled to start the
-    carry (its type then matches the body's under shard_map)."""
+    [C, block] logits block rather than keeping [C, V]; the remaining V % block columns after it.
+    The carry starts from constants, not from a peeled first block (one copy of the block's code
+    fewer to compile in every step program)."""
     stats = functools.partial(_block_stats, inv_t=inv_t, with_entropy=with_entropy)
     if blocks is None:
         return stats(h, w, first, targets, extra)
     full, rest = blocks
-    acc = stats(h, full[0], first, targets, extra)
+    # zeros [C] that vary (under shard_map) like the body's outputs: over the rows' axes and the
+    # vocabulary's (through the weight blocks and the shard's first id); no gradient
+    zero = jax.lax.stop_gradient(h[:, 0].astype(jnp.float32) * 0 + jnp.sum(full[0, 0, :1]).astype(jnp.float32) * 0
+                                 + first * 0)
+    init = (zero + NEG, zero, zero if with_entropy else None, zero,
+            None if extra is None else zero[:, None] + jnp.zeros(extra.shape[1:], jnp.float32))
 
     @jax.checkpoint
     def body(acc, x):
         wb, j = x
         return _merge_stats(acc, stats(h, wb, first + j * block, targets, extra)), None
 
-    if full.shape[0] > 1:
-        acc, _ = jax.lax.scan(body, acc, (full[1:], jnp.arange(1, full.shape[0])))
+    acc, _ = jax.lax.scan(body, init, (full, jnp.arange(full.shape[0])))
     if rest is not None:
         acc = _merge_stats(acc, stats(h, rest, first + full.shape[0] * block, targets, extra))
     return acc
