@@ -37,7 +37,7 @@ def main():
     t = jax.random.randint(keys[2], (args.rows,), 0, args.vocab)
     g = jax.random.normal(keys[3], (args.rows,))
     print(f"machine: {machine()}; {args.rows} rows, D = {args.dim}, V = {args.vocab}, float32")
-    rows, base = [], None
+    rows, base = [], {}
     for spec in args.baseline.split(",") + args.blocked.split(","):
         chunk, block = map(int, spec.split(":"))
 
@@ -48,7 +48,6 @@ def main():
         both = jax.jit(jax.value_and_grad(lambda h, w: jnp.sum(head(h, w) * g), argnums=(0, 1)))
         tf = time_fn(lambda: fwd(h, w), repeats=args.repeats)
         tb = time_fn(lambda: both(h, w), repeats=args.repeats)
-        base = base or {}
         if block == 0:  # each baseline's best time is the reference of its column
             base["fwd"] = min(base.get("fwd", tf), tf)
             base["both"] = min(base.get("both", tb), tb)

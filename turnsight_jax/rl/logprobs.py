@@ -3,7 +3,9 @@ hindsight views, both through a chunked log-softmax that never forms a [B, T, V]
 
 For each chunk of rows the logits [C, V] are formed in float32, reduced by log-sum-exp and
 gathered at the target, inside a rematerialised `lax.scan` body: the peak extra memory is one
-[C, V] float32 block in the forward and in the backward pass, whatever B * T is.
+[C, V] float32 block in the forward and in the backward pass, whatever B * T is. With
+`model.vocab_block = W` the block is [C, W]: the vocabulary's columns in a scan of their own,
+reduced by an online log-sum-exp (a CPU's cache holds [C, W], never [C, V]).
 
 On a mesh (`jax.set_mesh` with the axes of models.sharding) the projection runs per device
 (`shard_map`): each device gathers the head weight's `fsdp` shards once, runs the chunk loop over
