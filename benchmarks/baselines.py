@@ -117,7 +117,8 @@ def main():
                                   q_chunk=cfg.model.attn_q_chunk, remat=cfg.model.remat,
                                   teacher_distinct_rows=stats.get("teacher_distinct_rows"),
                                   logprob_chunk=sc.logprob_chunk, score_chunk=sc.scoring_chunk,
-                                  teacher_cfg=qcfg if external else None, critic=method.critic, prm=method.prm)
+                                  teacher_cfg=qcfg if external else None, critic=method.critic, prm=method.prm,
+                                  row_group=cfg.model.attn_row_group)
         teacher = work.parts.get("teacher", (0.0, 0.0))[0] + work.parts.get("retrospective", (0.0, 0.0))[0]
         critic = work.parts.get("critic", (0.0, 0.0))[0] + work.parts.get("prm", (0.0, 0.0))[0]
         teacher_tokens = int(stats.get("view_tokens", 0))

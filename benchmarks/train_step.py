@@ -4,6 +4,7 @@ MFU against a matmul peak measured in the same run; and the padding the update p
     python benchmarks/train_step.py                      # CPU: bench-100m trunk, 16 trajectories
     python benchmarks/train_step.py --preset qwen3-0.6b --bf16 --rows 64 --peak-tflops 989   # GPU
     python benchmarks/train_step.py --geometry default       # the filing revision vs today's, same run
+    python benchmarks/train_step.py --geometry default --rounds 3   # the same, every variant timed 3 times, interleaved
     python benchmarks/train_step.py --geometry paper-like    # the same at a paper-like length spread
 
 Trajectories are real: built-in multi-hop tasks replayed through the environment (gold chains),
@@ -11,9 +12,10 @@ so the packed hindsight views have the real layout.
 
 `--geometry` compares, on one batch, the fused step at the revision issue 21 was filed against
 (BEFORE_REV, extracted with `git archive`), today's with every row padded to the longest
-(train.length_classes = 1), today's with `--classes` length classes and today's with the rows packed
-(train.pack_rows, train.pack_width = `--pack-width`), each timed in its own
-process by benchmarks/_step_worker.py (the embedded default's step and model settings); for
+(train.length_classes = 1), today's with `--classes` length classes and
+today's with the rows packed (train.pack_rows, train.pack_width = `--pack-width`), each timed in its own
+process by benchmarks/_step_worker.py (the embedded default's step and model settings, with the
+variant's fields on top), `--rounds` times interleaved (medians; per-round ratios); for
 today's rows also the executed / necessary FLOPs of the update (turnsight_jax.flops) for the timed
 model and, counted only, for Qwen3-8B at the same geometry. The geometries: benchmarks/geometries.py.
 """
@@ -93,38 +95,53 @@ def _extract(rev: str, into: str) -> str | None:
 
 
 def compare_classes(args):
-    """The step at the filing revision vs today's (one width, and length classes) on one batch:
-    wall time (each in its own process) and, for today's rows, executed / necessary FLOPs."""
+    """The step at the filing revision vs today's (one width, length classes, packed) on one batch:
+    wall time (each in its own process, the variants interleaved `--rounds` times, medians) and,
+    for today's rows, executed / necessary FLOPs."""
     print(f"machine: {machine()}")
     tok = default_tokenizer()
     trajs, row_tasks, turns = geometry_batch(args.geometry, tok)
     lengths = np.array([t.length for t in trajs])
     cfg = default_config()
+    default_classes = cfg.train.length_classes
     q_chunk = cfg.model.attn_q_chunk
-    rows, walls = [], {}
+    # the head as it was before vocabulary blocks: the whole vocabulary per chunk, in the chunks
+    # the embedded default then used (256 rows for the update, 32 for the no-gradient forwards)
+    whole = ({"length_classes": 1, "logprob_chunk": 256, "score_chunk": 32}, {"vocab_block": 0})
+    variants = {"whole-vocabulary head": whole, "one width": ({"length_classes": 1}, {}),
+                "classes": ({"length_classes": args.classes}, {}),
+                "packed": ({"length_classes": 1, "pack_rows": True, "pack_width": args.pack_width}, {})}
+    walls: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tree = _extract(BEFORE_REV, tmp)
         if tree is None:
             print(f"(git revision {BEFORE_REV} not available: the filing revision's row is left out)")
-        else:
-            res = _worker(args.geometry, args.repeats, tree=tree)
-            walls["before"] = res["wall"]
-            rows.append([f"the step at {BEFORE_REV}, issue 21's filing (T={res['T']:.0f}, P={res['P']:.0f})",
-                         f"{res['wall']:.2f} s", "-", "(not counted: an earlier revision)", "-"])
-    # the head as it was before vocabulary blocks: the whole vocabulary per chunk, in the chunks
-    # the embedded default then used (256 rows for the update, 32 for the no-gradient forwards)
-    whole = ({"logprob_chunk": 256, "score_chunk": 32}, {"vocab_block": 0})
-    variants = (("whole-vocabulary head", *whole), ("one width", {}, {}),
-                ("classes", {"length_classes": args.classes}, {}),
-                ("packed", {"pack_rows": True, "pack_width": args.pack_width}, {}))
-    for name, sets, model_sets in variants:
+        before_shape = None
+        # interleaved rounds: this box's speed drifts by 10-20% between minutes, so every variant
+        # is timed once per round and the ratios are taken within rounds as well as of the medians
+        for r in range(args.rounds):
+            if tree is not None:
+                res = _worker(args.geometry, args.repeats, tree=tree)
+                walls.setdefault("before", []).append(res["wall"])
+                before_shape = res
+            for name, (sets, model_sets) in variants.items():
+                walls.setdefault(name, []).append(_worker(args.geometry, args.repeats, sets=sets,
+                                                          model=model_sets)["wall"])
+            print(f"  round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in walls.items()),
+                  flush=True)
+    med = {k: float(np.median(v)) for k, v in walls.items()}
+    rows = []
+    if before_shape is not None:
+        rows.append([f"the step at {BEFORE_REV}, issue 21's filing (T={before_shape['T']:.0f}, "
+                     f"P={before_shape['P']:.0f})", _spread(walls["before"]), "-", "(not counted: an earlier revision)",
+                     "-"])
+    for name, (sets, model_sets) in variants.items():
         k = sets.get("length_classes", 1)
         sc = dataclasses.replace(step_config(cfg), max_turns=turns, **sets)
         batch, stats = make_train_batch(trajs, row_tasks, tok, sc, resolve_method(sc))
-        walls[name] = _worker(args.geometry, args.repeats, sets=sets, model=model_sets)["wall"]
         counts = {p: update_flops(get_preset(p), batch, updates=1, q_chunk=q_chunk, remat=cfg.model.remat,
                                   teacher_distinct_rows=stats["teacher_distinct_rows"], logprob_chunk=sc.logprob_chunk,
-                                  score_chunk=sc.scoring_chunk)
+                                  score_chunk=sc.scoring_chunk, row_group=cfg.model.attn_row_group)
                   for p in ("tiny-default", "qwen3-8b")}
         widths = (f"T={stats['T']:.0f}, P={stats['P']:.0f}" if k == 1 else
                   "T=" + "/".join(f"{stats[f'T{i}']:.0f}" for i in range(k)) + ", P=" +
@@ -141,26 +158,40 @@ def compare_classes(args):
             label = f"today, {k} class{'es' if k > 1 else ''} ({widths})"
             if model_sets:
                 label += ", the whole-vocabulary head (vocab_block 0; chunks 256 / 32)"
-        print(f"  {label}: {walls[name]:.2f} s", flush=True)
-        rows.append([label, f"{walls[name]:.2f} s",
+            elif k == default_classes:
+                label += " (the embedded default)"
+        rows.append([label, _spread(walls[name]),
                      f"{slots_t / lengths.sum():.2f} / {slots_p / stats['view_tokens']:.2f}",
                      *(" / ".join(f"{e / n:.2f}" for n, e in (c.parts["student"], c.parts["teacher"]))
                        + f" / **{c.ratio:.2f}**" for c in counts.values())])
     print(f"geometry {args.geometry}: {len(trajs)} trajectories of {lengths.min()}-{lengths.max()} tokens "
           f"(mean {lengths.mean():.0f}), {sum(t.num_turns for t in trajs) / len(trajs):.1f} turns on average; "
-          f"timed model tiny-default (f32, the embedded default's step and model settings), one update")
+          f"timed model tiny-default (f32, the embedded default's step and model settings), one update; "
+          f"median of {args.rounds} interleaved round(s), each the median of {args.repeats} steps")
     print(table(rows, ["step", "fused step (tiny-default)", "token slots / real tokens: student / teacher",
                        "executed / necessary: student / teacher / update (tiny-default)",
                        "same, counted for qwen3-8b"]))
     print(f"the head in vocabulary blocks over the whole-vocabulary head (one width): "
-          f"{walls['whole-vocabulary head'] / walls['one width']:.2f}x")
-    print(f"speed-up over one width: {walls['one width'] / walls['classes']:.2f}x ({args.classes} length classes), "
-          f"{walls['one width'] / walls['packed']:.2f}x (packed)")
+          f"{med['whole-vocabulary head'] / med['one width']:.2f}x")
+    print(f"speed-up over one width: {med['one width'] / med['classes']:.2f}x ({args.classes} length classes), "
+          f"{med['one width'] / med['packed']:.2f}x (packed)")
     if "before" in walls:
-        print(f"today's step over the step at {BEFORE_REV}: {walls['before'] / walls['whole-vocabulary head']:.2f}x "
-              f"(one width, whole-vocabulary head), {walls['before'] / walls['one width']:.2f}x (one width), "
-              f"{walls['before'] / walls['classes']:.2f}x ({args.classes} classes), "
-              f"{walls['before'] / walls['packed']:.2f}x (packed)")
+        print(f"today's step over the step at {BEFORE_REV} (medians): "
+              f"{med['before'] / med['whole-vocabulary head']:.2f}x (one width, whole-vocabulary head), "
+              f"{med['before'] / med['one width']:.2f}x (one width), "
+              f"{med['before'] / med['classes']:.2f}x ({args.classes} classes), "
+              f"{med['before'] / med['packed']:.2f}x (packed)")
+        default = "classes" if default_classes == args.classes else "one width" if default_classes == 1 else None
+        if default is not None:
+            per_round = [b / t for b, t in zip(walls["before"], walls[default])]
+            print(f"the embedded default's setting ({default}) over the step at {BEFORE_REV}, round by round: "
+                  + ", ".join(f"{x:.2f}x" for x in per_round))
+
+
+def _spread(values: list[float]) -> str:
+    """The median of `values` in seconds, with their range when there are several."""
+    med = f"{np.median(values):.2f} s"
+    return med if len(values) == 1 else f"{med} ({min(values):.2f}-{max(values):.2f})"
 
 
 def main():
@@ -176,6 +207,8 @@ def main():
     ap.add_argument("--geometry", choices=GEOMETRIES, default=None,
                     help="compare the step at the filing revision, one width and length classes on this geometry")
     ap.add_argument("--classes", type=int, default=2, help="length classes of the --geometry comparison")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="--geometry: time every variant this many times, interleaved (medians and per-round ratios)")
     ap.add_argument("--pack-width", type=int, default=0,
                     help="train.pack_width of the --geometry comparison's packed row (0: the batch's width)")
     args = ap.parse_args()

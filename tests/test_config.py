@@ -129,6 +129,9 @@ TODAY_DEFAULT["train"].update(score_chunk=32)
 # same with and without (BENCHMARKS.md "Train step: the head in vocabulary blocks").
 TODAY_DEFAULT["model"].update(vocab_block=1024)
 TODAY_DEFAULT["train"].update(logprob_chunk=640, score_chunk=256)
+# Attention skipping the padding's query chunks (issue 21): speed only, the same values to float
+# rounding (BENCHMARKS.md "Train step: attention skips the chunks of padding").
+TODAY_DEFAULT["model"].update(attn_row_group=4)
 # The non-finite guard (issue 19): a bound on skipped steps, not a training value.
 TODAY_DEFAULT["train"].update(max_skipped_steps=3)
 TODAY_DEFAULT["rl"].update(norm_pool="turn_mean", uncovered_in_stats=True, student_sees_observations=True,

@@ -59,6 +59,7 @@ def _records(workdir):
     (["--config.checkpoint.keep=0"], r"checkpoint.keep must be >= 1 \(0 would delete every save\), got 0"),
     (["--config.train.max_skipped_steps=0"], "train.max_skipped_steps must be >= 1, got 0"),
     (["--config.model.vocab_block=-1"], r"model.vocab_block must be >= 0 \(vocab_block 0: the whole vocabulary"),
+    (["--config.model.attn_row_group=-2"], r"model.attn_row_group must be >= 0 .*got -2"),
 ])
 def test_bad_inputs_fail_before_training(tmp_path, capsys, args, message):
     """In-process `train.main`: exit code 2, one `error:` line naming the problem, run folder untouched."""

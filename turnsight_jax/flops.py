@@ -23,6 +23,7 @@ executed / necessary is the step's padding ratio (1.0 = no wasted work).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -100,6 +101,63 @@ def chunked_pairs(width: int, q_chunk: int) -> float:
     return total
 
 
+def skipping_pairs(live: np.ndarray, q_chunk: int, row_group: int) -> float:
+    """(query, key) pairs the chunked kernel scores for one forward call's rows when it skips the
+    padding (models.attention.chunked_attention with row_group > 0): live [B, W] bool, the queries
+    that read a key, at the call's width W. Rows run in groups of gcd(B, row_group); a group's
+    chunk is scored (q_chunk x its group's key bound, per row) only if one of its queries is live.
+    row_group 0: nothing skipped, B x chunked_pairs(W)."""
+    live = np.asarray(live, bool)
+    b, w = live.shape
+    if row_group <= 0 or b == 0:
+        return b * chunked_pairs(w, q_chunk)
+    r = math.gcd(b, row_group)
+    per_group = live.reshape(b // r, r, w).any(axis=1)  # [groups, W]
+    if w <= q_chunk:
+        return float(per_group.any(axis=1).sum()) * r * w * w
+    n = -(-w // q_chunk)
+    groups = min(n, CHUNK_GROUPS)
+    bounds = [round(n * (g + 1) / groups) for g in range(groups)]
+    total, first = 0.0, 0
+    for last in bounds:
+        keys = min(last * q_chunk, w)
+        for c in range(first, last):
+            scored = per_group[:, c * q_chunk:(c + 1) * q_chunk].any(axis=1).sum()
+            total += float(scored) * r * q_chunk * keys
+        first = last
+    return total
+
+
+def reads_any(layout) -> np.ndarray:
+    """[B, T] bool: the tokens of a Layout (numpy fields) that read a key (models.attention.reads_any)."""
+    return ((np.asarray(layout.segment_ids) >= 0) | (np.asarray(layout.ctx1_segment) >= 0)
+            | (np.asarray(layout.ctx2_segment) >= 0))
+
+
+def _attention_calls(live: np.ndarray, widths: np.ndarray, row_class, micro_batches: int) -> list[np.ndarray]:
+    """The [rows, width] live masks of each forward call the step makes over a batch's rows
+    (micro-batches strided, rows m, m + M, ...; each length class its own call at its width)."""
+    calls = []
+    cls = np.zeros(live.shape[0], np.int32) if row_class is None else np.asarray(row_class)
+    for m in range(micro_batches):
+        rows = np.arange(m, live.shape[0], micro_batches)
+        for c in np.unique(cls[rows]):
+            sel = rows[cls[rows] == c]
+            calls.append(live[sel, :int(widths[sel[0]])])
+    return calls
+
+
+def attention_pairs_executed(live: np.ndarray, widths: np.ndarray, q_chunk: int, *, row_group: int = 0,
+                             row_class=None, micro_batches: int = 1) -> float:
+    """Pairs the chunked kernel scores over a batch: live [B, W] bool (the queries that read a key),
+    widths [B] (each row's forward width, `_row_widths`). Without skipping (row_group 0) each row
+    costs chunked_pairs(its width)."""
+    if row_group <= 0:
+        return sum(chunked_pairs(int(w), q_chunk) for w in widths)
+    return sum(skipping_pairs(x, q_chunk, row_group) for x in _attention_calls(live, widths, row_class,
+                                                                                micro_batches))
+
+
 @dataclasses.dataclass
 class UpdateFlops:
     """FLOPs of one update (the fused step on one batch), by part. `parts` maps a part name to
@@ -156,7 +214,7 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
                  q_chunk: int, remat: bool, teacher_distinct_rows: float | None = None, logprob_chunk: int = 1024,
                  score_chunk: int | None = None, micro_batches: int = 1, teacher_micro_batches: int = 1,
                  row_shards: int = 1, teacher_cfg: Qwen3Config | None = None, critic: bool = False,
-                 prm: bool = False) -> UpdateFlops:
+                 prm: bool = False, row_group: int = 0) -> UpdateFlops:
     """FLOPs of the fused step (rl.step) on a numpy TrainBatch (rl.batch).
 
     updates: forward+backward passes over every row (ppo_epochs: each row is in one mini-batch per
@@ -174,7 +232,9 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     token are left out). prm: the method's step-PRM (rl.prm) reads the frozen reference trunk: one
     no-gradient trunk forward (part "prm"; its head's FLOPs left out). A batch with probe rows
     (rl.orchard) adds the teacher's forward over them and its two head columns per state (part
-    "retrospective")."""
+    "retrospective"). row_group: model.attn_row_group (attention skips the query chunks of padding
+    per group of rows: the executed pairs count only the chunks run; packed rows under several
+    micro-batches are counted unskipped, an upper bound)."""
     trunk = trunk_flops_per_token(cfg)
     score_chunk = score_chunk or logprob_chunk
     tokens = float(np.asarray(batch.valid).sum())
@@ -186,7 +246,16 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     widths = _row_widths(batch.tokens, getattr(batch, "classes", None), getattr(batch, "length_class", None),
                          getattr(batch, "packed", None))
     slots = float(widths.sum())
-    exec_attn = attention_flops(cfg, sum(chunked_pairs(int(w), q_chunk) for w in widths))
+    packed_rows = getattr(batch, "packed", None)
+    if packed_rows is not None:
+        plive = np.asarray(packed_rows.layout.segment_ids) >= 0
+        exec_attn = attention_flops(cfg, attention_pairs_executed(
+            plive, widths, q_chunk, row_group=row_group if micro_batches == 1 else 0))
+    else:
+        slive = np.asarray(batch.valid, bool) if lay is None else reads_any(lay)
+        exec_attn = attention_flops(cfg, attention_pairs_executed(
+            slive, widths, q_chunk, row_group=row_group,
+            row_class=getattr(batch, "length_class", None), micro_batches=micro_batches))
     exec_head = head_flops(cfg, head_rows_executed(batch.pol_valid, logprob_chunk, micro_batches=micro_batches,
                                                    row_shards=row_shards,
                                                    row_class=getattr(batch, "length_class", None)))
@@ -211,7 +280,12 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
         need = forward_flops(tcfg, float((seg >= 0).sum()), layout_pairs(seg, lay.ctx1_segment, lay.ctx1_end,
                                                                         lay.ctx2_segment, lay.ctx2_end), distinct)
         vw = _row_widths(views.tokens, getattr(views, "classes", None), getattr(views, "row_class", None), packed)
-        executed = forward_flops(tcfg, float(vw.sum()), sum(chunked_pairs(int(w), q_chunk) for w in vw),
+        vlive = reads_any(lay)
+        tpairs = attention_pairs_executed(
+            vlive, vw, q_chunk, row_group=row_group if packed is None or teacher_micro_batches == 1 else 0,
+            row_class=None if packed is not None else getattr(views, "row_class", None),
+            micro_batches=1 if packed is not None else teacher_micro_batches)
+        executed = forward_flops(tcfg, float(vw.sum()), tpairs,
                                  head_rows_executed(used, score_chunk, micro_batches=teacher_micro_batches,
                                                     row_shards=row_shards, row_class=getattr(views, "row_class", None)))
         parts["teacher"] = (need, executed)

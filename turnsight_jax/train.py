@@ -167,7 +167,8 @@ def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_cfg=
         remat=cfg.model.remat, teacher_distinct_rows=bstats.get("teacher_distinct_rows"),
         logprob_chunk=step_cfg.logprob_chunk, score_chunk=step_cfg.scoring_chunk, micro_batches=step_cfg.micro_batches,
         teacher_micro_batches=step_cfg.teacher_micro_batches,
-        row_shards=local_row_shards(mesh), teacher_cfg=teacher_cfg, critic=method.critic, prm=method.prm)
+        row_shards=local_row_shards(mesh), teacher_cfg=teacher_cfg, critic=method.critic, prm=method.prm,
+        row_group=cfg.model.attn_row_group)
 
 
 def _new_aux(method, params, qcfg, optimizers, mesh) -> dict:
@@ -176,6 +177,19 @@ def _new_aux(method, params, qcfg, optimizers, mesh) -> dict:
     with jax.set_mesh(mesh):
         state = init_aux(method, params, qcfg.hidden_size, optimizers)
     return jax.device_put(state, opt_state_shardings(state, mesh))
+
+
+def fit_row_group(cfg: mlc.ConfigDict, mesh) -> str | None:
+    """Turn model.attn_row_group off (and say so) on a mesh that shards the rows: the row groups run
+    one after another along the row axis (models.attention.chunked_attention), so on sharded rows
+    every group would be gathered across devices."""
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if cfg.model.attn_row_group <= 0 or shards == 1:
+        return None
+    note = (f"model.attn_row_group={cfg.model.attn_row_group} is for unsharded rows; this mesh shards the rows "
+            f"{shards} ways: attention runs without skipping the padding (attn_row_group=0)")
+    cfg.model.attn_row_group = 0
+    return note
 
 
 def local_row_shards(mesh) -> int:
@@ -211,6 +225,8 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     step_cfg, method = validate(cfg, jax.device_count())
     log(method.describe())
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    if note := fit_row_group(cfg, mesh):
+        log(note)
     # several processes: a batch that cannot be split into whole groups per process fails now, not
     # after the warm-start
     distributed.rollout_share(mesh, cfg.train.prompts_per_step, step_cfg.rows_per_prompt)

@@ -17,6 +17,7 @@ mask array: the peak is [B, heads, q_chunk, S] for one chunk.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
@@ -100,24 +101,38 @@ def chunked_attention(
     k: jax.Array,
     v: jax.Array,
     q_meta,
-    mask_fn: Callable[[object, jax.Array, int], jax.Array],
+    mask_fn: Callable[[object, jax.Array, int, object], jax.Array],
     *,
     q_chunk: int = 512,
     causal_bound: bool = False,
+    kv_meta=None,
+    live_fn: Callable[[object], jax.Array] | None = None,
+    row_group: int = 0,
 ) -> jax.Array:
     """Grouped-query attention, chunked over queries.
 
     q [B, T, Hq, Dh]; k, v [B, S, Hkv, Dh]; q_meta: a pytree of [B, T] arrays describing the
-    queries; mask_fn(q_meta_chunk, q_index [C], num_keys) -> [B, C, num_keys] bool over the first
+    queries; kv_meta: a pytree of [B, S] arrays describing the keys (or None);
+    mask_fn(q_meta_chunk, q_index [C], num_keys, kv_meta) -> [B, C, num_keys] bool over the first
     num_keys keys. Returns [B, T, Hq, Dh] in q's dtype. Scores and softmax are float32.
 
     causal_bound: the query at index i reads no key beyond i (true of every packed layout, whose
     context segments precede the reader). Chunks are then grouped, and a group scores only the
     keys up to its own end. Otherwise every chunk scores all S keys. Either way chunks run in a
     rematerialised `lax.scan`, so one [B, H, q_chunk, keys] score block is alive at a time.
+
+    live_fn, row_group: skip the padding. live_fn(q_meta_chunk) -> [B', C] bool marks the queries
+    that read at least one key (a query outside it must read none: its output is zero either way).
+    With row_group = r > 0 the rows run in groups of gcd(B, r) consecutive rows and a (group,
+    chunk) whose queries are all dead is skipped (`lax.cond`), so a row shorter than the batch's
+    width pays only for the chunks it reaches: rows padded to a floor that only grows, or a
+    batch's short rows beside its long ones, cost what their own length needs, at chunk
+    granularity. The values and gradients are those of the unskipped kernel. The groups run one
+    after another (a `lax.scan` over the row axis): meant for unsharded rows (one device, CPU);
+    rows sharded over devices would be gathered.
     """
     b, t, hq, dh = q.shape
-    s_len, hkv = k.shape[1], k.shape[2]
+    hkv = k.shape[2]
     g = hq // hkv
     scale = dh**-0.5
     # heads first, once per call: [B, Hkv, G, T, Dh] queries, [B, Hkv, S, Dh] keys and values
@@ -127,9 +142,30 @@ def chunked_attention(
     def back(out):  # [B, Hkv, G, T', Dh] -> [B, T, Hq, Dh]
         return out.transpose(0, 3, 1, 2, 4)[:, :t].reshape(b, t, hq, dh)
 
+    r = math.gcd(b, row_group) if row_group > 0 and live_fn is not None else 0
+    if not r:
+        return back(_attend_rows(qg, k, v, q_meta, kv_meta, mask_fn, q_chunk, causal_bound, scale, None))
+
+    def group(a):  # [B, ...] -> [B / r, r, ...]
+        return a.reshape(b // r, r, *a.shape[1:])
+
+    def body(_, xs):  # one group of rows, every chunk skipped that holds no live query
+        q_r, k_r, v_r, meta_r, kv_r = xs
+        return None, _attend_rows(q_r, k_r, v_r, meta_r, kv_r, mask_fn, q_chunk, causal_bound, scale, live_fn)
+
+    _, out = jax.lax.scan(body, None, jax.tree.map(group, (qg, k, v, q_meta, kv_meta)))
+    return back(out.reshape(b, *out.shape[2:]))
+
+
+CHUNK_GROUPS = 4  # turnsight_jax.flops counts the pairs this grouping scores
+
+
+def _attend_rows(qg, k, v, q_meta, kv_meta, mask_fn, q_chunk: int, causal_bound: bool, scale: float, live_fn):
+    """chunked_attention on heads-first operands: qg [B, Hkv, G, T, Dh], k, v [B, Hkv, S, Dh] ->
+    [B, Hkv, G, T', Dh] (T' >= T: the queries padded to whole chunks)."""
+    t, s_len = qg.shape[3], k.shape[2]
     if t <= q_chunk:
-        mask = mask_fn(q_meta, jnp.arange(t, dtype=jnp.int32), s_len)
-        return back(_attend_chunk(qg, k, v, mask, scale))
+        return _chunk(qg, k, v, q_meta, kv_meta, mask_fn, 0, t, s_len, scale, live_fn)
 
     n = -(-t // q_chunk)
     pad = n * q_chunk - t
@@ -150,25 +186,33 @@ def chunked_attention(
             hi = min(last * q_chunk, s_len)
             sub = lambda a, f=first, l=last: a[:, f * q_chunk:l * q_chunk]
             outs.append(_scan_chunks(qg[:, :, :, first * q_chunk:last * q_chunk], jax.tree.map(sub, q_meta),
-                                     k[:, :, :hi], v[:, :, :hi], lambda meta, idx, m=hi: mask_fn(meta, idx, m),
-                                     first * q_chunk, q_chunk, scale))
+                                     k[:, :, :hi], v[:, :, :hi], kv_meta, mask_fn, first * q_chunk, q_chunk, hi,
+                                     scale, live_fn))
             first = last
-        return back(jnp.concatenate(outs, axis=3))
+        return jnp.concatenate(outs, axis=3)
 
-    return back(_scan_chunks(qg, q_meta, k, v, lambda meta, idx: mask_fn(meta, idx, s_len), 0, q_chunk, scale))
-
-
-CHUNK_GROUPS = 4  # turnsight_jax.flops counts the pairs this grouping scores
+    return _scan_chunks(qg, q_meta, k, v, kv_meta, mask_fn, 0, q_chunk, s_len, scale, live_fn)
 
 
-def _scan_chunks(qg, q_meta, k, v, mask_fn, start: int, q_chunk: int, scale: float):
-    """Queries qg [B, Hkv, G, n*C, Dh] in chunks of C, each against all of k, v [B, Hkv, S, Dh],
+def _chunk(qc, k, v, meta_c, kv_meta, mask_fn, start, size: int, keys: int, scale: float, live_fn):
+    """One chunk of `size` queries from index `start` against the first `keys` keys; with live_fn,
+    zeros without computing when none of its queries is live."""
+    def run(qc, meta_c, start):
+        return _attend_chunk(qc, k, v, mask_fn(meta_c, start + jnp.arange(size, dtype=jnp.int32), keys, kv_meta),
+                             scale)
+
+    if live_fn is None:
+        return run(qc, meta_c, start)
+    return jax.lax.cond(jnp.any(live_fn(meta_c)), run, lambda qc, *_: jnp.zeros_like(qc), qc, meta_c, start)
+
+
+def _scan_chunks(qg, q_meta, k, v, kv_meta, mask_fn, start: int, q_chunk: int, keys: int, scale: float, live_fn):
+    """Queries qg [B, Hkv, G, n*C, Dh] in chunks of C, each against k, v [B, Hkv, keys, Dh],
     inside a rematerialised lax.scan (one chunk's scores alive at a time, forward and backward);
     q_meta leaves are [B, n*C]."""
-    total = qg.shape[3]
-    n = total // q_chunk
+    n = qg.shape[3] // q_chunk
     if n == 1:
-        return _attend_chunk(qg, k, v, mask_fn(q_meta, start + jnp.arange(q_chunk, dtype=jnp.int32)), scale)
+        return _chunk(qg, k, v, q_meta, kv_meta, mask_fn, start, q_chunk, keys, scale, live_fn)
 
     def to_chunks(a, axis):  # [.., n*C, ..] on `axis` -> [n, .., C, ..]
         a = a.reshape(*a.shape[:axis], n, q_chunk, *a.shape[axis + 1:])
@@ -179,14 +223,15 @@ def _scan_chunks(qg, q_meta, k, v, mask_fn, start: int, q_chunk: int, scale: flo
     @jax.checkpoint
     def body(_, xs):
         qc, meta_c, st = xs
-        return None, _attend_chunk(qc, k, v, mask_fn(meta_c, st + jnp.arange(q_chunk, dtype=jnp.int32)), scale)
+        return None, _chunk(qc, k, v, meta_c, kv_meta, mask_fn, st, q_chunk, keys, scale, live_fn)
 
     _, out = jax.lax.scan(body, None, (to_chunks(qg, 3), jax.tree.map(lambda a: to_chunks(a, 1), q_meta), starts))
     return jnp.moveaxis(out, 0, 3).reshape(*qg.shape)
 
 
-def layout_attention(q, k, v, layout: Layout, *, q_chunk: int = 512) -> jax.Array:
-    """Attention of a (packed) sequence with itself, per `layout`. Shapes as chunked_attention."""
+def layout_attention(q, k, v, layout: Layout, *, q_chunk: int = 512, row_group: int = 0) -> jax.Array:
+    """Attention of a (packed) sequence with itself, per `layout`. Shapes as chunked_attention.
+    row_group > 0: chunks of padding skipped per group of rows (chunked_attention)."""
     kv_segment = layout.segment_ids
     q_meta = Layout(
         positions=layout.positions,
@@ -197,9 +242,15 @@ def layout_attention(q, k, v, layout: Layout, *, q_chunk: int = 512) -> jax.Arra
         ctx2_end=layout.ctx2_end,
     )
     return chunked_attention(
-        q, k, v, q_meta, lambda meta, idx, n: packed_mask(meta, kv_segment[:, :n], idx), q_chunk=q_chunk,
-        causal_bound=True,
+        q, k, v, q_meta, lambda meta, idx, n, kv_seg: packed_mask(meta, kv_seg[:, :n], idx), q_chunk=q_chunk,
+        causal_bound=True, kv_meta=kv_segment, live_fn=reads_any, row_group=row_group,
     )
+
+
+def reads_any(q: Layout) -> jax.Array:
+    """[B, C] bool: the queries that may read a key. packed_mask lets a query read only keys of its
+    own or a context segment, all >= 0, so a query whose three segments are negative reads none."""
+    return (q.segment_ids >= 0) | (q.ctx1_segment >= 0) | (q.ctx2_segment >= 0)
 
 
 def cache_attention(q, k_cache, v_cache, slots: jax.Array, *, q_chunk: int = 512, from_empty: bool = False
@@ -213,7 +264,7 @@ def cache_attention(q, k_cache, v_cache, slots: jax.Array, *, q_chunk: int = 512
     (`chunked_attention`'s causal_bound), 3/8 less score work than every chunk over all keys.
     """
 
-    def mask_fn(q_slots, _, n):
+    def mask_fn(q_slots, _, n, __):
         j = jnp.arange(n, dtype=jnp.int32)[None, None, :]
         return (j <= q_slots[..., None]) & (q_slots[..., None] >= 0)
 

@@ -35,12 +35,16 @@ class RuntimeOptions:
     attn_q_chunk: queries per attention chunk (bounds the [chunk, keys] score block).
     vocab_block: vocabulary columns per logits block of the log-prob head (rl.logprobs); 0: the
         whole vocabulary at once.
+    attn_row_group: > 0: attention runs the rows in groups of this many and skips a group's query
+        chunks that hold only padding (models.attention.chunked_attention); 0: all rows together,
+        nothing skipped. For unsharded rows (one device).
     """
 
     compute_dtype: jnp.dtype = jnp.float32
     remat: bool = False
     attn_q_chunk: int = 512
     vocab_block: int = 0
+    attn_row_group: int = 0
 
 
 @struct.dataclass
@@ -172,11 +176,11 @@ class Qwen3(nnx.Module):
         (plain causal when None)."""
         if layout is None:
             layout = Layout.full(*tokens.shape)
-        chunk = self.options.attn_q_chunk
+        chunk, group = self.options.attn_q_chunk, self.options.attn_row_group
 
         def layer(x, p):
             q, k, v = self._qkv(p, x, layout.positions)
-            return self._finish_layer(p, x, layout_attention(q, k, v, layout, q_chunk=chunk)), None
+            return self._finish_layer(p, x, layout_attention(q, k, v, layout, q_chunk=chunk, row_group=group)), None
 
         if self.options.remat:
             layer = jax.checkpoint(layer, prevent_cse=False)

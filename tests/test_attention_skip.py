@@ -1,0 +1,164 @@
+"""Attention that skips its query chunks of padding (model.attn_row_group, models.attention):
+the same values and gradients as the kernel that scores every chunk, only the chunks holding a
+live query run, and the FLOP counter counts exactly those."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections as mlc
+import numpy as np
+import pytest
+from flax import nnx
+
+from turnsight_jax import flops
+from turnsight_jax.models.attention import NO_SEGMENT, PAD_SEGMENT, Layout, chunked_attention, layout_attention, packed_mask
+from turnsight_jax.models.config import Qwen3Config
+from turnsight_jax.models.qwen3 import RuntimeOptions, init_model
+from turnsight_jax.models.sharding import make_mesh
+
+T, CHUNK = 40, 8  # 5 query chunks in the kernel's 4 causal groups
+
+
+def _plain(lengths, t=T) -> Layout:
+    return Layout.causal(jnp.asarray(np.arange(t)[None, :] < np.asarray(lengths)[:, None]))
+
+
+def _packed(rows) -> Layout:
+    """Packed rows: each row a list of (segment length, ctx1 (segment, end) or None); a segment's
+    tokens read themselves causally and their context segment up to its end, as the hindsight
+    views do. Padding after the last segment."""
+    fields = {k: np.full((len(rows), T), v, np.int32) for k, v in
+              (("segment_ids", PAD_SEGMENT), ("ctx1_segment", NO_SEGMENT), ("ctx1_end", 0),
+               ("ctx2_segment", NO_SEGMENT), ("ctx2_end", 0))}
+    positions = np.zeros((len(rows), T), np.int32)
+    for r, segs in enumerate(rows):
+        at = 0
+        for s, (n, ctx) in enumerate(segs):
+            fields["segment_ids"][r, at:at + n] = s
+            positions[r, at:at + n] = np.arange(n)
+            if ctx is not None:
+                fields["ctx1_segment"][r, at:at + n], fields["ctx1_end"][r, at:at + n] = ctx
+            at += n
+    return Layout(positions=jnp.asarray(positions), **{k: jnp.asarray(v) for k, v in fields.items()})
+
+
+LAYOUTS = {
+    # short rows beside long ones, a row of padding only, rows ending inside and at a chunk's edge
+    "plain": lambda: _plain([40, 9, 0, 16, 33, 8]),
+    # several segments per row, block segments reading segment 0 up to a turn's end
+    "packed": lambda: _packed([[(12, None), (6, (0, 7)), (5, (0, 12))], [(7, None)], [(20, None), (9, (0, 15))],
+                               [(3, None), (2, (0, 3))], [], [(30, None), (10, (0, 30))]]),
+}
+
+
+def _qkv(b, t=T, hq=4, hkv=2, dh=8):
+    ks = jax.random.split(jax.random.key(3), 3)
+    return (jax.random.normal(ks[0], (b, t, hq, dh)), jax.random.normal(ks[1], (b, t, hkv, dh)),
+            jax.random.normal(ks[2], (b, t, hkv, dh)))
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("row_group", [1, 4, 6])  # 4: groups of gcd(6, 4) = 2 rows; 6: the whole batch
+def test_skipping_gives_the_values_and_gradients_of_the_full_kernel(layout, row_group):
+    lay = LAYOUTS[layout]()
+    q, k, v = _qkv(lay.segment_ids.shape[0])
+    w = jax.random.normal(jax.random.key(7), q.shape)
+
+    def loss(q, k, v, group):
+        return jnp.sum(layout_attention(q, k, v, lay, q_chunk=CHUNK, row_group=group) * w)
+
+    full = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+    (want, want_g), (got, got_g) = full(q, k, v, 0), full(q, k, v, row_group)
+    np.testing.assert_allclose(got, want, rtol=1e-5)  # a sum of ~2,000 terms of both signs
+    for a, b in zip(got_g, want_g):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    attend = jax.jit(lambda q, k, v, group: layout_attention(q, k, v, lay, q_chunk=CHUNK, row_group=group),
+                     static_argnums=3)
+    out, ref = np.asarray(attend(q, k, v, row_group)), np.asarray(attend(q, k, v, 0))
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    dead = ~flops.reads_any(jax.tree.map(np.asarray, lay))
+    assert dead.any() and np.all(out[dead] == 0.0)  # a query that reads nothing is exactly zero, skipped or not
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("row_group", [0, 1, 2, 3])
+def test_only_chunks_with_a_live_query_run_and_the_counter_counts_them(layout, row_group):
+    """Every chunk the kernel runs reports its [rows, queries, keys] mask shape from inside the
+    `lax.cond` branch; what ran is exactly the (row group, chunk) cells holding a live query, and
+    its pairs are what turnsight_jax.flops counts for the call."""
+    lay = LAYOUTS[layout]()
+    b = lay.segment_ids.shape[0]
+    q, k, v = _qkv(b)
+    ran = []
+
+    def mask_fn(meta, idx, n, kv_seg):
+        mask = packed_mask(meta, kv_seg[:, :n], idx)
+        jax.debug.callback(lambda shape=mask.shape: ran.append(shape))
+        return mask
+
+    def attend(q, k, v):
+        from turnsight_jax.models.attention import reads_any
+        return chunked_attention(q, k, v, lay, mask_fn, q_chunk=CHUNK, causal_bound=True,
+                                 kv_meta=lay.segment_ids, live_fn=reads_any, row_group=row_group)
+
+    jax.block_until_ready(jax.jit(attend)(q, k, v))
+    live = flops.reads_any(jax.tree.map(np.asarray, lay))
+    pairs = sum(rows * queries * keys for rows, queries, keys in ran)
+    assert pairs == flops.skipping_pairs(live, CHUNK, row_group)
+    if row_group == 0:
+        assert pairs == b * flops.chunked_pairs(T, CHUNK)  # nothing skipped
+    else:
+        r = np.gcd(b, row_group)
+        cells = [(g, c) for g in range(b // r) for c in range(T // CHUNK)
+                 if live[g * r:(g + 1) * r, c * CHUNK:(c + 1) * CHUNK].any()]
+        assert len(ran) == len(cells)
+        if row_group == 1:  # one row per group: every row shorter than 33 tokens skips a chunk here
+            assert len(cells) < b * (T // CHUNK) and pairs < b * flops.chunked_pairs(T, CHUNK)
+
+
+def test_the_model_with_row_groups_equals_the_model_without():
+    """Qwen3.hidden_states (2 layers) and the gradient of every parameter, on padded rows."""
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8)
+    lengths = [40, 11, 25, 3, 40, 17, 8, 30]
+    lay = _plain(lengths)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (len(lengths), T)), jnp.int32)
+    grads = {}
+    for group in (0, 4):
+        model = init_model(cfg, seed=1, options=RuntimeOptions(attn_q_chunk=CHUNK, attn_row_group=group))
+        graphdef, params = nnx.split(model)
+
+        def loss(p, graphdef=graphdef):
+            h = nnx.merge(graphdef, p).hidden_states(tokens, lay)
+            return jnp.sum(jnp.where(lay.segment_ids[..., None] >= 0, jnp.sin(h), 0.0))
+
+        grads[group] = jax.jit(jax.value_and_grad(loss))(params)
+    np.testing.assert_allclose(grads[4][0], grads[0][0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads[4][1]), jax.tree.leaves(grads[0][1])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)  # sums over rows in another order
+
+
+def test_the_trainer_turns_row_groups_off_on_sharded_rows():
+    from turnsight_jax.train import fit_row_group
+
+    cfg = mlc.ConfigDict({"model": {"attn_row_group": 4}})
+    assert fit_row_group(cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1])) is None
+    assert cfg.model.attn_row_group == 4
+    note = fit_row_group(cfg, make_mesh(1, len(jax.devices()), 1))
+    assert cfg.model.attn_row_group == 0 and "shards the rows 8 ways" in note
+
+
+def test_the_counter_counts_fewer_pairs_only_where_chunks_are_padding():
+    """update_flops's attention pairs with row groups, for rows at one width: equal to the
+    unskipped count when every group reaches the last chunk, fewer when a group stops early."""
+    even = np.arange(T)[None, :] < np.array([36, 34, 40, 33])[:, None]  # every row reaches chunk 4
+    short = np.arange(T)[None, :] < np.array([36, 34, 10, 12])[:, None]  # rows 2-3 end in chunk 1
+    widths = np.full(4, T)
+    full = 4 * flops.chunked_pairs(T, CHUNK)
+    assert flops.attention_pairs_executed(even, widths, CHUNK, row_group=2) == full
+    # 5 chunks in 4 causal groups score keys up to 8, 16, 32, 32, 40: rows 2-3 skip chunks 2, 3
+    # and 4, 8 queries each
+    saved = 2 * CHUNK * (32 + 32 + 40)
+    assert flops.attention_pairs_executed(short, widths, CHUNK, row_group=2) == full - saved
+    assert flops.attention_pairs_executed(short, widths, CHUNK, row_group=0) == full
