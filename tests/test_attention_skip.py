@@ -4,6 +4,8 @@ live query run, and the FLOP counter counts exactly those."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_collections as mlc
@@ -16,6 +18,12 @@ from turnsight_jax.models.attention import NO_SEGMENT, PAD_SEGMENT, Layout, chun
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import RuntimeOptions, init_model
 from turnsight_jax.models.sharding import make_mesh
+from turnsight_jax.rl.batch import make_train_batch
+from turnsight_jax.rl.logprobs import teacher_logprobs
+from turnsight_jax.rl.methods import resolve_method
+
+from _vocab import fold_batch
+from test_rl_step import CFG, _cfg, setup  # noqa: F401  (the module fixture: trajectories, policy, reference)
 
 T, CHUNK = 40, 8  # 5 query chunks in the kernel's 4 causal groups
 
@@ -118,7 +126,8 @@ def test_only_chunks_with_a_live_query_run_and_the_counter_counts_them(layout, r
 
 
 def test_the_model_with_row_groups_equals_the_model_without():
-    """Qwen3.hidden_states (2 layers) and the gradient of every parameter, on padded rows."""
+    """Qwen3.hidden_states(skip_padding=True) (2 layers) and the gradient of every parameter, on
+    padded rows; without skip_padding the option leaves the forward's program as it was."""
     cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8)
     lengths = [40, 11, 25, 3, 40, 17, 8, 30]
@@ -129,11 +138,14 @@ def test_the_model_with_row_groups_equals_the_model_without():
         model = init_model(cfg, seed=1, options=RuntimeOptions(attn_q_chunk=CHUNK, attn_row_group=group))
         graphdef, params = nnx.split(model)
 
-        def loss(p, graphdef=graphdef):
-            h = nnx.merge(graphdef, p).hidden_states(tokens, lay)
+        def loss(p, graphdef=graphdef, skip=True):
+            h = nnx.merge(graphdef, p).hidden_states(tokens, lay, skip_padding=skip)
             return jnp.sum(jnp.where(lay.segment_ids[..., None] >= 0, jnp.sin(h), 0.0))
 
         grads[group] = jax.jit(jax.value_and_grad(loss))(params)
+        unasked = jax.jit(lambda p: loss(p, skip=False)).lower(params).as_text()
+        assert "stablehlo.case" not in unasked  # no lax.cond: the unskipped kernel
+        assert ("stablehlo.case" in jax.jit(loss).lower(params).as_text()) is (group > 0)
     np.testing.assert_allclose(grads[4][0], grads[0][0], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads[4][1]), jax.tree.leaves(grads[0][1])):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)  # sums over rows in another order
@@ -162,3 +174,26 @@ def test_the_counter_counts_fewer_pairs_only_where_chunks_are_padding():
     saved = 2 * CHUNK * (32 + 32 + 40)
     assert flops.attention_pairs_executed(short, widths, CHUNK, row_group=2) == full - saved
     assert flops.attention_pairs_executed(short, widths, CHUNK, row_group=0) == full
+
+
+@pytest.mark.parametrize("layout", ["plain", "classes", "packed"])
+def test_teacher_logprobs_with_row_groups_equal_those_without(setup, tok, layout):  # noqa: F811
+    """The teacher's views (rl.logprobs.teacher_logprobs, the forward that skips padding) on real
+    packed hindsight rows: the same log-probs, and the counter's executed teacher pairs fall."""
+    trajs, row_tasks, _, _ = setup
+    extra = {"plain": {}, "classes": {"length_classes": 2}, "packed": {"pack_rows": True}}[layout]
+    cfg = dataclasses.replace(_cfg(method="turnsight"), **extra)
+    batch, stats = make_train_batch(trajs, row_tasks, tok, cfg, resolve_method(cfg))
+    batch = fold_batch(batch)
+    views = jax.tree.map(jnp.asarray, batch.views)
+    got = {}
+    for group in (0, 2):
+        model = init_model(CFG, seed=1, options=RuntimeOptions(attn_q_chunk=16, attn_row_group=group))
+        graphdef, params = nnx.split(model)
+        got[group] = np.asarray(jax.jit(lambda p, v, g=graphdef: teacher_logprobs(nnx.merge(g, p), v, chunk=64))(
+            params, views))
+    np.testing.assert_allclose(got[2], got[0], rtol=1e-5, atol=1e-5)
+    counted = {g: flops.update_flops(CFG, batch, updates=1, q_chunk=16, remat=False, row_group=g).parts["teacher"]
+               for g in (0, 2)}
+    assert counted[2][0] == counted[0][0] and counted[2][1] < counted[0][1]
+

@@ -232,9 +232,9 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     token are left out). prm: the method's step-PRM (rl.prm) reads the frozen reference trunk: one
     no-gradient trunk forward (part "prm"; its head's FLOPs left out). A batch with probe rows
     (rl.orchard) adds the teacher's forward over them and its two head columns per state (part
-    "retrospective"). row_group: model.attn_row_group (attention skips the query chunks of padding
-    per group of rows: the executed pairs count only the chunks run; packed rows under several
-    micro-batches are counted unskipped, an upper bound)."""
+    "retrospective"). row_group: model.attn_row_group (the teacher's view forwards skip the query
+    chunks of padding per group of rows: their executed pairs count only the chunks run; packed
+    views under several teacher micro-batches are counted unskipped, an upper bound)."""
     trunk = trunk_flops_per_token(cfg)
     score_chunk = score_chunk or logprob_chunk
     tokens = float(np.asarray(batch.valid).sum())
@@ -246,16 +246,9 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     widths = _row_widths(batch.tokens, getattr(batch, "classes", None), getattr(batch, "length_class", None),
                          getattr(batch, "packed", None))
     slots = float(widths.sum())
-    packed_rows = getattr(batch, "packed", None)
-    if packed_rows is not None:
-        plive = np.asarray(packed_rows.layout.segment_ids) >= 0
-        exec_attn = attention_flops(cfg, attention_pairs_executed(
-            plive, widths, q_chunk, row_group=row_group if micro_batches == 1 else 0))
-    else:
-        slive = np.asarray(batch.valid, bool) if lay is None else reads_any(lay)
-        exec_attn = attention_flops(cfg, attention_pairs_executed(
-            slive, widths, q_chunk, row_group=row_group,
-            row_class=getattr(batch, "length_class", None), micro_batches=micro_batches))
+    # the student's forwards run every chunk (Qwen3.hidden_states skips padding only where asked:
+    # the teacher's no-gradient views, below)
+    exec_attn = attention_flops(cfg, sum(chunked_pairs(int(w), q_chunk) for w in widths))
     exec_head = head_flops(cfg, head_rows_executed(batch.pol_valid, logprob_chunk, micro_batches=micro_batches,
                                                    row_shards=row_shards,
                                                    row_class=getattr(batch, "length_class", None)))

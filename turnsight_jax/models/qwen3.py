@@ -35,9 +35,10 @@ class RuntimeOptions:
     attn_q_chunk: queries per attention chunk (bounds the [chunk, keys] score block).
     vocab_block: vocabulary columns per logits block of the log-prob head (rl.logprobs); 0: the
         whole vocabulary at once.
-    attn_row_group: > 0: attention runs the rows in groups of this many and skips a group's query
-        chunks that hold only padding (models.attention.chunked_attention); 0: all rows together,
-        nothing skipped. For unsharded rows (one device).
+    attn_row_group: > 0: in the forwards that ask for it (`hidden_states(skip_padding=True)`: the
+        teacher's no-gradient views) attention runs the rows in groups of this many and skips a
+        group's query chunks that hold only padding (models.attention.chunked_attention); 0: all
+        rows together, nothing skipped. For unsharded rows (one device).
     """
 
     compute_dtype: jnp.dtype = jnp.float32
@@ -171,12 +172,15 @@ class Qwen3(nnx.Module):
         return constrain(x + mlp, "activation")
 
     # ---- forward passes ----
-    def hidden_states(self, tokens: jax.Array, layout: Layout | None = None) -> jax.Array:
+    def hidden_states(self, tokens: jax.Array, layout: Layout | None = None, *, skip_padding: bool = False
+                      ) -> jax.Array:
         """Final-norm hidden states [B, T, D] (compute dtype) for tokens [B, T] under `layout`
-        (plain causal when None)."""
+        (plain causal when None). skip_padding: attention skips its query chunks of padding per
+        `options.attn_row_group` rows (the no-gradient forwards ask for it: under a gradient the
+        row scan's residuals cost about what the skipped chunks save)."""
         if layout is None:
             layout = Layout.full(*tokens.shape)
-        chunk, group = self.options.attn_q_chunk, self.options.attn_row_group
+        chunk, group = self.options.attn_q_chunk, self.options.attn_row_group if skip_padding else 0
 
         def layer(x, p):
             q, k, v = self._qkv(p, x, layout.positions)

@@ -463,7 +463,7 @@ def teacher_logprobs(model: Qwen3, views: PackedViews, *, chunk: int = 1024, tem
     kw = dict(chunk=chunk, temperature=temperature, top_k=top_k)
     if views.packed is not None:
         pk = views.packed
-        hidden = model.hidden_states(pk.tokens, pk.layout)
+        hidden = model.hidden_states(pk.tokens, pk.layout, skip_padding=True)
         distinct = packed_logprobs_at(model, hidden, pk, views.pred, views.pred_target,
                                       used=distinct_slots_used(views.pred), **kw)
         return _gather_slots(distinct, views.slot)
@@ -481,7 +481,7 @@ def teacher_logprobs(model: Qwen3, views: PackedViews, *, chunk: int = 1024, tem
 
 
 def _teacher_logprobs(model, tokens, layout, pred, pred_target, slot, *, chunk, temperature, top_k):
-    hidden = model.hidden_states(tokens, layout)
+    hidden = model.hidden_states(tokens, layout, skip_padding=True)  # no gradient flows here
     distinct = logprobs_at(model, hidden, pred, pred_target, chunk=chunk, temperature=temperature,
                            used=distinct_slots_used(pred), top_k=top_k)
     return _gather_slots(distinct, slot)
