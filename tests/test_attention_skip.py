@@ -197,3 +197,21 @@ def test_teacher_logprobs_with_row_groups_equal_those_without(setup, tok, layout
                for g in (0, 2)}
     assert counted[2][0] == counted[0][0] and counted[2][1] < counted[0][1]
 
+
+
+def test_rows_within_one_chunk_skip_whole_groups_of_padding():
+    """Rows no wider than one query chunk (one chunk per group): a group of padding rows is
+    skipped whole, the values and gradients are the unskipped kernel's."""
+    lay = _plain([8, 3, 0, 0, 5, 1], t=8)
+    q, k, v = _qkv(6, t=8)
+
+    def loss(q, k, v, group):
+        return jnp.sum(layout_attention(q, k, v, lay, q_chunk=16, row_group=group) ** 2)
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+    (want, want_g), (got, got_g) = grad(q, k, v, 0), grad(q, k, v, 2)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for a, b in zip(got_g, want_g):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    live = flops.reads_any(jax.tree.map(np.asarray, lay))
+    assert flops.skipping_pairs(live, 16, 2) == 4 * 8 * 8  # rows 2-3 (a group of padding) are skipped
