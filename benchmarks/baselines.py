@@ -117,6 +117,8 @@ def main():
                                   q_chunk=cfg.model.attn_q_chunk, remat=cfg.model.remat,
                                   teacher_distinct_rows=stats.get("teacher_distinct_rows"),
                                   logprob_chunk=sc.logprob_chunk, score_chunk=sc.scoring_chunk,
+                                  micro_batches=sc.micro_batches, mini_batches=sc.mini_batches,
+                                  teacher_micro_batches=sc.teacher_micro_batches,
                                   teacher_cfg=qcfg if external else None, critic=method.critic, prm=method.prm,
                                   row_group=cfg.model.attn_row_group)
         teacher = work.parts.get("teacher", (0.0, 0.0))[0] + work.parts.get("retrospective", (0.0, 0.0))[0]

@@ -215,3 +215,85 @@ def test_rows_within_one_chunk_skip_whole_groups_of_padding():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     live = flops.reads_any(jax.tree.map(np.asarray, lay))
     assert flops.skipping_pairs(live, 16, 2) == 4 * 8 * 8  # rows 2-3 (a group of padding) are skipped
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("row_group", [1, 2, 3])
+def test_the_backward_pass_runs_the_forwards_cells_only(layout, row_group):
+    """Under a gradient the skipping kernel's own backward pass (models.attention
+    `_skipping_attention`) builds each cell's mask once more: every (row group, chunk) with a
+    live query, none other, so the work is the counter's pairs twice (one mask per pass)."""
+    lay = LAYOUTS[layout]()
+    b = lay.segment_ids.shape[0]
+    q, k, v = _qkv(b)
+    ran = []
+
+    def mask_fn(meta, idx, n, kv_seg):
+        mask = packed_mask(meta, kv_seg[:, :n], idx)
+        jax.debug.callback(lambda shape=mask.shape: ran.append(shape))
+        return mask
+
+    def loss(q, k, v):
+        from turnsight_jax.models.attention import reads_any
+        return jnp.sum(chunked_attention(q, k, v, lay, mask_fn, q_chunk=CHUNK, causal_bound=True,
+                                         kv_meta=lay.segment_ids, live_fn=reads_any, row_group=row_group) ** 2)
+
+    jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+    live = flops.reads_any(jax.tree.map(np.asarray, lay))
+    r = np.gcd(b, row_group)
+    cells = sum(bool(live[g * r:(g + 1) * r, c * CHUNK:(c + 1) * CHUNK].any())
+                for g in range(b // r) for c in range(T // CHUNK))
+    assert len(ran) == 2 * cells
+    if row_group == 1:  # one row per group: rows shorter than 33 tokens skip a chunk in both passes
+        assert cells < b * (T // CHUNK)
+    assert sum(rows * queries * keys for rows, queries, keys in ran) == 2 * flops.skipping_pairs(live, CHUNK, row_group)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_the_skipping_backward_in_bf16_is_as_close_as_autodiff(layout):
+    """bf16 operands (float32 scores and sums): the skipping kernel's gradients are as close to the
+    float32 gradients as the autodiff kernel's own bf16 gradients are (within a factor 2)."""
+    lay = LAYOUTS[layout]()
+    q, k, v = _qkv(lay.segment_ids.shape[0])
+    w = jax.random.normal(jax.random.key(7), q.shape)
+
+    def loss(q, k, v, group):
+        out = layout_attention(q, k, v, lay, q_chunk=CHUNK, row_group=group)
+        return jnp.sum(out.astype(jnp.float32) * w)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+    exact = grad(q, k, v, 0)
+    half = [a.astype(jnp.bfloat16) for a in (q, k, v)]
+    for got, plain, want in zip(grad(*half, 4), grad(*half, 0), exact):
+        assert got.dtype == jnp.bfloat16
+        err, ref_err = (float(jnp.max(jnp.abs(a.astype(jnp.float32) - want))) for a in (got, plain))
+        scale = float(jnp.max(jnp.abs(want)))
+        assert err <= 2 * ref_err + 1e-3 * scale and err < 2e-2 * scale
+
+
+@pytest.mark.parametrize("layout", ["plain", "classes", "packed"])
+def test_the_fused_step_with_row_groups_equals_the_step_without(setup, tok, layout):  # noqa: F811
+    """The RL step's student forwards skip their padding too (rl.logprobs.policy_logprobs): one
+    TurnSight step with SGD(1) (the update is minus the gradient, KL reference on the student's
+    context) on real rows, plain, in 2 length classes and packed: the same gradients and loss,
+    and the counter's executed student FLOPs fall with its necessary ones unchanged."""
+    from test_rl_step import _batch, _max_diff, _sgd_step, _with_options
+
+    trajs, row_tasks, policy, ref = setup
+    extra = {"plain": {}, "classes": {"length_classes": 2}, "packed": {"pack_rows": True}}[layout]
+    cfg = dataclasses.replace(_cfg(method="turnsight"), **extra)
+    batch = _batch(trajs, row_tasks, tok, cfg)
+    out = {}
+    for group in (0, 2):
+        pol = nnx.merge(*_with_options(policy, attn_q_chunk=16, attn_row_group=group))
+        rf = nnx.merge(*_with_options(ref, attn_q_chunk=16, attn_row_group=group))
+        out[group] = _sgd_step(cfg, pol, rf, batch)
+    (g0, m0), (g2, m2) = out[0], out[2]
+    scale = max(jax.tree.leaves(jax.tree.map(lambda x: float(np.abs(np.asarray(x)).max()), g0)))
+    assert scale > 1e-4 and _max_diff(g0, g2) < 1e-5 * max(1.0, scale)
+    assert abs(float(m0["pg_loss"]) - float(m2["pg_loss"])) < 1e-6
+    nb = jax.tree.map(np.asarray, batch)
+    counted = {g: flops.update_flops(CFG, nb, updates=1, q_chunk=16, remat=False, ref_forward=True,
+                                     row_group=g).parts for g in (0, 2)}
+    for part in ("student", "student_forward"):
+        assert counted[2][part][0] == counted[0][part][0] and counted[2][part][1] < counted[0][part][1]

@@ -67,7 +67,7 @@ def base_config() -> mlc.ConfigDict:
     c.model.remat = False  # rematerialise each decoder layer in the backward pass
     c.model.attn_q_chunk = 512  # queries per attention chunk (bounds the [chunk, keys] score block)
     c.model.vocab_block = 0  # vocabulary columns per logits block of the log-prob head; 0: all at once (accelerators); ~1,024 on a CPU
-    c.model.attn_row_group = 0  # > 0: the teacher's forwards skip the padding's query chunks per group of this many rows (one device)
+    c.model.attn_row_group = 0  # > 0: the RL step's forwards (student and teacher) skip the padding's query chunks per group of this many rows (one device)
     c.model.allow_random_init = False  # start from random weights when hf_path is "" (the paper starts from Qwen3)
 
     c.data = mlc.ConfigDict()  # the tasks (turnsight_jax.sources)

@@ -20,7 +20,7 @@ TINY_DEFAULT_MODEL = dict(
     remat=False,
     attn_q_chunk=128,  # small chunks: cheaper on CPU (static causal bounds skip more)
     vocab_block=1024,  # the head's logits 1,024 columns at a time: a [rows, 1,024] block stays in a CPU's cache
-    attn_row_group=4,  # the teacher's attention skips query chunks of padding per 4 rows (one prompt's rollouts)
+    attn_row_group=4,  # the RL step's attention skips query chunks of padding per 4 rows (one prompt's rollouts)
     allow_random_init=True,  # tiny: random init + the supervised warm-start below
 )
 

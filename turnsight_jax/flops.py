@@ -12,10 +12,12 @@ their MFU figures agree. Conventions:
   MFU counts these only;
 * **executed**: what the compiled step computes for the batch as shaped: padded rows and slots,
   the pairs the chunked attention kernel scores (models.attention.chunked_attention: query chunks
-  in at most 4 groups, each scoring every key up to its group's end), the head chunks that hold a
-  used row (rl.logprobs skips the others), and rematerialised forwards
-  (a `jax.checkpoint`ed layer, attention chunk or log-prob chunk runs its forward again in the
-  backward pass: 4 forwards instead of 3).
+  in at most 4 groups, each scoring every key up to its group's end; with model.attn_row_group
+  only the chunks of each row group that hold a live query), the head chunks that hold a used
+  row (rl.logprobs skips the others), and rematerialised forwards (a `jax.checkpoint`ed layer,
+  attention chunk or log-prob chunk runs its forward again in the backward pass: 4 forwards
+  instead of 3; the skipping attention kernel's own backward recomputes only the score product:
+  3.5).
 
 executed / necessary is the step's padding ratio (1.0 = no wasted work).
 """
@@ -212,7 +214,8 @@ def _row_widths(tokens, classes, row_class, packed=None) -> np.ndarray:
 
 def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int = 0, ref_forward: bool = False,
                  q_chunk: int, remat: bool, teacher_distinct_rows: float | None = None, logprob_chunk: int = 1024,
-                 score_chunk: int | None = None, micro_batches: int = 1, teacher_micro_batches: int = 1,
+                 score_chunk: int | None = None, micro_batches: int = 1, mini_batches: int = 1,
+                 teacher_micro_batches: int = 1,
                  row_shards: int = 1, teacher_cfg: Qwen3Config | None = None, critic: bool = False,
                  prm: bool = False, row_group: int = 0) -> UpdateFlops:
     """FLOPs of the fused step (rl.step) on a numpy TrainBatch (rl.batch).
@@ -223,7 +226,8 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     teacher_distinct_rows: the real distinct (predictor, target) pairs (build_views' stats); by
     default every used slot of `pred` counts. logprob_chunk (the update's), score_chunk (the
     no-gradient forwards'; None: logprob_chunk), micro_batches, teacher_micro_batches, row_shards
-    (the mesh's data x fsdp): how the head's chunks fall (`head_rows_executed`).
+    (the mesh's data x fsdp): how the head's chunks fall (`head_rows_executed`); mini_batches x
+    micro_batches: the student's forward calls (strided rows), whose row groups skip padding.
     With length classes (rl.length_classes) each row runs at its class's width; packed rows
     (rl.packing) each at the packed width. teacher_cfg: the teacher's architecture when it is
     another model (teacher.weights='external'; default `cfg`). critic: the method trains a critic
@@ -232,9 +236,11 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     token are left out). prm: the method's step-PRM (rl.prm) reads the frozen reference trunk: one
     no-gradient trunk forward (part "prm"; its head's FLOPs left out). A batch with probe rows
     (rl.orchard) adds the teacher's forward over them and its two head columns per state (part
-    "retrospective"). row_group: model.attn_row_group (the teacher's view forwards skip the query
-    chunks of padding per group of rows: their executed pairs count only the chunks run; packed
-    views under several teacher micro-batches are counted unskipped, an upper bound)."""
+    "retrospective"). row_group: model.attn_row_group (the RL step's student forwards and the
+    teacher's view forwards skip the query chunks of padding per group of rows: their executed
+    pairs count only the chunks run; packed rows under several forward calls are counted
+    unskipped, an upper bound; under a gradient the skipping kernel's backward pass costs 2.5
+    forwards, the rematerialised unskipped chunk's 3)."""
     trunk = trunk_flops_per_token(cfg)
     score_chunk = score_chunk or logprob_chunk
     tokens = float(np.asarray(batch.valid).sum())
@@ -246,22 +252,40 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     widths = _row_widths(batch.tokens, getattr(batch, "classes", None), getattr(batch, "length_class", None),
                          getattr(batch, "packed", None))
     slots = float(widths.sum())
-    # the student's forwards run every chunk (Qwen3.hidden_states skips padding only where asked:
-    # the teacher's no-gradient views, below)
-    exec_attn = attention_flops(cfg, sum(chunked_pairs(int(w), q_chunk) for w in widths))
+    # the RL step's student forwards (rl.logprobs.policy_logprobs) skip their padding's query chunks
+    # per row group like the teacher's views (packed rows under several forward calls counted
+    # unskipped, an upper bound); the critic's trunk runs every chunk
+    student_packed = getattr(batch, "packed", None)
+    every_chunk = attention_flops(cfg, sum(chunked_pairs(int(w), q_chunk) for w in widths))
+    s_live = (None if row_group <= 0 else reads_any(student_packed.layout) if student_packed is not None
+              else np.asarray(batch.valid, bool) if lay is None else reads_any(lay))
+
+    def student_attn(calls: int) -> float:
+        """Attention FLOPs of one student forward over the batch in `calls` strided calls."""
+        if s_live is None or (student_packed is not None and calls > 1):
+            return every_chunk
+        return attention_flops(cfg, attention_pairs_executed(
+            s_live, widths, q_chunk, row_group=row_group, micro_batches=calls,
+            row_class=None if student_packed is not None else getattr(batch, "length_class", None)))
+
+    exec_attn = student_attn(mini_batches * micro_batches)
+    # the skipping kernel's own backward pass: one score product again, then four (3.5 forwards);
+    # the unskipped chunk's rematerialised forward and its backward (4)
+    attn_grad = 4.0 if s_live is None else 3.5
     exec_head = head_flops(cfg, head_rows_executed(batch.pol_valid, logprob_chunk, micro_batches=micro_batches,
                                                    row_shards=row_shards,
                                                    row_class=getattr(batch, "length_class", None)))
     # a rematerialised piece runs its forward again in the backward pass; attention and log-prob
     # chunks are always checkpointed (models.attention, rl.logprobs), the layer only with remat
-    grad_exec = (4.0 if remat else 3.0) * trunk * slots + 4.0 * exec_attn + 4.0 * exec_head
+    grad_exec = (4.0 if remat else 3.0) * trunk * slots + attn_grad * exec_attn + 4.0 * exec_head
     parts = {"student": (3.0 * need_fwd * updates, grad_exec * updates)}
     if extra_forwards or ref_forward:
         k = extra_forwards + int(ref_forward)
         score_head = head_flops(cfg, head_rows_executed(batch.pol_valid, score_chunk, micro_batches=micro_batches,
                                                         row_shards=row_shards,
                                                         row_class=getattr(batch, "length_class", None)))
-        parts["student_forward"] = (need_fwd * k, (trunk * slots + exec_attn + score_head) * k)
+        fwd_attn = extra_forwards * student_attn(micro_batches) + int(ref_forward) * student_attn(teacher_micro_batches)
+        parts["student_forward"] = (need_fwd * k, (trunk * slots + score_head) * k + fwd_attn)
     views = getattr(batch, "views", None)
     if views is not None:
         packed = getattr(views, "packed", None)
@@ -284,11 +308,11 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
         parts["teacher"] = (need, executed)
     if critic:
         need_trunk = forward_flops(cfg, tokens, pairs, 0.0)
-        exec_trunk = trunk * slots + exec_attn
-        grad_trunk = (4.0 if remat else 3.0) * trunk * slots + 4.0 * exec_attn
+        exec_trunk = trunk * slots + every_chunk
+        grad_trunk = (4.0 if remat else 3.0) * trunk * slots + 4.0 * every_chunk
         parts["critic"] = (need_trunk * (1 + 3 * updates), exec_trunk + grad_trunk * updates)
     if prm:
-        parts["prm"] = (forward_flops(cfg, tokens, pairs, 0.0), trunk * slots + exec_attn)
+        parts["prm"] = (forward_flops(cfg, tokens, pairs, 0.0), trunk * slots + every_chunk)
     probes = getattr(batch, "probes", None)
     if probes is not None:  # Orchard's retrospective teacher (rl.orchard): its probe rows, 2 head columns per state
         lay, tcfg = probes.layout, teacher_cfg or cfg

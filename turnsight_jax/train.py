@@ -166,7 +166,7 @@ def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_cfg=
         ref_forward=method.needs_ref and not packed_reference(step_cfg, method), q_chunk=cfg.model.attn_q_chunk,
         remat=cfg.model.remat, teacher_distinct_rows=bstats.get("teacher_distinct_rows"),
         logprob_chunk=step_cfg.logprob_chunk, score_chunk=step_cfg.scoring_chunk, micro_batches=step_cfg.micro_batches,
-        teacher_micro_batches=step_cfg.teacher_micro_batches,
+        mini_batches=step_cfg.mini_batches, teacher_micro_batches=step_cfg.teacher_micro_batches,
         row_shards=local_row_shards(mesh), teacher_cfg=teacher_cfg, critic=method.critic, prm=method.prm,
         row_group=cfg.model.attn_row_group)
 

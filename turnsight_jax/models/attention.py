@@ -22,6 +22,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 PAD_SEGMENT = -1  # a padding token: never read, its own output is zero
@@ -79,12 +80,15 @@ def packed_mask(q: Layout, kv_segment: jax.Array, q_index: jax.Array) -> jax.Arr
 
 
 def _attend_chunk(q, k, v, mask, scale):
-    """q [B, Hkv, G, C, Dh], k/v [B, Hkv, S, Dh], mask [B, C, S] -> [B, Hkv, G, C, Dh].
+    """q [B, Hkv, G, C, Dh], k/v [B, Hkv, S, Dh], mask [B, C, S] -> (out [B, Hkv, G, C, Dh],
+    lse [B, Hkv, G, C] float32: each query's log-sum-exp of its scaled scores, which the backward
+    pass (`_grad_chunk`) turns the recomputed scores into probabilities with; a caller that does
+    not read it leaves it to the compiler to drop).
 
     Heads lead every operand, so both products are plain batched matmuls (no per-chunk
     transposes), and the softmax is normalised after the value product: the division runs over
-    [.., C, Dh] instead of [.., C, S] scores, and its backward pass with it (on CPU about 25% less
-    attention time at the default's shapes; the same values to float rounding)."""
+    [.., C, Dh] instead of [.., C, S] scores (on CPU about 25% less attention time at the
+    default's shapes; the same values to float rounding)."""
     scores = jnp.einsum("bkgcd,bksd->bkgcs", q, k, preferred_element_type=jnp.float32) * scale
     m = mask[:, None, None, :, :]
     scores = jnp.where(m, scores, _MASKED)
@@ -93,7 +97,26 @@ def _attend_chunk(q, k, v, mask, scale):
     out = jnp.einsum("bkgcs,bksd->bkgcd", e.astype(v.dtype), v, preferred_element_type=jnp.float32)
     # A query with nothing to read (padding) gets exactly zero output rather than an average.
     live = jnp.any(m, axis=-1, keepdims=True)
-    return (out * (live / jnp.sum(e, axis=-1, keepdims=True))).astype(q.dtype)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    return (out * (live / total)).astype(q.dtype), (top + jnp.log(total))[..., 0]
+
+
+def _grad_chunk(q, k, v, mask, scale, out, lse, dout):
+    """The backward pass of `_attend_chunk` from its saved log-sum-exp (flash attention's): the
+    probabilities from one recomputed score product, then the four gradient products; masked
+    pairs (and so every pair of a query that reads nothing) get probability 0. Shapes as
+    `_attend_chunk`, dout like out. Returns (dq [B, Hkv, G, C, Dh] float32, dk, dv
+    [B, Hkv, S, Dh] float32)."""
+    scores = jnp.einsum("bkgcd,bksd->bkgcs", q, k, preferred_element_type=jnp.float32) * scale
+    p = jnp.where(mask[:, None, None, :, :], jnp.exp(scores - lse[..., None]), 0.0)
+    dv = jnp.einsum("bkgcs,bkgcd->bksd", p.astype(v.dtype), dout, preferred_element_type=jnp.float32)
+    dp = jnp.einsum("bkgcd,bksd->bkgcs", dout, v, preferred_element_type=jnp.float32)
+    # d softmax: p * (dp - Σ_s p·dp), and Σ_s p·dp = Σ_d dout·out (out = p @ v)
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+    ds = (p * (dp - delta) * scale).astype(q.dtype)
+    dq = jnp.einsum("bkgcs,bksd->bkgcd", ds, k, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bkgcs,bkgcd->bksd", ds, q, preferred_element_type=jnp.float32)
+    return dq, dk, dv
 
 
 def chunked_attention(
@@ -127,106 +150,219 @@ def chunked_attention(
     chunk) whose queries are all dead is skipped (`lax.cond`), so a row shorter than the batch's
     width pays only for the chunks it reaches: rows padded to a floor that only grows, or a
     batch's short rows beside its long ones, cost what their own length needs, at chunk
-    granularity. The values and gradients are those of the unskipped kernel. The groups run one
-    after another (a `lax.scan` over the row axis): meant for unsharded rows (one device, CPU);
-    rows sharded over devices would be gathered.
+    granularity. The values and gradients are those of the unskipped kernel to float rounding; the
+    backward pass is the kernel's own (`_skipping_attention`) and skips the same cells. The groups
+    run one after another (a `lax.scan` over the row axis): meant for unsharded rows (one device,
+    CPU); rows sharded over devices would be gathered.
     """
     b, t, hq, dh = q.shape
     hkv = k.shape[2]
     g = hq // hkv
-    scale = dh**-0.5
     # heads first, once per call: [B, Hkv, G, T, Dh] queries, [B, Hkv, S, Dh] keys and values
     qg = q.reshape(b, t, hkv, g, dh).transpose(0, 2, 3, 1, 4)
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-
-    def back(out):  # [B, Hkv, G, T', Dh] -> [B, T, Hq, Dh]
-        return out.transpose(0, 3, 1, 2, 4)[:, :t].reshape(b, t, hq, dh)
-
     r = math.gcd(b, row_group) if row_group > 0 and live_fn is not None else 0
-    if not r:
-        return back(_attend_rows(qg, k, v, q_meta, kv_meta, mask_fn, q_chunk, causal_bound, scale, None))
+    if r:
+        out = _skipping_attention(mask_fn, q_chunk, causal_bound, dh**-0.5, live_fn, r)(qg, k, v, q_meta, kv_meta)
+    else:  # differentiated through its rematerialised chunk scan
+        out = _attend_rows(qg, k, v, q_meta, kv_meta, mask_fn, q_chunk, causal_bound, dh**-0.5, None)[0]
+    return out.transpose(0, 3, 1, 2, 4)[:, :t].reshape(b, t, hq, dh)  # from [B, Hkv, G, T', Dh]
 
-    def group(a):  # [B, ...] -> [B / r, r, ...]
-        return a.reshape(b // r, r, *a.shape[1:])
 
-    def body(_, xs):  # one group of rows, every chunk skipped that holds no live query
-        q_r, k_r, v_r, meta_r, kv_r = xs
-        return None, _attend_rows(q_r, k_r, v_r, meta_r, kv_r, mask_fn, q_chunk, causal_bound, scale, live_fn)
+def _skipping_attention(mask_fn, q_chunk: int, causal_bound: bool, scale: float, live_fn, r: int):
+    """chunked_attention with row groups of r on heads-first operands, (qg [B, Hkv, G, T, Dh],
+    k, v [B, Hkv, S, Dh], q_meta, kv_meta) -> [B, Hkv, G, T', Dh], with a backward pass of its
+    own that skips the same (row group, chunk) cells as the forward.
 
-    _, out = jax.lax.scan(body, None, jax.tree.map(group, (qg, k, v, q_meta, kv_meta)))
-    return back(out.reshape(b, *out.shape[2:]))
+    Differentiating the row scan itself cost about what the skipped chunks saved (its stacked
+    residuals; measured). Here the forward keeps each query's log-sum-exp and the backward, a scan
+    over the same row groups, recomputes one score product per live chunk (`_grad_chunk`, flash
+    attention's backward) where differentiating the rematerialised chunk recomputed the whole
+    forward of the chunk first. Gradients equal the unskipped kernel's to float rounding."""
+
+    def grouped(fn, *arrays):  # fn over groups of r rows, one group after another
+        b = arrays[0].shape[0]
+        rows = jax.tree.map(lambda a: a.reshape(b // r, r, *a.shape[1:]), arrays)
+        _, out = jax.lax.scan(lambda _, xs: (None, fn(*xs)), None, rows)
+        return jax.tree.map(lambda o: o.reshape(b, *o.shape[2:]), out)
+
+    def forward(qg, k, v, q_meta, kv_meta):
+        return grouped(lambda *a: _attend_rows(*a, mask_fn, q_chunk, causal_bound, scale, live_fn),
+                       qg, k, v, q_meta, kv_meta)
+
+    @jax.custom_vjp
+    def attend(qg, k, v, q_meta, kv_meta):
+        return forward(qg, k, v, q_meta, kv_meta)[0]
+
+    def attend_fwd(qg, k, v, q_meta, kv_meta):
+        out, lse = forward(qg, k, v, q_meta, kv_meta)
+        return out, (qg, k, v, q_meta, kv_meta, out, lse)
+
+    def attend_bwd(res, dout):
+        qg, k, v, q_meta, kv_meta, out, lse = res
+        dq, dk, dv = grouped(lambda *a: _grad_rows(*a, mask_fn, q_chunk, causal_bound, scale, live_fn),
+                             qg, k, v, q_meta, kv_meta, out, lse, dout)
+        return (dq[:, :, :, :qg.shape[3]].astype(qg.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+                _no_cotangent(q_meta), _no_cotangent(kv_meta))
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend
+
+
+def _no_cotangent(meta):
+    """Zero cotangents for the mask's inputs (integer arrays: float0)."""
+    def zero(a):
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            return jnp.zeros_like(a)
+        return np.zeros(a.shape, jax.dtypes.float0)
+    return jax.tree.map(zero, meta)
 
 
 CHUNK_GROUPS = 4  # turnsight_jax.flops counts the pairs this grouping scores
 
 
-def _attend_rows(qg, k, v, q_meta, kv_meta, mask_fn, q_chunk: int, causal_bound: bool, scale: float, live_fn):
-    """chunked_attention on heads-first operands: qg [B, Hkv, G, T, Dh], k, v [B, Hkv, S, Dh] ->
-    [B, Hkv, G, T', Dh] (T' >= T: the queries padded to whole chunks)."""
-    t, s_len = qg.shape[3], k.shape[2]
+def _chunk_plan(t: int, s_len: int, q_chunk: int, causal_bound: bool):
+    """How `t` queries run: (chunk size C, number of chunks n, [(first chunk, last chunk, keys)]):
+    one chunk of all t queries when t <= q_chunk; with causal_bound the chunks in at most
+    `CHUNK_GROUPS` groups, each scoring only the keys up to its own end (static key bounds need
+    static shapes; few groups keep the compiled program small; the saving over full-key chunks is
+    (G - 1) / (2G) of the attention work); else every chunk against all s_len keys."""
     if t <= q_chunk:
-        return _chunk(qg, k, v, q_meta, kv_meta, mask_fn, 0, t, s_len, scale, live_fn)
-
+        return t, 1, [(0, 1, s_len)]
     n = -(-t // q_chunk)
-    pad = n * q_chunk - t
-    if pad:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0)))
-        # Padded queries read nothing: give them PAD/NO segments via the mask function's inputs.
-        q_meta = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, pad)), constant_values=PAD_SEGMENT), q_meta)
+    if not causal_bound:
+        return q_chunk, n, [(0, n, s_len)]
+    groups = min(n, CHUNK_GROUPS)
+    bounds = [round(n * (g + 1) / groups) for g in range(groups)]
+    return q_chunk, n, [(first, last, min(last * q_chunk, s_len)) for first, last in zip([0] + bounds[:-1], bounds)]
 
-    if causal_bound:
-        # Static key bounds need static shapes: chunks are grouped (at most `CHUNK_GROUPS` groups, one
-        # chunk per group for short rows), each group scans its chunks over the keys up to the
-        # group's end. Few groups keep the compiled program small and at most a few score blocks
-        # alive; the saving over full-key chunks is (G - 1) / (2G) of the attention work.
-        groups = min(n, CHUNK_GROUPS)
-        bounds = [round(n * (g + 1) / groups) for g in range(groups)]
-        outs, first = [], 0
-        for last in bounds:
-            hi = min(last * q_chunk, s_len)
-            sub = lambda a, f=first, l=last: a[:, f * q_chunk:l * q_chunk]
-            outs.append(_scan_chunks(qg[:, :, :, first * q_chunk:last * q_chunk], jax.tree.map(sub, q_meta),
-                                     k[:, :, :hi], v[:, :, :hi], kv_meta, mask_fn, first * q_chunk, q_chunk, hi,
-                                     scale, live_fn))
-            first = last
-        return jnp.concatenate(outs, axis=3)
 
-    return _scan_chunks(qg, q_meta, k, v, kv_meta, mask_fn, 0, q_chunk, s_len, scale, live_fn)
+def _pad_queries(pad: int, q_meta, *arrays):
+    """Queries padded to whole chunks: each of `arrays` on its query axis 3 with zeros, q_meta's
+    [B, T] leaves with PAD_SEGMENT (the mask functions' inputs: padded queries read nothing)."""
+    if not pad:
+        return (q_meta, *arrays)
+    padded = [None if a is None else jnp.pad(a, ((0, 0),) * 3 + ((0, pad),) + ((0, 0),) * (a.ndim - 4))
+              for a in arrays]
+    return (jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, pad)), constant_values=PAD_SEGMENT), q_meta), *padded)
+
+
+def _attend_rows(qg, k, v, q_meta, kv_meta, mask_fn, q_chunk: int, causal_bound: bool, scale: float, live_fn):
+    """The forward pass on heads-first operands: qg [B, Hkv, G, T, Dh], k, v [B, Hkv, S, Dh] ->
+    (out [B, Hkv, G, T', Dh], lse [B, Hkv, G, T'] float32), T' >= T: the queries padded to whole
+    chunks."""
+    size, n, plan = _chunk_plan(qg.shape[3], k.shape[2], q_chunk, causal_bound)
+    q_meta, qg = _pad_queries(n * size - qg.shape[3], q_meta, qg)
+    outs = []
+    for first, last, hi in plan:
+        sub = lambda a, f=first, l=last: a[:, f * size:l * size]
+        outs.append(_scan_chunks(qg[:, :, :, first * size:last * size], jax.tree.map(sub, q_meta), k[:, :, :hi],
+                                 v[:, :, :hi], kv_meta, mask_fn, first * size, size, hi, scale, live_fn))
+    if len(outs) == 1:
+        return outs[0]
+    return tuple(jnp.concatenate(parts, axis=3) for parts in zip(*outs))
+
+
+def _grad_rows(qg, k, v, q_meta, kv_meta, out, lse, dout, mask_fn, q_chunk: int, causal_bound: bool, scale: float,
+               live_fn):
+    """The backward pass of `_attend_rows` (out, lse its outputs, dout [B, Hkv, G, T', Dh] the
+    cotangent of out) -> (dq [B, Hkv, G, T', Dh], dk, dv [B, Hkv, S, Dh]), float32. The chunks
+    as the forward ran them: each group's keys up to its own bound, one chunk at a time in a
+    lax.scan that sums the key and value gradients in its carry."""
+    s_len = k.shape[2]
+    size, n, plan = _chunk_plan(qg.shape[3], s_len, q_chunk, causal_bound)
+    q_meta, qg = _pad_queries(n * size - qg.shape[3], q_meta, qg)
+    dqs, dk, dv = [], 0.0, 0.0
+    for first, last, hi in plan:
+        sub = lambda a, f=first, l=last: a[:, :, :, f * size:l * size]
+        meta = jax.tree.map(lambda a, f=first, l=last: a[:, f * size:l * size], q_meta)
+        dq_g, dk_g, dv_g = _scan_grad_chunks(sub(qg), meta, k[:, :, :hi], v[:, :, :hi], kv_meta, sub(out), sub(lse),
+                                             sub(dout), mask_fn, first * size, size, hi, scale, live_fn)
+        widen = ((0, 0), (0, 0), (0, s_len - hi), (0, 0))
+        dqs.append(dq_g)
+        dk, dv = dk + jnp.pad(dk_g, widen), dv + jnp.pad(dv_g, widen)
+    return jnp.concatenate(dqs, axis=3) if len(dqs) > 1 else dqs[0], dk, dv
+
+
+def _live(live_fn, meta_c):
+    return None if live_fn is None else jnp.any(live_fn(meta_c))
 
 
 def _chunk(qc, k, v, meta_c, kv_meta, mask_fn, start, size: int, keys: int, scale: float, live_fn):
-    """One chunk of `size` queries from index `start` against the first `keys` keys; with live_fn,
-    zeros without computing when none of its queries is live."""
+    """One chunk of `size` queries from index `start` against the first `keys` keys -> (out,
+    lse); with live_fn, zeros (and lse _MASKED) without computing when none of its queries is
+    live."""
     def run(qc, meta_c, start):
         return _attend_chunk(qc, k, v, mask_fn(meta_c, start + jnp.arange(size, dtype=jnp.int32), keys, kv_meta),
                              scale)
 
-    if live_fn is None:
+    live = _live(live_fn, meta_c)
+    if live is None:
         return run(qc, meta_c, start)
-    return jax.lax.cond(jnp.any(live_fn(meta_c)), run, lambda qc, *_: jnp.zeros_like(qc), qc, meta_c, start)
+    return jax.lax.cond(live, run, lambda qc, *_: (jnp.zeros_like(qc), jnp.full(qc.shape[:-1], _MASKED, jnp.float32)),
+                        qc, meta_c, start)
 
 
 def _scan_chunks(qg, q_meta, k, v, kv_meta, mask_fn, start: int, q_chunk: int, keys: int, scale: float, live_fn):
     """Queries qg [B, Hkv, G, n*C, Dh] in chunks of C, each against k, v [B, Hkv, keys, Dh],
-    inside a rematerialised lax.scan (one chunk's scores alive at a time, forward and backward);
-    q_meta leaves are [B, n*C]."""
+    inside a lax.scan (one chunk's scores alive at a time) -> (out, lse); q_meta leaves are
+    [B, n*C]."""
     n = qg.shape[3] // q_chunk
     if n == 1:
         return _chunk(qg, k, v, q_meta, kv_meta, mask_fn, start, q_chunk, keys, scale, live_fn)
 
-    def to_chunks(a, axis):  # [.., n*C, ..] on `axis` -> [n, .., C, ..]
-        a = a.reshape(*a.shape[:axis], n, q_chunk, *a.shape[axis + 1:])
-        return jnp.moveaxis(a, axis, 0)
-
     starts = start + jnp.arange(n, dtype=jnp.int32) * q_chunk
 
-    @jax.checkpoint
+    @jax.checkpoint  # under autodiff (row_group 0) the backward pass recomputes one chunk at a time
     def body(_, xs):
         qc, meta_c, st = xs
         return None, _chunk(qc, k, v, meta_c, kv_meta, mask_fn, st, q_chunk, keys, scale, live_fn)
 
-    _, out = jax.lax.scan(body, None, (to_chunks(qg, 3), jax.tree.map(lambda a: to_chunks(a, 1), q_meta), starts))
-    return jnp.moveaxis(out, 0, 3).reshape(*qg.shape)
+    _, (out, lse) = jax.lax.scan(body, None, (_to_chunks(qg, 3, n), jax.tree.map(lambda a: _to_chunks(a, 1, n), q_meta),
+                                              starts))
+    return _from_chunks(out, 3), _from_chunks(lse, 3)
+
+
+def _scan_grad_chunks(qg, q_meta, k, v, kv_meta, out, lse, dout, mask_fn, start: int, q_chunk: int, keys: int,
+                      scale: float, live_fn):
+    """The backward pass of `_scan_chunks` -> (dq like qg, dk, dv [B, Hkv, keys, Dh]) float32;
+    a chunk with no live query adds nothing and its dq is 0."""
+    n = qg.shape[3] // q_chunk
+    starts = start + jnp.arange(n, dtype=jnp.int32) * q_chunk
+    zero_kv = jnp.zeros(k.shape, jnp.float32)
+
+    def grads(qc, meta_c, st, oc, lc, dc):
+        mask = mask_fn(meta_c, st + jnp.arange(q_chunk, dtype=jnp.int32), keys, kv_meta)
+        return _grad_chunk(qc, k, v, mask, scale, oc, lc, dc)
+
+    def body(carry, xs):
+        live = _live(live_fn, xs[1])
+        if live is None:
+            dq, dk, dv = grads(*xs)
+        else:
+            dq, dk, dv = jax.lax.cond(live, grads, lambda qc, *_: (jnp.zeros(qc.shape, jnp.float32), zero_kv, zero_kv),
+                                      *xs)
+        return (carry[0] + dk, carry[1] + dv), dq
+
+    xs = (_to_chunks(qg, 3, n), jax.tree.map(lambda a: _to_chunks(a, 1, n), q_meta), starts,
+          _to_chunks(out, 3, n), _to_chunks(lse, 3, n), _to_chunks(dout, 3, n))
+    if n == 1:
+        (dk, dv), dq = body((zero_kv, zero_kv), jax.tree.map(lambda a: a[0], xs))
+        return dq, dk, dv
+    (dk, dv), dq = jax.lax.scan(body, (zero_kv, zero_kv), xs)
+    return _from_chunks(dq, 3), dk, dv
+
+
+def _to_chunks(a, axis: int, n: int):
+    """[.., n*C, ..] on `axis` -> [n, .., C, ..]."""
+    a = a.reshape(*a.shape[:axis], n, a.shape[axis] // n, *a.shape[axis + 1:])
+    return jnp.moveaxis(a, axis, 0)
+
+
+def _from_chunks(a, axis: int):
+    """The inverse of _to_chunks: [n, .., C, ..] -> [.., n*C, ..] on `axis`."""
+    a = jnp.moveaxis(a, 0, axis)
+    return a.reshape(*a.shape[:axis], a.shape[axis] * a.shape[axis + 1], *a.shape[axis + 2:])
 
 
 def layout_attention(q, k, v, layout: Layout, *, q_chunk: int = 512, row_group: int = 0) -> jax.Array:

@@ -36,9 +36,10 @@ class RuntimeOptions:
     vocab_block: vocabulary columns per logits block of the log-prob head (rl.logprobs); 0: the
         whole vocabulary at once.
     attn_row_group: > 0: in the forwards that ask for it (`hidden_states(skip_padding=True)`: the
-        teacher's no-gradient views) attention runs the rows in groups of this many and skips a
-        group's query chunks that hold only padding (models.attention.chunked_attention); 0: all
-        rows together, nothing skipped. For unsharded rows (one device).
+        RL step's, the student's update included, and the teacher's views) attention runs the rows
+        in groups of this many and skips a group's query chunks that hold only padding, in the
+        forward and the backward pass (models.attention.chunked_attention); 0: all rows together,
+        nothing skipped. For unsharded rows (one device).
     """
 
     compute_dtype: jnp.dtype = jnp.float32
@@ -176,8 +177,10 @@ class Qwen3(nnx.Module):
                       ) -> jax.Array:
         """Final-norm hidden states [B, T, D] (compute dtype) for tokens [B, T] under `layout`
         (plain causal when None). skip_padding: attention skips its query chunks of padding per
-        `options.attn_row_group` rows (the no-gradient forwards ask for it: under a gradient the
-        row scan's residuals cost about what the skipped chunks save)."""
+        `options.attn_row_group` rows, with a backward pass of its own that skips them too (the RL
+        step's forwards ask for it, rl.logprobs; the supervised warm-start does not: its steps keep
+        the autodiff kernel's rounding, which the embedded default's pinned figures were measured
+        with)."""
         if layout is None:
             layout = Layout.full(*tokens.shape)
         chunk, group = self.options.attn_q_chunk, self.options.attn_row_group if skip_padding else 0

@@ -403,7 +403,7 @@ def layout_fields(layout: Layout | None) -> tuple:
 def student_logprobs(model: Qwen3, tokens: jax.Array, valid_mask: jax.Array, pol_pos: jax.Array, *,
                      chunk: int = 1024, temperature: float = 1.0, with_entropy: bool = False,
                      pol_valid: jax.Array | None = None, extra_targets: jax.Array | None = None,
-                     layout: Layout | None = None):
+                     layout: Layout | None = None, skip_padding: bool = False):
     """Student log-probs of its policy tokens. tokens, valid_mask [B, T]; pol_pos [B, N] -> [B, N]
     (with `with_entropy`: (log-probs, token entropies), both [B, N]). pol_valid [B, N]: the real
     slots; padding slots then come back 0 and the head skips chunks of them.
@@ -412,8 +412,10 @@ def student_logprobs(model: Qwen3, tokens: jax.Array, valid_mask: jax.Array, pol
     is neither attended to nor a predictor. Rotary positions stay the tokens' own indices, so a
     masked span leaves a gap in the positions, as in the released code (docs/spec.md §1.9).
     layout: the rows' own segments (rows holding several contexts, rl.context_rows; every policy
-    token's predictor is the token before it there); None: plain causal rows."""
-    hidden = model.hidden_states(tokens, row_layout(valid_mask, layout))
+    token's predictor is the token before it there); None: plain causal rows. skip_padding:
+    attention skips the rows' query chunks of padding (Qwen3.hidden_states; the same values to
+    float rounding)."""
+    hidden = model.hidden_states(tokens, row_layout(valid_mask, layout), skip_padding=skip_padding)
     targets = jnp.take_along_axis(tokens, pol_pos, axis=1)
     return logprobs_at(model, hidden, predictor_positions(valid_mask, pol_pos), targets, chunk=chunk,
                        temperature=temperature, with_entropy=with_entropy, used=pol_valid,
@@ -425,17 +427,21 @@ def policy_logprobs(model: Qwen3, batch, *, chunk: int = 1024, temperature: floa
     """student_logprobs of a TrainBatch's (or a micro-batch's) rows [B, N], each length class
     (rl.length_classes) run at its own width when the batch has them, or several trajectories
     per row when it is packed (rl.packing); the same values every way. extra_targets [B, N, J]:
-    also their log-probs [B, N, J] (the last output; logprobs_at)."""
+    also their log-probs [B, N, J] (the last output; logprobs_at).
+
+    The RL step's student forwards (its update, π_old, the reference on the student's context) all
+    come here, and attention skips their query chunks of padding per `model.attn_row_group` rows
+    (Qwen3.hidden_states(skip_padding=True); its backward pass skips them too)."""
     kw = dict(chunk=chunk, temperature=temperature, with_entropy=with_entropy)
     if batch.packed is not None:  # several trajectories per row (rl.packing)
         pk = batch.packed
-        hidden = model.hidden_states(pk.tokens, pk.layout)
+        hidden = model.hidden_states(pk.tokens, pk.layout, skip_padding=True)
         targets = jnp.take_along_axis(batch.tokens, batch.pol_pos, axis=1)
         return packed_logprobs_at(model, hidden, pk, predictor_positions(batch.valid, batch.pol_pos), targets,
                                   used=batch.pol_valid, extra_targets=extra_targets, **kw)
     if batch.classes is None:
         return student_logprobs(model, batch.tokens, batch.valid, batch.pol_pos, pol_valid=batch.pol_valid,
-                                extra_targets=extra_targets, layout=batch.layout, **kw)
+                                extra_targets=extra_targets, layout=batch.layout, skip_padding=True, **kw)
 
     fields = layout_fields(batch.layout)
 
@@ -443,7 +449,7 @@ def policy_logprobs(model: Qwen3, batch, *, chunk: int = 1024, temperature: floa
         extra = rest[:len(rest) - 2 - len(fields)]
         tokens, valid, *lay = rest[len(extra):]
         return student_logprobs(model, tokens, valid, pos, pol_valid=pv, extra_targets=extra[0] if extra else None,
-                                layout=Layout(*lay) if lay else None, **kw)
+                                layout=Layout(*lay) if lay else None, skip_padding=True, **kw)
 
     per_row = (batch.pol_pos, batch.pol_valid) + (() if extra_targets is None else (extra_targets,))
     return run_by_class(one, batch.classes, batch.length_class, per_row, (batch.tokens, batch.valid, *fields))
