@@ -29,7 +29,7 @@ import math
 
 import numpy as np
 
-from turnsight_jax.models.attention import CHUNK_GROUPS
+from turnsight_jax.models.attention import chunk_plan
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.rl.views import distinct_slots_used
 
@@ -91,42 +91,28 @@ def layout_pairs(segment_ids, ctx1_segment, ctx1_end, ctx2_segment, ctx2_end) ->
 
 def chunked_pairs(width: int, q_chunk: int) -> float:
     """(query, key) pairs the chunked causally bounded kernel scores for one row of `width` tokens."""
-    if width <= q_chunk:
-        return float(width * width)
-    n = -(-width // q_chunk)
-    groups = min(n, CHUNK_GROUPS)
-    bounds = [round(n * (g + 1) / groups) for g in range(groups)]
-    total, first = 0.0, 0
-    for last in bounds:
-        total += (last - first) * q_chunk * min(last * q_chunk, width)
-        first = last
-    return total
+    size, _, plan = chunk_plan(width, width, q_chunk, True)
+    return float(sum((last - first) * size * keys for first, last, keys in plan))
 
 
 def skipping_pairs(live: np.ndarray, q_chunk: int, row_group: int) -> float:
     """(query, key) pairs the chunked kernel scores for one forward call's rows when it skips the
     padding (models.attention.chunked_attention with row_group > 0): live [B, W] bool, the queries
     that read a key, at the call's width W. Rows run in groups of gcd(B, row_group); a group's
-    chunk is scored (q_chunk x its group's key bound, per row) only if one of its queries is live.
-    row_group 0: nothing skipped, B x chunked_pairs(W)."""
+    chunk is scored (its queries x its group's key bound, per row) only if one of its queries is
+    live. row_group 0: nothing skipped, B x chunked_pairs(W)."""
     live = np.asarray(live, bool)
     b, w = live.shape
     if row_group <= 0 or b == 0:
         return b * chunked_pairs(w, q_chunk)
     r = math.gcd(b, row_group)
     per_group = live.reshape(b // r, r, w).any(axis=1)  # [groups, W]
-    if w <= q_chunk:
-        return float(per_group.any(axis=1).sum()) * r * w * w
-    n = -(-w // q_chunk)
-    groups = min(n, CHUNK_GROUPS)
-    bounds = [round(n * (g + 1) / groups) for g in range(groups)]
-    total, first = 0.0, 0
-    for last in bounds:
-        keys = min(last * q_chunk, w)
+    size, _, plan = chunk_plan(w, w, q_chunk, True)
+    total = 0.0
+    for first, last, keys in plan:
         for c in range(first, last):
-            scored = per_group[:, c * q_chunk:(c + 1) * q_chunk].any(axis=1).sum()
-            total += float(scored) * r * q_chunk * keys
-        first = last
+            scored = per_group[:, c * size:(c + 1) * size].any(axis=1).sum()
+            total += float(scored) * r * size * keys
     return total
 
 

@@ -218,11 +218,12 @@ def _no_cotangent(meta):
     return jax.tree.map(zero, meta)
 
 
-CHUNK_GROUPS = 4  # turnsight_jax.flops counts the pairs this grouping scores
+CHUNK_GROUPS = 4
 
 
-def _chunk_plan(t: int, s_len: int, q_chunk: int, causal_bound: bool):
-    """How `t` queries run: (chunk size C, number of chunks n, [(first chunk, last chunk, keys)]):
+def chunk_plan(t: int, s_len: int, q_chunk: int, causal_bound: bool):
+    """How `t` queries against `s_len` keys run (and what turnsight_jax.flops counts): (chunk size
+    C, number of chunks n, [(first chunk, last chunk, keys)]):
     one chunk of all t queries when t <= q_chunk; with causal_bound the chunks in at most
     `CHUNK_GROUPS` groups, each scoring only the keys up to its own end (static key bounds need
     static shapes; few groups keep the compiled program small; the saving over full-key chunks is
@@ -251,7 +252,7 @@ def _attend_rows(qg, k, v, q_meta, kv_meta, mask_fn, q_chunk: int, causal_bound:
     """The forward pass on heads-first operands: qg [B, Hkv, G, T, Dh], k, v [B, Hkv, S, Dh] ->
     (out [B, Hkv, G, T', Dh], lse [B, Hkv, G, T'] float32), T' >= T: the queries padded to whole
     chunks."""
-    size, n, plan = _chunk_plan(qg.shape[3], k.shape[2], q_chunk, causal_bound)
+    size, n, plan = chunk_plan(qg.shape[3], k.shape[2], q_chunk, causal_bound)
     q_meta, qg = _pad_queries(n * size - qg.shape[3], q_meta, qg)
     outs = []
     for first, last, hi in plan:
@@ -270,7 +271,7 @@ def _grad_rows(qg, k, v, q_meta, kv_meta, out, lse, dout, mask_fn, q_chunk: int,
     as the forward ran them: each group's keys up to its own bound, one chunk at a time in a
     lax.scan that sums the key and value gradients in its carry."""
     s_len = k.shape[2]
-    size, n, plan = _chunk_plan(qg.shape[3], s_len, q_chunk, causal_bound)
+    size, n, plan = chunk_plan(qg.shape[3], s_len, q_chunk, causal_bound)
     q_meta, qg = _pad_queries(n * size - qg.shape[3], q_meta, qg)
     dqs, dk, dv = [], 0.0, 0.0
     for first, last, hi in plan:
