@@ -89,6 +89,26 @@ def test_skipping_gives_the_values_and_gradients_of_the_full_kernel(layout, row_
     assert dead.any() and np.all(out[dead] == 0.0)  # a query that reads nothing is exactly zero, skipped or not
 
 
+def _reporting_attention(lay: Layout, row_group: int):
+    """(attend(q, k, v), ran): chunked_attention over `lay` whose mask function reports each
+    [rows, queries, keys] mask it builds into `ran` (from inside the chunk's `lax.cond` branch when the
+    rows are grouped)."""
+    from turnsight_jax.models.attention import reads_any
+
+    ran = []
+
+    def mask_fn(meta, idx, n, kv_seg):
+        mask = packed_mask(meta, kv_seg[:, :n], idx)
+        jax.debug.callback(lambda shape=mask.shape: ran.append(shape))
+        return mask
+
+    def attend(q, k, v):
+        return chunked_attention(q, k, v, lay, mask_fn, q_chunk=CHUNK, causal_bound=True,
+                                 kv_meta=lay.segment_ids, live_fn=reads_any, row_group=row_group)
+
+    return attend, ran
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("row_group", [0, 1, 2, 3])
 def test_only_chunks_with_a_live_query_run_and_the_counter_counts_them(layout, row_group):
@@ -98,18 +118,7 @@ def test_only_chunks_with_a_live_query_run_and_the_counter_counts_them(layout, r
     lay = LAYOUTS[layout]()
     b = lay.segment_ids.shape[0]
     q, k, v = _qkv(b)
-    ran = []
-
-    def mask_fn(meta, idx, n, kv_seg):
-        mask = packed_mask(meta, kv_seg[:, :n], idx)
-        jax.debug.callback(lambda shape=mask.shape: ran.append(shape))
-        return mask
-
-    def attend(q, k, v):
-        from turnsight_jax.models.attention import reads_any
-        return chunked_attention(q, k, v, lay, mask_fn, q_chunk=CHUNK, causal_bound=True,
-                                 kv_meta=lay.segment_ids, live_fn=reads_any, row_group=row_group)
-
+    attend, ran = _reporting_attention(lay, row_group)
     jax.block_until_ready(jax.jit(attend)(q, k, v))
     live = flops.reads_any(jax.tree.map(np.asarray, lay))
     pairs = sum(rows * queries * keys for rows, queries, keys in ran)
@@ -226,19 +235,8 @@ def test_the_backward_pass_runs_the_forwards_cells_only(layout, row_group):
     lay = LAYOUTS[layout]()
     b = lay.segment_ids.shape[0]
     q, k, v = _qkv(b)
-    ran = []
-
-    def mask_fn(meta, idx, n, kv_seg):
-        mask = packed_mask(meta, kv_seg[:, :n], idx)
-        jax.debug.callback(lambda shape=mask.shape: ran.append(shape))
-        return mask
-
-    def loss(q, k, v):
-        from turnsight_jax.models.attention import reads_any
-        return jnp.sum(chunked_attention(q, k, v, lay, mask_fn, q_chunk=CHUNK, causal_bound=True,
-                                         kv_meta=lay.segment_ids, live_fn=reads_any, row_group=row_group) ** 2)
-
-    jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+    attend, ran = _reporting_attention(lay, row_group)
+    jax.block_until_ready(jax.jit(jax.grad(lambda *a: jnp.sum(attend(*a) ** 2), argnums=(0, 1, 2)))(q, k, v))
     live = flops.reads_any(jax.tree.map(np.asarray, lay))
     r = np.gcd(b, row_group)
     cells = sum(bool(live[g * r:(g + 1) * r, c * CHUNK:(c + 1) * CHUNK].any())
