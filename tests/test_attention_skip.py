@@ -295,3 +295,32 @@ def test_the_fused_step_with_row_groups_equals_the_step_without(setup, tok, layo
                                      row_group=g).parts for g in (0, 2)}
     for part in ("student", "student_forward"):
         assert counted[2][part][0] == counted[0][part][0] and counted[2][part][1] < counted[0][part][1]
+
+
+@pytest.mark.parametrize("layout", ["plain", "packed"])
+def test_the_critics_trunk_with_row_groups_equals_the_trunk_without(setup, tok, layout):  # noqa: F811
+    """rl.critic.hidden_at (the critic's values under a gradient, the PRM's features) skips the
+    padding too: the hidden states at the policy positions and the trunk's gradient are the
+    same with and without row groups."""
+    from turnsight_jax.rl.critic import hidden_at
+    from turnsight_jax.rl.logprobs import predictor_positions
+    from test_rl_step import _batch, _max_diff, _with_options
+
+    trajs, row_tasks, policy, _ = setup
+    cfg = dataclasses.replace(_cfg(method="turnsight"), **({"pack_rows": True} if layout == "packed" else {}))
+    batch = jax.tree.map(jnp.asarray, _batch(trajs, row_tasks, tok, cfg))
+    pos = predictor_positions(batch.valid, batch.pol_pos)
+    out = {}
+    for group in (0, 2):
+        graphdef, params = _with_options(policy, attn_q_chunk=16, attn_row_group=group)
+
+        def loss(p, graphdef=graphdef):
+            h = hidden_at(nnx.merge(graphdef, p), batch, pos)
+            return jnp.sum(jnp.where(batch.pol_valid[..., None], jnp.sin(h), 0.0)), h
+
+        out[group] = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    ((_, h0), g0), ((_, h2), g2) = out[0], out[2]
+    used = np.asarray(batch.pol_valid)
+    np.testing.assert_allclose(np.asarray(h2)[used], np.asarray(h0)[used], rtol=1e-5, atol=1e-5)
+    scale = max(jax.tree.leaves(jax.tree.map(lambda x: float(np.abs(np.asarray(x)).max()), g0)))
+    assert scale > 1.0 and _max_diff(g0, g2) < 1e-5 * scale  # sums over ~3,000 tokens

@@ -222,8 +222,9 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     token are left out). prm: the method's step-PRM (rl.prm) reads the frozen reference trunk: one
     no-gradient trunk forward (part "prm"; its head's FLOPs left out). A batch with probe rows
     (rl.orchard) adds the teacher's forward over them and its two head columns per state (part
-    "retrospective"). row_group: model.attn_row_group (the RL step's student forwards and the
-    teacher's view forwards skip the query chunks of padding per group of rows: their executed
+    "retrospective"). row_group: model.attn_row_group (the RL step's forwards, the student's,
+    the critic's, the PRM's, the teacher's views and probes, skip the query chunks of padding per
+    group of rows: their executed
     pairs count only the chunks run; packed rows under several forward calls are counted
     unskipped, an upper bound; under a gradient the skipping kernel's backward pass costs 2.5
     forwards, the rematerialised unskipped chunk's 3)."""
@@ -240,7 +241,7 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     slots = float(widths.sum())
     # the RL step's student forwards (rl.logprobs.policy_logprobs) skip their padding's query chunks
     # per row group like the teacher's views (packed rows under several forward calls counted
-    # unskipped, an upper bound); the critic's trunk runs every chunk
+    # unskipped, an upper bound), and so do the critic's and the PRM's trunks on the same rows
     student_packed = getattr(batch, "packed", None)
     every_chunk = attention_flops(cfg, sum(chunked_pairs(int(w), q_chunk) for w in widths))
     s_live = (None if row_group <= 0 else reads_any(student_packed.layout) if student_packed is not None
@@ -294,11 +295,11 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
         parts["teacher"] = (need, executed)
     if critic:
         need_trunk = forward_flops(cfg, tokens, pairs, 0.0)
-        exec_trunk = trunk * slots + every_chunk
-        grad_trunk = (4.0 if remat else 3.0) * trunk * slots + 4.0 * every_chunk
+        exec_trunk = trunk * slots + student_attn(micro_batches)  # V_old, micro-batched like the update
+        grad_trunk = (4.0 if remat else 3.0) * trunk * slots + attn_grad * exec_attn
         parts["critic"] = (need_trunk * (1 + 3 * updates), exec_trunk + grad_trunk * updates)
     if prm:
-        parts["prm"] = (forward_flops(cfg, tokens, pairs, 0.0), trunk * slots + every_chunk)
+        parts["prm"] = (forward_flops(cfg, tokens, pairs, 0.0), trunk * slots + student_attn(teacher_micro_batches))
     probes = getattr(batch, "probes", None)
     if probes is not None:  # Orchard's retrospective teacher (rl.orchard): its probe rows, 2 head columns per state
         lay, tcfg = probes.layout, teacher_cfg or cfg
@@ -309,7 +310,9 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
             forward_flops(tcfg, float((seg >= 0).sum()), layout_pairs(seg, lay.ctx1_segment, lay.ctx1_end,
                                                                       lay.ctx2_segment, lay.ctx2_end), 0.0)
             + 4.0 * tcfg.hidden_size * states,
-            forward_flops(tcfg, float(seg.size), chunked_pairs(width, q_chunk) * seg.shape[0], 0.0)
+            forward_flops(tcfg, float(seg.size), attention_pairs_executed(
+                reads_any(lay), np.full(seg.shape[0], width), q_chunk, row_group=row_group,
+                micro_batches=teacher_micro_batches), 0.0)
             + 4.0 * tcfg.hidden_size * probes.exists.size)
     return UpdateFlops(parts)
 

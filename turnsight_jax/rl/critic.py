@@ -117,19 +117,22 @@ def hidden_at(trunk, batch, positions: Array) -> Array:
     (indices into each trajectory's own tokens, as `batch.tokens` [B, T] holds them) -> [B, M, D].
     The batch's layout (plain, length classes, packed rows) as rl.logprobs.policy_logprobs; the
     trunk reads `batch.valid` (the student's context). `trunk` a Qwen3 whose vocabulary head is
-    not used."""
+    not used. An RL-step forward: attention skips the rows' query chunks of padding per
+    `model.attn_row_group` rows (Qwen3.hidden_states(skip_padding=True))."""
     if batch.packed is not None:
         pk = batch.packed
-        hidden = trunk.hidden_states(pk.tokens, pk.layout)
+        hidden = trunk.hidden_states(pk.tokens, pk.layout, skip_padding=True)
         s = pk.plan.shards
         b, m = positions.shape
         flat = packed_index(pk, positions)  # [S, B/S * M]
         return gather_rows(hidden.reshape(s, -1, hidden.shape[-1]), flat).reshape(b, m, -1)
     if batch.classes is None:
-        return gather_rows(trunk.hidden_states(batch.tokens, row_layout(batch.valid, batch.layout)), positions)
+        return gather_rows(trunk.hidden_states(batch.tokens, row_layout(batch.valid, batch.layout), skip_padding=True),
+                           positions)
 
     def one(_, pos, tokens, valid, *lay):
-        return gather_rows(trunk.hidden_states(tokens, row_layout(valid, Layout(*lay) if lay else None)), pos)
+        return gather_rows(trunk.hidden_states(tokens, row_layout(valid, Layout(*lay) if lay else None),
+                                               skip_padding=True), pos)
 
     return run_by_class(one, batch.classes, batch.length_class, (positions,),
                         (batch.tokens, batch.valid, *layout_fields(batch.layout)))

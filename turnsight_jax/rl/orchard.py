@@ -145,7 +145,8 @@ def retrospective_values(teacher, probes: RetroProbes) -> Array:
     """V(s_k) [B, S] float32 without gradient: sigmoid(logit_yes - logit_no) at each probe's last
     token (= P(Yes) / (P(Yes) + P(No)); only those two vocabulary columns are projected); 0 where
     the state does not exist."""
-    hidden = gather_rows(teacher.hidden_states(probes.tokens, probes.layout), probes.at)  # [B, S, D]
+    # no gradient; attention skips the probe rows' query chunks of padding (model.attn_row_group)
+    hidden = gather_rows(teacher.hidden_states(probes.tokens, probes.layout, skip_padding=True), probes.at)  # [B, S, D]
     w = teacher.output_weight()  # [D, V]
     cols = jnp.take(w, probes.answer_ids, axis=1).astype(jnp.float32)  # [D, B, 2]
     logits = jnp.einsum("bsd,dbj->bsj", hidden.astype(jnp.float32), cols)
