@@ -238,14 +238,14 @@ def chunk_plan(t: int, s_len: int, q_chunk: int, causal_bound: bool):
     return q_chunk, n, [(first, last, min(last * q_chunk, s_len)) for first, last in zip([0] + bounds[:-1], bounds)]
 
 
-def _pad_queries(pad: int, q_meta, *arrays):
-    """Queries padded to whole chunks: each of `arrays` on its query axis 3 with zeros, q_meta's
-    [B, T] leaves with PAD_SEGMENT (the mask functions' inputs: padded queries read nothing)."""
+def _pad_queries(pad: int, q_meta, qg):
+    """Queries padded to whole chunks: qg [B, Hkv, G, T, Dh] on its query axis with zeros, q_meta's
+    [B, T] leaves with PAD_SEGMENT (the mask functions' inputs: padded queries read nothing).
+    Returns (q_meta, qg)."""
     if not pad:
-        return (q_meta, *arrays)
-    padded = [None if a is None else jnp.pad(a, ((0, 0),) * 3 + ((0, pad),) + ((0, 0),) * (a.ndim - 4))
-              for a in arrays]
-    return (jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, pad)), constant_values=PAD_SEGMENT), q_meta), *padded)
+        return q_meta, qg
+    return (jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, pad)), constant_values=PAD_SEGMENT), q_meta),
+            jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0))))
 
 
 def _attend_rows(qg, k, v, q_meta, kv_meta, mask_fn, q_chunk: int, causal_bound: bool, scale: float, live_fn):
