@@ -224,10 +224,9 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     (rl.orchard) adds the teacher's forward over them and its two head columns per state (part
     "retrospective"). row_group: model.attn_row_group (the RL step's forwards, the student's,
     the critic's, the PRM's, the teacher's views and probes, skip the query chunks of padding per
-    group of rows: their executed
-    pairs count only the chunks run; packed rows under several forward calls are counted
-    unskipped, an upper bound; under a gradient the skipping kernel's backward pass costs 2.5
-    forwards, the rematerialised unskipped chunk's 3)."""
+    group of rows: their executed pairs count only the chunks run; packed rows under several
+    forward calls are counted unskipped, an upper bound; under a gradient the skipping kernel's
+    backward pass costs 2.5 forwards, the rematerialised unskipped chunk's 3)."""
     trunk = trunk_flops_per_token(cfg)
     score_chunk = score_chunk or logprob_chunk
     tokens = float(np.asarray(batch.valid).sum())
