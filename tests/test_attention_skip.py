@@ -97,8 +97,8 @@ def _reporting_attention(lay: Layout, row_group: int):
 
     ran = []
 
-    def mask_fn(meta, idx, n, kv_seg):
-        mask = packed_mask(meta, kv_seg[:, :n], idx)
+    def mask_fn(meta, q_index, k_index, kv_seg):
+        mask = packed_mask(meta, kv_seg, q_index, k_index)
         jax.debug.callback(lambda shape=mask.shape: ran.append(shape))
         return mask
 

@@ -64,14 +64,16 @@ class Layout:
         return cls.causal(jnp.ones((batch, length), bool))
 
 
-def packed_mask(q: Layout, kv_segment: jax.Array, q_index: jax.Array) -> jax.Array:
+def packed_mask(q: Layout, kv_segment: jax.Array, q_index: jax.Array, k_index: jax.Array | None = None
+                ) -> jax.Array:
     """Which keys each query may read, for a chunk of queries.
 
     q: Layout fields sliced to the chunk, each [B, C]; kv_segment [B, S] (the keys considered);
-    q_index [C] (packed index of each query). Returns [B, C, S] bool.
+    q_index [C] (packed index of each query); k_index [S] (packed index of each key; default
+    0 .. S-1). Returns [B, C, S] bool.
     """
     s = kv_segment.shape[1]
-    j = jnp.arange(s, dtype=jnp.int32)[None, None, :]
+    j = (jnp.arange(s, dtype=jnp.int32) if k_index is None else k_index)[None, None, :]
     kv_seg = kv_segment[:, None, :]
     own = (kv_seg == q.segment_ids[..., None]) & (j <= q_index[None, :, None])
     ctx1 = (kv_seg == q.ctx1_segment[..., None]) & (j < q.ctx1_end[..., None])
@@ -124,20 +126,22 @@ def chunked_attention(
     k: jax.Array,
     v: jax.Array,
     q_meta,
-    mask_fn: Callable[[object, jax.Array, int, object], jax.Array],
+    mask_fn: Callable[[object, jax.Array, jax.Array, object], jax.Array],
     *,
     q_chunk: int = 512,
     causal_bound: bool = False,
     kv_meta=None,
     live_fn: Callable[[object], jax.Array] | None = None,
     row_group: int = 0,
+    key_block: int = 0,
 ) -> jax.Array:
     """Grouped-query attention, chunked over queries.
 
     q [B, T, Hq, Dh]; k, v [B, S, Hkv, Dh]; q_meta: a pytree of [B, T] arrays describing the
     queries; kv_meta: a pytree of [B, S] arrays describing the keys (or None);
-    mask_fn(q_meta_chunk, q_index [C], num_keys, kv_meta) -> [B, C, num_keys] bool over the first
-    num_keys keys. Returns [B, T, Hq, Dh] in q's dtype. Scores and softmax are float32.
+    mask_fn(q_meta_chunk, q_index [C], k_index [K], kv_meta_keys) -> [B, C, K] bool: which of the
+    keys at indices k_index (kv_meta_keys: kv_meta's [B, K] at those keys) each query reads.
+    Returns [B, T, Hq, Dh] in q's dtype. Scores and softmax are float32.
 
     causal_bound: the query at index i reads no key beyond i (true of every packed layout, whose
     context segments precede the reader). Chunks are then grouped, and a group scores only the
@@ -154,6 +158,13 @@ def chunked_attention(
     backward pass is the kernel's own (`_skipping_attention`) and skips the same cells. The groups
     run one after another (a `lax.scan` over the row axis): meant for unsharded rows (one device,
     CPU); rows sharded over devices would be gathered.
+
+    key_block: with row groups, a live chunk scores its keys `key_block` at a time (flash
+    attention's online softmax in a `lax.scan`) and skips a block none of its group's queries
+    reads (`lax.cond` on the block's mask), forward and backward: a packed row's late queries
+    then pay for their own item's keys, not for every earlier item's, and a chunk of a long row
+    for the keys up to its own end rather than its chunk group's bound. 0: one score block per
+    chunk over all the keys of its group.
     """
     b, t, hq, dh = q.shape
     hkv = k.shape[2]
@@ -163,13 +174,14 @@ def chunked_attention(
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     r = math.gcd(b, row_group) if row_group > 0 and live_fn is not None else 0
     if r:
-        out = _skipping_attention(mask_fn, q_chunk, causal_bound, dh**-0.5, live_fn, r)(qg, k, v, q_meta, kv_meta)
+        out = _skipping_attention(mask_fn, q_chunk, causal_bound, dh**-0.5, live_fn, r, key_block)(
+            qg, k, v, q_meta, kv_meta)
     else:  # differentiated through its rematerialised chunk scan
         out = _attend_rows(qg, k, v, q_meta, kv_meta, mask_fn, q_chunk, causal_bound, dh**-0.5, None)[0]
     return out.transpose(0, 3, 1, 2, 4)[:, :t].reshape(b, t, hq, dh)  # from [B, Hkv, G, T', Dh]
 
 
-def _skipping_attention(mask_fn, q_chunk: int, causal_bound: bool, scale: float, live_fn, r: int):
+def _skipping_attention(mask_fn, q_chunk: int, causal_bound: bool, scale: float, live_fn, r: int, key_block: int):
     """chunked_attention with row groups of r on heads-first operands, (qg [B, Hkv, G, T, Dh],
     k, v [B, Hkv, S, Dh], q_meta, kv_meta) -> [B, Hkv, G, T', Dh], with a backward pass of its
     own that skips the same (row group, chunk) cells as the forward.
@@ -187,7 +199,7 @@ def _skipping_attention(mask_fn, q_chunk: int, causal_bound: bool, scale: float,
         return jax.tree.map(lambda o: o.reshape(b, *o.shape[2:]), out)
 
     def forward(qg, k, v, q_meta, kv_meta):
-        return grouped(lambda *a: _attend_rows(*a, mask_fn, q_chunk, causal_bound, scale, live_fn),
+        return grouped(lambda *a: _attend_rows(*a, mask_fn, q_chunk, causal_bound, scale, live_fn, key_block),
                        qg, k, v, q_meta, kv_meta)
 
     @jax.custom_vjp
@@ -200,7 +212,7 @@ def _skipping_attention(mask_fn, q_chunk: int, causal_bound: bool, scale: float,
 
     def attend_bwd(res, dout):
         qg, k, v, q_meta, kv_meta, out, lse = res
-        dq, dk, dv = grouped(lambda *a: _grad_rows(*a, mask_fn, q_chunk, causal_bound, scale, live_fn),
+        dq, dk, dv = grouped(lambda *a: _grad_rows(*a, mask_fn, q_chunk, causal_bound, scale, live_fn, key_block),
                              qg, k, v, q_meta, kv_meta, out, lse, dout)
         return (dq[:, :, :, :qg.shape[3]].astype(qg.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
                 _no_cotangent(q_meta), _no_cotangent(kv_meta))
@@ -248,7 +260,8 @@ def _pad_queries(pad: int, q_meta, qg):
             jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0))))
 
 
-def _attend_rows(qg, k, v, q_meta, kv_meta, mask_fn, q_chunk: int, causal_bound: bool, scale: float, live_fn):
+def _attend_rows(qg, k, v, q_meta, kv_meta, mask_fn, q_chunk: int, causal_bound: bool, scale: float, live_fn,
+                 key_block: int = 0):
     """The forward pass on heads-first operands: qg [B, Hkv, G, T, Dh], k, v [B, Hkv, S, Dh] ->
     (out [B, Hkv, G, T', Dh], lse [B, Hkv, G, T'] float32), T' >= T: the queries padded to whole
     chunks."""
@@ -258,14 +271,15 @@ def _attend_rows(qg, k, v, q_meta, kv_meta, mask_fn, q_chunk: int, causal_bound:
     for first, last, hi in plan:
         sub = lambda a, f=first, l=last: a[:, f * size:l * size]
         outs.append(_scan_chunks(qg[:, :, :, first * size:last * size], jax.tree.map(sub, q_meta), k[:, :, :hi],
-                                 v[:, :, :hi], kv_meta, mask_fn, first * size, size, hi, scale, live_fn))
+                                 v[:, :, :hi], _first_keys(kv_meta, hi), mask_fn, first * size, size, scale,
+                                 live_fn, key_block))
     if len(outs) == 1:
         return outs[0]
     return tuple(jnp.concatenate(parts, axis=3) for parts in zip(*outs))
 
 
 def _grad_rows(qg, k, v, q_meta, kv_meta, out, lse, dout, mask_fn, q_chunk: int, causal_bound: bool, scale: float,
-               live_fn):
+               live_fn, key_block: int = 0):
     """The backward pass of `_attend_rows` (out, lse its outputs, dout [B, Hkv, G, T', Dh] the
     cotangent of out) -> (dq [B, Hkv, G, T', Dh], dk, dv [B, Hkv, S, Dh]), float32. The chunks
     as the forward ran them: each group's keys up to its own bound, one chunk at a time in a
@@ -277,8 +291,9 @@ def _grad_rows(qg, k, v, q_meta, kv_meta, out, lse, dout, mask_fn, q_chunk: int,
     for first, last, hi in plan:
         sub = lambda a, f=first, l=last: a[:, :, :, f * size:l * size]
         meta = jax.tree.map(lambda a, f=first, l=last: a[:, f * size:l * size], q_meta)
-        dq_g, dk_g, dv_g = _scan_grad_chunks(sub(qg), meta, k[:, :, :hi], v[:, :, :hi], kv_meta, sub(out), sub(lse),
-                                             sub(dout), mask_fn, first * size, size, hi, scale, live_fn)
+        dq_g, dk_g, dv_g = _scan_grad_chunks(sub(qg), meta, k[:, :, :hi], v[:, :, :hi], _first_keys(kv_meta, hi),
+                                             sub(out), sub(lse), sub(dout), mask_fn, first * size, size, scale,
+                                             live_fn, key_block)
         widen = ((0, 0), (0, 0), (0, s_len - hi), (0, 0))
         dqs.append(dq_g)
         dk, dv = dk + jnp.pad(dk_g, widen), dv + jnp.pad(dv_g, widen)
@@ -289,13 +304,97 @@ def _live(live_fn, meta_c):
     return None if live_fn is None else jnp.any(live_fn(meta_c))
 
 
-def _chunk(qc, k, v, meta_c, kv_meta, mask_fn, start, size: int, keys: int, scale: float, live_fn):
-    """One chunk of `size` queries from index `start` against the first `keys` keys -> (out,
-    lse); with live_fn, zeros (and lse _MASKED) without computing when none of its queries is
-    live."""
+def _first_keys(kv_meta, n: int):
+    """kv_meta's [B, S] leaves at the first n keys."""
+    return jax.tree.map(lambda a: a[:, :n], kv_meta)
+
+
+def _key_blocks(k, v, kv_meta, block: int):
+    """Keys, values [B, Hkv, S, Dh] and kv_meta [B, S] in blocks of `block` keys (the last padded
+    with zero keys and PAD_SEGMENT metadata): ([n, B, Hkv, block, Dh] x2, kv_meta [n, B, block],
+    first key index of each block [n])."""
+    s = k.shape[2]
+    n = -(-s // block)
+    pad = n * block - s
+    widen = ((0, 0), (0, 0), (0, pad), (0, 0))
+    kb, vb = (_to_chunks(jnp.pad(a, widen), 2, n) for a in (k, v))
+    meta = jax.tree.map(lambda a: _to_chunks(jnp.pad(a, ((0, 0), (0, pad)), constant_values=PAD_SEGMENT), 1, n),
+                        kv_meta)
+    return kb, vb, meta, jnp.arange(n, dtype=jnp.int32) * block
+
+
+def _block_mask(mask_fn, meta_c, q_index, kv_meta_b, k0, block: int, keys: int):
+    """[B, C, block] bool: which keys of the block from index k0 each query reads (none of the
+    padding past `keys`)."""
+    k_index = k0 + jnp.arange(block, dtype=jnp.int32)
+    return mask_fn(meta_c, q_index, k_index, kv_meta_b) & (k_index < keys)[None, None, :]
+
+
+def _attend_blocks(qc, k, v, meta_c, kv_meta, mask_fn, q_index, block: int, scale: float):
+    """`_attend_chunk` over the keys `block` at a time (the online softmax), skipping a block no
+    query of the chunk reads -> (out, lse). A query that reads nothing gets out 0, lse _MASKED."""
+    keys = k.shape[2]
+    kb, vb, meta_b, k0 = _key_blocks(k, v, kv_meta, block)
+    shape = qc.shape[:-1]  # [B, Hkv, G, C]
+
+    def step(carry, kbl, vbl, mask):
+        m, total, acc, seen = carry
+        scores = jnp.einsum("bkgcd,bksd->bkgcs", qc, kbl, preferred_element_type=jnp.float32) * scale
+        scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+        top = jnp.maximum(m, jnp.max(scores, axis=-1))
+        fade = jnp.exp(m - top)  # the earlier blocks' sums, rescaled to the new maximum
+        e = jnp.exp(scores - top[..., None])
+        acc = acc * fade[..., None] + jnp.einsum("bkgcs,bksd->bkgcd", e.astype(vbl.dtype), vbl,
+                                                 preferred_element_type=jnp.float32)
+        return top, total * fade + jnp.sum(e, axis=-1), acc, seen | jnp.any(mask, axis=-1)[:, None, None, :]
+
+    def body(carry, xs):
+        kbl, vbl, meta_kb, start = xs
+        mask = _block_mask(mask_fn, meta_c, q_index, meta_kb, start, block, keys)
+        return jax.lax.cond(jnp.any(mask), step, lambda c, *_: c, carry, kbl, vbl, mask), None
+
+    init = (jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(qc.shape, jnp.float32), jnp.zeros((shape[0], 1, 1, shape[3]), bool))
+    (m, total, acc, seen), _ = jax.lax.scan(body, init, (kb, vb, meta_b, k0))
+    safe = jnp.where(seen, total, 1.0)
+    out = jnp.where(seen[..., None], acc / safe[..., None], 0.0)
+    return out.astype(qc.dtype), jnp.where(seen, m + jnp.log(safe), _MASKED)
+
+
+def _grad_blocks(qc, k, v, meta_c, kv_meta, mask_fn, q_index, block: int, scale: float, out, lse, dout):
+    """The backward pass of `_attend_blocks`: `_grad_chunk` on each block a query reads ->
+    (dq like qc, dk, dv [B, Hkv, S, Dh]) float32; a skipped block adds nothing."""
+    keys = k.shape[2]
+    kb, vb, meta_b, k0 = _key_blocks(k, v, kv_meta, block)
+    zero_kv = jnp.zeros(kb.shape[1:], jnp.float32)
+
+    def grads(kbl, vbl, mask):
+        return _grad_chunk(qc, kbl, vbl, mask, scale, out, lse, dout)
+
+    def body(dq, xs):
+        kbl, vbl, meta_kb, start = xs
+        mask = _block_mask(mask_fn, meta_c, q_index, meta_kb, start, block, keys)
+        dq_b, dk_b, dv_b = jax.lax.cond(jnp.any(mask), grads,
+                                        lambda *_: (jnp.zeros(qc.shape, jnp.float32), zero_kv, zero_kv),
+                                        kbl, vbl, mask)
+        return dq + dq_b, (dk_b, dv_b)
+
+    dq, (dk, dv) = jax.lax.scan(body, jnp.zeros(qc.shape, jnp.float32), (kb, vb, meta_b, k0))
+    return dq, _from_chunks(dk, 2)[:, :, :keys], _from_chunks(dv, 2)[:, :, :keys]
+
+
+def _chunk(qc, k, v, meta_c, kv_meta, mask_fn, start, size: int, scale: float, live_fn, key_block: int = 0):
+    """One chunk of `size` queries from index `start` against the keys k, v [B, Hkv, K, Dh] (the
+    first K; kv_meta at them) -> (out, lse); with live_fn, zeros (and lse _MASKED) without
+    computing when none of its queries is live; with key_block (and more keys than one block),
+    the keys a block at a time (`_attend_blocks`)."""
+    keys = k.shape[2]
+
     def run(qc, meta_c, start):
-        return _attend_chunk(qc, k, v, mask_fn(meta_c, start + jnp.arange(size, dtype=jnp.int32), keys, kv_meta),
-                             scale)
+        q_index = start + jnp.arange(size, dtype=jnp.int32)
+        if key_block and keys > key_block:
+            return _attend_blocks(qc, k, v, meta_c, kv_meta, mask_fn, q_index, key_block, scale)
+        return _attend_chunk(qc, k, v, mask_fn(meta_c, q_index, jnp.arange(keys, dtype=jnp.int32), kv_meta), scale)
 
     live = _live(live_fn, meta_c)
     if live is None:
@@ -304,36 +403,41 @@ def _chunk(qc, k, v, meta_c, kv_meta, mask_fn, start, size: int, keys: int, scal
                         qc, meta_c, start)
 
 
-def _scan_chunks(qg, q_meta, k, v, kv_meta, mask_fn, start: int, q_chunk: int, keys: int, scale: float, live_fn):
-    """Queries qg [B, Hkv, G, n*C, Dh] in chunks of C, each against k, v [B, Hkv, keys, Dh],
-    inside a lax.scan (one chunk's scores alive at a time) -> (out, lse); q_meta leaves are
-    [B, n*C]."""
+def _scan_chunks(qg, q_meta, k, v, kv_meta, mask_fn, start: int, q_chunk: int, scale: float, live_fn,
+                 key_block: int = 0):
+    """Queries qg [B, Hkv, G, n*C, Dh] in chunks of C, each against k, v [B, Hkv, K, Dh] (kv_meta
+    [B, K] at those keys), inside a lax.scan (one chunk's scores alive at a time) -> (out, lse);
+    q_meta leaves are [B, n*C]."""
     n = qg.shape[3] // q_chunk
     if n == 1:
-        return _chunk(qg, k, v, q_meta, kv_meta, mask_fn, start, q_chunk, keys, scale, live_fn)
+        return _chunk(qg, k, v, q_meta, kv_meta, mask_fn, start, q_chunk, scale, live_fn, key_block)
 
     starts = start + jnp.arange(n, dtype=jnp.int32) * q_chunk
 
     @jax.checkpoint  # under autodiff (row_group 0) the backward pass recomputes one chunk at a time
     def body(_, xs):
         qc, meta_c, st = xs
-        return None, _chunk(qc, k, v, meta_c, kv_meta, mask_fn, st, q_chunk, keys, scale, live_fn)
+        return None, _chunk(qc, k, v, meta_c, kv_meta, mask_fn, st, q_chunk, scale, live_fn, key_block)
 
     _, (out, lse) = jax.lax.scan(body, None, (_to_chunks(qg, 3, n), jax.tree.map(lambda a: _to_chunks(a, 1, n), q_meta),
                                               starts))
     return _from_chunks(out, 3), _from_chunks(lse, 3)
 
 
-def _scan_grad_chunks(qg, q_meta, k, v, kv_meta, out, lse, dout, mask_fn, start: int, q_chunk: int, keys: int,
-                      scale: float, live_fn):
-    """The backward pass of `_scan_chunks` -> (dq like qg, dk, dv [B, Hkv, keys, Dh]) float32;
+def _scan_grad_chunks(qg, q_meta, k, v, kv_meta, out, lse, dout, mask_fn, start: int, q_chunk: int, scale: float,
+                      live_fn, key_block: int = 0):
+    """The backward pass of `_scan_chunks` -> (dq like qg, dk, dv [B, Hkv, K, Dh]) float32;
     a chunk with no live query adds nothing and its dq is 0."""
     n = qg.shape[3] // q_chunk
+    keys = k.shape[2]
     starts = start + jnp.arange(n, dtype=jnp.int32) * q_chunk
     zero_kv = jnp.zeros(k.shape, jnp.float32)
 
     def grads(qc, meta_c, st, oc, lc, dc):
-        mask = mask_fn(meta_c, st + jnp.arange(q_chunk, dtype=jnp.int32), keys, kv_meta)
+        q_index = st + jnp.arange(q_chunk, dtype=jnp.int32)
+        if key_block and keys > key_block:
+            return _grad_blocks(qc, k, v, meta_c, kv_meta, mask_fn, q_index, key_block, scale, oc, lc, dc)
+        mask = mask_fn(meta_c, q_index, jnp.arange(keys, dtype=jnp.int32), kv_meta)
         return _grad_chunk(qc, k, v, mask, scale, oc, lc, dc)
 
     def body(carry, xs):
@@ -366,9 +470,11 @@ def _from_chunks(a, axis: int):
     return a.reshape(*a.shape[:axis], a.shape[axis] * a.shape[axis + 1], *a.shape[axis + 2:])
 
 
-def layout_attention(q, k, v, layout: Layout, *, q_chunk: int = 512, row_group: int = 0) -> jax.Array:
+def layout_attention(q, k, v, layout: Layout, *, q_chunk: int = 512, row_group: int = 0, key_block: int = 0
+                     ) -> jax.Array:
     """Attention of a (packed) sequence with itself, per `layout`. Shapes as chunked_attention.
-    row_group > 0: chunks of padding skipped per group of rows (chunked_attention)."""
+    row_group > 0: chunks of padding skipped per group of rows, and with key_block > 0 the key
+    blocks no query of a chunk reads (chunked_attention)."""
     kv_segment = layout.segment_ids
     q_meta = Layout(
         positions=layout.positions,
@@ -379,8 +485,9 @@ def layout_attention(q, k, v, layout: Layout, *, q_chunk: int = 512, row_group: 
         ctx2_end=layout.ctx2_end,
     )
     return chunked_attention(
-        q, k, v, q_meta, lambda meta, idx, n, kv_seg: packed_mask(meta, kv_seg[:, :n], idx), q_chunk=q_chunk,
-        causal_bound=True, kv_meta=kv_segment, live_fn=reads_any, row_group=row_group,
+        q, k, v, q_meta, lambda meta, q_index, k_index, kv_seg: packed_mask(meta, kv_seg, q_index, k_index),
+        q_chunk=q_chunk, causal_bound=True, kv_meta=kv_segment, live_fn=reads_any, row_group=row_group,
+        key_block=key_block,
     )
 
 
@@ -401,8 +508,8 @@ def cache_attention(q, k_cache, v_cache, slots: jax.Array, *, q_chunk: int = 512
     (`chunked_attention`'s causal_bound), 3/8 less score work than every chunk over all keys.
     """
 
-    def mask_fn(q_slots, _, n, __):
-        j = jnp.arange(n, dtype=jnp.int32)[None, None, :]
+    def mask_fn(q_slots, _, k_index, __):
+        j = k_index[None, None, :]
         return (j <= q_slots[..., None]) & (q_slots[..., None] >= 0)
 
     return chunked_attention(q, k_cache, v_cache, slots, mask_fn, q_chunk=q_chunk, causal_bound=from_empty)
