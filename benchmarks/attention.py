@@ -40,15 +40,19 @@ from turnsight_jax.rl.batch import make_train_batch  # noqa: E402
 from turnsight_jax.rl.methods import resolve_method  # noqa: E402
 
 
-def rows_layout(geometry: str, which: str) -> Layout:
-    """The Layout [B, T] of the geometry's student rows (plain causal) or packed hindsight views."""
+def rows_layout(geometry: str, which: str, pack_width: int | None = None) -> Layout:
+    """The Layout [B, T] of the geometry's student rows (plain causal) or packed hindsight views;
+    with pack_width (train.pack_rows; 0: the batch's width) those rows packed several per row."""
     tok = default_tokenizer()
     trajs, row_tasks, turns = geometry_batch(geometry, tok)
-    sc = dataclasses.replace(step_config(default_config()), max_turns=turns, length_classes=1)
+    packing = {} if pack_width is None else {"pack_rows": True, "pack_width": pack_width}
+    sc = dataclasses.replace(step_config(default_config()), max_turns=turns, length_classes=1, **packing)
     batch, _ = make_train_batch(trajs, row_tasks, tok, sc, resolve_method(sc))
     if which == "student":
-        return Layout.causal(jnp.asarray(batch.valid))
-    return jax.tree.map(jnp.asarray, batch.views.layout)
+        return (Layout.causal(jnp.asarray(batch.valid)) if pack_width is None
+                else jax.tree.map(jnp.asarray, batch.packed.layout))
+    views = batch.views
+    return jax.tree.map(jnp.asarray, views.layout if pack_width is None else views.packed.layout)
 
 
 def main() -> None:
@@ -58,10 +62,14 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny-default", help="the heads (query, key-value, head dim) of this preset")
     ap.add_argument("--q-chunk", type=int, default=128, help="model.attn_q_chunk (the embedded default's 128)")
     ap.add_argument("--groups", type=int, nargs="+", default=[4, 8], help="model.attn_row_group values to compare")
+    ap.add_argument("--key-blocks", type=int, nargs="*", default=[128],
+                    help="model.attn_key_block values to compare, each with every row group")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--pack-width", type=int, default=None,
+                    help="pack the rows (train.pack_rows) in rows at least this wide (0: the batch's width)")
     args = ap.parse_args()
 
-    lay = rows_layout(args.geometry, args.rows)
+    lay = rows_layout(args.geometry, args.rows, args.pack_width)
     b, t = lay.segment_ids.shape
     cfg = get_preset(args.preset)
     ks = jax.random.split(jax.random.key(0), 4)
@@ -70,22 +78,24 @@ def main() -> None:
     v = jax.random.normal(ks[2], (b, t, cfg.num_kv_heads, cfg.head_dim))
     w = jax.random.normal(ks[3], q.shape)
     live = flops.reads_any(jax.tree.map(np.asarray, lay))
+    reach = flops.key_reach(jax.tree.map(np.asarray, lay))
     necessary = flops.layout_pairs(*(np.asarray(a) for a in (lay.segment_ids, lay.ctx1_segment, lay.ctx1_end,
                                                              lay.ctx2_segment, lay.ctx2_end)))
     print(f"machine: {machine()}")
-    print(f"{args.geometry} geometry, {args.rows} rows [{b}, {t}], {int(live.sum())} live tokens, "
+    packed = "" if args.pack_width is None else ", packed"
+    print(f"{args.geometry} geometry, {args.rows} rows{packed} [{b}, {t}], {int(live.sum())} live tokens, "
           f"{cfg.num_heads} / {cfg.num_kv_heads} heads of {cfg.head_dim}, query chunk {args.q_chunk}")
 
     programs = {}
-    for group in [0] + list(args.groups):
-        def out(q, k, v, group=group):
-            return layout_attention(q, k, v, lay, q_chunk=args.q_chunk, row_group=group)
+    for group, kb in [(0, 0)] + [(g, kb) for g in args.groups for kb in [0] + list(args.key_blocks)]:
+        def out(q, k, v, group=group, kb=kb):
+            return layout_attention(q, k, v, lay, q_chunk=args.q_chunk, row_group=group, key_block=kb)
 
         def loss(q, k, v, out=out):
             return jnp.sum(out(q, k, v) * w)
 
-        programs[group] = (jax.jit(out), jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))))
-        for fn in programs[group]:
+        programs[group, kb] = (jax.jit(out), jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))))
+        for fn in programs[group, kb]:
             jax.block_until_ready(fn(q, k, v))
     times = {(g, p): [] for g in programs for p in (0, 1)}
     for _ in range(args.rounds):
@@ -98,13 +108,14 @@ def main() -> None:
     def cell(g, p):
         xs = times[g, p]
         q1, _, q3 = statistics.quantiles(xs, n=4)
-        return f"{statistics.median(xs):.3f} s ({q1:.3f}-{q3:.3f})", statistics.median(times[0, p]) / statistics.median(xs)
+        return f"{statistics.median(xs):.3f} s ({q1:.3f}-{q3:.3f})", statistics.median(times[(0, 0), p]) / statistics.median(xs)
 
     rows = []
-    for g in programs:
-        (fwd, rf), (both, rb) = cell(g, 0), cell(g, 1)
-        scored = flops.skipping_pairs(live, args.q_chunk, g)
-        name = "every chunk (autodiff, the baseline)" if g == 0 else f"row groups of {np.gcd(b, g)} (own backward)"
+    for g, kb in programs:
+        (fwd, rf), (both, rb) = cell((g, kb), 0), cell((g, kb), 1)
+        scored = flops.skipping_pairs(live, args.q_chunk, g, reach=reach, key_block=kb)
+        name = ("every chunk (autodiff, the baseline)" if g == 0 else f"row groups of {np.gcd(b, g)} (own backward)"
+                + (f", key blocks of {kb}" if kb else ""))
         rows.append([name, fwd, f"{rf:.2f}x", both, f"{rb:.2f}x", f"{scored / necessary:.2f}"])
     print(table(rows, ["kernel", "forward", "over baseline", "forward + backward", "over baseline",
                        "pairs scored / necessary"]))

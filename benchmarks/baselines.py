@@ -120,7 +120,7 @@ def main():
                                   micro_batches=sc.micro_batches, mini_batches=sc.mini_batches,
                                   teacher_micro_batches=sc.teacher_micro_batches,
                                   teacher_cfg=qcfg if external else None, critic=method.critic, prm=method.prm,
-                                  row_group=cfg.model.attn_row_group)
+                                  row_group=cfg.model.attn_row_group, key_block=cfg.model.attn_key_block)
         teacher = work.parts.get("teacher", (0.0, 0.0))[0] + work.parts.get("retrospective", (0.0, 0.0))[0]
         critic = work.parts.get("critic", (0.0, 0.0))[0] + work.parts.get("prm", (0.0, 0.0))[0]
         teacher_tokens = int(stats.get("view_tokens", 0))

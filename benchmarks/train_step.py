@@ -141,7 +141,7 @@ def compare_classes(args):
         batch, stats = make_train_batch(trajs, row_tasks, tok, sc, resolve_method(sc))
         counts = {p: update_flops(get_preset(p), batch, updates=1, q_chunk=q_chunk, remat=cfg.model.remat,
                                   teacher_distinct_rows=stats["teacher_distinct_rows"], logprob_chunk=sc.logprob_chunk,
-                                  score_chunk=sc.scoring_chunk, row_group=cfg.model.attn_row_group)
+                                  score_chunk=sc.scoring_chunk, row_group=cfg.model.attn_row_group, key_block=cfg.model.attn_key_block)
                   for p in ("tiny-default", "qwen3-8b")}
         widths = (f"T={stats['T']:.0f}, P={stats['P']:.0f}" if k == 1 else
                   "T=" + "/".join(f"{stats[f'T{i}']:.0f}" for i in range(k)) + ", P=" +

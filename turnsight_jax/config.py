@@ -68,6 +68,7 @@ def base_config() -> mlc.ConfigDict:
     c.model.attn_q_chunk = 512  # queries per attention chunk (bounds the [chunk, keys] score block)
     c.model.vocab_block = 0  # vocabulary columns per logits block of the log-prob head; 0: all at once (accelerators); ~1,024 on a CPU
     c.model.attn_row_group = 0  # > 0: the RL step's forwards (student and teacher) skip the padding's query chunks per group of this many rows (one device)
+    c.model.attn_key_block = 0  # > 0 (with attn_row_group): a chunk's keys this many at a time, skipping blocks none of its queries reads (packed rows)
     c.model.allow_random_init = False  # start from random weights when hf_path is "" (the paper starts from Qwen3)
 
     c.data = mlc.ConfigDict()  # the tasks (turnsight_jax.sources)
@@ -736,11 +737,12 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
     for key in ("param_dtype", "compute_dtype", "ref_dtype"):
         if cfg.model[key] not in ("float32", "bfloat16"):
             raise ConfigError(f"model.{key} must be float32 or bfloat16, got {cfg.model[key]!r}")
-    for key in ("attn_q_chunk", "vocab_block", "attn_row_group"):
+    for key in ("attn_q_chunk", "vocab_block", "attn_row_group", "attn_key_block"):
         least = 1 if key == "attn_q_chunk" else 0
         if cfg.model[key] < least:
             raise ConfigError(f"model.{key} must be >= {least} (vocab_block 0: the whole vocabulary at once; "
-                              f"attn_row_group 0: no padding skipped), got {cfg.model[key]}")
+                              f"attn_row_group 0: no padding skipped; attn_key_block 0: one key block per chunk), "
+                              f"got {cfg.model[key]}")
     if cfg.train.steps < 0 or cfg.train.prompts_per_step < 1:
         raise ConfigError("train.steps must be >= 0 and train.prompts_per_step >= 1")
     if cfg.train.max_skipped_steps < 1:

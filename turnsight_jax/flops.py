@@ -95,12 +95,15 @@ def chunked_pairs(width: int, q_chunk: int) -> float:
     return float(sum((last - first) * size * keys for first, last, keys in plan))
 
 
-def skipping_pairs(live: np.ndarray, q_chunk: int, row_group: int) -> float:
+def skipping_pairs(live: np.ndarray, q_chunk: int, row_group: int, *, reach: np.ndarray | None = None,
+                   key_block: int = 0) -> float:
     """(query, key) pairs the chunked kernel scores for one forward call's rows when it skips the
     padding (models.attention.chunked_attention with row_group > 0): live [B, W] bool, the queries
     that read a key, at the call's width W. Rows run in groups of gcd(B, row_group); a group's
     chunk is scored (its queries x its group's key bound, per row) only if one of its queries is
-    live. row_group 0: nothing skipped, B x chunked_pairs(W)."""
+    live. row_group 0: nothing skipped, B x chunked_pairs(W). key_block (with `reach` [B, W, 3, 2],
+    `key_reach`): a scored chunk whose key bound exceeds one block scores only the blocks of
+    `key_block` keys one of its group's queries reads (the last block padded to a whole one)."""
     live = np.asarray(live, bool)
     b, w = live.shape
     if row_group <= 0 or b == 0:
@@ -108,12 +111,65 @@ def skipping_pairs(live: np.ndarray, q_chunk: int, row_group: int) -> float:
     r = math.gcd(b, row_group)
     per_group = live.reshape(b // r, r, w).any(axis=1)  # [groups, W]
     size, _, plan = chunk_plan(w, w, q_chunk, True)
+    blocks = None
+    if key_block and reach is not None and any(keys > key_block for *_, keys in plan):
+        blocks = _blocks_read(np.asarray(reach)[:, :w], key_block, -(-max(k for *_, k in plan) // key_block))
+        blocks = blocks.reshape(b // r, r, w, -1).any(axis=1)  # [groups, W, blocks]
     total = 0.0
     for first, last, keys in plan:
         for c in range(first, last):
-            scored = per_group[:, c * size:(c + 1) * size].any(axis=1).sum()
-            total += float(scored) * r * size * keys
+            scored = per_group[:, c * size:(c + 1) * size].any(axis=1)
+            if blocks is None or keys <= key_block:
+                total += float(scored.sum()) * r * size * keys
+                continue
+            read = blocks[:, c * size:(c + 1) * size, :-(-keys // key_block)].any(axis=1)  # [groups, blocks]
+            total += float(read[scored].sum()) * r * size * key_block
     return total
+
+
+def key_reach(layout) -> np.ndarray:
+    """[B, T, 3, 2] int64: the key ranges [lo, hi) each token of a Layout (numpy fields) reads
+    under models.attention.packed_mask: its own segment from the segment's first token up to
+    itself, and each context segment from its first token up to the context's end (an empty range
+    lo == hi where there is none). Segments are contiguous (rl.views builds them so)."""
+    seg, c1s, c1e, c2s, c2e = (np.asarray(getattr(layout, f)) for f in
+                               ("segment_ids", "ctx1_segment", "ctx1_end", "ctx2_segment", "ctx2_end"))
+    b, t = seg.shape
+    out = np.zeros((b, t, 3, 2), np.int64)
+    idx = np.arange(t)
+    for i in range(b):
+        real = seg[i] >= 0
+        if not real.any():
+            continue
+        size = int(seg[i].max()) + 1
+        start, end = np.zeros(size, np.int64), np.zeros(size, np.int64)
+        start[seg[i][real][::-1]] = idx[real][::-1]
+        end[seg[i][real]] = idx[real] + 1
+        own = np.where(real, seg[i], 0)
+        out[i, :, 0, 0] = np.where(real, start[own], 0)
+        out[i, :, 0, 1] = np.where(real, idx + 1, 0)
+        for j, (cs, ce) in enumerate(((c1s[i], c1e[i]), (c2s[i], c2e[i])), start=1):
+            ok = (cs >= 0) & (cs < size)
+            c = np.where(ok, cs, 0)
+            lo, hi = start[c], np.minimum(ce, end[c])
+            ok &= hi > lo
+            out[i, :, j, 0], out[i, :, j, 1] = np.where(ok, lo, 0), np.where(ok, hi, 0)
+    return out
+
+
+def causal_reach(valid: np.ndarray) -> np.ndarray:
+    """key_reach of right-padded causal rows (models.attention.Layout.causal): valid [B, T] bool."""
+    valid = np.asarray(valid, bool)
+    out = np.zeros(valid.shape + (3, 2), np.int64)
+    out[..., 0, 1] = np.where(valid, np.arange(valid.shape[1]) + 1, 0)
+    return out
+
+
+def _blocks_read(reach: np.ndarray, block: int, n: int) -> np.ndarray:
+    """[B, W, n] bool: whether each query reads a key of block j (keys j*block .. (j+1)*block - 1)."""
+    lo, hi = reach[..., 0], reach[..., 1]  # [B, W, 3]
+    first = np.arange(n) * block
+    return ((lo[..., None] < first + block) & (hi[..., None] > first) & (hi > lo)[..., None]).any(axis=2)
 
 
 def reads_any(layout) -> np.ndarray:
@@ -122,28 +178,32 @@ def reads_any(layout) -> np.ndarray:
             | (np.asarray(layout.ctx2_segment) >= 0))
 
 
-def _attention_calls(live: np.ndarray, widths: np.ndarray, row_class, micro_batches: int) -> list[np.ndarray]:
-    """The [rows, width] live masks of each forward call the step makes over a batch's rows
-    (micro-batches strided, rows m, m + M, ...; each length class its own call at its width)."""
+def _attention_calls(live: np.ndarray, widths: np.ndarray, row_class, micro_batches: int, reach=None) -> list:
+    """(live [rows, width], reach [rows, width, 3, 2] or None) of each forward call the step makes
+    over a batch's rows (micro-batches strided, rows m, m + M, ...; each length class its own call
+    at its width)."""
     calls = []
     cls = np.zeros(live.shape[0], np.int32) if row_class is None else np.asarray(row_class)
     for m in range(micro_batches):
         rows = np.arange(m, live.shape[0], micro_batches)
         for c in np.unique(cls[rows]):
             sel = rows[cls[rows] == c]
-            calls.append(live[sel, :int(widths[sel[0]])])
+            w = int(widths[sel[0]])
+            calls.append((live[sel, :w], None if reach is None else reach[sel, :w]))
     return calls
 
 
 def attention_pairs_executed(live: np.ndarray, widths: np.ndarray, q_chunk: int, *, row_group: int = 0,
-                             row_class=None, micro_batches: int = 1) -> float:
+                             row_class=None, micro_batches: int = 1, reach: np.ndarray | None = None,
+                             key_block: int = 0) -> float:
     """Pairs the chunked kernel scores over a batch: live [B, W] bool (the queries that read a key),
-    widths [B] (each row's forward width, `_row_widths`). Without skipping (row_group 0) each row
-    costs chunked_pairs(its width)."""
+    widths [B] (each row's forward width, `_row_widths`); reach [B, W, 3, 2] (`key_reach`) and
+    key_block: the key blocks skipped too (`skipping_pairs`). Without skipping (row_group 0) each
+    row costs chunked_pairs(its width)."""
     if row_group <= 0:
         return sum(chunked_pairs(int(w), q_chunk) for w in widths)
-    return sum(skipping_pairs(x, q_chunk, row_group) for x in _attention_calls(live, widths, row_class,
-                                                                                micro_batches))
+    return sum(skipping_pairs(x, q_chunk, row_group, reach=rx, key_block=key_block)
+               for x, rx in _attention_calls(live, widths, row_class, micro_batches, reach))
 
 
 @dataclasses.dataclass
@@ -203,7 +263,7 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
                  score_chunk: int | None = None, micro_batches: int = 1, mini_batches: int = 1,
                  teacher_micro_batches: int = 1,
                  row_shards: int = 1, teacher_cfg: Qwen3Config | None = None, critic: bool = False,
-                 prm: bool = False, row_group: int = 0) -> UpdateFlops:
+                 prm: bool = False, row_group: int = 0, key_block: int = 0) -> UpdateFlops:
     """FLOPs of the fused step (rl.step) on a numpy TrainBatch (rl.batch).
 
     updates: forward+backward passes over every row (ppo_epochs: each row is in one mini-batch per
@@ -226,7 +286,9 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     the critic's, the PRM's, the teacher's views and probes, skip the query chunks of padding per
     group of rows: their executed pairs count only the chunks run; packed rows under several
     forward calls are counted unskipped, an upper bound; under a gradient the skipping kernel's
-    backward pass costs 2.5 forwards, the rematerialised unskipped chunk's 3)."""
+    backward pass costs 2.5 forwards, the rematerialised unskipped chunk's 3). key_block:
+    model.attn_key_block (with row groups, a scored chunk scores only the key blocks one of its
+    group's queries reads)."""
     trunk = trunk_flops_per_token(cfg)
     score_chunk = score_chunk or logprob_chunk
     tokens = float(np.asarray(batch.valid).sum())
@@ -243,15 +305,17 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     # unskipped, an upper bound), and so do the critic's and the PRM's trunks on the same rows
     student_packed = getattr(batch, "packed", None)
     every_chunk = attention_flops(cfg, sum(chunked_pairs(int(w), q_chunk) for w in widths))
-    s_live = (None if row_group <= 0 else reads_any(student_packed.layout) if student_packed is not None
-              else np.asarray(batch.valid, bool) if lay is None else reads_any(lay))
+    s_lay = student_packed.layout if student_packed is not None else lay
+    s_live = (None if row_group <= 0 else np.asarray(batch.valid, bool) if s_lay is None else reads_any(s_lay))
+    s_reach = (None if s_live is None or not key_block else causal_reach(batch.valid) if s_lay is None
+               else key_reach(s_lay))
 
     def student_attn(calls: int) -> float:
         """Attention FLOPs of one student forward over the batch in `calls` strided calls."""
         if s_live is None or (student_packed is not None and calls > 1):
             return every_chunk
         return attention_flops(cfg, attention_pairs_executed(
-            s_live, widths, q_chunk, row_group=row_group, micro_batches=calls,
+            s_live, widths, q_chunk, row_group=row_group, micro_batches=calls, reach=s_reach, key_block=key_block,
             row_class=None if student_packed is not None else getattr(batch, "length_class", None)))
 
     exec_attn = student_attn(mini_batches * micro_batches)
@@ -284,10 +348,12 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
                                                                         lay.ctx2_segment, lay.ctx2_end), distinct)
         vw = _row_widths(views.tokens, getattr(views, "classes", None), getattr(views, "row_class", None), packed)
         vlive = reads_any(lay)
+        tgroup = row_group if packed is None or teacher_micro_batches == 1 else 0
         tpairs = attention_pairs_executed(
-            vlive, vw, q_chunk, row_group=row_group if packed is None or teacher_micro_batches == 1 else 0,
+            vlive, vw, q_chunk, row_group=tgroup,
             row_class=None if packed is not None else getattr(views, "row_class", None),
-            micro_batches=1 if packed is not None else teacher_micro_batches)
+            micro_batches=1 if packed is not None else teacher_micro_batches,
+            reach=key_reach(lay) if tgroup > 0 and key_block else None, key_block=key_block)
         executed = forward_flops(tcfg, float(vw.sum()), tpairs,
                                  head_rows_executed(used, score_chunk, micro_batches=teacher_micro_batches,
                                                     row_shards=row_shards, row_class=getattr(views, "row_class", None)))
@@ -311,7 +377,8 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
             + 4.0 * tcfg.hidden_size * states,
             forward_flops(tcfg, float(seg.size), attention_pairs_executed(
                 reads_any(lay), np.full(seg.shape[0], width), q_chunk, row_group=row_group,
-                micro_batches=teacher_micro_batches), 0.0)
+                micro_batches=teacher_micro_batches, reach=key_reach(lay) if row_group > 0 and key_block else None,
+                key_block=key_block), 0.0)
             + 4.0 * tcfg.hidden_size * probes.exists.size)
     return UpdateFlops(parts)
 

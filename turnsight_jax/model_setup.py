@@ -23,7 +23,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 def runtime_options(cfg: mlc.ConfigDict) -> RuntimeOptions:
     return RuntimeOptions(compute_dtype=DTYPES[cfg.model.compute_dtype], remat=cfg.model.remat,
                           attn_q_chunk=cfg.model.attn_q_chunk, vocab_block=cfg.model.vocab_block,
-                          attn_row_group=cfg.model.attn_row_group)
+                          attn_row_group=cfg.model.attn_row_group, attn_key_block=cfg.model.attn_key_block)
 
 
 def tokenizer_folder(explicit: str | pathlib.Path | None, hf_path: str | pathlib.Path | None) -> pathlib.Path:

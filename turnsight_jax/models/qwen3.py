@@ -40,6 +40,9 @@ class RuntimeOptions:
         in groups of this many and skips a group's query chunks that hold only padding, in the
         forward and the backward pass (models.attention.chunked_attention); 0: all rows together,
         nothing skipped. For unsharded rows (one device).
+    attn_key_block: with attn_row_group, a chunk's keys are scored this many at a time and a
+        block none of the chunk's queries reads is skipped (packed rows' earlier items, a long
+        row's keys past the chunk); 0: one score block per chunk.
     """
 
     compute_dtype: jnp.dtype = jnp.float32
@@ -47,6 +50,7 @@ class RuntimeOptions:
     attn_q_chunk: int = 512
     vocab_block: int = 0
     attn_row_group: int = 0
+    attn_key_block: int = 0
 
 
 @struct.dataclass
@@ -187,7 +191,8 @@ class Qwen3(nnx.Module):
 
         def layer(x, p):
             q, k, v = self._qkv(p, x, layout.positions)
-            return self._finish_layer(p, x, layout_attention(q, k, v, layout, q_chunk=chunk, row_group=group)), None
+            return self._finish_layer(p, x, layout_attention(q, k, v, layout, q_chunk=chunk, row_group=group,
+                                                             key_block=self.options.attn_key_block)), None
 
         if self.options.remat:
             layer = jax.checkpoint(layer, prevent_cse=False)
