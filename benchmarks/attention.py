@@ -1,11 +1,13 @@
 """Attention kernel benchmark: one layer's attention over a geometry's real rows, forward and
 forward + backward, with `model.attn_row_group` = 0 (every chunk; autodiff through the
 rematerialised chunk scan, the baseline) against row groups (chunks of padding skipped, the
-skipping kernel's own backward pass: models.attention._skipping_attention).
+skipping kernel's own backward pass: models.attention._skipping_attention), each without and with
+key blocks (`model.attn_key_block`: the blocks of keys no query of a chunk reads skipped too).
 
     python benchmarks/attention.py                       # the default geometry's student rows, tiny-default heads
     python benchmarks/attention.py --rows teacher        # its packed hindsight views (forward only matters there)
-    python benchmarks/attention.py --rounds 20 --groups 4 8
+    python benchmarks/attention.py --rounds 20 --groups 4 8 --key-blocks 64 128
+    python benchmarks/attention.py --rows teacher --pack-width 3584 --groups 1   # several views per row (train.pack_rows)
 
 Every variant is compiled first, then timed once per round, the rounds interleaved (this box's
 speed drifts between minutes); medians and interquartile ranges, and each variant over the

@@ -6,6 +6,7 @@ MFU against a matmul peak measured in the same run; and the padding the update p
     python benchmarks/train_step.py --geometry default       # the filing revision vs today's, same run
     python benchmarks/train_step.py --geometry default --rounds 3   # the same, every variant timed 3 times, interleaved
     python benchmarks/train_step.py --geometry paper-like    # the same at a paper-like length spread
+    python benchmarks/train_step.py --geometry default --pack-width 2304 --teacher-pack-width 3584 --key-block 64 --kb-q-chunk 64
 
 Trajectories are real: built-in multi-hop tasks replayed through the environment (gold chains),
 so the packed hindsight views have the real layout.
@@ -13,7 +14,9 @@ so the packed hindsight views have the real layout.
 `--geometry` compares, on one batch, the fused step at the revision issue 21 was filed against
 (BEFORE_REV, extracted with `git archive`), today's with every row padded to the longest
 (train.length_classes = 1), today's with `--classes` length classes and
-today's with the rows packed (train.pack_rows, train.pack_width = `--pack-width`), each timed in its own
+today's with the rows packed (train.pack_rows, train.pack_width = `--pack-width`,
+train.teacher_pack_width = `--teacher-pack-width`), and packed with the attention's key blocks
+(model.attn_key_block = `--key-block`, model.attn_q_chunk = `--kb-q-chunk`), each timed in its own
 process by benchmarks/_step_worker.py (the embedded default's step and model settings, with the
 variant's fields on top), `--rounds` times interleaved (medians; per-round ratios); for
 today's rows also the executed / necessary FLOPs of the update (turnsight_jax.flops) for the timed
@@ -108,9 +111,14 @@ def compare_classes(args):
     # the head as it was before vocabulary blocks: the whole vocabulary per chunk, in the chunks
     # the embedded default then used (256 rows for the update, 32 for the no-gradient forwards)
     whole = ({"length_classes": 1, "logprob_chunk": 256, "score_chunk": 32}, {"vocab_block": 0})
+    packing = {"length_classes": 1, "pack_rows": True, "pack_width": args.pack_width,
+               "teacher_pack_width": args.teacher_pack_width}
     variants = {"whole-vocabulary head": whole, "one width": ({"length_classes": 1}, {}),
                 "classes": ({"length_classes": args.classes}, {}),
-                "packed": ({"length_classes": 1, "pack_rows": True, "pack_width": args.pack_width}, {})}
+                "packed": (packing, {})}
+    if args.key_block:
+        variants["packed, key blocks"] = (packing, {"attn_key_block": args.key_block,
+                                                    "attn_q_chunk": args.kb_q_chunk or q_chunk})
     walls: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tree = _extract(BEFORE_REV, tmp)
@@ -139,9 +147,11 @@ def compare_classes(args):
         k = sets.get("length_classes", 1)
         sc = dataclasses.replace(step_config(cfg), max_turns=turns, **sets)
         batch, stats = make_train_batch(trajs, row_tasks, tok, sc, resolve_method(sc))
-        counts = {p: update_flops(get_preset(p), batch, updates=1, q_chunk=q_chunk, remat=cfg.model.remat,
+        model = {**cfg.model.to_dict(), **model_sets}
+        counts = {p: update_flops(get_preset(p), batch, updates=1, q_chunk=model["attn_q_chunk"], remat=model["remat"],
                                   teacher_distinct_rows=stats["teacher_distinct_rows"], logprob_chunk=sc.logprob_chunk,
-                                  score_chunk=sc.scoring_chunk, row_group=cfg.model.attn_row_group, key_block=cfg.model.attn_key_block)
+                                  score_chunk=sc.scoring_chunk, row_group=model["attn_row_group"],
+                                  key_block=model["attn_key_block"])
                   for p in ("tiny-default", "qwen3-8b")}
         widths = (f"T={stats['T']:.0f}, P={stats['P']:.0f}" if k == 1 else
                   "T=" + "/".join(f"{stats[f'T{i}']:.0f}" for i in range(k)) + ", P=" +
@@ -150,8 +160,11 @@ def compare_classes(args):
         if batch.packed is not None:
             (rt, wt), (rp, wp) = batch.packed.tokens.shape, v_.packed.tokens.shape
             slots_t, slots_p = rt * wt, rp * wp
-            label = (f"today, packed (train.pack_rows, pack_width={args.pack_width}): {b_} trajectories in {rt} rows "
-                     f"of {wt}, {b_} hindsight rows in {rp} of {wp}")
+            label = (f"today, packed (train.pack_rows, pack_width={args.pack_width}, teacher_pack_width="
+                     f"{args.teacher_pack_width}): {b_} trajectories in {rt} rows of {wt}, {b_} hindsight rows in "
+                     f"{rp} of {wp}")
+            if model_sets:
+                label += f", key blocks of {model['attn_key_block']} (query chunks of {model['attn_q_chunk']})"
         else:
             slots_t = sum(batch.classes.widths[c] for c in batch.length_class) if k > 1 else b_ * batch.tokens.shape[1]
             slots_p = sum(v_.classes.widths[c] for c in v_.row_class) if k > 1 else b_ * v_.tokens.shape[1]
@@ -174,7 +187,9 @@ def compare_classes(args):
     print(f"the head in vocabulary blocks over the whole-vocabulary head (one width): "
           f"{med['whole-vocabulary head'] / med['one width']:.2f}x")
     print(f"speed-up over one width: {med['one width'] / med['classes']:.2f}x ({args.classes} length classes), "
-          f"{med['one width'] / med['packed']:.2f}x (packed)")
+          f"{med['one width'] / med['packed']:.2f}x (packed)"
+          + (f", {med['one width'] / med['packed, key blocks']:.2f}x (packed, key blocks)" if "packed, key blocks" in med
+             else ""))
     if "before" in walls:
         print(f"today's step over the step at {BEFORE_REV} (medians): "
               f"{med['before'] / med['whole-vocabulary head']:.2f}x (one width, whole-vocabulary head), "
@@ -210,7 +225,13 @@ def main():
     ap.add_argument("--rounds", type=int, default=1,
                     help="--geometry: time every variant this many times, interleaved (medians and per-round ratios)")
     ap.add_argument("--pack-width", type=int, default=0,
-                    help="train.pack_width of the --geometry comparison's packed row (0: the batch's width)")
+                    help="train.pack_width of the --geometry comparison's packed rows (0: the batch's width)")
+    ap.add_argument("--teacher-pack-width", type=int, default=0,
+                    help="train.teacher_pack_width of the packed rows (0: --pack-width)")
+    ap.add_argument("--key-block", type=int, default=0,
+                    help="> 0: also time the packed rows with model.attn_key_block of this many keys")
+    ap.add_argument("--kb-q-chunk", type=int, default=0,
+                    help="model.attn_q_chunk of the key-block variant (0: the embedded default's)")
     args = ap.parse_args()
     if args.geometry:
         return compare_classes(args)

@@ -11,12 +11,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import dataclasses
+
 from turnsight_jax import flops
 from turnsight_jax.models.attention import Layout, layout_attention, packed_mask
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import RuntimeOptions, init_model
+from turnsight_jax.rl.batch import make_train_batch
+from turnsight_jax.rl.logprobs import teacher_logprobs
+from turnsight_jax.rl.methods import resolve_method
 
+from _vocab import fold_batch
 from test_attention_skip import CHUNK, LAYOUTS, T, _packed, _plain, _qkv
+from test_rl_step import CFG, _cfg, setup  # noqa: F401  (the module fixture: trajectories, policy, reference)
 
 # (row group, key block): one row per group, two, the whole batch; blocks of one chunk, of two,
 # and of 5 keys (not a divisor of the chunk's key bounds: the last block is padded)
@@ -147,3 +154,28 @@ def test_the_model_with_key_blocks_equals_the_model_without():
     assert scale > 10.0
     for a, b in zip(grads, ref):  # sums over rows and keys in another order: 1e-6 of the largest
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * scale)
+
+
+def test_wide_packed_teacher_rows_with_key_blocks_score_the_same_for_fewer_pairs(setup, tok):  # noqa: F811
+    """Real hindsight rows packed into rows of 2,048 (train.teacher_pack_width) and scored with
+    key blocks: the teacher's log-probs equal those of the rows packed at the batch's width
+    without them, and the counter's executed teacher pairs at 2,048 fall with the key blocks
+    below what those rows cost without them (necessary FLOPs the same)."""
+    trajs, row_tasks, _, _ = setup
+    base = dataclasses.replace(_cfg(method="turnsight"), pack_rows=True)
+    got, batches = {}, {}
+    for name, width, block in (("narrow", 0, 0), ("wide", 2048, 16)):
+        cfg = dataclasses.replace(base, teacher_pack_width=width)
+        batch, _ = make_train_batch(trajs, row_tasks, tok, cfg, resolve_method(cfg))
+        batches[name] = batch = fold_batch(batch)
+        model = init_model(CFG, seed=1, options=RuntimeOptions(attn_q_chunk=16, attn_row_group=1,
+                                                               attn_key_block=block))
+        graphdef, params = nnx.split(model)
+        got[name] = np.asarray(jax.jit(lambda p, v, g=graphdef: teacher_logprobs(nnx.merge(g, p), v, chunk=64))(
+            params, jax.tree.map(jnp.asarray, batch.views)))
+    assert batches["wide"].views.packed.tokens.shape[1] == 2048
+    assert batches["wide"].views.packed.plan.rows < batches["narrow"].views.packed.plan.rows
+    np.testing.assert_allclose(got["wide"], got["narrow"], rtol=1e-5, atol=1e-5)
+    count = {kb: flops.update_flops(CFG, batches["wide"], updates=1, q_chunk=16, remat=False, row_group=1,
+                                    key_block=kb).parts["teacher"] for kb in (0, 16)}
+    assert count[16][0] == count[0][0] and count[16][1] < 0.5 * count[0][1]

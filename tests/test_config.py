@@ -122,7 +122,7 @@ TODAY_DEFAULT["rollout"].update(end_on_unparsable_turn=False, calls_in_think=Fal
 # Length classes (issue 21), off: every row padded to the batch's width, as the run was measured.
 TODAY_DEFAULT["train"].update(length_classes=1)
 # Row packing (issue 21), off: one trajectory per row, as the run was measured.
-TODAY_DEFAULT["train"].update(pack_rows=False, pack_width=0)
+TODAY_DEFAULT["train"].update(pack_rows=False, pack_width=0, teacher_pack_width=0)
 # The no-gradient forwards' head chunk (issue 21): speed only (the same log-probs to float rounding, ~2e-6).
 TODAY_DEFAULT["train"].update(score_chunk=32)
 # The head in vocabulary blocks (issue 21): speed only; the default run's held-out figures were the
@@ -132,6 +132,9 @@ TODAY_DEFAULT["train"].update(logprob_chunk=640, score_chunk=256)
 # Attention skipping the padding's query chunks (issue 21): speed only, the same values to float
 # rounding (BENCHMARKS.md "Train step: attention skips the chunks of padding").
 TODAY_DEFAULT["model"].update(attn_row_group=4)
+# Key blocks in the skipping kernel (issue 21), off: speed only (the same values to float rounding),
+# slower than one score block per chunk on a CPU at the default's unpacked widths (BENCHMARKS.md).
+TODAY_DEFAULT["model"].update(attn_key_block=0)
 # The non-finite guard (issue 19): a bound on skipped steps, not a training value.
 TODAY_DEFAULT["train"].update(max_skipped_steps=3)
 TODAY_DEFAULT["rl"].update(norm_pool="turn_mean", uncovered_in_stats=True, student_sees_observations=True,

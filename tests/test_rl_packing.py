@@ -169,6 +169,20 @@ def test_batch_packs_several_per_row_and_counts_the_flops(setup, tok):  # noqa: 
         3.0 * trunk * extra_slots + 4.0 * flops.attention_flops(CFG, extra_pairs), rel=1e-9)
 
 
+def test_the_teachers_pack_width_widens_only_the_teachers_rows(setup, tok):  # noqa: F811
+    """train.teacher_pack_width: the hindsight rows (longer than the trajectories) pack into their
+    own wider rows, fewer of them; the student's packed rows are as with pack_width alone (the
+    teacher's log-probs are the same: tests/test_attention_key_blocks.py)."""
+    trajs, row_tasks, _, _ = setup
+    base = dataclasses.replace(_cfg(method="turnsight"), **WIDE)
+    narrow, _ = _batch(trajs, row_tasks, tok, base)
+    wide, _ = _batch(trajs, row_tasks, tok, dataclasses.replace(base, teacher_pack_width=2048))
+    np.testing.assert_array_equal(np.asarray(wide.packed.tokens), np.asarray(narrow.packed.tokens))
+    assert narrow.views.packed.tokens.shape[1] == 1024 and wide.views.packed.tokens.shape[1] == 2048
+    assert wide.views.packed.plan.rows < narrow.views.packed.plan.rows
+
+
+
 def test_packed_step_equals_the_unfused_reference(setup, tok):  # noqa: F811
     """Several trajectories and hindsight rows per row: the fused step's gradient equals the
     unfused reference's, which scores every trajectory and every hindsight view on its own."""
@@ -232,6 +246,8 @@ def test_packing_refusals(setup, tok):  # noqa: F811
         StepConfig(pack_rows=True, length_classes=2, group_size=2).validate(8)
     with pytest.raises(ConfigError, match="train.pack_width must be an int >= 0"):
         StepConfig(pack_width=-1, group_size=2).validate(8)
+    with pytest.raises(ConfigError, match=r"train.teacher_pack_width must be an int >= 0 \(0: train.pack_width\)"):
+        StepConfig(teacher_pack_width=True, group_size=2).validate(8)
     with pytest.raises(ConfigError, match="train.pack_rows must be True or False"):
         StepConfig(pack_rows=1, group_size=2).validate(8)
     cfg = dataclasses.replace(_cfg(method="grpo"), pack_rows=True)

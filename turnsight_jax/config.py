@@ -291,6 +291,7 @@ def base_config() -> mlc.ConfigDict:
     c.train.length_classes = 1  # forwards run the rows in this many length groups, each padded to its own width (speed only)
     c.train.pack_rows = False  # forwards run several trajectories (teacher: hindsight rows) per row, by segment ids (speed only)
     c.train.pack_width = 0  # with pack_rows: packed rows at least this many tokens wide (0: the batch's bucketed width)
+    c.train.teacher_pack_width = 0  # with pack_rows: the teacher's packed hindsight rows at least this wide (0: pack_width); its rows are longer than the student's
     c.train.max_skipped_steps = 3  # non-finite loss/gradient: the update is skipped; this many in a row stop the run
 
     c.eval = mlc.ConfigDict()  # held-out evaluation (turnsight_jax.eval.heldout)
@@ -633,6 +634,7 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
         teacher_micro_batches=t.teacher_micro_batches, logprob_chunk=t.logprob_chunk,
         score_chunk=t.score_chunk, max_turns=cfg.rollout.max_turns,
         length_classes=t.length_classes, pack_rows=t.pack_rows, pack_width=t.pack_width,
+        teacher_pack_width=t.teacher_pack_width,
         record_teacher=bool(cfg.log.turn_records),
     )
 

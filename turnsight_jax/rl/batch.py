@@ -371,7 +371,8 @@ def make_train_batch(
             stats.update({f"P{i}": float(w) for i, w in enumerate(pw)})
         stats["P"], stats["U"] = float(views.tokens.shape[1]), float(views.pred.shape[1])
         if cfg.pack_rows:
-            views = _pack_views(views, _packed_width(views.tokens.shape[1], cfg.pack_width, packed_buckets),
+            views = _pack_views(views, _packed_width(views.tokens.shape[1], cfg.teacher_pack_width or cfg.pack_width,
+                                                     packed_buckets),
                                 floor.get("RP", 0), row_shards, processes, modulus, pad_id)
             stats["RP"] = float(views.packed.plan.rows)
     probes = None

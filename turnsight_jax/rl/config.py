@@ -294,6 +294,7 @@ class StepConfig:
     length_classes: int = 1  # rows run in this many length groups, each padded to its own width (rl.length_classes)
     pack_rows: bool = False  # forwards run several trajectories (teacher: packed views) per row (rl.packing)
     pack_width: int = 0  # with pack_rows: packed rows at least this wide (0: the batch's bucketed width)
+    teacher_pack_width: int = 0  # with pack_rows: the teacher's packed hindsight rows at least this wide (0: pack_width)
     record_teacher: bool = False  # the step also returns the teacher's log-probs [R, B, N] (log.turn_records)
     # Batch rows per prompt when the rollout controller forms its own groups (rl.methods.
     # RolloutController.rows_per_prompt: BAR's cap, AKBE's G + 1); 0: group_size, the fixed layout.
@@ -409,8 +410,10 @@ class StepConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not isinstance(self.pack_rows, bool):
             raise ConfigError(f"train.pack_rows must be True or False, got {self.pack_rows!r}")
-        if isinstance(self.pack_width, bool) or not isinstance(self.pack_width, int) or self.pack_width < 0:
-            raise ConfigError(f"train.pack_width must be an int >= 0 (0: the batch's width), got {self.pack_width!r}")
+        for name, zero in (("pack_width", "the batch's width"), ("teacher_pack_width", "train.pack_width")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"train.{name} must be an int >= 0 (0: {zero}), got {value!r}")
         if self.pack_rows and self.length_classes > 1:
             raise ConfigError(f"train.pack_rows=True and train.length_classes={self.length_classes}: choose one "
                               "(both cut the padding of the forwards; packing leaves less)")
