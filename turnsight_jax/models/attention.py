@@ -309,77 +309,72 @@ def _first_keys(kv_meta, n: int):
     return jax.tree.map(lambda a: a[:, :n], kv_meta)
 
 
-def _key_blocks(k, v, kv_meta, block: int):
-    """Keys, values [B, Hkv, S, Dh] and kv_meta [B, S] in blocks of `block` keys (the last padded
-    with zero keys and PAD_SEGMENT metadata): ([n, B, Hkv, block, Dh] x2, kv_meta [n, B, block],
-    first key index of each block [n])."""
-    s = k.shape[2]
-    n = -(-s // block)
-    pad = n * block - s
-    widen = ((0, 0), (0, 0), (0, pad), (0, 0))
-    kb, vb = (_to_chunks(jnp.pad(a, widen), 2, n) for a in (k, v))
-    meta = jax.tree.map(lambda a: _to_chunks(jnp.pad(a, ((0, 0), (0, pad)), constant_values=PAD_SEGMENT), 1, n),
-                        kv_meta)
-    return kb, vb, meta, jnp.arange(n, dtype=jnp.int32) * block
+def _key_blocks(k, v, block: int):
+    """Keys and values [B, Hkv, S, Dh] in blocks of `block` keys, the last padded with zero keys:
+    [n, B, Hkv, block, Dh] each."""
+    n = -(-k.shape[2] // block)
+    widen = ((0, 0), (0, 0), (0, n * block - k.shape[2]), (0, 0))
+    return tuple(_to_chunks(jnp.pad(a, widen), 2, n) for a in (k, v))
 
 
-def _block_mask(mask_fn, meta_c, q_index, kv_meta_b, k0, block: int, keys: int):
-    """[B, C, block] bool: which keys of the block from index k0 each query reads (none of the
-    padding past `keys`)."""
-    k_index = k0 + jnp.arange(block, dtype=jnp.int32)
-    return mask_fn(meta_c, q_index, k_index, kv_meta_b) & (k_index < keys)[None, None, :]
+def _live_blocks(mask_fn, meta_c, q_index, kv_meta, keys: int, block: int):
+    """The blocks of `block` keys a chunk's queries read: (mask [B, C, n, block] bool, order [n]
+    int32 with the read blocks first, their count). One mask over all the keys, built at once
+    (no score product), so the loops that follow visit only the blocks that are read."""
+    n = -(-keys // block)
+    pad = n * block - keys
+    k_index = jnp.arange(n * block, dtype=jnp.int32)
+    meta = jax.tree.map(lambda a: jnp.pad(a, ((0, 0), (0, pad)), constant_values=PAD_SEGMENT), kv_meta)
+    mask = mask_fn(meta_c, q_index, k_index, meta) & (k_index < keys)[None, None, :]
+    mask = mask.reshape(*mask.shape[:2], n, block)
+    read = jnp.any(mask, axis=(0, 1, 3))
+    return mask, jnp.argsort(~read, stable=True).astype(jnp.int32), jnp.sum(read, dtype=jnp.int32)
 
 
 def _attend_blocks(qc, k, v, meta_c, kv_meta, mask_fn, q_index, block: int, scale: float):
-    """`_attend_chunk` over the keys `block` at a time (the online softmax), skipping a block no
-    query of the chunk reads -> (out, lse). A query that reads nothing gets out 0, lse _MASKED."""
-    keys = k.shape[2]
-    kb, vb, meta_b, k0 = _key_blocks(k, v, kv_meta, block)
+    """`_attend_chunk` over the keys `block` at a time (the online softmax), visiting only the
+    blocks some query of the chunk reads (a loop of as many steps as there are) -> (out, lse). A
+    query that reads nothing gets out 0, lse _MASKED."""
+    kb, vb = _key_blocks(k, v, block)
+    mask, order, count = _live_blocks(mask_fn, meta_c, q_index, kv_meta, k.shape[2], block)
     shape = qc.shape[:-1]  # [B, Hkv, G, C]
 
-    def step(carry, kbl, vbl, mask):
+    def step(i, carry):
         m, total, acc, seen = carry
-        scores = jnp.einsum("bkgcd,bksd->bkgcs", qc, kbl, preferred_element_type=jnp.float32) * scale
-        scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+        j = order[i]
+        mj = mask[:, :, j]
+        scores = jnp.einsum("bkgcd,bksd->bkgcs", qc, kb[j], preferred_element_type=jnp.float32) * scale
+        scores = jnp.where(mj[:, None, None, :, :], scores, _MASKED)
         top = jnp.maximum(m, jnp.max(scores, axis=-1))
         fade = jnp.exp(m - top)  # the earlier blocks' sums, rescaled to the new maximum
         e = jnp.exp(scores - top[..., None])
-        acc = acc * fade[..., None] + jnp.einsum("bkgcs,bksd->bkgcd", e.astype(vbl.dtype), vbl,
+        acc = acc * fade[..., None] + jnp.einsum("bkgcs,bksd->bkgcd", e.astype(vb.dtype), vb[j],
                                                  preferred_element_type=jnp.float32)
-        return top, total * fade + jnp.sum(e, axis=-1), acc, seen | jnp.any(mask, axis=-1)[:, None, None, :]
-
-    def body(carry, xs):
-        kbl, vbl, meta_kb, start = xs
-        mask = _block_mask(mask_fn, meta_c, q_index, meta_kb, start, block, keys)
-        return jax.lax.cond(jnp.any(mask), step, lambda c, *_: c, carry, kbl, vbl, mask), None
+        return top, total * fade + jnp.sum(e, axis=-1), acc, seen | jnp.any(mj, axis=-1)[:, None, None, :]
 
     init = (jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros(qc.shape, jnp.float32), jnp.zeros((shape[0], 1, 1, shape[3]), bool))
-    (m, total, acc, seen), _ = jax.lax.scan(body, init, (kb, vb, meta_b, k0))
+    m, total, acc, seen = jax.lax.fori_loop(0, count, step, init)
     safe = jnp.where(seen, total, 1.0)
     out = jnp.where(seen[..., None], acc / safe[..., None], 0.0)
     return out.astype(qc.dtype), jnp.where(seen, m + jnp.log(safe), _MASKED)
 
 
 def _grad_blocks(qc, k, v, meta_c, kv_meta, mask_fn, q_index, block: int, scale: float, out, lse, dout):
-    """The backward pass of `_attend_blocks`: `_grad_chunk` on each block a query reads ->
-    (dq like qc, dk, dv [B, Hkv, S, Dh]) float32; a skipped block adds nothing."""
+    """The backward pass of `_attend_blocks`: `_grad_chunk` on each block a query reads, the
+    others never visited -> (dq like qc, dk, dv [B, Hkv, S, Dh]) float32."""
     keys = k.shape[2]
-    kb, vb, meta_b, k0 = _key_blocks(k, v, kv_meta, block)
-    zero_kv = jnp.zeros(kb.shape[1:], jnp.float32)
+    kb, vb = _key_blocks(k, v, block)
+    mask, order, count = _live_blocks(mask_fn, meta_c, q_index, kv_meta, keys, block)
 
-    def grads(kbl, vbl, mask):
-        return _grad_chunk(qc, kbl, vbl, mask, scale, out, lse, dout)
+    def step(i, carry):
+        dq, dk, dv = carry
+        j = order[i]
+        dq_b, dk_b, dv_b = _grad_chunk(qc, kb[j], vb[j], mask[:, :, j], scale, out, lse, dout)
+        return dq + dq_b, dk.at[j].set(dk_b), dv.at[j].set(dv_b)  # each block visited once
 
-    def body(dq, xs):
-        kbl, vbl, meta_kb, start = xs
-        mask = _block_mask(mask_fn, meta_c, q_index, meta_kb, start, block, keys)
-        dq_b, dk_b, dv_b = jax.lax.cond(jnp.any(mask), grads,
-                                        lambda *_: (jnp.zeros(qc.shape, jnp.float32), zero_kv, zero_kv),
-                                        kbl, vbl, mask)
-        return dq + dq_b, (dk_b, dv_b)
-
-    dq, (dk, dv) = jax.lax.scan(body, jnp.zeros(qc.shape, jnp.float32), (kb, vb, meta_b, k0))
+    zero_kv = jnp.zeros(kb.shape, jnp.float32)
+    dq, dk, dv = jax.lax.fori_loop(0, count, step, (jnp.zeros(qc.shape, jnp.float32), zero_kv, zero_kv))
     return dq, _from_chunks(dk, 2)[:, :, :keys], _from_chunks(dv, 2)[:, :, :keys]
 
 
