@@ -195,7 +195,9 @@ def compare_classes(args):
               f"{med['before'] / med['whole-vocabulary head']:.2f}x (one width, whole-vocabulary head), "
               f"{med['before'] / med['one width']:.2f}x (one width), "
               f"{med['before'] / med['classes']:.2f}x ({args.classes} classes), "
-              f"{med['before'] / med['packed']:.2f}x (packed)")
+              f"{med['before'] / med['packed']:.2f}x (packed)"
+              + (f", {med['before'] / med['packed, key blocks']:.2f}x (packed, key blocks)"
+                 if "packed, key blocks" in med else ""))
         default = "classes" if default_classes == args.classes else "one width" if default_classes == 1 else None
         if default is not None:
             per_round = [b / t for b, t in zip(walls["before"], walls[default])]

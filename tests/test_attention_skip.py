@@ -282,14 +282,17 @@ def test_the_fused_step_with_row_groups_equals_the_step_without(setup, tok, layo
     cfg = dataclasses.replace(_cfg(method="turnsight"), **extra)
     batch = _batch(trajs, row_tasks, tok, cfg)
     out = {}
-    for group in (0, 2):
-        pol = nnx.merge(*_with_options(policy, attn_q_chunk=16, attn_row_group=group))
-        rf = nnx.merge(*_with_options(ref, attn_q_chunk=16, attn_row_group=group))
-        out[group] = _sgd_step(cfg, pol, rf, batch)
-    (g0, m0), (g2, m2) = out[0], out[2]
+    # row groups of 2, and (packed rows) row groups with key blocks of 16 (model.attn_key_block)
+    for group, block in ((0, 0), (2, 0)) + (((2, 16),) if layout == "packed" else ()):
+        pol = nnx.merge(*_with_options(policy, attn_q_chunk=16, attn_row_group=group, attn_key_block=block))
+        rf = nnx.merge(*_with_options(ref, attn_q_chunk=16, attn_row_group=group, attn_key_block=block))
+        out[group, block] = _sgd_step(cfg, pol, rf, batch)
+    g0, m0 = out[0, 0]
     scale = max(jax.tree.leaves(jax.tree.map(lambda x: float(np.abs(np.asarray(x)).max()), g0)))
-    assert scale > 1e-4 and _max_diff(g0, g2) < 1e-5 * max(1.0, scale)
-    assert abs(float(m0["pg_loss"]) - float(m2["pg_loss"])) < 1e-6
+    assert scale > 1e-4
+    for key, (g, m) in out.items():
+        assert _max_diff(g0, g) < 1e-5 * max(1.0, scale), key
+        assert abs(float(m0["pg_loss"]) - float(m["pg_loss"])) < 1e-6, key
     nb = jax.tree.map(np.asarray, batch)
     counted = {g: flops.update_flops(CFG, nb, updates=1, q_chunk=16, remat=False, ref_forward=True,
                                      row_group=g).parts for g in (0, 2)}

@@ -60,6 +60,8 @@ def _records(workdir):
     (["--config.train.max_skipped_steps=0"], "train.max_skipped_steps must be >= 1, got 0"),
     (["--config.model.vocab_block=-1"], r"model.vocab_block must be >= 0 \(vocab_block 0: the whole vocabulary"),
     (["--config.model.attn_row_group=-2"], r"model.attn_row_group must be >= 0 .*got -2"),
+    (["--config.model.attn_row_group=0", "--config.model.attn_key_block=64"],
+     r"model.attn_key_block=64 needs model.attn_row_group > 0"),
 ])
 def test_bad_inputs_fail_before_training(tmp_path, capsys, args, message):
     """In-process `train.main`: exit code 2, one `error:` line naming the problem, run folder untouched."""

@@ -745,6 +745,9 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
             raise ConfigError(f"model.{key} must be >= {least} (vocab_block 0: the whole vocabulary at once; "
                               f"attn_row_group 0: no padding skipped; attn_key_block 0: one key block per chunk), "
                               f"got {cfg.model[key]}")
+    if cfg.model.attn_key_block and not cfg.model.attn_row_group:
+        raise ConfigError(f"model.attn_key_block={cfg.model.attn_key_block} needs model.attn_row_group > 0 (key blocks "
+                          "are skipped by the kernel that skips the padding), got attn_row_group=0")
     if cfg.train.steps < 0 or cfg.train.prompts_per_step < 1:
         raise ConfigError("train.steps must be >= 0 and train.prompts_per_step >= 1")
     if cfg.train.max_skipped_steps < 1:

@@ -160,11 +160,11 @@ def chunked_attention(
     CPU); rows sharded over devices would be gathered.
 
     key_block: with row groups, a live chunk scores its keys `key_block` at a time (flash
-    attention's online softmax in a `lax.scan`) and skips a block none of its group's queries
-    reads (`lax.cond` on the block's mask), forward and backward: a packed row's late queries
-    then pay for their own item's keys, not for every earlier item's, and a chunk of a long row
-    for the keys up to its own end rather than its chunk group's bound. 0: one score block per
-    chunk over all the keys of its group.
+    attention's online softmax) and visits only the blocks one of its group's queries reads (one
+    mask over the chunk's keys orders them first; a loop of as many steps runs them), forward and
+    backward: a packed row's late queries then pay for their own item's keys, not for every
+    earlier item's, and a chunk of a long row for the keys up to its own end rather than its
+    chunk group's bound. 0: one score block per chunk over all the keys of its group.
     """
     b, t, hq, dh = q.shape
     hkv = k.shape[2]
@@ -190,7 +190,9 @@ def _skipping_attention(mask_fn, q_chunk: int, causal_bound: bool, scale: float,
     residuals; measured). Here the forward keeps each query's log-sum-exp and the backward, a scan
     over the same row groups, recomputes one score product per live chunk (`_grad_chunk`, flash
     attention's backward) where differentiating the rematerialised chunk recomputed the whole
-    forward of the chunk first. Gradients equal the unskipped kernel's to float rounding."""
+    forward of the chunk first. With key_block > 0 both passes visit only the key blocks a chunk
+    reads (`_attend_blocks`, `_grad_blocks`). Gradients equal the unskipped kernel's to float
+    rounding."""
 
     def grouped(fn, *arrays):  # fn over groups of r rows, one group after another
         b = arrays[0].shape[0]
