@@ -1,9 +1,11 @@
 """Key blocks in the skipping attention kernel (model.attn_key_block, models.attention): a live
 chunk scores its keys a block at a time and skips the blocks none of its group's queries reads,
 with the values and gradients of the kernel that scores every key, and the FLOP counter counts
-exactly the blocks that run."""
+exactly the blocks that run. (The model with key blocks: tests/test_attention_skip.py.)"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -11,11 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import dataclasses
-
 from turnsight_jax import flops
 from turnsight_jax.models.attention import Layout, layout_attention, packed_mask
-from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import RuntimeOptions, init_model
 from turnsight_jax.rl.batch import make_train_batch
 from turnsight_jax.rl.logprobs import teacher_logprobs
@@ -127,33 +126,6 @@ def test_the_counter_counts_the_blocks_the_mask_makes_live(layout, row_group, ke
     assert got == want
     if CHUNK % key_block == 0:
         assert got < flops.skipping_pairs(live, CHUNK, row_group)
-
-
-def test_the_model_with_key_blocks_equals_the_model_without():
-    """Qwen3.hidden_states(skip_padding=True) with attn_key_block (2 layers, padded rows) and the
-    gradient of every parameter equal the model's without row groups."""
-    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8)
-    lengths = [40, 11, 25, 3, 40, 17, 8, 30]
-    lay = _plain(lengths)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (len(lengths), T)), jnp.int32)
-    out = {}
-    for group, block in ((0, 0), (2, 8)):
-        model = init_model(cfg, seed=1, options=RuntimeOptions(attn_q_chunk=CHUNK, attn_row_group=group,
-                                                               attn_key_block=block))
-        graphdef, params = nnx.split(model)
-
-        def loss(p, graphdef=graphdef):
-            h = nnx.merge(graphdef, p).hidden_states(tokens, lay, skip_padding=True)
-            return jnp.sum(jnp.where(lay.segment_ids[..., None] >= 0, jnp.sin(h), 0.0))
-
-        out[group] = jax.jit(jax.value_and_grad(loss))(params)
-    np.testing.assert_allclose(out[2][0], out[0][0], rtol=1e-6)
-    grads, ref = jax.tree.leaves(out[2][1]), jax.tree.leaves(out[0][1])
-    scale = max(float(jnp.max(jnp.abs(g))) for g in ref)
-    assert scale > 10.0
-    for a, b in zip(grads, ref):  # sums over rows and keys in another order: 1e-6 of the largest
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * scale)
 
 
 def test_wide_packed_teacher_rows_with_key_blocks_score_the_same_for_fewer_pairs(setup, tok):  # noqa: F811

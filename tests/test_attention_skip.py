@@ -136,28 +136,35 @@ def test_only_chunks_with_a_live_query_run_and_the_counter_counts_them(layout, r
 
 def test_the_model_with_row_groups_equals_the_model_without():
     """Qwen3.hidden_states(skip_padding=True) (2 layers) and the gradient of every parameter, on
-    padded rows; without skip_padding the option leaves the forward's program as it was."""
+    padded rows, with row groups and with row groups and key blocks (model.attn_key_block);
+    without skip_padding the options leave the forward's program as it was."""
     cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8)
     lengths = [40, 11, 25, 3, 40, 17, 8, 30]
     lay = _plain(lengths)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (len(lengths), T)), jnp.int32)
     grads = {}
-    for group in (0, 4):
-        model = init_model(cfg, seed=1, options=RuntimeOptions(attn_q_chunk=CHUNK, attn_row_group=group))
+    for group, block in ((0, 0), (4, 0), (4, 8)):
+        model = init_model(cfg, seed=1, options=RuntimeOptions(attn_q_chunk=CHUNK, attn_row_group=group,
+                                                               attn_key_block=block))
         graphdef, params = nnx.split(model)
 
         def loss(p, graphdef=graphdef, skip=True):
             h = nnx.merge(graphdef, p).hidden_states(tokens, lay, skip_padding=skip)
             return jnp.sum(jnp.where(lay.segment_ids[..., None] >= 0, jnp.sin(h), 0.0))
 
-        grads[group] = jax.jit(jax.value_and_grad(loss))(params)
+        grads[group, block] = jax.jit(jax.value_and_grad(loss))(params)
         unasked = jax.jit(lambda p: loss(p, skip=False)).lower(params).as_text()
         assert "stablehlo.case" not in unasked  # no lax.cond: the unskipped kernel
         assert ("stablehlo.case" in jax.jit(loss).lower(params).as_text()) is (group > 0)
-    np.testing.assert_allclose(grads[4][0], grads[0][0], rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(grads[4][1]), jax.tree.leaves(grads[0][1])):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)  # sums over rows in another order
+    want, want_g = grads[0, 0]
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want_g))
+    for (group, block), (value, g) in grads.items():
+        np.testing.assert_allclose(value, want, rtol=1e-6)
+        # sums over rows in another order; with key blocks over keys too (1e-6 of the largest)
+        atol = 1e-6 * scale if block else 1e-5
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want_g)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=atol)
 
 
 def test_the_trainer_turns_row_groups_off_on_sharded_rows():
