@@ -68,25 +68,15 @@ def layout_pairs(segment_ids, ctx1_segment, ctx1_end, ctx2_segment, ctx2_end) ->
     """(query, key) pairs a packed layout lets its tokens read (models.attention.packed_mask):
     its own segment up to itself, plus each context segment up to the context's end. [B, P] int32;
     segments are contiguous (rl.views builds them so). Vectorised: it runs every training step."""
-    total = 0.0
-    for seg, c1s, c1e, c2s, c2e in zip(*(np.asarray(a) for a in (segment_ids, ctx1_segment, ctx1_end,
-                                                                  ctx2_segment, ctx2_end))):
-        real = seg >= 0
-        if not real.any():
-            continue
-        idx = np.arange(seg.size)
-        size = int(seg.max()) + 1
-        start = np.zeros(size, np.int64)
-        end = np.zeros(size, np.int64)
-        start[seg[real][::-1]] = idx[real][::-1]  # the first index of each segment
-        end[seg[real]] = idx[real] + 1  # one past its last
-        count = np.where(real, idx - start[np.where(real, seg, 0)] + 1, 0).astype(np.float64)
-        for cs, ce in ((c1s, c1e), (c2s, c2e)):
-            ok = real & (cs >= 0) & (cs < size)
-            c = np.where(ok, cs, 0)
-            count += np.where(ok, np.clip(np.minimum(ce, end[c]) - start[c], 0, None), 0)
-        total += float(count.sum())
-    return total
+    return reach_pairs(_reach(segment_ids, ctx1_segment, ctx1_end, ctx2_segment, ctx2_end), segment_ids)
+
+
+def reach_pairs(reach: np.ndarray, segment_ids) -> float:
+    """layout_pairs from the layout's key ranges (`key_reach`) [B, T, 3, 2]: each real token's
+    own range and context ranges."""
+    n = reach[..., 1] - reach[..., 0]
+    real = np.asarray(segment_ids) >= 0
+    return float(n[..., 0].sum() + np.where(real[..., None], n[..., 1:], 0).sum())
 
 
 def chunked_pairs(width: int, q_chunk: int) -> float:
@@ -132,8 +122,13 @@ def key_reach(layout) -> np.ndarray:
     under models.attention.packed_mask: its own segment from the segment's first token up to
     itself, and each context segment from its first token up to the context's end (an empty range
     lo == hi where there is none). Segments are contiguous (rl.views builds them so)."""
-    seg, c1s, c1e, c2s, c2e = (np.asarray(getattr(layout, f)) for f in
-                               ("segment_ids", "ctx1_segment", "ctx1_end", "ctx2_segment", "ctx2_end"))
+    return _reach(*(getattr(layout, f) for f in ("segment_ids", "ctx1_segment", "ctx1_end", "ctx2_segment",
+                                                 "ctx2_end")))
+
+
+def _reach(segment_ids, ctx1_segment, ctx1_end, ctx2_segment, ctx2_end) -> np.ndarray:
+    """key_reach of a layout's [B, T] fields."""
+    seg, c1s, c1e, c2s, c2e = (np.asarray(a) for a in (segment_ids, ctx1_segment, ctx1_end, ctx2_segment, ctx2_end))
     b, t = seg.shape
     out = np.zeros((b, t, 3, 2), np.int64)
     idx = np.arange(t)
@@ -344,8 +339,8 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
         used = distinct_slots_used(np.asarray(views.pred))
         distinct = teacher_distinct_rows if teacher_distinct_rows is not None else float(used.sum())
         tcfg = teacher_cfg or cfg
-        need = forward_flops(tcfg, float((seg >= 0).sum()), layout_pairs(seg, lay.ctx1_segment, lay.ctx1_end,
-                                                                        lay.ctx2_segment, lay.ctx2_end), distinct)
+        reach = key_reach(lay)  # what each token reads: the necessary pairs and the key blocks that run
+        need = forward_flops(tcfg, float((seg >= 0).sum()), reach_pairs(reach, seg), distinct)
         vw = _row_widths(views.tokens, getattr(views, "classes", None), getattr(views, "row_class", None), packed)
         vlive = reads_any(lay)
         tgroup = row_group if packed is None or teacher_micro_batches == 1 else 0
@@ -353,7 +348,7 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
             vlive, vw, q_chunk, row_group=tgroup,
             row_class=None if packed is not None else getattr(views, "row_class", None),
             micro_batches=1 if packed is not None else teacher_micro_batches,
-            reach=key_reach(lay) if tgroup > 0 and key_block else None, key_block=key_block)
+            reach=reach, key_block=key_block)
         executed = forward_flops(tcfg, float(vw.sum()), tpairs,
                                  head_rows_executed(used, score_chunk, micro_batches=teacher_micro_batches,
                                                     row_shards=row_shards, row_class=getattr(views, "row_class", None)))
