@@ -122,7 +122,7 @@ TODAY_DEFAULT["rollout"].update(end_on_unparsable_turn=False, calls_in_think=Fal
 # Length classes (issue 21), off: every row padded to the batch's width, as the run was measured.
 TODAY_DEFAULT["train"].update(length_classes=1)
 # Row packing (issue 21), off: one trajectory per row, as the run was measured.
-TODAY_DEFAULT["train"].update(pack_rows=False, pack_width=0, teacher_pack_width=0)
+TODAY_DEFAULT["train"].update(pack_rows=False, pack_width=0, teacher_pack_width=0, shapes="grow", shape_reuse=0.1)
 # The no-gradient forwards' head chunk (issue 21): speed only (the same log-probs to float rounding, ~2e-6).
 TODAY_DEFAULT["train"].update(score_chunk=32)
 # The head in vocabulary blocks (issue 21): speed only; the default run's held-out figures were the

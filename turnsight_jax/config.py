@@ -292,6 +292,8 @@ def base_config() -> mlc.ConfigDict:
     c.train.pack_rows = False  # forwards run several trajectories (teacher: hindsight rows) per row, by segment ids (speed only)
     c.train.pack_width = 0  # with pack_rows: packed rows at least this many tokens wide (0: the batch's bucketed width)
     c.train.teacher_pack_width = 0  # with pack_rows: the teacher's packed hindsight rows at least this wide (0: pack_width); its rows are longer than the student's
+    c.train.shapes = "grow"  # a batch's padded widths: "grow" (the largest so far: few compiles) or "batch" (its own buckets, or a shape used before within shape_reuse; turnsight_jax.batch_shapes)
+    c.train.shape_reuse = 0.1  # with shapes="batch": a shape used before is taken when its executed update FLOPs are at most this fraction above the batch's own
     c.train.max_skipped_steps = 3  # non-finite loss/gradient: the update is skipped; this many in a row stop the run
 
     c.eval = mlc.ConfigDict()  # held-out evaluation (turnsight_jax.eval.heldout)
@@ -750,6 +752,10 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
                           "are skipped by the kernel that skips the padding), got attn_row_group=0")
     if cfg.train.steps < 0 or cfg.train.prompts_per_step < 1:
         raise ConfigError("train.steps must be >= 0 and train.prompts_per_step >= 1")
+    if cfg.train.shapes not in ("grow", "batch"):
+        raise ConfigError(f"train.shapes must be 'grow' or 'batch', got {cfg.train.shapes!r}")
+    if not cfg.train.shape_reuse >= 0:
+        raise ConfigError(f"train.shape_reuse must be a number >= 0, got {cfg.train.shape_reuse!r}")
     if cfg.train.max_skipped_steps < 1:
         raise ConfigError(f"train.max_skipped_steps must be >= 1, got {cfg.train.max_skipped_steps}")
     if cfg.checkpoint.keep < 1:

@@ -29,7 +29,7 @@ import ml_collections as mlc
 import numpy as np
 from flax import nnx
 
-from turnsight_jax import checkpointing, cost, distributed, flops, model_setup, records, sources
+from turnsight_jax import batch_shapes, checkpointing, cost, distributed, flops, model_setup, records, sources
 from turnsight_jax.checkpointing import Checkpointer, write_run_config, write_run_files
 from turnsight_jax.config import (engine_config, fault_config, load_run_config, model_layer_name, rollout_config,
                                   sampling_params, second_stage, slim_config, validate)
@@ -40,8 +40,7 @@ from turnsight_jax.eval.heldout import evaluate_policy
 from turnsight_jax.models.sharding import make_mesh, opt_state_shardings
 from turnsight_jax.models.weights import save_pretrained
 from turnsight_jax.rl import turn_outcomes
-from turnsight_jax.rl.batch import (batch_row_order, make_train_batch, packed_reference, row_axis, shape_keys,
-                                    shard_batch)
+from turnsight_jax.rl.batch import batch_row_order, make_train_batch, packed_reference, row_axis, shard_batch
 from turnsight_jax.rl.methods import RolloutContext
 from turnsight_jax.rl.slim_runner import LIBRARY_FILE, SlimRunner, uses_slim
 from turnsight_jax.rl.step import TURNSIGHT_METRICS, init_aux, make_aux_optimizers, make_optimizer, make_train_step
@@ -115,21 +114,17 @@ def _rollout_metrics(trajs, own_groups: bool = False) -> dict[str, float]:
     return out
 
 
-def _local_batch(trajs, row_tasks, first, tok, step_cfg, method, cfg, shapes, row_shards):
+def _local_batch(trajs, row_tasks, first, tok, step_cfg, method, cfg, history, row_shards, cost):
     """This process's batch rows (its episodes, groups numbered from `first`; `row_tasks`: each
-    row's task, block i of step_cfg.rows_per_prompt rows task i's), padded to widths every process
-    agrees on (the largest of theirs and of the run so far: shapes only grow). Returns (batch,
-    stats, the widths now in use)."""
-    batch, bstats = make_train_batch(trajs, row_tasks, tok, step_cfg, method, min_shapes=shapes, group_offset=first,
-                                     row_shards=row_shards, processes=jax.process_count())
-    keys = shape_keys(bstats)
-    mine = np.array([max(shapes.get(k, 0), int(bstats[k])) for k in keys], np.int64)
-    agreed = distributed.gather(mine).max(axis=0)
-    if np.any(agreed > mine):  # another process's episodes are longer: pad to its widths
-        batch, bstats = make_train_batch(trajs, row_tasks, tok, step_cfg, method,
-                                         min_shapes=dict(zip(keys, agreed.tolist())), group_offset=first,
-                                         row_shards=row_shards, processes=jax.process_count())
-    return batch, bstats, {k: int(v) for k, v in zip(keys, agreed)}
+    row's task, block i of step_cfg.rows_per_prompt rows task i's), padded to a shape every
+    process agrees on, chosen by train.shapes (turnsight_jax.batch_shapes; `history`: the shapes
+    used so far, updated). cost(batch, stats): the batch's executed update FLOPs. Returns (batch,
+    stats, the shape in use)."""
+    def build(floors):
+        return make_train_batch(trajs, row_tasks, tok, step_cfg, method, min_shapes=floors, group_offset=first,
+                                row_shards=row_shards, processes=jax.process_count())
+
+    return batch_shapes.choose_batch(build, cost, history)
 
 
 VIEW_TOKEN_KINDS = ("view_tokens_trajectory", "view_tokens_blocks", "view_tokens_turn_copies")  # rl.views
@@ -320,7 +315,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     latest = checkpointing.resume_step(workdir, log)  # the newest valid step; invalid newer ones moved aside
     ckpt = Checkpointer(workdir, keep=cfg.checkpoint.keep)
     start = 0
-    resumed_shapes: dict[str, int] = {}
+    resumed_meta: dict = {}
     if latest is not None:
         params, opt_state, meta = ckpt.restore(latest, params, opt_state)
         if tw == "ema":
@@ -337,7 +332,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
         if "previous" in old_kinds:
             previous = ckpt.restore_item(latest, "previous_policy", params)
         start = int(meta["next_step"])
-        resumed_shapes = {k: int(v) for k, v in meta.get("batch_shapes", {}).items()}
+        resumed_meta = meta
         log(f"resumed from {workdir}/checkpoints/{latest} (next step {start})")
     mlog = MetricsLog(workdir, tensorboard=cfg.log.tensorboard, resume_step=start - 1 if latest is not None else -1)
     records.clear_from(workdir, start, jax.process_index())  # the steps this run will redo, like their metrics
@@ -379,10 +374,9 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     progress = Progress(n_steps, start, cfg.log.progress)
     preempt = _Preemption()
     step = start
-    # Widths only grow: the step compiles a handful of times per run. Saved with each checkpoint,
-    # so a resumed run pads its batches exactly as the uninterrupted one (padding changes XLA's
-    # summation order, hence the last bits of every loss and gradient).
-    shapes: dict[str, int] = dict(resumed_shapes)
+    # The shapes used so far (train.shapes: batch_shapes), saved with each checkpoint so a resumed
+    # run pads its batches exactly as the uninterrupted one.
+    history = batch_shapes.ShapeHistory.from_meta(resumed_meta, cfg.train.shapes, cfg.train.shape_reuse)
     fault_nan_steps = _fault_nan_steps()
     skipped_in_a_row = 0
     try:
@@ -418,8 +412,9 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                                  f"prompt (rl.methods.RolloutController)")
             t_roll = time.perf_counter() - t_step
             row_tasks = [t for t in mine for _ in range(step_cfg.rows_per_prompt)]  # block i: task i's rows
-            batch, bstats, shapes = _local_batch(res.trajectories, row_tasks, first, tok, step_cfg, method, cfg, shapes,
-                                                  local_row_shards(mesh))
+            batch, bstats, shapes = _local_batch(
+                res.trajectories, row_tasks, first, tok, step_cfg, method, cfg, history, local_row_shards(mesh),
+                lambda b, st: _update_flops(qcfg, b, st, step_cfg, method, cfg, mesh, teacher_qcfg).executed)
             work = _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_qcfg)
             if step in fault_nan_steps:
                 batch = _poison(batch)
@@ -576,7 +571,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                                             f"(last checkpoint: {ckpt.latest_step() or 'none'})")
                 t0 = time.perf_counter()
                 ckpt.save(step + 1, params, opt_state, {"next_step": step + 1, "seed": cfg.seed,
-                                                        "data_position": step + 1, "batch_shapes": shapes},
+                                                        "data_position": step + 1, **history.to_meta()},
                           teacher=teacher_params if tw == "ema" else None,
                           aux={**(aux_state or {}), **({"previous_policy": previous} if previous is not None else {})}
                           or None,
