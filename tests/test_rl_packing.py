@@ -19,7 +19,8 @@ from turnsight_jax.errors import ConfigError
 from turnsight_jax.models.attention import PAD_SEGMENT, Layout
 from turnsight_jax.models.sharding import make_mesh
 from turnsight_jax.rl import packing as pk
-from turnsight_jax.rl.batch import make_train_batch, shape_keys
+from turnsight_jax.rl.batch import DEFAULT_BUCKETS, make_train_batch, shape_keys
+from turnsight_jax.rl.views import pick_bucket
 from turnsight_jax.rl.config import LossConfig, StepConfig
 from turnsight_jax.rl.methods import resolve_method
 from turnsight_jax.rl.step import _split
@@ -41,6 +42,22 @@ def test_first_fit_decreasing_never_overflows_and_never_overlaps(seed):
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # end to end, no gap, no overlap
     with pytest.raises(ValueError, match="an item of 129 tokens does not fit a packed row of 128"):
         pk.first_fit_decreasing([5, 129], 128)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_dry_runs_row_bound_holds_for_first_fit_decreasing(seed):
+    """rl.batch._worst_rows: FFD of `cell` items of at most `item` tokens never needs more rows."""
+    from turnsight_jax.rl.batch import _worst_rows
+
+    rng = np.random.default_rng(seed)
+    cell, item = int(rng.integers(1, 40)), int(rng.integers(8, 300))
+    width = item + int(rng.integers(0, 4 * item))
+    for lengths in (np.full(cell, item), rng.integers(1, item + 1, cell), rng.integers(item // 2, item + 1, cell)):
+        assert first_fit_rows(lengths, width) <= _worst_rows(cell, item, width) <= cell
+
+
+def first_fit_rows(lengths, width):
+    return pk.first_fit_decreasing(lengths, width)[2]
 
 
 def test_rows_bucket_takes_few_values():
@@ -268,6 +285,14 @@ def test_dry_run_geometry_plans_one_trajectory_per_packed_row():
     assert geo.pack_cell == 4
     batch = abstract_batch(geo, make_mesh(fsdp=jax.device_count()), method)
     assert batch.packed.tokens.shape == batch.tokens.shape and batch.packed.plan == pk.RowPacking(4, 4, 8)
+    # wider packed rows hold several of the longest trajectories: fewer rows, each as wide
+    cfg.train.pack_width = 3 * geo.length
+    wide = worst_case_geometry(cfg, method, dataclasses.replace(sc, pack_width=3 * geo.length), 8)
+    w = pick_bucket(3 * geo.length, DEFAULT_BUCKETS, "test")
+    assert wide.pack_student == (2, w)  # 4 of T in rows of >= 3T: every row but the last holds > 2T, so 2
+    batch = abstract_batch(wide, make_mesh(fsdp=jax.device_count()), method)
+    assert batch.packed.tokens.shape == (16, w) and batch.packed.plan == pk.RowPacking(2, 4, 8)
+    cfg.train.pack_width = 0
     cfg.train.length_classes = 2
     with pytest.raises(ConfigError, match="choose one"):
         C.validate(cfg, 8, check_data=False)

@@ -94,7 +94,8 @@ def _compiled_hlo(method: str, tied: bool, packed: bool = False, tensor: int = 1
     opt = jax.eval_shape(optimizer.init, params)
     views = m.teacher_views(step_cfg.algo) + int(packed_reference(step_cfg, m))
     geo = Geometry(batch=16, length=256, policy=192, packed=512, distinct=320, views=views, turns=4,
-                   row_shards=8 // tensor, pack_cell=2 if packed else None)  # packed: 16 rows / 8 shards, cells of 2
+                   row_shards=8 // tensor, pack_cell=2 if packed else None,  # packed: 16 rows / 8 shards, cells of 2
+                   pack_student=(2, 256), pack_teacher=(2, 512))  # one trajectory (hindsight row) per packed row
     batch = abstract_batch(geo, mesh, m)
     step = make_train_step(graphdef, step_cfg, optimizer, m)
     with jax.set_mesh(mesh):

@@ -85,7 +85,7 @@ from turnsight_jax.rl.mm_grpo import planned_extra
 from turnsight_jax.rl.orchard import PROBE_TOKENS, RetroProbes, build_probes
 from turnsight_jax.chat.privileged import default_skills_path, load_skills, privileged_blocks
 from turnsight_jax.rl.privileged_views import build_privileged_views
-from turnsight_jax.rl.packing import PackedRows, RowPacking, assemble, balanced_order, plan_packing
+from turnsight_jax.rl.packing import PackedRows, RowPacking, assemble, balanced_order, plan_packing, rows_bucket
 from turnsight_jax.rl.views import (DEFAULT_PACKED_BUCKETS, PackedViews, ViewOptions, build_views, pick_bucket,
                                     policy_bucket, policy_positions)
 
@@ -270,7 +270,8 @@ def make_train_batch(
     gold calls and answers from it. min_shapes: floors for the bucketed widths (`shape_keys`:
     "T", "N", "P", "U", per length class "T0", "T1", ..., "P0", ..., and with train.pack_rows the
     packed rows per cell "RT" (student) and "RP" (teacher)); the trainer passes the
-    largest widths seen so far, so shapes only grow and the step compiles a handful of times. The
+    floors of train.shapes (turnsight_jax.batch_shapes: by default the largest widths seen so far, so
+    shapes only grow and the step compiles a handful of times). The
     widths used are returned in stats under the same keys. group_offset: the index of the first
     group in the whole batch (a process builds its own rows of it). row_shards: the row shards of
     the mesh the batch will be placed on (this process's share), for the length classes' cells;
@@ -497,7 +498,9 @@ class Geometry:
     turns: int  # K
     class_rows: tuple[int, ...] | None = None  # rows per cell of each length class (rl.length_classes)
     row_shards: int = 1
-    pack_cell: int | None = None  # train.pack_rows: rows per cell (rl.packing; the worst case: one per packed row)
+    pack_cell: int | None = None  # train.pack_rows: trajectories per cell (rl.packing)
+    pack_student: tuple[int, int] = (0, 0)  # with pack_cell: the student's (packed rows per cell, width), at the worst
+    pack_teacher: tuple[int, int] = (0, 0)  # with pack_cell: the teacher's (packed rows per cell, width), at the worst
     probes: int = 0  # Q: the retrospective probe row (rl.orchard; 0: none)
     turn_uses: bool = False  # the [B, K, K] dependency matrix (rl.selection="dependency")
 
@@ -515,15 +518,27 @@ def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod, step_cfg: S
     distinct = policy_bucket(int(policy * min(views, cfg.plan.distinct_factor)))
     batch = t.prompts_per_step * step_cfg.rows_per_prompt
     class_rows = pack_cell = None
+    pack_student = pack_teacher = (0, 0)
     if step_cfg.length_classes > 1:  # the worst case: every class as wide as the widest row
         class_rows, _ = length_classes.cell_rows(batch, row_shards, step_cfg)
-    if step_cfg.pack_rows:  # the worst case: every row as wide as the widest, one per packed row
+    if step_cfg.pack_rows:  # the worst case: every row as wide as the widest
         pack_cell = batch // (row_shards * packing_modulus(batch, row_shards, step_cfg))
+        width = _packed_width(length, step_cfg.pack_width, DEFAULT_BUCKETS)
+        pack_student = (_worst_rows(pack_cell, length, width), width)
+        width = _packed_width(packed, step_cfg.teacher_pack_width or step_cfg.pack_width, DEFAULT_PACKED_BUCKETS)
+        pack_teacher = (_worst_rows(pack_cell, packed, width), width)
     probes = 0
     if method.retrospective:  # the trajectory, then one probe per state
         probes = pick_bucket(length + (r.max_turns + 1) * PROBE_TOKENS, DEFAULT_PACKED_BUCKETS, "plan: probe row")
     return Geometry(batch, length, policy, packed, distinct, views, r.max_turns, class_rows, row_shards, pack_cell,
-                    probes, needs_turn_uses(step_cfg, method))
+                    pack_student, pack_teacher, probes, needs_turn_uses(step_cfg, method))
+
+
+def _worst_rows(cell: int, item: int, width: int) -> int:
+    """Packed rows per cell (bucketed, rl.packing.rows_bucket) that first-fit decreasing can need
+    for `cell` items of at most `item` tokens in rows of `width`: it opens a row only when every
+    open one holds more than width - item tokens, so all rows but the last do."""
+    return rows_bucket(min(cell, cell * item // (width - item + 1) + 1), cell)
 
 
 def abstract_batch(g: Geometry, mesh, method: ResolvedMethod) -> TrainBatch:
@@ -537,9 +552,11 @@ def abstract_batch(g: Geometry, mesh, method: ResolvedMethod) -> TrainBatch:
     classes = row_class = views = None
     if g.class_rows is not None:
         classes, row_class = LengthClasses(g.class_rows, (g.length,) * len(g.class_rows), g.row_shards), arr((b,), i32)
-    def packed_rows(width):  # rl.packing's arrays at the worst case: one row per packed row
-        return PackedRows(arr((b, width), i32), Layout(*(arr((b, width), i32) for _ in range(6))), arr((b,), i32),
-                          arr((b,), i32), RowPacking(g.pack_cell, g.pack_cell, g.row_shards))
+    def packed_rows(rows_width):  # rl.packing's arrays at the worst case
+        rows, width = rows_width
+        rp = b // g.pack_cell * rows
+        return PackedRows(arr((rp, width), i32), Layout(*(arr((rp, width), i32) for _ in range(6))), arr((b,), i32),
+                          arr((b,), i32), RowPacking(rows, g.pack_cell, g.row_shards))
 
     if method.needs_views:
         lay = Layout(*(arr((b, g.packed), i32) for _ in range(6)))
@@ -550,7 +567,7 @@ def abstract_batch(g: Geometry, mesh, method: ResolvedMethod) -> TrainBatch:
         if method.teacher == "privileged":
             views = views.replace(covered=arr((b, g.policy), bool))
         if g.pack_cell is not None:
-            views = views.replace(tokens=None, layout=None, packed=packed_rows(g.packed))
+            views = views.replace(tokens=None, layout=None, packed=packed_rows(g.pack_teacher))
     signals = {r.output: arr({"trajectory": (b,), "turn": (b, g.turns), "token": (b, g.policy)}[r.per], jnp.float32)
                for r in method.rewards}
     probes = None
@@ -562,6 +579,6 @@ def abstract_batch(g: Geometry, mesh, method: ResolvedMethod) -> TrainBatch:
         pol_valid=arr((b, g.policy), bool), turn_ids=arr((b, g.policy), i32),
         old_logprobs=arr((b, g.policy), jnp.float32), group_ids=arr((b,), i32), num_turns=arr((b,), i32),
         signals=signals, views=views, length_class=row_class, classes=classes,
-        packed=None if g.pack_cell is None else packed_rows(g.length), probes=probes,
+        packed=None if g.pack_cell is None else packed_rows(g.pack_student), probes=probes,
         turn_uses=arr((b, g.turns, g.turns), bool) if g.turn_uses else None,
     )

@@ -16,8 +16,9 @@ same proportions, so one static description (`LengthClasses`) serves every call,
 gather stays within a row shard (no rows cross devices).
 
 The shapes are few and fixed: the class sizes come from the config (`train.length_classes`), and
-the widths are buckets of the class's longest row with floors that only grow (the trainer keeps
-the largest seen), as the batch width always was.
+the widths are buckets of the class's longest row, at or above the floors the trainer passes
+(turnsight_jax.batch_shapes: the largest seen, or none with train.shapes="batch"), as the batch
+width always was.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ column), so the attention mask (models.attention.packed_mask) lets no token read
 
 Shapes are few: the width is the batch's bucketed width (the longest item fits), the rows per
 cell a bucket of the fullest cell's count (`rows_bucket`: at most 16 values per cell size),
-and both only grow through the trainer's floors.
+and both at least the trainer's floors (turnsight_jax.batch_shapes).
 """
 
 from __future__ import annotations

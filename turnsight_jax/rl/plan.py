@@ -109,8 +109,9 @@ def dry_run(cfg: mlc.ConfigDict) -> dict:
           f"{step_cfg.micro_batches} (student), {step_cfg.teacher_micro_batches} (teacher); remat={cfg.model.remat}; "
           f"attention query chunk {cfg.model.attn_q_chunk}; log-prob chunk {cfg.train.logprob_chunk} "
           f"(no-gradient forwards: {step_cfg.scoring_chunk})"
-          + ("; packed rows (train.pack_rows) planned at their worst, one trajectory per row"
-             if geo.pack_cell is not None else ""))
+          + (f"; packed rows (train.pack_rows) planned at their worst, every trajectory T long: "
+             f"{geo.pack_student[0]} row(s) of {geo.pack_student[1]} per {geo.pack_cell} trajectories (student), "
+             f"{geo.pack_teacher[0]} of {geo.pack_teacher[1]} (teacher)" if geo.pack_cell is not None else ""))
     print("| per device | GiB |\n|---|---|")
     for k, v in fields.items():
         print(f"| {k} | {v / gib:.2f} |")
