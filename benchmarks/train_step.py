@@ -7,6 +7,8 @@ MFU against a matmul peak measured in the same run; and the padding the update p
     python benchmarks/train_step.py --geometry default --rounds 3   # the same, every variant timed 3 times, interleaved
     python benchmarks/train_step.py --geometry paper-like    # the same at a paper-like length spread
     python benchmarks/train_step.py --geometry default --pack-width 2304 --teacher-pack-width 3584 --key-block 64 --kb-q-chunk 64
+    python benchmarks/train_step.py --geometry default --pack-width 2304 --teacher-pack-width 3584 --key-block 32 \
+        --kb-q-chunk 32 --kb-row-group 1 --kb-logprob-chunk 128
 
 Trajectories are real: built-in multi-hop tasks replayed through the environment (gold chains),
 so the packed hindsight views have the real layout.
@@ -16,7 +18,8 @@ so the packed hindsight views have the real layout.
 (train.length_classes = 1), today's with `--classes` length classes and
 today's with the rows packed (train.pack_rows, train.pack_width = `--pack-width`,
 train.teacher_pack_width = `--teacher-pack-width`), and packed with the attention's key blocks
-(model.attn_key_block = `--key-block`, model.attn_q_chunk = `--kb-q-chunk`), each timed in its own
+(model.attn_key_block = `--key-block`, model.attn_q_chunk = `--kb-q-chunk`, model.attn_row_group =
+`--kb-row-group`, train.logprob_chunk = `--kb-logprob-chunk`), each timed in its own
 process by benchmarks/_step_worker.py (the embedded default's step and model settings, with the
 variant's fields on top), `--rounds` times interleaved (medians; per-round ratios); for
 today's rows also the executed / necessary FLOPs of the update (turnsight_jax.flops) for the timed
@@ -117,8 +120,10 @@ def compare_classes(args):
                 "classes": ({"length_classes": args.classes}, {}),
                 "packed": (packing, {})}
     if args.key_block:
-        variants["packed, key blocks"] = (packing, {"attn_key_block": args.key_block,
-                                                    "attn_q_chunk": args.kb_q_chunk or q_chunk})
+        kb_sets = {**packing, **({"logprob_chunk": args.kb_logprob_chunk} if args.kb_logprob_chunk else {})}
+        variants["packed, key blocks"] = (kb_sets, {"attn_key_block": args.key_block,
+                                                    "attn_q_chunk": args.kb_q_chunk or q_chunk,
+                                                    "attn_row_group": args.kb_row_group or cfg.model.attn_row_group})
     walls: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tree = _extract(BEFORE_REV, tmp)
@@ -164,7 +169,8 @@ def compare_classes(args):
                      f"{args.teacher_pack_width}): {b_} trajectories in {rt} rows of {wt}, {b_} hindsight rows in "
                      f"{rp} of {wp}")
             if model_sets:
-                label += f", key blocks of {model['attn_key_block']} (query chunks of {model['attn_q_chunk']})"
+                label += (f", key blocks of {model['attn_key_block']} (query chunks of {model['attn_q_chunk']}, "
+                          f"row groups of {model['attn_row_group']}, head chunks of {sc.logprob_chunk})")
         else:
             slots_t = sum(batch.classes.widths[c] for c in batch.length_class) if k > 1 else b_ * batch.tokens.shape[1]
             slots_p = sum(v_.classes.widths[c] for c in v_.row_class) if k > 1 else b_ * v_.tokens.shape[1]
@@ -234,6 +240,10 @@ def main():
                     help="> 0: also time the packed rows with model.attn_key_block of this many keys")
     ap.add_argument("--kb-q-chunk", type=int, default=0,
                     help="model.attn_q_chunk of the key-block variant (0: the embedded default's)")
+    ap.add_argument("--kb-row-group", type=int, default=0,
+                    help="model.attn_row_group of the key-block variant (0: the embedded default's)")
+    ap.add_argument("--kb-logprob-chunk", type=int, default=0,
+                    help="train.logprob_chunk of the key-block variant (0: the embedded default's)")
     args = ap.parse_args()
     if args.geometry:
         return compare_classes(args)

@@ -226,6 +226,16 @@ def test_embedded_default_is_todays_default():
     assert cfg_file("tiny_cpu").to_dict() == TODAY_DEFAULT
 
 
+def test_the_packed_tiny_config_changes_only_the_updates_packing():
+    packed = flat(cfg_file("tiny_cpu_packed").to_dict())
+    default = flat(TODAY_DEFAULT)
+    assert {k: v for k, v in packed.items() if default[k] != v} == {
+        "name": "tiny_cpu_packed", "train.pack_rows": True, "train.pack_width": 2304,
+        "train.teacher_pack_width": 3584, "train.shapes": "batch", "train.logprob_chunk": 128,
+        "model.attn_key_block": 32, "model.attn_q_chunk": 32, "model.attn_row_group": 1}
+    C.validate(cfg_file("tiny_cpu_packed"), 1)
+
+
 def test_embedded_default_layers():
     base = flat(C.base_config().to_dict())
     default = flat(C.default_config().to_dict())

@@ -150,6 +150,7 @@ CHAOS = [
     "--config.train.group_size=2", "--config.rollout.max_turns=3", "--config.rollout.max_turn_tokens=48",
     "--config.rollout.max_response_tokens=256", "--config.checkpoint.every=1", "--config.log.tensorboard=False",
     "--config.model.attn_q_chunk=128", "--config.checkpoint.export_at_end=False",
+    "--config.train.shapes=batch",  # the shapes used so far are saved and restored with each checkpoint
 ]
 
 
