@@ -59,8 +59,11 @@ def test_batch_takes_its_own_buckets_or_a_used_shape_within_the_slack():
     assert choose_batch(build, cost, h)[2] == {"T": 256, "N": 64}  # used before: no other is built
     assert calls == [{}]
     h.reuse = 1.5
-    # own (64, 64) 704: the cheapest used shape that fits, (128, 64) 1,344 <= 2.5 x 704
-    assert choose_batch(*_fake({"T": 60, "N": 40})[:2], h)[2] == {"T": 128, "N": 64}
+    # own (64, 64) 704: the cheapest used shape that fits, (128, 64) 1,344 <= 2.5 x 704; of the
+    # three that fit only the two nearest, (128, 64) and (256, 64), are built and costed
+    build, cost, calls = _fake({"T": 60, "N": 40})
+    assert choose_batch(build, cost, h)[2] == {"T": 128, "N": 64}
+    assert calls == [{}, {"T": 128, "N": 64}, {"T": 256, "N": 64}]
     # a used shape that does not fit (N 64 < the batch's 128) is never a candidate
     assert choose_batch(*_fake({"T": 100, "N": 100})[:2], h)[2] == {"T": 128, "N": 128}
     assert h.used == [{"T": 512, "N": 64}, {"T": 128, "N": 64}, {"T": 256, "N": 64}, {"T": 128, "N": 128}]

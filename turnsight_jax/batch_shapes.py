@@ -6,8 +6,9 @@ rows "RT", "RP", probe rows "Q"), each a bucket, and the step compiles once per 
   compiles a handful of times, but after one long batch every later batch pays its padding.
 - "batch": each batch's own buckets (the smallest that fit it), unless a shape the run has
   already used fits it and its counted executed update FLOPs (turnsight_jax.flops, summed over
-  processes) are within `train.shape_reuse` of the batch's own: then that one, so the programs
-  compiled stay few while the padding follows the batch.
+  processes) are within `train.shape_reuse` of the batch's own: then that one (the cheapest of
+  the CANDIDATES used shapes nearest the batch's own), so the programs compiled stay few while
+  the padding follows the batch.
 
 Both are deterministic in the run's history (the shapes used so far), which the checkpoint
 saves, so a resumed run pads its batches exactly as the uninterrupted one (padding changes XLA's
@@ -26,6 +27,7 @@ from turnsight_jax import distributed
 from turnsight_jax.rl.batch import shape_keys
 
 Shape = dict[str, int]
+CANDIDATES = 2  # used shapes costed per batch under "batch"
 
 
 @dataclasses.dataclass
@@ -82,6 +84,9 @@ def choose_batch(build: Callable[[Shape], tuple[Any, dict[str, float]]], cost: C
     chosen = own
     if history.policy == "batch" and own not in history.used:
         fits = [s for s in history.used if set(s) == set(keys) and all(s[k] >= own[k] for k in keys)]
+        # building a batch is host work (seconds at the paper's size): only the used shapes
+        # nearest the batch's own (the least total log-excess of their widths) are costed
+        fits = sorted(fits, key=lambda s: sum(np.log(s[k] / max(own[k], 1)) for k in keys))[:CANDIDATES]
         if fits:
             built = [build(s) for s in fits]
             # a floor reproduces its shape only when it is a bucket: anything else is not a candidate
