@@ -2,8 +2,8 @@
 hindsight rows) per row, the attention visiting only the key blocks each query reads, and shapes
 that follow each batch. The same values as the embedded default's step on the same batch (the
 packing and the padding change only XLA's summation order); on the 2-core CPU the update's
-executed FLOPs stay within 1.3x the necessary ones (the default: ~1.5x), at about the default's
-speed (BENCHMARKS.md, issue 21)."""
+executed FLOPs stay within 1.3x the necessary ones (the default: ~1.5-1.7x), at 0.74x the
+default's step speed on that CPU (smaller blocks: more loop steps; BENCHMARKS.md, issue 21)."""
 
 from turnsight_jax.config import default_config
 
