@@ -49,6 +49,9 @@ _HINDSIGHT = HindsightTemplate()  # rl.hindsight_template's defaults
 NULLABLE_KEYS = frozenset({"loss.clip_ratio_c", "loss.tis_threshold"})
 
 
+ATTENTION_IMPLS = ("xla", "pallas", "pallas_interpret")
+
+
 def base_config() -> mlc.ConfigDict:
     """Every key of a run config at its base value: the paper's training setup (docs/spec.md §2:
     Qwen3 with thinking on, TurnSight on MatchTIR, FTRL, no SFT) and no model (a model layer sets
@@ -69,6 +72,8 @@ def base_config() -> mlc.ConfigDict:
     c.model.vocab_block = 0  # vocabulary columns per logits block of the log-prob head; 0: all at once (accelerators); ~1,024 on a CPU
     c.model.attn_row_group = 0  # > 0: the RL step's forwards (student and teacher) skip the padding's query chunks per group of this many rows (one device)
     c.model.attn_key_block = 0  # > 0 (with attn_row_group): a chunk's keys this many at a time, skipping blocks none of its queries reads (packed rows)
+    c.model.attn_impl = "xla"  # the full-sequence forwards' attention: xla (any backend) | pallas (a fused flash kernel: GPUs) | pallas_interpret (that kernel interpreted: tests)
+    c.model.attn_block = 64  # the fused kernel's tile side (tokens; a power of two)
     c.model.allow_random_init = False  # start from random weights when hf_path is "" (the paper starts from Qwen3)
 
     c.data = mlc.ConfigDict()  # the tasks (turnsight_jax.sources)
@@ -747,6 +752,11 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
             raise ConfigError(f"model.{key} must be >= {least} (vocab_block 0: the whole vocabulary at once; "
                               f"attn_row_group 0: no padding skipped; attn_key_block 0: one key block per chunk), "
                               f"got {cfg.model[key]}")
+    if cfg.model.attn_impl not in ATTENTION_IMPLS:
+        raise ConfigError(f"model.attn_impl must be one of {ATTENTION_IMPLS}, got {cfg.model.attn_impl!r}")
+    block = cfg.model.attn_block
+    if not (isinstance(block, int) and block >= 16 and block & (block - 1) == 0):
+        raise ConfigError(f"model.attn_block must be a power of two >= 16 (the fused kernel's tile side), got {block!r}")
     if cfg.model.attn_key_block and not cfg.model.attn_row_group:
         raise ConfigError(f"model.attn_key_block={cfg.model.attn_key_block} needs model.attn_row_group > 0 (key blocks "
                           "are skipped by the kernel that skips the padding), got attn_row_group=0")

@@ -17,7 +17,9 @@ their MFU figures agree. Conventions:
   row (rl.logprobs skips the others), and rematerialised forwards (a `jax.checkpoint`ed layer,
   attention chunk or log-prob chunk runs its forward again in the backward pass: 4 forwards
   instead of 3; the skipping attention kernel's own backward recomputes only the score product:
-  3.5).
+  3.5). The fused kernel (model.attn_impl "pallas", models.fused_attention) computes whole
+  (query block, key block) tiles that hold a readable pair, and its backward pass runs two
+  kernels (dq: 3 tile products; dk/dv: 4) against the forward's 2: 4.5 forwards in all.
 
 executed / necessary is the step's padding ratio (1.0 = no wasted work).
 """
@@ -167,6 +169,21 @@ def _blocks_read(reach: np.ndarray, block: int, n: int) -> np.ndarray:
     return ((lo[..., None] < first + block) & (hi[..., None] > first) & (hi > lo)[..., None]).any(axis=2)
 
 
+def fused_pairs(reach: np.ndarray, block: int) -> float:
+    """Pairs the fused kernel computes (models.fused_attention): every (query block, key block)
+    tile of `block` x `block` holding a pair some query reads; reach [B, W, 3, 2] (`key_reach`).
+    Rows are independent, so how they are split into calls does not change it."""
+    reach = np.asarray(reach)
+    b, w = reach.shape[:2]
+    n = -(-w // block)
+    reach = np.pad(reach, ((0, 0), (0, n * block - w), (0, 0), (0, 0)))  # padded queries read nothing
+    tiles = _blocks_read(reach, block, n).reshape(b, n, block, n).any(axis=2)
+    return float(tiles.sum()) * block * block
+
+
+FUSED_GRAD_FORWARDS = 4.5  # the fused kernel's forward + backward, in forwards (module docstring)
+
+
 def reads_any(layout) -> np.ndarray:
     """[B, T] bool: the tokens of a Layout (numpy fields) that read a key (models.attention.reads_any)."""
     return ((np.asarray(layout.segment_ids) >= 0) | (np.asarray(layout.ctx1_segment) >= 0)
@@ -258,7 +275,7 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
                  score_chunk: int | None = None, micro_batches: int = 1, mini_batches: int = 1,
                  teacher_micro_batches: int = 1,
                  row_shards: int = 1, teacher_cfg: Qwen3Config | None = None, critic: bool = False,
-                 prm: bool = False, row_group: int = 0, key_block: int = 0) -> UpdateFlops:
+                 prm: bool = False, row_group: int = 0, key_block: int = 0, fused_block: int = 0) -> UpdateFlops:
     """FLOPs of the fused step (rl.step) on a numpy TrainBatch (rl.batch).
 
     updates: forward+backward passes over every row (ppo_epochs: each row is in one mini-batch per
@@ -283,7 +300,11 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     forward calls are counted unskipped, an upper bound; under a gradient the skipping kernel's
     backward pass costs 2.5 forwards, the rematerialised unskipped chunk's 3). key_block:
     model.attn_key_block (with row groups, a scored chunk scores only the key blocks one of its
-    group's queries reads)."""
+    group's queries reads). fused_block: model.attn_block when the forwards run the fused kernel
+    (model.attn_impl "pallas"): attention counts its tiles (`fused_pairs`) and row_group /
+    key_block do not apply."""
+    if fused_block:
+        row_group = key_block = 0
     trunk = trunk_flops_per_token(cfg)
     score_chunk = score_chunk or logprob_chunk
     tokens = float(np.asarray(batch.valid).sum())
@@ -305,8 +326,13 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     s_reach = (None if s_live is None or not key_block else causal_reach(batch.valid) if s_lay is None
                else key_reach(s_lay))
 
+    s_tiles = (None if not fused_block else attention_flops(cfg, fused_pairs(
+        causal_reach(batch.valid) if s_lay is None else key_reach(s_lay), fused_block)))
+
     def student_attn(calls: int) -> float:
         """Attention FLOPs of one student forward over the batch in `calls` strided calls."""
+        if s_tiles is not None:
+            return s_tiles
         if s_live is None or (student_packed is not None and calls > 1):
             return every_chunk
         return attention_flops(cfg, attention_pairs_executed(
@@ -316,7 +342,8 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     exec_attn = student_attn(mini_batches * micro_batches)
     # the skipping kernel's own backward pass: one score product again, then four (3.5 forwards);
     # the unskipped chunk's rematerialised forward and its backward (4)
-    attn_grad = 4.0 if s_live is None else 3.5
+    # (the fused kernel's forward runs once more under a rematerialised layer)
+    attn_grad = FUSED_GRAD_FORWARDS + float(remat) if fused_block else 4.0 if s_live is None else 3.5
     exec_head = head_flops(cfg, head_rows_executed(batch.pol_valid, logprob_chunk, micro_batches=micro_batches,
                                                    row_shards=row_shards,
                                                    row_class=getattr(batch, "length_class", None)))
@@ -348,7 +375,7 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
             vlive, vw, q_chunk, row_group=tgroup,
             row_class=None if packed is not None else getattr(views, "row_class", None),
             micro_batches=1 if packed is not None else teacher_micro_batches,
-            reach=reach, key_block=key_block)
+            reach=reach, key_block=key_block) if not fused_block else fused_pairs(reach, fused_block)
         executed = forward_flops(tcfg, float(vw.sum()), tpairs,
                                  head_rows_executed(used, score_chunk, micro_batches=teacher_micro_batches,
                                                     row_shards=row_shards, row_class=getattr(views, "row_class", None)))
@@ -370,10 +397,12 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
             forward_flops(tcfg, float((seg >= 0).sum()), layout_pairs(seg, lay.ctx1_segment, lay.ctx1_end,
                                                                       lay.ctx2_segment, lay.ctx2_end), 0.0)
             + 4.0 * tcfg.hidden_size * states,
-            forward_flops(tcfg, float(seg.size), attention_pairs_executed(
-                reads_any(lay), np.full(seg.shape[0], width), q_chunk, row_group=row_group,
-                micro_batches=teacher_micro_batches, reach=key_reach(lay) if row_group > 0 and key_block else None,
-                key_block=key_block), 0.0)
+            forward_flops(tcfg, float(seg.size), fused_pairs(key_reach(lay), fused_block) if fused_block else
+                          attention_pairs_executed(
+                              reads_any(lay), np.full(seg.shape[0], width), q_chunk, row_group=row_group,
+                              micro_batches=teacher_micro_batches,
+                              reach=key_reach(lay) if row_group > 0 and key_block else None, key_block=key_block),
+                          0.0)
             + 4.0 * tcfg.hidden_size * probes.exists.size)
     return UpdateFlops(parts)
 

@@ -21,9 +21,13 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def runtime_options(cfg: mlc.ConfigDict) -> RuntimeOptions:
+    if cfg.model.attn_impl == "pallas" and jax.default_backend() != "gpu":
+        raise ConfigError(f"model.attn_impl='pallas' runs a Triton kernel on GPUs; this process's JAX backend is "
+                          f"{jax.default_backend()!r}: use 'xla' (or 'pallas_interpret' to run the kernel interpreted)")
     return RuntimeOptions(compute_dtype=DTYPES[cfg.model.compute_dtype], remat=cfg.model.remat,
                           attn_q_chunk=cfg.model.attn_q_chunk, vocab_block=cfg.model.vocab_block,
-                          attn_row_group=cfg.model.attn_row_group, attn_key_block=cfg.model.attn_key_block)
+                          attn_row_group=cfg.model.attn_row_group, attn_key_block=cfg.model.attn_key_block,
+                          attn_impl=cfg.model.attn_impl, attn_block=cfg.model.attn_block)
 
 
 def tokenizer_folder(explicit: str | pathlib.Path | None, hf_path: str | pathlib.Path | None) -> pathlib.Path:

@@ -163,7 +163,8 @@ def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_cfg=
         logprob_chunk=step_cfg.logprob_chunk, score_chunk=step_cfg.scoring_chunk, micro_batches=step_cfg.micro_batches,
         mini_batches=step_cfg.mini_batches, teacher_micro_batches=step_cfg.teacher_micro_batches,
         row_shards=local_row_shards(mesh), teacher_cfg=teacher_cfg, critic=method.critic, prm=method.prm,
-        row_group=cfg.model.attn_row_group, key_block=cfg.model.attn_key_block)
+        row_group=cfg.model.attn_row_group, key_block=cfg.model.attn_key_block,
+        fused_block=cfg.model.attn_block if cfg.model.attn_impl != "xla" else 0)
 
 
 def _new_aux(method, params, qcfg, optimizers, mesh) -> dict:

@@ -21,6 +21,7 @@ from flax import nnx, struct
 
 from turnsight_jax.models.attention import Layout, cache_attention, layout_attention
 from turnsight_jax.models.config import Qwen3Config
+from turnsight_jax.models.fused_attention import block_plan, fused_attention_fn
 from turnsight_jax.models.sharding import constrain
 
 LAYER_PARAMS = ("attn_norm", "q", "k", "v", "o", "q_norm", "k_norm", "mlp_norm", "gate", "up", "down")
@@ -43,6 +44,13 @@ class RuntimeOptions:
     attn_key_block: with attn_row_group, a chunk's keys are scored this many at a time and a
         block none of the chunk's queries reads is skipped (packed rows' earlier items, a long
         row's keys past the chunk); 0: one score block per chunk.
+    attn_impl: the kernel of the full-sequence forwards (`hidden_states`): "xla" (models.attention,
+        every backend; the reference) or "pallas" (models.fused_attention: a fused flash kernel,
+        Triton on GPUs, that skips the (query block, key block) tiles the layout's mask never
+        reads); "pallas_interpret" runs that kernel in Pallas's interpreter (any backend, slow:
+        for tests). The row-group and key-block options apply to "xla" only. Decoding against
+        the KV cache (`extend`) always runs the XLA kernel.
+    attn_block: the fused kernel's tile side (queries and keys per tile; a power of two).
     """
 
     compute_dtype: jnp.dtype = jnp.float32
@@ -51,6 +59,8 @@ class RuntimeOptions:
     vocab_block: int = 0
     attn_row_group: int = 0
     attn_key_block: int = 0
+    attn_impl: str = "xla"
+    attn_block: int = 64
 
 
 @struct.dataclass
@@ -188,11 +198,16 @@ class Qwen3(nnx.Module):
         if layout is None:
             layout = Layout.full(*tokens.shape)
         chunk, group = self.options.attn_q_chunk, self.options.attn_row_group if skip_padding else 0
+        if self.options.attn_impl == "xla":
+            attend = lambda q, k, v: layout_attention(q, k, v, layout, q_chunk=chunk, row_group=group,
+                                                      key_block=self.options.attn_key_block)
+        else:  # the tiles to run, planned once from the layout and shared by every layer
+            attend = fused_attention_fn(block_plan(layout, self.options.attn_block),
+                                        interpret=self.options.attn_impl == "pallas_interpret")
 
         def layer(x, p):
             q, k, v = self._qkv(p, x, layout.positions)
-            return self._finish_layer(p, x, layout_attention(q, k, v, layout, q_chunk=chunk, row_group=group,
-                                                             key_block=self.options.attn_key_block)), None
+            return self._finish_layer(p, x, attend(q, k, v)), None
 
         if self.options.remat:
             layer = jax.checkpoint(layer, prevent_cse=False)
