@@ -17,9 +17,10 @@ their MFU figures agree. Conventions:
   row (rl.logprobs skips the others), and rematerialised forwards (a `jax.checkpoint`ed layer,
   attention chunk or log-prob chunk runs its forward again in the backward pass: 4 forwards
   instead of 3; the skipping attention kernel's own backward recomputes only the score product:
-  3.5). The fused kernel (model.attn_impl "pallas", models.fused_attention) computes whole
-  (query block, key block) tiles that hold a readable pair, and its backward pass runs two
-  kernels (dq: 3 tile products; dk/dv: 4) against the forward's 2: 4.5 forwards in all.
+  3.5; under model.remat the layer's forward, attention's included, runs once more: +1). The
+  fused kernel (model.attn_impl "pallas", models.fused_attention) computes whole (query block,
+  key block) tiles that hold a readable pair, and its backward pass runs two kernels (dq: 3 tile
+  products; dk/dv: 4) against the forward's 2: 4.5 forwards in all.
 
 executed / necessary is the step's padding ratio (1.0 = no wasted work).
 """
@@ -342,8 +343,8 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     exec_attn = student_attn(mini_batches * micro_batches)
     # the skipping kernel's own backward pass: one score product again, then four (3.5 forwards);
     # the unskipped chunk's rematerialised forward and its backward (4)
-    # (the fused kernel's forward runs once more under a rematerialised layer)
-    attn_grad = FUSED_GRAD_FORWARDS + float(remat) if fused_block else 4.0 if s_live is None else 3.5
+    # (under a rematerialised layer every kernel's forward runs once more in the backward pass)
+    attn_grad = (FUSED_GRAD_FORWARDS if fused_block else 4.0 if s_live is None else 3.5) + float(remat)
     exec_head = head_flops(cfg, head_rows_executed(batch.pol_valid, logprob_chunk, micro_batches=micro_batches,
                                                    row_shards=row_shards,
                                                    row_class=getattr(batch, "length_class", None)))
