@@ -7,6 +7,7 @@ model.attn_impl = "pallas"), in one run on one device:
 2. attention alone: one layer's attention (the model's heads) over the student's and the
    teacher's packed rows, forward and forward + backward, each kernel, time and the necessary
    pairs' TFLOP/s;
+0. counted only (any machine): the update's executed / necessary FLOPs under each kernel;
 3. the step: the teacher's forward over its packed views, the student's forward + backward, and
    the whole fused step (one jit), each kernel; MFU = the necessary FLOPs of turnsight_jax.flops
    (the trainer's counter) / time / peak, and the executed / necessary ratio of the update.
@@ -199,6 +200,33 @@ def step_parts(batch, stats, sc, cfg, args, peak: float, out: dict):
                        "executed / necessary"]), flush=True)
 
 
+def count(batch, stats, sc, args, out: dict):
+    """The update's executed / necessary FLOPs (the trainer's counter) under each kernel, counted
+    only (any machine): the XLA kernel as --q-chunk/--row-group/--key-block set it and with
+    chunks and key blocks of 32, the fused kernel at --block and --attn-blocks."""
+    method = resolve_method(sc)
+    variants = [(f"xla, query chunks of {args.q_chunk}, row groups of {args.row_group}, key blocks of {args.key_block}",
+                 dict(q_chunk=args.q_chunk, row_group=args.row_group, key_block=args.key_block)),
+                ("xla, query chunks of 32, row groups of 1, key blocks of 32", dict(q_chunk=32, row_group=1, key_block=32))]
+    variants += [(f"fused, tiles of {b}", dict(q_chunk=args.q_chunk, fused_block=b))
+                 for b in dict.fromkeys([args.block, *args.attn_blocks])]
+    rows = []
+    for name, kw in variants:
+        cells = [name]
+        for preset in args.count_presets:
+            w = flops.update_flops(get_preset(preset), batch, updates=1, remat=args.remat,
+                                   ref_forward=method.needs_ref and not packed_reference(sc, method),
+                                   teacher_distinct_rows=stats["teacher_distinct_rows"], logprob_chunk=sc.logprob_chunk,
+                                   score_chunk=sc.scoring_chunk, **kw)
+            (ns, es), (nt, et) = w.parts["student"], w.parts["teacher"]
+            cells.append(f"{w.ratio:.2f} / {es / ns:.2f} / {et / nt:.2f}")
+            out.setdefault("count", []).append({"kernel": name, "preset": preset, "update": w.ratio,
+                                                "student": es / ns, "teacher": et / nt})
+        rows.append(cells)
+    print(f"counted (not timed): the update's executed / necessary FLOPs, remat={args.remat}")
+    print(table(rows, ["kernel"] + [f"{p}: update / student / teacher" for p in args.count_presets]), flush=True)
+
+
 def measure_peak(args) -> dict:
     n = 8192
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
@@ -227,7 +255,9 @@ def main():
     ap.add_argument("--remat", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--spec-tflops", type=float, default=989.0, help="the chip's dense bf16 peak (H100/H200: 989)")
-    ap.add_argument("--sections", nargs="+", default=["parity", "attention", "step"])
+    ap.add_argument("--sections", nargs="+", default=["count", "parity", "attention", "step"],
+                    help="count (FLOPs counted only, any machine) | parity | attention | step")
+    ap.add_argument("--count-presets", nargs="+", default=["qwen3-0.6b", "qwen3-8b"])
     ap.add_argument("--json", default="", help="also write the figures here")
     args = ap.parse_args()
     if args.save_batch:
@@ -251,7 +281,8 @@ def main():
           f"rows {batch.views.packed.tokens.shape}; kernels {args.impls} (fused tiles of {args.block})", flush=True)
     out: dict = {"machine": machine(), "preset": args.preset, "args": vars(args)}
     t0 = time.time()
-    sections = {"parity": lambda: parity(batch, cfg, args, out),
+    sections = {"count": lambda: count(batch, stats, sc, args, out),
+                "parity": lambda: parity(batch, cfg, args, out),
                 "attention": lambda: attention_alone(batch, cfg, args, out),
                 "step": lambda: step_parts(batch, stats, sc, cfg, args, out.setdefault("peak", measure_peak(args)), out)}
     for name in args.sections:
