@@ -137,6 +137,8 @@ TODAY_DEFAULT["model"].update(attn_row_group=4)
 TODAY_DEFAULT["model"].update(attn_key_block=0)
 # The fused attention kernel (issue 21), off: GPUs only (Triton); the XLA kernel on every backend.
 TODAY_DEFAULT["model"].update(attn_impl="xla", attn_block=64)
+# Micro-batch groups (issue 21), off: speed only (the same values), for micro-batches of one row per device.
+TODAY_DEFAULT["train"].update(micro_batch_groups=1)
 # The non-finite guard (issue 19): a bound on skipped steps, not a training value.
 TODAY_DEFAULT["train"].update(max_skipped_steps=3)
 TODAY_DEFAULT["rl"].update(norm_pool="turn_mean", uncovered_in_stats=True, student_sees_observations=True,

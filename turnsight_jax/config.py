@@ -297,6 +297,7 @@ def base_config() -> mlc.ConfigDict:
     c.train.pack_rows = False  # forwards run several trajectories (teacher: hindsight rows) per row, by segment ids (speed only)
     c.train.pack_width = 0  # with pack_rows: packed rows at least this many tokens wide (0: the batch's bucketed width)
     c.train.teacher_pack_width = 0  # with pack_rows: the teacher's packed hindsight rows at least this wide (0: pack_width); its rows are longer than the student's
+    c.train.micro_batch_groups = 1  # > 1: the micro-batches ordered by length, in this many groups each padded to its own width (speed only; rl.micro_groups)
     c.train.shapes = "grow"  # a batch's padded widths: "grow" (the largest so far: few compiles) or "batch" (its own buckets, or a shape used before within shape_reuse; turnsight_jax.batch_shapes)
     c.train.shape_reuse = 0.1  # with shapes="batch": a shape used before is taken when its executed update FLOPs are at most this fraction above the batch's own
     c.train.max_skipped_steps = 3  # non-finite loss/gradient: the update is skipped; this many in a row stop the run
@@ -641,7 +642,7 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
         teacher_micro_batches=t.teacher_micro_batches, logprob_chunk=t.logprob_chunk,
         score_chunk=t.score_chunk, max_turns=cfg.rollout.max_turns,
         length_classes=t.length_classes, pack_rows=t.pack_rows, pack_width=t.pack_width,
-        teacher_pack_width=t.teacher_pack_width,
+        teacher_pack_width=t.teacher_pack_width, micro_batch_groups=t.micro_batch_groups,
         record_teacher=bool(cfg.log.turn_records),
     )
 

@@ -259,9 +259,12 @@ def head_rows_executed(used: np.ndarray, chunk: int, *, micro_batches: int = 1, 
     return total
 
 
-def _row_widths(tokens, classes, row_class, packed=None) -> np.ndarray:
-    """The width each row's forward runs at: [B] its length class's, or the batch's; [Rp] each
-    packed row's when the rows are packed (rl.packing)."""
+def _row_widths(tokens, classes, row_class, packed=None, group_widths=None, groups=None) -> np.ndarray:
+    """The width each row's forward runs at: [B] its length class's, or its micro-batch group's
+    (rl.micro_groups: `group_widths` of `groups`), or the batch's; [Rp] each packed row's when the
+    rows are packed (rl.packing)."""
+    if group_widths is not None:
+        return np.asarray(group_widths)[groups.row_groups(np.asarray(tokens).shape[0])]
     if packed is not None:
         rp, w = np.asarray(packed.tokens).shape
         return np.full(rp, w)
@@ -314,14 +317,22 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
         lay.segment_ids, lay.ctx1_segment, lay.ctx1_end, lay.ctx2_segment, lay.ctx2_end)
     policy = float(np.asarray(batch.pol_valid).sum())
     need_fwd = forward_flops(cfg, tokens, pairs, policy)
+    groups = getattr(batch, "micro_groups", None)  # rl.micro_groups: each micro-batch group at its own width
+    grouped = groups is not None and groups.micro_batches == micro_batches
     widths = _row_widths(batch.tokens, getattr(batch, "classes", None), getattr(batch, "length_class", None),
-                         getattr(batch, "packed", None))
+                         getattr(batch, "packed", None), groups.widths if grouped else None, groups)
     slots = float(widths.sum())
+    # a forward in another number of calls than the groups' runs every row at the batch's width
+    full = widths if not grouped else _row_widths(batch.tokens, None, None)
+
+    def row_widths(calls: int) -> np.ndarray:
+        return widths if not grouped or calls == micro_batches else full
+
     # the RL step's student forwards (rl.logprobs.policy_logprobs) skip their padding's query chunks
     # per row group like the teacher's views (packed rows under several forward calls counted
     # unskipped, an upper bound), and so do the critic's and the PRM's trunks on the same rows
     student_packed = getattr(batch, "packed", None)
-    every_chunk = attention_flops(cfg, sum(chunked_pairs(int(w), q_chunk) for w in widths))
+    every_chunk = lambda w: attention_flops(cfg, sum(chunked_pairs(int(x), q_chunk) for x in w))
     s_lay = student_packed.layout if student_packed is not None else lay
     s_live = (None if row_group <= 0 else np.asarray(batch.valid, bool) if s_lay is None else reads_any(s_lay))
     s_reach = (None if s_live is None or not key_block else causal_reach(batch.valid) if s_lay is None
@@ -335,9 +346,9 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
         if s_tiles is not None:
             return s_tiles
         if s_live is None or (student_packed is not None and calls > 1):
-            return every_chunk
+            return every_chunk(row_widths(calls))
         return attention_flops(cfg, attention_pairs_executed(
-            s_live, widths, q_chunk, row_group=row_group, micro_batches=calls, reach=s_reach, key_block=key_block,
+            s_live, row_widths(calls), q_chunk, row_group=row_group, micro_batches=calls, reach=s_reach, key_block=key_block,
             row_class=None if student_packed is not None else getattr(batch, "length_class", None)))
 
     exec_attn = student_attn(mini_batches * micro_batches)
@@ -358,7 +369,8 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
                                                         row_shards=row_shards,
                                                         row_class=getattr(batch, "length_class", None)))
         fwd_attn = extra_forwards * student_attn(micro_batches) + int(ref_forward) * student_attn(teacher_micro_batches)
-        parts["student_forward"] = (need_fwd * k, (trunk * slots + score_head) * k + fwd_attn)
+        fwd_slots = extra_forwards * slots + int(ref_forward) * float(row_widths(teacher_micro_batches).sum())
+        parts["student_forward"] = (need_fwd * k, trunk * fwd_slots + score_head * k + fwd_attn)
     views = getattr(batch, "views", None)
     if views is not None:
         packed = getattr(views, "packed", None)
@@ -369,7 +381,10 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
         tcfg = teacher_cfg or cfg
         reach = key_reach(lay)  # what each token reads: the necessary pairs and the key blocks that run
         need = forward_flops(tcfg, float((seg >= 0).sum()), reach_pairs(reach, seg), distinct)
-        vw = _row_widths(views.tokens, getattr(views, "classes", None), getattr(views, "row_class", None), packed)
+        t_grouped = (groups is not None and groups.view_widths is not None and teacher_micro_batches > 1
+                     and groups.micro_batches == teacher_micro_batches)
+        vw = _row_widths(views.tokens, getattr(views, "classes", None), getattr(views, "row_class", None), packed,
+                         groups.view_widths if t_grouped else None, groups)
         vlive = reads_any(lay)
         tgroup = row_group if packed is None or teacher_micro_batches == 1 else 0
         tpairs = attention_pairs_executed(
@@ -387,7 +402,8 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
         grad_trunk = (4.0 if remat else 3.0) * trunk * slots + attn_grad * exec_attn
         parts["critic"] = (need_trunk * (1 + 3 * updates), exec_trunk + grad_trunk * updates)
     if prm:
-        parts["prm"] = (forward_flops(cfg, tokens, pairs, 0.0), trunk * slots + student_attn(teacher_micro_batches))
+        parts["prm"] = (forward_flops(cfg, tokens, pairs, 0.0),
+                        trunk * float(row_widths(teacher_micro_batches).sum()) + student_attn(teacher_micro_batches))
     probes = getattr(batch, "probes", None)
     if probes is not None:  # Orchard's retrospective teacher (rl.orchard): its probe rows, 2 head columns per state
         lay, tcfg = probes.layout, teacher_cfg or cfg

@@ -44,6 +44,10 @@ tokens per row, K = max turns):
   turn_uses [B, K, K] bool or None         uses[b, j, i]: turn j's calls use a value turn i's results
                                            gave (rl.horizon.turn_dependencies), for TurnSight's
                                            rl.selection="dependency"
+  micro_groups: MicroGroups or None        with train.micro_batch_groups > 1: the micro-batches
+  (static)                                 (rows i with i mod M = j) hold rows ordered by length
+                                           and run in groups, each cut to its own width
+                                           (rl.micro_groups); widths[g] <= T, view_widths[g] <= P
 
 Rows and groups. In the fixed layout (StepConfig.prompt_rows = 0) every group holds exactly G
 rows, B = prompts x G. A rollout controller that forms its own groups (BAR's early stops, AKBE's
@@ -81,6 +85,8 @@ from turnsight_jax.rl.context_rows import ContextRow, context_row, has_elisions,
 from turnsight_jax.rl.horizon import dependency_batch
 from turnsight_jax.rl.length_classes import LengthClasses
 from turnsight_jax.rl.methods import ResolvedMethod
+from turnsight_jax.rl import micro_groups
+from turnsight_jax.rl.micro_groups import MicroGroups
 from turnsight_jax.rl.mm_grpo import planned_extra
 from turnsight_jax.rl.orchard import PROBE_TOKENS, RetroProbes, build_probes
 from turnsight_jax.chat.privileged import default_skills_path, load_skills, privileged_blocks
@@ -119,6 +125,7 @@ class TrainBatch:
     probes: Any = None
     layout: Any = None
     turn_uses: Any = None
+    micro_groups: MicroGroups | None = struct.field(pytree_node=False, default=None)
 
     @property
     def size(self) -> int:
@@ -286,11 +293,20 @@ def make_train_batch(
     own, lengths = _row_lengths(trajs, cfg)
     windowed = own is not None and cfg.algo.student_sees_observations
     modulus = packing_modulus(len(trajs), row_shards, cfg) if cfg.pack_rows else 1
-    if cfg.pack_rows:  # rows move between micro-batches (never mini-batches) so cells pack alike
-        order = _packing_order(lengths, cfg, row_shards)
+    if cfg.pack_rows or cfg.micro_batch_groups > 1:  # rows move between micro-batches (never mini-batches)
+        order = _row_order(lengths, cfg, row_shards)
         trajs, tasks = [trajs[i] for i in order], [tasks[i] for i in order]
         lengths = [lengths[i] for i in order]
         own = None if own is None else [own[i] for i in order]
+    groups = group_of_row = None
+    if cfg.micro_batch_groups > 1:
+        counts = micro_groups.split_counts(cfg.micro_batches, cfg.micro_batch_groups)
+        group_of_row = MicroGroups(counts, (0,) * len(counts)).row_groups(len(trajs))
+        gw = tuple(_bucket(n, length_buckets, floor.get(f"T{g}", 0), "trajectory")
+                   for g, n in enumerate(micro_groups.group_max(lengths, group_of_row, len(counts))))
+        groups = MicroGroups(counts, gw)
+        floor["T"] = max(floor["T"], *gw)
+        floor["P"] = max([floor["P"]] + [floor.get(f"P{g}", 0) for g in range(len(counts))])
     classes = cls_widths = None
     if cfg.length_classes > 1:
         rows, modulus = length_classes.cell_rows(len(trajs), row_shards, cfg)
@@ -340,6 +356,8 @@ def make_train_batch(
     if classes is not None:
         spec = LengthClasses(rows, cls_widths, row_shards * processes)
         stats.update({f"T{i}": float(w) for i, w in enumerate(cls_widths)})
+    if groups is not None:
+        stats.update({f"T{g}": float(w) for g, w in enumerate(groups.widths)})
     if method.needs_views:
         a = cfg.algo
         if classes is not None:  # the rows are as wide as their widest class
@@ -370,6 +388,12 @@ def make_train_batch(
                                   "packed hindsight row")
             views = views.replace(row_class=vclass, classes=LengthClasses(rows, pw, row_shards * processes))
             stats.update({f"P{i}": float(w) for i, w in enumerate(pw)})
+        if groups is not None:
+            vw = tuple(_bucket(n, packed_buckets, floor.get(f"P{g}", 0), "packed hindsight row") for g, n in enumerate(
+                micro_groups.group_max((np.asarray(views.layout.segment_ids) >= 0).sum(axis=1), group_of_row,
+                                       len(groups.counts))))
+            groups = dataclasses.replace(groups, view_widths=vw)
+            stats.update({f"P{g}": float(w) for g, w in enumerate(vw)})
         stats["P"], stats["U"] = float(views.tokens.shape[1]), float(views.pred.shape[1])
         if cfg.pack_rows:
             views = _pack_views(views, _packed_width(views.tokens.shape[1], cfg.teacher_pack_width or cfg.pack_width,
@@ -392,6 +416,7 @@ def make_train_batch(
         signals=compute_signals(method, trajs, tasks, cfg, (pol_pos, pol_valid)),
         views=views, length_class=classes, classes=spec, packed=packed, probes=probes, layout=layout,
         turn_uses=dependency_batch(trajs, cfg.max_turns) if needs_turn_uses(cfg, method) else None,
+        micro_groups=groups,
     )
     if own is not None:
         stats["context_segments"] = float(sum(r.segments - 1 for r in own))  # beyond each trajectory's segment 0
@@ -411,8 +436,19 @@ def _row_lengths(trajs: Sequence[Trajectory], cfg: StepConfig):
 
 def batch_row_order(trajs: Sequence[Trajectory], cfg: StepConfig, row_shards: int = 1) -> list[int]:
     """order[i]: the trajectory (index into `trajs`) that make_train_batch puts in row i: the
-    identity, or with train.pack_rows rl.packing.balanced_order's."""
-    return _packing_order(_row_lengths(trajs, cfg)[1], cfg, row_shards) if cfg.pack_rows else list(range(len(trajs)))
+    identity, with train.pack_rows rl.packing.balanced_order's, with train.micro_batch_groups
+    rl.micro_groups.length_order's."""
+    if cfg.pack_rows or cfg.micro_batch_groups > 1:
+        return _row_order(_row_lengths(trajs, cfg)[1], cfg, row_shards)
+    return list(range(len(trajs)))
+
+
+def _row_order(lengths: Sequence[int], cfg: StepConfig, row_shards: int) -> list[int]:
+    """The rows' order under train.pack_rows or train.micro_batch_groups."""
+    if cfg.pack_rows:
+        return _packing_order(lengths, cfg, row_shards)
+    length_classes.whole_cells(len(lengths), row_shards, cfg, f"train.micro_batch_groups={cfg.micro_batch_groups}")
+    return [int(i) for i in micro_groups.length_order(lengths, row_shards, cfg.micro_batches)]
 
 
 def _packing_order(lengths: Sequence[int], cfg: StepConfig, row_shards: int) -> list[int]:

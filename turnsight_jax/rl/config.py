@@ -295,6 +295,7 @@ class StepConfig:
     pack_rows: bool = False  # forwards run several trajectories (teacher: packed views) per row (rl.packing)
     pack_width: int = 0  # with pack_rows: packed rows at least this wide (0: the batch's bucketed width)
     teacher_pack_width: int = 0  # with pack_rows: the teacher's packed hindsight rows at least this wide (0: pack_width)
+    micro_batch_groups: int = 1  # micro-batches ordered by length, in this many groups each at its own width (rl.micro_groups)
     record_teacher: bool = False  # the step also returns the teacher's log-probs [R, B, N] (log.turn_records)
     # Batch rows per prompt when the rollout controller forms its own groups (rl.methods.
     # RolloutController.rows_per_prompt: BAR's cap, AKBE's G + 1); 0: group_size, the fixed layout.
@@ -417,6 +418,22 @@ class StepConfig:
         if self.pack_rows and self.length_classes > 1:
             raise ConfigError(f"train.pack_rows=True and train.length_classes={self.length_classes}: choose one "
                               "(both cut the padding of the forwards; packing leaves less)")
+        g = self.micro_batch_groups
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise ConfigError(f"train.micro_batch_groups must be an int >= 1 (1: off), got {g!r}")
+        if g > 1:
+            if g > self.micro_batches:
+                raise ConfigError(f"train.micro_batch_groups={g} groups the micro-batches, but train.micro_batches="
+                                  f"{self.micro_batches}: at most that many groups")
+            if self.mini_batches != 1:
+                raise ConfigError(f"train.micro_batch_groups={g} needs train.mini_batches=1 (rows are ordered by length "
+                                  f"across the micro-batches of one mini-batch), got {self.mini_batches}")
+            if self.pack_rows or self.length_classes > 1:
+                raise ConfigError(f"train.micro_batch_groups={g} with train.pack_rows / train.length_classes: choose "
+                                  "one (groups serve micro-batches of one row per device, which neither can cut)")
+            if self.teacher_micro_batches not in (1, self.micro_batches):
+                raise ConfigError(f"train.micro_batch_groups={g} needs train.teacher_micro_batches 1 or equal to "
+                                  f"train.micro_batches ({self.micro_batches}), got {self.teacher_micro_batches}")
         if isinstance(self.prompt_rows, bool) or not isinstance(self.prompt_rows, int) or self.prompt_rows < 0:
             raise ConfigError(f"prompt_rows must be an int >= 0 (0: group_size), got {self.prompt_rows!r}")
         if batch_size is not None:

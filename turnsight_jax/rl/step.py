@@ -48,6 +48,7 @@ from turnsight_jax.rl import critic as critic_lib
 from turnsight_jax.rl import orchard as orchard_lib
 from turnsight_jax.rl import prm as prm_lib
 from turnsight_jax.rl import turn_records
+from turnsight_jax.rl import micro_groups
 from turnsight_jax.rl.batch import TrainBatch, packed_reference, row_axis
 from turnsight_jax.rl.config import OptimConfig, StepConfig
 from turnsight_jax.rl.logprobs import policy_logprobs, teacher_logprobs
@@ -181,10 +182,17 @@ def _student_rows(batch: TrainBatch) -> TrainBatch:
 
 
 def _in_micro_batches(fn, batch: TrainBatch, m: int):
-    """fn(batch) over strided micro-batches of its rows (lax.map), merged back; m = 1: one call."""
+    """fn(batch) over strided micro-batches of its rows (lax.map), merged back; m = 1: one call.
+    With micro-batch groups (rl.micro_groups) of m micro-batches, each group's map runs cut to
+    its own width."""
     if m == 1:
         return fn(batch)
-    return _merge(jax.lax.map(fn, split_batch(batch, m)))
+    groups = batch.micro_groups
+    if groups is None or groups.micro_batches != m:
+        return _merge(jax.lax.map(fn, split_batch(batch, m)))
+    _, out = micro_groups.run_grouped(lambda c, part: (c, jax.lax.map(fn, part)), split_batch(batch, m), groups,
+                                      micro_groups.cut_rows, groups.widths)
+    return _merge(out)
 
 
 def teacher_and_ref_logprobs(teacher_model: Qwen3, ref_model: Qwen3, batch: TrainBatch, cfg: StepConfig,
@@ -205,7 +213,15 @@ def teacher_and_ref_logprobs(teacher_model: Qwen3, ref_model: Qwen3, batch: Trai
         def one(v):
             return teacher_logprobs(teacher_model, v, chunk=chunk, temperature=temp, top_k=k)
 
-        out = one(batch.views) if m == 1 else _merge_views(jax.lax.map(one, split_batch(batch.views, m)))
+        groups = batch.micro_groups
+        if m == 1:
+            out = one(batch.views)
+        elif groups is not None and groups.micro_batches == m and groups.view_widths is not None:
+            _, out = micro_groups.run_grouped(lambda c, part: (c, jax.lax.map(one, part)), split_batch(batch.views, m),
+                                              groups, micro_groups.cut_views, groups.view_widths)
+            out = _merge_views(out)
+        else:
+            out = _merge_views(jax.lax.map(one, split_batch(batch.views, m)))
         if k:
             out, ids, lps = out
             topk = (ids[0], lps[0])
@@ -488,7 +504,14 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
             zeros_g = jax.tree.map(jnp.zeros_like, params)
             zeros_c = jax.tree.map(jnp.zeros_like, critic)
             zeros_s = {k: jnp.zeros((), jnp.float32) for k in metric_names}
-            (grads, c_grads, sums), (current, per_token) = jax.lax.scan(acc, (zeros_g, zeros_c, zeros_s), xs)
+            init = (zeros_g, zeros_c, zeros_s)
+            groups = mb.micro_groups
+            if groups is None:
+                (grads, c_grads, sums), (current, per_token) = jax.lax.scan(acc, init, xs)
+            else:  # one scan per group of micro-batches, each at its own width, the sums carried across
+                cut = lambda x, w: (micro_groups.cut_rows(x[0], w),) + x[1:]
+                (grads, c_grads, sums), (current, per_token) = micro_groups.run_grouped(
+                    lambda c, part: jax.lax.scan(acc, c, part), xs, groups, cut, groups.widths, carry=init)
             current = None if current is None else _merge(current)
             per_token = jax.tree.map(_merge, per_token)
         grad_norm = optax.tree.norm(grads)
