@@ -198,7 +198,8 @@ TODAY_DEFAULT["appo"] = {"branches": 2, "gamma": 0.9, "clip_low": 0.2, "clip_hig
 # Keys where configs/qwen3_8b.py's experiment departs from base + its model layer: how the run
 # fits 8 x 80 GB devices and how it evaluates. Anything else would be a value from somewhere else.
 PAPER_EXPERIMENT_KEYS = {"name", "data.num_eval", "rollout.decode_slots",
-                         "train.micro_batches", "train.teacher_micro_batches", "train.logprob_chunk"}
+                         "train.micro_batches", "train.teacher_micro_batches", "train.logprob_chunk",
+                         "train.micro_batch_groups"}
 SMALLER_BATCH_KEYS = {"train.prompts_per_step", "train.group_size", "train.micro_batches",
                       "train.teacher_micro_batches", "train.steps", "rollout.max_prompt_tokens",
                       "rollout.max_response_tokens", "optim.lr"}

@@ -539,6 +539,7 @@ class Geometry:
     pack_teacher: tuple[int, int] = (0, 0)  # with pack_cell: the teacher's (packed rows per cell, width), at the worst
     probes: int = 0  # Q: the retrospective probe row (rl.orchard; 0: none)
     turn_uses: bool = False  # the [B, K, K] dependency matrix (rl.selection="dependency")
+    micro_groups: tuple[int, ...] | None = None  # train.micro_batch_groups: micro-batches per group (each at T / P at the worst)
 
 
 def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod, step_cfg: StepConfig,
@@ -567,7 +568,9 @@ def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod, step_cfg: S
     if method.retrospective:  # the trajectory, then one probe per state
         probes = pick_bucket(length + (r.max_turns + 1) * PROBE_TOKENS, DEFAULT_PACKED_BUCKETS, "plan: probe row")
     return Geometry(batch, length, policy, packed, distinct, views, r.max_turns, class_rows, row_shards, pack_cell,
-                    pack_student, pack_teacher, probes, needs_turn_uses(step_cfg, method))
+                    pack_student, pack_teacher, probes, needs_turn_uses(step_cfg, method),
+                    micro_groups.split_counts(step_cfg.micro_batches, step_cfg.micro_batch_groups)
+                    if step_cfg.micro_batch_groups > 1 else None)
 
 
 def _worst_rows(cell: int, item: int, width: int) -> int:
@@ -617,4 +620,6 @@ def abstract_batch(g: Geometry, mesh, method: ResolvedMethod) -> TrainBatch:
         signals=signals, views=views, length_class=row_class, classes=classes,
         packed=None if g.pack_cell is None else packed_rows(g.pack_student), probes=probes,
         turn_uses=arr((b, g.turns, g.turns), bool) if g.turn_uses else None,
+        micro_groups=None if g.micro_groups is None else MicroGroups(
+            g.micro_groups, (g.length,) * len(g.micro_groups), (g.packed,) * len(g.micro_groups)),
     )

@@ -111,7 +111,10 @@ def dry_run(cfg: mlc.ConfigDict) -> dict:
           f"(no-gradient forwards: {step_cfg.scoring_chunk})"
           + (f"; packed rows (train.pack_rows) planned at their worst, every trajectory T long: "
              f"{geo.pack_student[0]} row(s) of {geo.pack_student[1]} per {geo.pack_cell} trajectories (student), "
-             f"{geo.pack_teacher[0]} of {geo.pack_teacher[1]} (teacher)" if geo.pack_cell is not None else ""))
+             f"{geo.pack_teacher[0]} of {geo.pack_teacher[1]} (teacher)" if geo.pack_cell is not None else "")
+          + (f"; micro-batches in {len(geo.micro_groups)} length groups (train.micro_batch_groups: "
+             f"{'/'.join(map(str, geo.micro_groups))} micro-batches), each planned at its worst, T and P wide"
+             if geo.micro_groups is not None else ""))
     print("| per device | GiB |\n|---|---|")
     for k, v in fields.items():
         print(f"| {k} | {v / gib:.2f} |")
