@@ -74,7 +74,7 @@ SHORT_TRAIN = [
     "--config.sft.steps=0", "--config.sft.curriculum_steps=0", "--config.train.steps=1",
     "--config.train.prompts_per_step=2",
     "--config.train.group_size=2", "--config.train.micro_batches=1", "--config.train.mini_batches=1",
-    "--config.train.teacher_micro_batches=1", "--config.data.num_eval=2", "--config.eval.max_turns=2",
+    "--config.train.teacher_micro_batches=1", "--config.train.micro_batch_groups=1", "--config.data.num_eval=2", "--config.eval.max_turns=2",
     "--config.eval.temperature=0",
     "--config.rollout.max_turns=2", "--config.rollout.max_turn_tokens=12", "--config.rollout.max_response_tokens=64",
     "--config.train.logprob_chunk=256", "--config.log.tensorboard=False",

@@ -424,7 +424,8 @@ class StepConfig:
         if g > 1:
             if g > self.micro_batches:
                 raise ConfigError(f"train.micro_batch_groups={g} groups the micro-batches, but train.micro_batches="
-                                  f"{self.micro_batches}: at most that many groups")
+                                  f"{self.micro_batches}: at most that many groups (set train.micro_batch_groups <= "
+                                  f"{self.micro_batches}; 1: off)")
             if self.mini_batches != 1:
                 raise ConfigError(f"train.micro_batch_groups={g} needs train.mini_batches=1 (rows are ordered by length "
                                   f"across the micro-batches of one mini-batch), got {self.mini_batches}")
