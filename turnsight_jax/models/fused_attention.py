@@ -12,7 +12,8 @@ Work is skipped at the granularity of (query block, key block) tiles: `block_pla
 each query block, the key blocks at least one of its queries reads (and for each key block the
 query blocks that read it, for the key/value gradients), computed once per forward from the
 layout and shared by every layer. A tile that is listed is computed in full under the mask; one
-that is not is never loaded. `executed_tiles` counts them for turnsight_jax.flops.
+that is not is never loaded. turnsight_jax.flops.fused_pairs counts them (from the layout's key
+ranges, host side).
 
 Shapes: q [B, T, Hq, Dh]; k, v [B, T, Hkv, Dh] (grouped-query: Hq a multiple of Hkv); Dh a power
 of two (Triton's tiles). Scores, softmax and accumulation are float32; the products take the
@@ -92,14 +93,6 @@ def _visits(read):
     ascending order, then the rest."""
     order = jnp.argsort(~read, axis=-1, stable=True).astype(jnp.int32)
     return jnp.concatenate([jnp.sum(read, axis=-1, dtype=jnp.int32)[..., None], order], axis=-1)
-
-
-def executed_tiles(layout_np: dict[str, np.ndarray], block: int) -> int:
-    """Host-side count of the tiles the kernel computes for one layout (numpy [B, T] arrays keyed
-    as Layout's fields): what turnsight_jax.flops multiplies by a tile's FLOPs."""
-    lay = Layout(**{k: jnp.asarray(v) for k, v in layout_np.items()})
-    plan = block_plan(lay, block)
-    return int(np.asarray(plan.kv_visits[..., 0]).sum())
 
 
 def _mask(meta_q, q_index, k_seg, k_index):
