@@ -515,3 +515,22 @@ def test_distributed_start_up_refuses_a_bad_layout(monkeypatch, env, message):
         monkeypatch.setenv(k, v)
     with pytest.raises(ValueError, match=message):
         maybe_initialize_distributed()
+
+
+def test_the_warm_start_on_two_processes_writes_one_folder(tmp_path):
+    """A 2 x 2 job whose run starts with the supervised warm-start: process 0 alone writes the
+    shared workdir's `sft` folder and the other waits for it (each process clearing and renaming
+    `sft.tmp` failed the run, on one process or the other), then both build the model from it."""
+    import subprocess
+
+    work = tmp_path / "run"
+    proc = subprocess.run([str(LAUNCH / "local_multiprocess.sh"), "2", "--devices", "2", "--port", str(_free_port()),
+                           "--", sys.executable, "-m", "turnsight_jax.train", "--config", "tests/configs/tiny_random.py",
+                           "--config.sft.steps=2", "--config.sft.curriculum_steps=0", "--config.train.steps=0",
+                           "--config.data.num_eval=2", "--config.eval.samples=1", "--workdir", str(work)],
+                          capture_output=True, text=True, env=clean_env(), cwd=REPO_ROOT, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    sft = work / "sft"
+    assert (sft / "SFT_DONE").is_file() and (sft / "config.json").is_file() and (sft / "tokenizer.json").is_file()
+    assert not (work / "sft.tmp").exists()
+    assert "[p0] sft: done in" in proc.stdout + proc.stderr

@@ -258,15 +258,25 @@ def run_sft(cfg: mlc.ConfigDict, workdir: pathlib.Path, mesh, tok, tokdir: pathl
                                                    jnp.asarray(valid), *map(jnp.asarray, flat))
             if step % 10 == 0 or step == s.steps - 1:
                 progress.update(step, {"sft_loss": float(loss)})
+    # Every process takes part in save_pretrained's gathers; process 0 alone touches the files (the
+    # processes of one host share the workdir: each clearing and renaming the folder raced), and
+    # the others wait until the folder is whole before they read it back.
     tmp = workdir / "sft.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    primary = jax.process_index() == 0
+    if primary:
+        shutil.rmtree(tmp, ignore_errors=True)
     save_pretrained(nnx.merge(graphdef, params), tmp)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(tokdir / name, tmp / name)
-    (tmp / "SFT_DONE").write_text(f"curriculum_steps={s.curriculum_steps} steps={s.steps} "
-                                  f"final_loss={float(loss):.4f}\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    if primary:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(tokdir / name, tmp / name)
+        (tmp / "SFT_DONE").write_text(f"curriculum_steps={s.curriculum_steps} steps={s.steps} "
+                                      f"final_loss={float(loss):.4f}\n")
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("sft: the warm-start folder is written")
     log(f"sft: done in {time.perf_counter() - t0:.1f}s, final loss {float(loss):.3f} -> {out}")
     return out
 
