@@ -212,3 +212,29 @@ def test_the_fused_step_with_the_fused_kernel_equals_the_xla_step(setup, tok):  
     assert scale > 1e-4
     assert _max_diff(g0, g1) < 1e-5 * max(1.0, scale)
     assert abs(float(m0["pg_loss"]) - float(m1["pg_loss"])) < 1e-6
+
+
+def test_the_kernels_lower_for_gpus_through_triton():
+    """With no GPU here, the next best check of the GPU path: exporting for CUDA runs Pallas's
+    Triton lowering of the three kernels (forward, dq, dk/dv), bf16 and float32, at Qwen3's head
+    dimension and the default tiles, and of a model's gradient with model.attn_impl="pallas"
+    (Triton's own compiler, on a device, comes after this)."""
+    import re
+
+    ok = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    names = ["turnsight_attention_forward", "turnsight_attention_dq", "turnsight_attention_dkv"]
+    lay = _two_contexts()
+    plan = block_plan(lay, 64)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        q, k, v = (a.astype(dtype) for a in _qkv(2, hq=16, hkv=8, dh=128))
+        grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fused_attention(q, k, v, plan).astype(jnp.float32)),
+                                argnums=(0, 1, 2)))
+        text = jax.export.export(grad, platforms=["cuda"], disabled_checks=ok)(q, k, v).mlir_module()
+        assert re.findall(r'name = "(turnsight_attention_[a-z]+)"', text) == names
+    model = init_model(CFG, seed=0, options=RuntimeOptions(attn_impl="pallas", attn_block=16))
+    graphdef, params = nnx.split(model)
+    tokens = jnp.zeros((2, T), jnp.int32)
+    loss = lambda p: jnp.sum(nnx.merge(graphdef, p).hidden_states(tokens, lay, skip_padding=True))
+    text = jax.export.export(jax.jit(jax.grad(loss)), platforms=["cuda"], disabled_checks=ok)(params).mlir_module()
+    # one forward kernel per layer's scan body, and its two backward kernels
+    assert sorted(set(re.findall(r'name = "(turnsight_attention_[a-z]+)"', text))) == sorted(names)
