@@ -8,9 +8,10 @@ model.attn_impl = "pallas"), in one run on one device:
    teacher's packed rows, forward and forward + backward, each kernel, time and the necessary
    pairs' TFLOP/s;
 0. counted only (any machine): the update's executed / necessary FLOPs under each kernel;
-3. the step: the teacher's forward over its packed views, the student's forward + backward, and
-   the whole fused step (one jit), each kernel; MFU = the necessary FLOPs of turnsight_jax.flops
-   (the trainer's counter) / time / peak, and the executed / necessary ratio of the update.
+3. the step: the teacher's forward over its packed views, the student's forward + backward (its
+   log-probs under a gradient), and the whole fused step (one jit), each kernel; MFU = the
+   necessary FLOPs of turnsight_jax.flops (the trainer's counter) / time / peak, and the
+   executed / necessary ratio of each part.
 
 The peak: a bf16 matmul (8192^3) measured in the same run, and the chip's dense bf16 figure
 (`--spec-tflops`). The batch is built here (a CPU; the rollout's tools run sandboxed) and
@@ -51,7 +52,7 @@ from turnsight_jax.models.config import get_preset  # noqa: E402
 from turnsight_jax.models.fused_attention import block_plan, fused_attention  # noqa: E402
 from turnsight_jax.models.qwen3 import Qwen3, RuntimeOptions  # noqa: E402
 from turnsight_jax.rl.batch import packed_reference  # noqa: E402
-from turnsight_jax.rl.logprobs import teacher_logprobs  # noqa: E402
+from turnsight_jax.rl.logprobs import policy_logprobs, teacher_logprobs  # noqa: E402
 from turnsight_jax.rl.methods import resolve_method  # noqa: E402
 from turnsight_jax.rl.step import make_optimizer, make_train_step  # noqa: E402
 
@@ -170,6 +171,14 @@ def step_parts(batch, stats, sc, cfg, args, peak: float, out: dict):
                                   fused_block=args.block if impl != "xla" else 0)
         teacher = jax.jit(lambda r, v: teacher_logprobs(nnx.merge(graphdef, r), v, chunk=sc.scoring_chunk))
         t_teacher = time_fn(lambda: teacher(ref, dev.views), repeats=args.repeats)
+
+        def student_loss(p, b):  # the policy's log-probs under a gradient, as the update takes them
+            lp = policy_logprobs(nnx.merge(graphdef, p), b.replace(views=None), chunk=sc.logprob_chunk)
+            return jnp.sum(jnp.where(b.pol_valid, lp, 0.0)) / jnp.maximum(b.pol_valid.sum(), 1)
+
+        student = jax.jit(jax.grad(student_loss))
+        t_student = time_fn(lambda: student(params, dev), repeats=args.repeats)
+        del student
         optimizer = make_optimizer(sc.optim)
         step = make_train_step(graphdef, sc, optimizer, method)
         holder = {"p": jax.tree.map(jnp.copy, params), "s": optimizer.init(params)}
@@ -184,14 +193,18 @@ def step_parts(batch, stats, sc, cfg, args, peak: float, out: dict):
         rows.append([impl, "teacher forward (packed views)", f"{t_teacher * 1e3:.0f} ms",
                      f"{n_teacher / t_teacher / peak['measured']:.1%}", f"{n_teacher / t_teacher / peak['spec']:.1%}",
                      f"{e_teacher / n_teacher:.2f}"])
+        rows.append([impl, "student forward + backward (packed rows)", f"{t_student * 1e3:.0f} ms",
+                     f"{n_student / t_student / peak['measured']:.1%}", f"{n_student / t_student / peak['spec']:.1%}",
+                     f"{e_student / n_student:.2f}"])
         rows.append([impl, "whole fused step (one jit)", f"{t_step * 1e3:.0f} ms",
                      f"{work.necessary / t_step / peak['measured']:.1%}",
                      f"{work.necessary / t_step / peak['spec']:.1%}", f"{work.ratio:.2f}"])
-        out.setdefault("step", []).append({"impl": impl, "teacher_s": t_teacher, "step_s": t_step,
+        out.setdefault("step", []).append({"impl": impl, "teacher_s": t_teacher, "student_s": t_student, "step_s": t_step,
                                            "necessary": {k: v[0] for k, v in work.parts.items()},
                                            "executed": {k: v[1] for k, v in work.parts.items()},
                                            "student_ratio": e_student / n_student})
-        print(f"  {impl}: teacher {t_teacher * 1e3:.0f} ms, step {t_step * 1e3:.0f} ms", flush=True)
+        print(f"  {impl}: teacher {t_teacher * 1e3:.0f} ms, student {t_student * 1e3:.0f} ms, step {t_step * 1e3:.0f} ms",
+              flush=True)
         del holder, step, teacher
     print(f"the step: {cfg.num_layers} layers, bf16 compute, remat={args.remat}; MFU = necessary FLOPs "
           f"(turnsight_jax.flops) / time / peak (measured {peak['measured'] / 1e12:.0f}, spec {peak['spec'] / 1e12:.0f} "
