@@ -84,8 +84,8 @@ from turnsight_jax.rl.config import StepConfig
 from turnsight_jax.rl.context_rows import ContextRow, context_row, has_elisions, row_policy_positions
 from turnsight_jax.rl.horizon import dependency_batch
 from turnsight_jax.rl.length_classes import LengthClasses
-from turnsight_jax.rl.methods import ResolvedMethod
 from turnsight_jax.rl import micro_groups
+from turnsight_jax.rl.methods import ResolvedMethod
 from turnsight_jax.rl.micro_groups import MicroGroups
 from turnsight_jax.rl.mm_grpo import planned_extra
 from turnsight_jax.rl.orchard import PROBE_TOKENS, RetroProbes, build_probes

@@ -45,10 +45,10 @@ from turnsight_jax.errors import ConfigError
 from turnsight_jax.models.qwen3 import Qwen3
 from turnsight_jax.rl.advantages import make_advantage_fn
 from turnsight_jax.rl import critic as critic_lib
+from turnsight_jax.rl import micro_groups
 from turnsight_jax.rl import orchard as orchard_lib
 from turnsight_jax.rl import prm as prm_lib
 from turnsight_jax.rl import turn_records
-from turnsight_jax.rl import micro_groups
 from turnsight_jax.rl.batch import TrainBatch, packed_reference, row_axis
 from turnsight_jax.rl.config import OptimConfig, StepConfig
 from turnsight_jax.rl.logprobs import policy_logprobs, teacher_logprobs
