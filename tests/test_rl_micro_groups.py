@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -70,9 +72,6 @@ def test_the_batch_holds_each_groups_width(setup, tok):  # noqa: F811
 
 
 def test_each_group_of_micro_batches_runs_at_its_own_width(setup, tok):  # noqa: F811
-    import jax
-    import jax.numpy as jnp
-
     from turnsight_jax.rl.step import _in_micro_batches
 
     trajs, row_tasks, _, _ = setup
@@ -110,7 +109,7 @@ def test_the_grouped_step_equals_the_ungrouped_step(setup, tok, groups, teacher_
     g1, m1 = _sgd_step(c1, policy, ref, b1)
     assert set(cuts["rows"]) == set(b1.micro_groups.widths)
     assert set(cuts["views"]) == (set(b1.micro_groups.view_widths) if teacher_m == 4 else set())
-    scale = max(float(np.abs(np.asarray(x)).max()) for x in __import__("jax").tree.leaves(g0))
+    scale = max(float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(g0))
     assert scale > 1e-4
     assert _max_diff(g0, g1) < 1e-5 * max(1.0, scale)
     for key in ("pg_loss", "kl"):
@@ -136,7 +135,7 @@ def test_the_grouped_step_on_a_mesh_equals_the_step_on_one_device(setup, tok):  
     c1, b1, _ = _grouped(trajs, row_tasks, tok, 2, shards=2)
     g0, m0 = _sgd_step(c0, policy, ref, b0)
     g1, m1 = _sgd_step(c1, policy, ref, b1, mesh=make_mesh(fsdp=2, tensor=4))
-    scale = max(float(np.abs(np.asarray(x)).max()) for x in __import__("jax").tree.leaves(g0))
+    scale = max(float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(g0))
     assert _max_diff(g0, g1) < 1e-5 * max(1.0, scale)
     assert abs(float(m0["pg_loss"]) - float(m1["pg_loss"])) < 1e-6
 

@@ -31,8 +31,10 @@ import numpy as np
 from flax import struct
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec as P
 
 from turnsight_jax.models.attention import NO_SEGMENT, PAD_SEGMENT, Layout, packed_mask
+from turnsight_jax.models.sharding import ACTIVATION_SPECS, AXES, fit_spec
 
 _NEG = -1e30  # finite: a query that reads nothing keeps NaN-free sums
 _LOG2E = math.log2(math.e)
@@ -305,10 +307,6 @@ def fused_attention_fn(plan: BlockPlan, *, interpret: bool = False):
     axes) inside a `shard_map`, each device running the kernel on its own rows and heads (a
     Pallas call is opaque to the partitioner, which would otherwise gather its operands); a
     plain call otherwise."""
-    from jax.sharding import PartitionSpec as P
-
-    from turnsight_jax.models.sharding import AXES, ACTIVATION_SPECS, fit_spec
-
     def attend(q, k, v):
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or not set(AXES) <= set(mesh.axis_names) or mesh.size == 1:

@@ -301,9 +301,9 @@ def make_train_batch(
     groups = group_of_row = None
     if cfg.micro_batch_groups > 1:
         counts = micro_groups.split_counts(cfg.micro_batches, cfg.micro_batch_groups)
-        group_of_row = MicroGroups(counts, (0,) * len(counts)).row_groups(len(trajs))
+        group_of_row = micro_groups.row_groups(len(trajs), counts)
         gw = tuple(_bucket(n, length_buckets, floor.get(f"T{g}", 0), "trajectory")
-                   for g, n in enumerate(micro_groups.group_max(lengths, group_of_row, len(counts))))
+                   for g, n in enumerate(length_classes.class_widths(lengths, group_of_row, len(counts))))
         groups = MicroGroups(counts, gw)
         floor["T"] = max(floor["T"], *gw)
         floor["P"] = max([floor["P"]] + [floor.get(f"P{g}", 0) for g in range(len(counts))])
@@ -390,8 +390,8 @@ def make_train_batch(
             stats.update({f"P{i}": float(w) for i, w in enumerate(pw)})
         if groups is not None:
             vw = tuple(_bucket(n, packed_buckets, floor.get(f"P{g}", 0), "packed hindsight row") for g, n in enumerate(
-                micro_groups.group_max((np.asarray(views.layout.segment_ids) >= 0).sum(axis=1), group_of_row,
-                                       len(groups.counts))))
+                length_classes.class_widths((np.asarray(views.layout.segment_ids) >= 0).sum(axis=1), group_of_row,
+                                            len(groups.counts))))
             groups = dataclasses.replace(groups, view_widths=vw)
             stats.update({f"P{g}": float(w) for g, w in enumerate(vw)})
         stats["P"], stats["U"] = float(views.tokens.shape[1]), float(views.pred.shape[1])

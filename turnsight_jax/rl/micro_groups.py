@@ -49,9 +49,15 @@ class MicroGroups:
         return list(zip([0] + ends[:-1], ends))
 
     def row_groups(self, b: int) -> np.ndarray:
-        """[b] int: the group of each batch row (row i is in micro-batch i mod M)."""
-        of_micro = np.repeat(np.arange(len(self.counts)), self.counts)
-        return of_micro[np.arange(b) % self.micro_batches]
+        """[b] int: the group of each batch row (`row_groups`)."""
+        return row_groups(b, self.counts)
+
+
+def row_groups(b: int, counts: Sequence[int]) -> np.ndarray:
+    """[b] int: the group of each batch row, for groups of `counts` micro-batches (row i is in
+    micro-batch i mod M, M = sum(counts))."""
+    of_micro = np.repeat(np.arange(len(counts)), counts)
+    return of_micro[np.arange(b) % sum(counts)]
 
 
 def split_counts(micro_batches: int, groups: int) -> tuple[int, ...]:
@@ -77,12 +83,6 @@ def length_order(lengths: Sequence[int], shards: int, micro_batches: int) -> np.
         r = np.arange(block)
         order[s * block + (r // c) + (r % c) * micro_batches] = ranked
     return order
-
-
-def group_max(sizes: Sequence[int], groups: np.ndarray, count: int) -> list[int]:
-    """The largest size in each group (0 for an empty one)."""
-    sizes = np.asarray(sizes)
-    return [int(sizes[groups == g].max(initial=0)) for g in range(count)]
 
 
 def cut_rows(rows, width: int):
