@@ -175,11 +175,18 @@ def fused_pairs(reach: np.ndarray, block: int) -> float:
     tile of `block` x `block` holding a pair some query reads; reach [B, W, 3, 2] (`key_reach`).
     Rows are independent, so how they are split into calls does not change it."""
     reach = np.asarray(reach)
-    b, w = reach.shape[:2]
+    w = reach.shape[1]
     n = -(-w // block)
-    reach = np.pad(reach, ((0, 0), (0, n * block - w), (0, 0), (0, 0)))  # padded queries read nothing
-    tiles = _blocks_read(reach, block, n).reshape(b, n, block, n).any(axis=2)
-    return float(tiles.sum()) * block * block
+    q_block = np.broadcast_to((np.arange(w) // block)[:, None], reach.shape[1:3])  # [W, 3]
+    tiles = 0
+    for row in reach:  # a row at a time, each query's ranges marked as runs of key blocks: O(W), not O(W x n)
+        lo, hi = row[..., 0], row[..., 1]
+        live = hi > lo
+        runs = np.zeros((n, n + 1), np.int32)  # per query block: +1 where a run of read key blocks starts, -1 after
+        np.add.at(runs, (q_block[live], lo[live] // block), 1)
+        np.add.at(runs, (q_block[live], (hi[live] - 1) // block + 1), -1)
+        tiles += int((np.cumsum(runs, axis=1)[:, :n] > 0).sum())
+    return float(tiles) * block * block
 
 
 FUSED_GRAD_FORWARDS = 4.5  # the fused kernel's forward + backward, in forwards (module docstring)

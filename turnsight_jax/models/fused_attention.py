@@ -78,7 +78,7 @@ def block_plan(layout: Layout, block: int) -> BlockPlan:
                      axis=1).astype(jnp.int32)
     k_index = jnp.arange(width, dtype=jnp.int32)
 
-    def reads(i):  # [B, nk]: the key blocks query block i reads
+    def reads(i):  # [B, nk]: the key blocks query block i reads (packed_mask reads no positions)
         sl = lambda a: jax.lax.dynamic_slice_in_dim(a, i * block, block, axis=1)
         q = Layout(positions=sl(meta[:, 0]), segment_ids=sl(meta[:, 0]), ctx1_segment=sl(meta[:, 1]),
                    ctx1_end=sl(meta[:, 2]), ctx2_segment=sl(meta[:, 3]), ctx2_end=sl(meta[:, 4]))
