@@ -521,8 +521,6 @@ def test_the_warm_start_on_two_processes_writes_one_folder(tmp_path):
     """A 2 x 2 job whose run starts with the supervised warm-start: process 0 alone writes the
     shared workdir's `sft` folder and the other waits for it (each process clearing and renaming
     `sft.tmp` failed the run, on one process or the other), then both build the model from it."""
-    import subprocess
-
     work = tmp_path / "run"
     proc = subprocess.run([str(LAUNCH / "local_multiprocess.sh"), "2", "--devices", "2", "--port", str(_free_port()),
                            "--", sys.executable, "-m", "turnsight_jax.train", "--config", "tests/configs/tiny_random.py",
