@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -190,3 +191,44 @@ def test_long_chains_up_to_twenty_turns(tok):
         SyntheticConfig(hops=3, max_hops=2).validate()
     with pytest.raises(ValueError, match=r"max_hops \+ max_distractors must be <= num_relations=16"):
         SyntheticConfig(max_hops=16, vocab_size=64).validate()
+
+
+@pytest.mark.parametrize("style,vocab", [("names", 31), ("cvcv", 64)])
+def test_result_words_make_long_results_that_never_credit(env, style, vocab):
+    """data.min/max_result_words: every table row's result carries a record note of [min, max]
+    words after its entity; gold chains still solve every task (Solve-F1 1, answer correct), the
+    notes solve nothing a wrong call would not (random calls score as without notes), an unknown
+    name gets 'unknown' and a note of its tool's, and the tasks are those without notes apart from their codes."""
+    base = SyntheticConfig(hops=2, max_hops=6, entity_style=style, vocab_size=vocab, max_distractors=2)
+    cfg = dataclasses.replace(base, min_result_words=20, max_result_words=60)
+    tasks = generate_tasks(120, seed=5, config=cfg)
+    plain = generate_tasks(120, seed=5, config=base)
+    for t, p in zip(tasks, plain):
+        assert (t.messages, t.tools, t.unsolved_set, t.answer, t.gold_calls) == (
+            p.messages, p.tools, p.unsolved_set, p.answer, p.gold_calls)
+        assert t.codes != p.codes
+    scores, episodes = _run_policy(env, tasks, _gold_policy)
+    assert min(s.metrics["solve_f1"] for s in scores) == 1.0
+    assert all(s.metrics["answer_correct"] == 1.0 for s in scores)
+    lengths, vocabulary = [], entity_vocabulary(vocab, style)
+    for task, ep in zip(tasks, episodes):
+        for turn in ep.turns[:-1]:
+            for _, out in turn:
+                entity, note = out.split("\nrecord: ")
+                assert entity in vocabulary  # the entity first, then its note
+                lengths.append(len(note.split()))
+                assert note == note.lower()
+                assert not any(e.lower() in note for e in vocabulary)
+    assert min(lengths) >= 20 and max(lengths) <= 60 and len(set(lengths)) > 20
+    # The last hop's output is the answer followed by its note.
+    for task, ep in zip(tasks, episodes):
+        assert ", ".join(out.split("\n", 1)[0] for _, out in ep.turns[-1]) == task.answer
+    rand, _ = _run_policy(env, tasks, _random_policy)
+    rand_plain, _ = _run_policy(env, plain, _random_policy)
+    assert [s.metrics["solve_f1"] for s in rand] == [s.metrics["solve_f1"] for s in rand_plain]
+    ep = env.start(tasks[0], seed=0)
+    res = ep.step([ToolCall(tasks[0].tools[0]["function"]["name"], {"name": "Nobody"})] * 2)
+    word, note = res.observations[0].split("\nrecord: ")
+    assert word == "unknown" and 20 <= len(note.split()) <= 60 and res.observations[1] == res.observations[0]
+    with pytest.raises(ValueError, match="need 0 <= min_result_words <= max_result_words, got 5, 2"):
+        dataclasses.replace(base, min_result_words=5, max_result_words=2).validate()

@@ -95,6 +95,8 @@ def base_config() -> mlc.ConfigDict:
     c.data.num_relations = 16  # relation names (tools) the tasks draw from (at most 32; a chain uses each once)
     c.data.extra_rows = 2  # table rows per tool beyond those the gold chain needs
     c.data.prompt_style = "short"  # short (FTRL's first sentence + the question) | ftrl (FTRL's full text)
+    c.data.min_result_words = 0  # 0 / 0: a tool returns the bare entity; else each table row adds a record
+    c.data.max_result_words = 0  #   note of uniform [min, max] words (FTRL-like long tool results)
 
     c.rollout = mlc.ConfigDict()  # multi-turn generation (turnsight_jax.rollout)
     c.rollout.max_turns = 10  # assistant turns per trajectory (paper: 10)

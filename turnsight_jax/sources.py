@@ -125,10 +125,12 @@ def training_needs(cfg: mlc.ConfigDict) -> tuple[str, ...]:
 
 def synthetic_config(cfg: mlc.ConfigDict) -> SyntheticConfig:
     d = cfg.data
+    # .get: a run folder's config.json written before the result-words knob has no such key
     return SyntheticConfig(hops=d.hops, max_hops=d.max_hops, width=d.width, min_distractors=d.min_distractors,
                            max_distractors=d.max_distractors, vocab_size=d.vocab_size, extra_rows=d.extra_rows,
                            num_relations=d.num_relations, entity_style=d.entity_style,
-                           prompt_style=d.prompt_style)
+                           prompt_style=d.prompt_style, min_result_words=d.get("min_result_words", 0),
+                           max_result_words=d.get("max_result_words", 0))
 
 
 def load_tasks(cfg: mlc.ConfigDict, split: str) -> list[Task]:

@@ -85,6 +85,12 @@ class SyntheticConfig:
       names, up to 31: easiest to copy for a tiny model).
     extra_rows: table rows per tool beyond those the gold chain needs.
     prompt_style: "short" (FTRL's first sentence + the question) or "ftrl" (FTRL's full text).
+    min_result_words / max_result_words: 0 / 0 (a tool returns the bare entity), or each table row
+      carries a record note of uniform [min, max] words after its entity ("Kato\nrecord: ...";
+      FTRL's tool results are long JSON records, the built-in tables' one word), and an unknown
+      name's "unknown" a note of the tool's own. The notes are
+      lower-case words that contain no entity of the vocabulary, so they never solve a gold answer;
+      drawn from a stream of their own, so tasks without notes are unchanged.
     """
 
     hops: int = 2
@@ -97,6 +103,8 @@ class SyntheticConfig:
     entity_style: str = "cvcv"
     extra_rows: int = 2
     prompt_style: str = "short"
+    min_result_words: int = 0
+    max_result_words: int = 0
 
     def validate(self) -> None:
         if self.hops < 2:
@@ -127,6 +135,11 @@ class SyntheticConfig:
             )
         if self.prompt_style not in ("short", "ftrl"):
             raise ValueError(f"SyntheticConfig.prompt_style must be 'short' or 'ftrl', got {self.prompt_style!r}")
+        if not 0 <= self.min_result_words <= self.max_result_words:
+            raise ValueError(
+                f"SyntheticConfig: need 0 <= min_result_words <= max_result_words, got "
+                f"{self.min_result_words}, {self.max_result_words}"
+            )
 
 
     @property
@@ -175,13 +188,47 @@ def _tool_schema(relation: str) -> dict:
     }
 
 
-def _tool_source(relation: str, table: dict[str, str]) -> str:
-    # The table is emitted with json.dumps: a valid Python dict literal of plain strings.
+def _tool_source(relation: str, table: dict[str, str], notes: dict[str, str] | None = None) -> str:
+    # The tables are emitted with json.dumps: valid Python dict literals of plain strings.
+    if not notes:
+        return (
+            f"def {tool_name(relation)}(name):\n"
+            f"    table = {json.dumps(table, ensure_ascii=False)}\n"
+            f"    return table.get(name, {UNKNOWN!r})\n"
+        )
+    missing = notes.pop(None)
     return (
         f"def {tool_name(relation)}(name):\n"
         f"    table = {json.dumps(table, ensure_ascii=False)}\n"
-        f"    return table.get(name, {UNKNOWN!r})\n"
+        f"    notes = {json.dumps(notes, ensure_ascii=False)}\n"
+        f"    return table.get(name, {UNKNOWN!r}) + notes.get(name, {json.dumps(missing, ensure_ascii=False)})\n"
     )
+
+
+# The record notes' words (SyntheticConfig.max_result_words): lower-case, so a capitalised entity
+# can only match inside one of them case-insensitively; those that would are dropped per task.
+NOTE_WORDS = (
+    "record", "entry", "updated", "source", "registry", "field", "value", "listed", "since",
+    "verified", "archive", "region", "status", "active", "index", "section", "level", "report",
+    "year", "month", "number", "address", "contact", "notes", "history", "owner", "previous",
+    "current", "category", "type", "public", "private", "open", "closed", "pending", "approved",
+    "north", "south", "east", "west", "central", "district", "office", "branch", "unit", "group",
+    "member", "annual", "weekly", "daily", "summary", "detail", "reference", "origin", "copy",
+    "version", "changed", "created", "removed", "added", "checked", "audit", "survey", "ledger",
+)
+
+
+def _notes(keys, vocab: Sequence[str], rng: random.Random, config: SyntheticConfig) -> dict:
+    """One record note per table row (keys), "\nrecord: w1 w2 ..." of [min, max] result words, and
+    under the key None the note an unknown name gets (a real API's error body is long too, so a
+    wrong call costs as many tokens as a right one: the lengths do not hinge on the policy's skill)."""
+    lowered = [e.lower() for e in vocab]
+    words = [w for w in NOTE_WORDS if not any(e in w for e in lowered)]
+    out = {}
+    for key in [*keys, None]:
+        n = rng.randint(config.min_result_words, config.max_result_words)
+        out[key] = "\nrecord: " + " ".join(rng.choice(words) for _ in range(n)) if n else ""
+    return out
 
 
 def _phrase(relations: Sequence[str], start: str) -> str:
@@ -235,7 +282,11 @@ def generate_task(category: str, seed: int, config: SyntheticConfig = SyntheticC
     tool_order = list(relations)
     rng.shuffle(tool_order)
     tools = tuple(_tool_schema(rel) for rel in tool_order)
-    codes = {tool_name(rel): _tool_source(rel, tables[rel]) for rel in tool_order}
+    notes = {rel: None for rel in tool_order}
+    if config.max_result_words:  # a stream of their own: the tables and the rest stay as without notes
+        note_rng = random.Random(f"turnsight-synthetic-notes|{category}|{seed}")
+        notes = {rel: _notes(tables[rel], vocab, note_rng, config) for rel in tool_order}
+    codes = {tool_name(rel): _tool_source(rel, tables[rel], notes[rel]) for rel in tool_order}
 
     gold_calls = tuple(
         tuple(
