@@ -186,6 +186,7 @@ TODAY_DEFAULT["mm_grpo"] = {"window": 1, "placeholder": "[earlier tool output om
 TODAY_DEFAULT["rl"].update(hindsight_budget=0, hindsight_filler=".\n", horizon_tol=0.05)
 TODAY_DEFAULT["teacher"].update(block_budget=0, block_filler=".\n")
 TODAY_DEFAULT["data"].update(max_hops=0)
+TODAY_DEFAULT["data"].update(min_result_words=0, max_result_words=0)  # long tool results (issue 21's paper-like run): off
 TODAY_DEFAULT["log"].update(turn_records=False)
 TODAY_DEFAULT["faults"] = {"wrong_rate": 0.0, "unavailable_rate": 0.0, "unavailable_attempts": 1, "delay_rate": 0.0,
                            "delay_s": 0.0, "seed": 0}
@@ -239,6 +240,22 @@ def test_the_packed_tiny_config_changes_only_the_updates_packing():
         "train.teacher_pack_width": 3584, "train.shapes": "batch", "train.logprob_chunk": 128,
         "model.attn_key_block": 32, "model.attn_q_chunk": 32, "model.attn_row_group": 1}
     C.validate(cfg_file("tiny_cpu_packed"), 1)
+
+
+def test_the_paper_like_tiny_config_is_the_packed_one_on_long_episodes():
+    """configs/tiny_cpu_paper_like.py: the packed default's step and model on 2-10-turn episodes
+    with 50-500-word tool results (the data, the rollout budgets, wider packed rows)."""
+    long = flat(cfg_file("tiny_cpu_paper_like").to_dict())
+    packed = flat(cfg_file("tiny_cpu_packed").to_dict())
+    assert {k: v for k, v in long.items() if packed[k] != v} == {
+        "name": "tiny_cpu_paper_like", "data.max_hops": 9, "data.vocab_size": 28, "data.num_relations": 12,
+        "data.min_result_words": 50, "data.max_result_words": 500, "data.num_eval": 0,
+        "rollout.max_turns": 10, "rollout.max_prompt_tokens": 1536, "rollout.max_response_tokens": 6144,
+        "eval.max_turns": 10, "sft.batch_size": 4,
+        "sft.curriculum_steps": 120, "sft.steps": 40, "train.prompts_per_step": 4, "train.steps": 6,
+        "train.pack_width": 3328, "train.teacher_pack_width": 10240, "train.shape_reuse": 0.02,
+        "model.attn_key_block": 64, "model.attn_q_chunk": 64}
+    C.validate(cfg_file("tiny_cpu_paper_like"), 1)
 
 
 def test_embedded_default_layers():
