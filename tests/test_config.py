@@ -542,6 +542,7 @@ def test_a_config_file_missing_sections_or_keys_is_one_line(tmp_path):
     ("faults.delay_s=-1.0", r"faults.delay_s must be a finite number of seconds >= 0"),
     ("data.max_hops=1", r"data: SyntheticConfig.max_hops must be 0 \(off\) or >= hops=2, got 1"),
     ("data.max_hops=25", r"data: SyntheticConfig: max_hops \+ max_distractors must be <= num_relations=4"),
+    ("data.min_result_words=9", r"data: SyntheticConfig: need 0 <= min_result_words <= max_result_words, got 9, 0"),
 ])
 def test_study_keys_are_validated(override, message):
     """The keys of docs/experiments.md's studies: a bad value is a one-line ConfigError naming it."""
