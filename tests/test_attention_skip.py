@@ -162,7 +162,8 @@ def test_the_model_with_row_groups_equals_the_model_without():
     for (group, block), (value, g) in grads.items():
         np.testing.assert_allclose(value, want, rtol=1e-6)
         # sums over rows in another order; with key blocks over keys too (1e-6 of the largest)
-        atol = 1e-6 * scale if block else 1e-5
+        atol = 1e-6 * scale  # float32 rounding of the summed terms: a fixed 1e-5 held on one CPU, not on
+        # another (2.9e-5 on one element among gradients of ~250)
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want_g)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=atol)
 
