@@ -88,9 +88,9 @@ class SyntheticConfig:
     min_result_words / max_result_words: 0 / 0 (a tool returns the bare entity), or each table row
       carries a record note of uniform [min, max] words after its entity ("Kato\nrecord: ...";
       FTRL's tool results are long JSON records, the built-in tables' one word), and an unknown
-      name's "unknown" a note of the tool's own. The notes are
-      lower-case words that contain no entity of the vocabulary, so they never solve a gold answer;
-      drawn from a stream of their own, so tasks without notes are unchanged.
+      name's "unknown" a note of the tool's own. The notes are lower-case words that contain no
+      entity of the vocabulary, so they never solve a gold answer; drawn from a stream of their
+      own, so tasks without notes are unchanged.
     """
 
     hops: int = 2
@@ -188,21 +188,17 @@ def _tool_schema(relation: str) -> dict:
     }
 
 
-def _tool_source(relation: str, table: dict[str, str], notes: dict[str, str] | None = None) -> str:
-    # The tables are emitted with json.dumps: valid Python dict literals of plain strings.
-    if not notes:
-        return (
-            f"def {tool_name(relation)}(name):\n"
-            f"    table = {json.dumps(table, ensure_ascii=False)}\n"
-            f"    return table.get(name, {UNKNOWN!r})\n"
-        )
-    missing = notes.pop(None)
-    return (
-        f"def {tool_name(relation)}(name):\n"
-        f"    table = {json.dumps(table, ensure_ascii=False)}\n"
-        f"    notes = {json.dumps(notes, ensure_ascii=False)}\n"
-        f"    return table.get(name, {UNKNOWN!r}) + notes.get(name, {json.dumps(missing, ensure_ascii=False)})\n"
-    )
+def _tool_source(relation: str, table: dict[str, str], notes: dict[str, str] | None = None,
+                 missing: str = "") -> str:
+    """The tool's Python source: a table lookup, plus each row's record note (and `missing`, an
+    unknown name's) when there are notes. The dicts are emitted with json.dumps: valid Python
+    literals of plain strings."""
+    lines = [f"def {tool_name(relation)}(name):", f"    table = {json.dumps(table, ensure_ascii=False)}"]
+    result = f"table.get(name, {UNKNOWN!r})"
+    if notes:
+        lines.append(f"    notes = {json.dumps(notes, ensure_ascii=False)}")
+        result += f" + notes.get(name, {json.dumps(missing, ensure_ascii=False)})"
+    return "\n".join([*lines, f"    return {result}"]) + "\n"
 
 
 # The record notes' words (SyntheticConfig.max_result_words): lower-case, so a capitalised entity
@@ -218,17 +214,20 @@ NOTE_WORDS = (
 )
 
 
-def _notes(keys, vocab: Sequence[str], rng: random.Random, config: SyntheticConfig) -> dict:
-    """One record note per table row (keys), "\nrecord: w1 w2 ..." of [min, max] result words, and
-    under the key None the note an unknown name gets (a real API's error body is long too, so a
-    wrong call costs as many tokens as a right one: the lengths do not hinge on the policy's skill)."""
+def _notes(keys, vocab: Sequence[str], rng: random.Random, config: SyntheticConfig) -> tuple[dict[str, str], str]:
+    """(one record note per table row (keys), the note an unknown name gets), each
+    "\nrecord: w1 w2 ..." of [min, max] result words. An unknown name gets one too: a real API's
+    error body is long as well, so a wrong call costs as many tokens as a right one and the
+    lengths do not hinge on the policy's skill."""
     lowered = [e.lower() for e in vocab]
     words = [w for w in NOTE_WORDS if not any(e in w for e in lowered)]
-    out = {}
-    for key in [*keys, None]:
+
+    def note() -> str:
         n = rng.randint(config.min_result_words, config.max_result_words)
-        out[key] = "\nrecord: " + " ".join(rng.choice(words) for _ in range(n)) if n else ""
-    return out
+        return "\nrecord: " + " ".join(rng.choice(words) for _ in range(n)) if n else ""
+
+    rows = {key: note() for key in keys}
+    return rows, note()
 
 
 def _phrase(relations: Sequence[str], start: str) -> str:
@@ -282,11 +281,11 @@ def generate_task(category: str, seed: int, config: SyntheticConfig = SyntheticC
     tool_order = list(relations)
     rng.shuffle(tool_order)
     tools = tuple(_tool_schema(rel) for rel in tool_order)
-    notes = {rel: None for rel in tool_order}
+    notes = {rel: ({}, "") for rel in tool_order}
     if config.max_result_words:  # a stream of their own: the tables and the rest stay as without notes
         note_rng = random.Random(f"turnsight-synthetic-notes|{category}|{seed}")
         notes = {rel: _notes(tables[rel], vocab, note_rng, config) for rel in tool_order}
-    codes = {tool_name(rel): _tool_source(rel, tables[rel], notes[rel]) for rel in tool_order}
+    codes = {tool_name(rel): _tool_source(rel, tables[rel], *notes[rel]) for rel in tool_order}
 
     gold_calls = tuple(
         tuple(
