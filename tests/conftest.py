@@ -34,6 +34,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pathlib
 import shutil
 import tempfile
+import time
 
 # One persistent JAX compilation cache for the whole test run: both xdist workers and every
 # subprocess they start (the CLI, documented commands, the notebook's kernel) inherit it, so a
@@ -93,36 +94,84 @@ def _fail_unexpected_skip(report) -> None:
         report.longrepr = f"skipped in CI, where every test dependency is installed: {reason}"
 
 
-# The suite's files by CPU seconds, most first (measured on the 2-core box with `-p` a per-test
-# rusage plugin, BENCHMARKS.md "Test suite"). `pyproject.toml` runs xdist with
-# `--no-loadscope-reorder`, so files are handed to the two workers in this order: longest first,
-# the many small files fill the end, and both workers finish together. xdist's own order (most
-# *tests* first) put the few-test, heavy files (training runs, the notebook, the 8-device dry run)
-# last, where one worker ran them alone for ~45 s while the other core idled.
-HEAVIEST_FIRST = (
-    # the trainer runs on the shared warm-start: the first builds it (~100 s), the second file
-    # comes late enough to find it built
-    "test_baselines_train.py", "test_docs.py", "test_rl_step.py", "test_signal_train.py", "test_train.py",
-    "test_rollout_train.py", "test_rollout_methods_train.py", "test_mm_grpo_train.py", "test_rl_distill_step.py",
-    "test_rl_critic_step.py", "test_slim.py", "test_orchard.py", "test_judge.py", "test_rl_packing.py",
-    "test_rollout_engine.py", "test_rollout_control.py", "test_mm_grpo.py", "test_rl_step_pinned.py",
-    "test_records_viewer.py", "test_custom_method.py", "test_models_qwen3.py", "test_sft.py", "test_eval_heldout.py",
-    "test_rollout_sampler.py", "test_rl_views.py", "test_evaluate.py", "test_rl_turnsight_reference.py",
-    "test_paper_configs.py", "test_notebook.py", "test_rl_advantages.py", "test_rl_advantages_properties.py",
-    "test_rl_unequal_groups.py", "test_rl_logprobs.py", "test_chat_parsing.py", "test_rollout_driver.py",
-    "test_rollout_methods.py", "test_envs_bfcl.py", "test_sandbox.py",
-)
+# The suite's files are handed to the two xdist workers heaviest first (`pyproject.toml` runs
+# xdist with `--no-loadscope-reorder`): both workers then finish together, the many small files
+# filling the end. The costs are CPU-seconds per file (the test process and the subprocesses it
+# waited for), measured by the plugin below and committed in tests/file_costs.json; rebuild the
+# table with `python tests/file_costs.py` after adding or slimming a heavy file. A file missing
+# from the table (a new one) goes first: a light file run early costs nothing, a heavy one run
+# last leaves one core idle.
+FILE_COSTS_PATH = pathlib.Path(__file__).with_name("file_costs.json")
+
+
+def _file_costs() -> dict[str, float]:
+    import json
+
+    try:
+        return json.loads(FILE_COSTS_PATH.read_text())["cpu_s"]
+    except FileNotFoundError:
+        return {}
 
 
 def pytest_collection_modifyitems(session, config, items):
-    rank = {name: k for k, name in enumerate(HEAVIEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    costs = _file_costs()
+    items.sort(key=lambda item: -costs.get(item.path.name, float("inf")))  # stable within a file
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU of this process and of the children it has waited for."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    item._cost_start = (_cpu_seconds(), time.perf_counter())
+    yield
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
-    _fail_unexpected_skip(outcome.get_result())
+    report = outcome.get_result()
+    _fail_unexpected_skip(report)
+    if call.when == "teardown" and hasattr(item, "_cost_start"):
+        # Plain attributes travel with the report from an xdist worker to the controller.
+        cpu0, wall0 = item._cost_start
+        report.cost_cpu_s = _cpu_seconds() - cpu0
+        report.cost_wall_s = time.perf_counter() - wall0
+
+
+_FILE_COST = {}  # file name -> [CPU-s, wall-s, tests], filled on the controller
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown" and hasattr(report, "cost_cpu_s"):
+        entry = _FILE_COST.setdefault(pathlib.Path(report.location[0]).name, [0.0, 0.0, 0])
+        entry[0] += report.cost_cpu_s
+        entry[1] += report.cost_wall_s
+        entry[2] += 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Every run ends with its ten slowest files, so each CI log shows where the time went."""
+    if not _FILE_COST:
+        return
+    ranked = sorted(_FILE_COST.items(), key=lambda kv: -kv[1][0])
+    total = sum(v[0] for v in _FILE_COST.values())
+    tr = terminalreporter
+    tr.write_sep("=", f"slowest files (CPU-s of the test process and its waited-for children; {total:.0f} in all)")
+    tr.write_line(f"{'file':<40} {'CPU-s':>8} {'wall-s':>8} {'tests':>6}")
+    for name, (cpu, wall, n) in ranked[:10]:
+        tr.write_line(f"{name:<40} {cpu:8.1f} {wall:8.1f} {n:6d}")
+    out = os.environ.get("TURNSIGHT_FILE_COSTS_OUT")
+    if out:  # tests/file_costs.py
+        import json
+
+        table = {name: round(v[0], 1) for name, v in ranked}
+        pathlib.Path(out).write_text(json.dumps({"cpu_s": table}, indent=1) + "\n")
 
 
 @pytest.hookimpl(hookwrapper=True)
