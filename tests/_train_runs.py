@@ -1,6 +1,9 @@
 """Trainer runs from the methods' tiny configs (configs/methods/<name>.py) through
-`python -m turnsight_jax.train`, on the built-in tasks, 3 RL steps each, for the tests of
-tests/test_baselines_train.py and tests/test_signal_train.py.
+`python -m turnsight_jax.train`, on the built-in tasks, 3 RL steps each, for the tests of the methods' mechanisms (tests/test_baselines_train.py,
+tests/test_signal_train.py, tests/test_rollout_train.py, ...). Each run is `main(argv)` of
+`turnsight_jax.train` in one long-lived trainer process per test worker (tests/_trainer_worker.py:
+the environment of a trainer subprocess, one CPU device), so the runs share the programs they
+compile; the command line itself is tested by real subprocesses elsewhere (tests/test_train.py).
 
 A random model never solves a built-in task, and every advantage would then be 0 (RLSD's weights
 all 1, no successful sibling for SDPO, no gate pass for ToolOmni). So the runs start from one
@@ -12,6 +15,7 @@ reuses a completed `sft/` folder); SOD's external teacher is that warm-start
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pathlib
@@ -19,6 +23,7 @@ import shutil
 import subprocess
 import sys
 
+from _trainer_worker import TrainerWorker
 from conftest import SUBPROCESS_XLA_FLAGS
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -43,18 +48,33 @@ def build_warm_start(workdir: pathlib.Path) -> pathlib.Path:
     return workdir / "sft"
 
 
+_WORKER: TrainerWorker | None = None
+
+
+def trainer_worker() -> TrainerWorker:
+    """This test process's trainer process (started at its first run, closed at exit)."""
+    global _WORKER
+    if _WORKER is None:
+        _WORKER = TrainerWorker(dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS, JAX_PLATFORMS="cpu"), str(REPO))
+        atexit.register(_WORKER.close)
+    return _WORKER
+
+
+def run_main(module: str, *argv: str, env: dict | None = None, timeout: float = 900.0) -> tuple[int, str]:
+    """`python -m <module> argv...` run in the trainer process -> (exit code, stdout + stderr)."""
+    return trainer_worker().run(module, [str(a) for a in argv], env=env, cwd=str(REPO), timeout=timeout)
+
+
 def train(method: str, workdir: pathlib.Path, warm_start: pathlib.Path | None, *more: str) -> list[dict]:
     """A 3-step run of configs/methods/<method>.py in `workdir` (from a copy of `warm_start`
     unless the folder already holds one) -> its metrics records."""
     if warm_start is not None and not (workdir / "sft").exists():
         shutil.copytree(warm_start, workdir / "sft")
-    env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS, JAX_PLATFORMS="cpu")
-    args = [sys.executable, "-m", "turnsight_jax.train", "--config", str(REPO / "configs" / "methods" / f"{method}.py"),
-            "--workdir", str(workdir), *SIZES, *more]
-    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{method}: exit {proc.returncode}\n{proc.stderr[-4000:]}"
+    rc, output = run_main("turnsight_jax.train", "--config", REPO / "configs" / "methods" / f"{method}.py",
+                          "--workdir", workdir, *SIZES, *more)
+    assert rc == 0, f"{method}: exit {rc}\n{output[-4000:]}"
     # the config's method, or its rollout controller (configs/methods/<controller>.py: rl.rollout=<controller>)
-    assert f"method {method}:" in proc.stderr or f"rollout {method}," in proc.stderr
+    assert f"method {method}:" in output or f"rollout {method}," in output
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -22,7 +22,7 @@ sys.dont_write_bytecode = False
 # XLA's CPU backend runs at optimisation level 0 in tests: ~30% less compile time, same results to
 # float tolerance (the pinned step numbers hold). Subprocesses the tests start (the CLI, documented
 # commands, the notebook kernel) get SUBPROCESS_XLA_FLAGS: one CPU device, as a user's machine.
-SUBPROCESS_XLA_FLAGS = "--xla_backend_optimization_level=0"
+SUBPROCESS_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 # A program a test runs on large inputs or many times (measured: the packed-vs-plain view check
 # spends 3-4x longer executing at level 0 than at full optimisation) opts back in per jit:
 # `jax.jit(f, compiler_options=OPTIMIZED)`.
@@ -119,11 +119,14 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def _cpu_seconds() -> float:
-    """User + system CPU of this process and of the children it has waited for."""
+    """User + system CPU of this process, of the children it has waited for, and of its live
+    trainer worker (tests/_trainer_worker.py) as last reported."""
     import resource
 
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    worker = sys.modules.get("_trainer_worker")
+    live = sum(worker.LIVE_CPU_S.values()) if worker is not None else 0.0
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + live
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

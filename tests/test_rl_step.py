@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +37,21 @@ CFG = Qwen3Config(vocab_size=SMALL_VOCAB, hidden_size=32, intermediate_size=64, 
 G = 2
 
 
+_SETUP: dict = {}
+
+
 @pytest.fixture(scope="module")
 def setup(tok):
-    """8 real trajectories (4 groups of 2) with varied rewards, and old log-probs near the model's."""
+    """8 real trajectories (4 groups of 2) with varied rewards, and old log-probs near the model's.
+
+    Built once per test process: the nine files that import this fixture share one value (and so
+    the memoised steps of _sgd_step); callers treat it as read-only."""
+    if not _SETUP:
+        _SETUP["value"] = _build_setup(tok)
+    return _SETUP["value"]
+
+
+def _build_setup(tok):
     tasks = [generate_task(c, s, SyntheticConfig(hops=2)) for s, c in
              enumerate(["multi_hop", "single_hop", "parallel_single_hop", "multi_hop"])]
     scripts = []
@@ -73,10 +86,36 @@ def _cfg(**algo):
                       group_size=G, max_turns=5, logprob_chunk=64)
 
 
+def _digest(tree) -> str:
+    """A content hash of a pytree of arrays (shapes, dtypes and bytes)."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(tree):
+        a = np.asarray(leaf)
+        h.update(f"{a.shape}{a.dtype}".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+# (grads, metrics) of every fused step this test process ran, by everything the step reads: a
+# baseline ("the step without option X") that several tests and files compare against is
+# compiled and run once per worker, not once per comparison. Callers treat the results as
+# read-only.
+_STEP_MEMO: dict = {}
+
+
 def _sgd_step(cfg, policy, ref, batch, mesh=None, records=False):
-    """Run the fused step with SGD(lr=1): the update is exactly -grad."""
+    """Run the fused step with SGD(lr=1): the update is exactly -grad (memoised, see _STEP_MEMO)."""
     graphdef, params = nnx.split(policy)
     _, ref_params = nnx.split(ref)
+    mesh_key = None if mesh is None else (tuple(mesh.shape.items()), tuple(d.id for d in mesh.devices.flat))
+    key = (cfg, graphdef, _digest(params), _digest(ref_params), _digest(batch), str(jax.tree.structure(batch)), mesh_key,
+           records)
+    if key not in _STEP_MEMO:
+        _STEP_MEMO[key] = _run_sgd_step(cfg, graphdef, params, ref_params, batch, mesh, records)
+    return _STEP_MEMO[key]
+
+
+def _run_sgd_step(cfg, graphdef, params, ref_params, batch, mesh, records):
     opt = optax.sgd(1.0)
     step = make_train_step(graphdef, cfg, opt, records=records)
     if mesh is not None:
