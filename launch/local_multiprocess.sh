@@ -16,7 +16,7 @@ CPU backend, each with M fake devices, joined into one JAX job through a coordin
 127.0.0.1 (cross-process collectives over gloo). Every process gets
   TURNSIGHT_DISTRIBUTED=1 JAX_COORDINATOR_ADDRESS=127.0.0.1:PORT JAX_NUM_PROCESSES=N
   JAX_PROCESS_ID=i JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=M
-Output lines are prefixed with [p<i>]. If one process fails the others are stopped; the exit
+(after the caller's own XLA_FLAGS, if any). Output lines are prefixed with [p<i>]. If one process fails the others are stopped; the exit
 status is the first failure's (0 when all succeed). SIGTERM or SIGINT to the launcher is passed
 to every process, and the launcher waits for them (trainers checkpoint, then exit 0).
 
@@ -53,7 +53,7 @@ fi
 
 env_of() {  # the environment of process $1
   printf '%s\n' TURNSIGHT_DISTRIBUTED=1 "JAX_COORDINATOR_ADDRESS=127.0.0.1:$PORT" "JAX_NUM_PROCESSES=$N" \
-    "JAX_PROCESS_ID=$1" JAX_PLATFORMS=cpu "XLA_FLAGS=--xla_force_host_platform_device_count=$DEVICES"
+    "JAX_PROCESS_ID=$1" JAX_PLATFORMS=cpu "XLA_FLAGS=${XLA_FLAGS:+$XLA_FLAGS }--xla_force_host_platform_device_count=$DEVICES"
 }
 
 if [[ $DRY_RUN == 1 ]]; then

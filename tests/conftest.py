@@ -36,12 +36,23 @@ import shutil
 import tempfile
 import time
 
+# Everything a test run writes lives under one folder, removed at its end (pytest_sessionfinish),
+# so a run leaves nothing in the machine's temporary folder: TMPDIR points there for the run and
+# every process it starts (xdist workers, trainer and tool processes, the browser), and pytest's
+# own tmp_path folders go there too (--basetemp, pytest_configure). The controller makes it; the
+# xdist workers, started later, inherit its environment.
+_SYSTEM_TMP = pathlib.Path(os.environ.get("TURNSIGHT_TEST_SYSTEM_TMP") or tempfile.gettempdir())
+os.environ["TURNSIGHT_TEST_SYSTEM_TMP"] = str(_SYSTEM_TMP)
+if "TURNSIGHT_TEST_RUN_ROOT" not in os.environ:
+    os.environ["TURNSIGHT_TEST_RUN_ROOT"] = tempfile.mkdtemp(prefix="turnsight-tests-", dir=_SYSTEM_TMP)
+RUN_ROOT = pathlib.Path(os.environ["TURNSIGHT_TEST_RUN_ROOT"])
+(RUN_ROOT / "tmp").mkdir(exist_ok=True)
+os.environ["TMPDIR"] = str(RUN_ROOT / "tmp")
+tempfile.tempdir = None  # re-read TMPDIR
 # One persistent JAX compilation cache for the whole test run: both xdist workers and every
 # subprocess they start (the CLI, documented commands, the notebook's kernel) inherit it, so a
-# program compiled by one test is loaded, not recompiled, by the next. Fresh per run (the xdist
-# run id), removed at the end.
-_RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
-JAX_CACHE = pathlib.Path(tempfile.gettempdir()) / f"turnsight-jax-test-cache-{_RUN_ID}"
+# program compiled by one test is loaded, not recompiled, by the next. Fresh per run.
+JAX_CACHE = RUN_ROOT / "jax-cache"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(JAX_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.02")
 
@@ -228,7 +239,7 @@ def hf_tok(qwen3_tokenizer_dir):
 
 
 # The trainer runs' shared warm-start (tests/_train_runs.py), one per test run like the cache.
-WARM_START_ROOT = pathlib.Path(tempfile.gettempdir()) / f"turnsight-jax-test-warm-start-{_RUN_ID}"
+WARM_START_ROOT = RUN_ROOT / "warm-start"
 
 
 @pytest.fixture(scope="session")
@@ -247,7 +258,33 @@ def warm_start() -> pathlib.Path:
         return done.parent if done.exists() else build_warm_start(WARM_START_ROOT)
 
 
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") and config.option.basetemp is None:
+        config.option.basetemp = str(RUN_ROOT / "pytest")  # tmp_path folders (xdist workers: below it)
+        config._turnsight_tmp_before = _tmp_entries()
+
+
+def _tmp_entries() -> set[str]:
+    try:
+        return set(os.listdir(_SYSTEM_TMP))
+    except OSError:
+        return set()
+
+
 def pytest_sessionfinish(session, exitstatus):
-    if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist)
-        shutil.rmtree(JAX_CACHE, ignore_errors=True)
-        shutil.rmtree(WARM_START_ROOT, ignore_errors=True)
+    runs = sys.modules.get("_train_runs")  # this process's trainer worker (tests/_train_runs.py)
+    if runs is not None and runs._WORKER is not None:
+        runs._WORKER.close()
+    if hasattr(session.config, "workerinput"):
+        return
+    # the controller (or a run without xdist), after every worker has finished
+    if os.environ.get("TURNSIGHT_KEEP_TEST_TMP"):
+        print(f"\nTURNSIGHT_KEEP_TEST_TMP: kept {RUN_ROOT}", file=sys.stderr)
+        return
+    shutil.rmtree(RUN_ROOT, ignore_errors=True)
+    before = getattr(session.config, "_turnsight_tmp_before", None)
+    left = sorted(_tmp_entries() - before) if before is not None else []
+    if left:  # a process of the run wrote outside TMPDIR: name it, and fail the run in CI
+        print(f"\nthe test run left {len(left)} entries in {_SYSTEM_TMP}: {left[:20]}", file=sys.stderr)
+        if os.environ.get("CI", "").lower() not in ("", "0", "false") and session.exitstatus == 0:
+            session.exitstatus = 1

@@ -18,6 +18,8 @@ import sys
 
 import pytest
 
+from conftest import SUBPROCESS_XLA_FLAGS
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAUNCH = REPO_ROOT / "launch"
 SCRIPTS = sorted(LAUNCH.glob("*.sh"))
@@ -30,11 +32,20 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="bash not o
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """The test process's environment minus anything the scripts read (SLURM, XLA, CUDA, JAX)."""
-    drop = ("SLURM_", "XLA_", "JAX_", "TURNSIGHT_", "CUDA_VISIBLE_DEVICES", "TMPDIR")
+    """The test process's environment minus anything the scripts read (SLURM, XLA, CUDA, JAX);
+    TMPDIR stays the test run's own folder (tests/conftest.py), so nothing lands in /tmp."""
+    drop = ("SLURM_", "XLA_", "JAX_", "TURNSIGHT_", "CUDA_VISIBLE_DEVICES")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(extra)
     return env
+
+
+def job_env() -> dict[str, str]:
+    """clean_env() plus the test run's compilation cache and its subprocesses' XLA flags
+    (tests/conftest.py), for the real JAX jobs: the launcher puts its device count after them."""
+    return clean_env(XLA_FLAGS=SUBPROCESS_XLA_FLAGS, **{k: v for k, v in os.environ.items()
+                                                         if k.startswith("JAX_PERSISTENT_CACHE")
+                                                         or k == "JAX_COMPILATION_CACHE_DIR"})
 
 
 @pytest.fixture(scope="module")
@@ -403,6 +414,9 @@ def test_local_multiprocess_dry_run(bare_path):
     assert got == [["env", "TURNSIGHT_DISTRIBUTED=1", "JAX_COORDINATOR_ADDRESS=127.0.0.1:12400", "JAX_NUM_PROCESSES=2",
                     f"JAX_PROCESS_ID={i}", "JAX_PLATFORMS=cpu", "XLA_FLAGS=--xla_force_host_platform_device_count=3",
                     *TRAIN] for i in range(2)]
+    # the caller's own XLA flags are kept, the device count after them
+    got = dry_run("local_multiprocess.sh", "1", "--devices", "3", bare_path=bare_path, XLA_FLAGS="--xla_a=0")
+    assert "XLA_FLAGS=--xla_a=0 --xla_force_host_platform_device_count=3" in got[0]
 
 
 def test_local_mode_sets_the_cluster_scripts_per_process_environment(bare_path):
@@ -427,7 +441,7 @@ def test_local_mode_sets_the_cluster_scripts_per_process_environment(bare_path):
 def test_local_multiprocess_forms_one_jax_job():
     """2 processes x 4 CPU devices join one 8-device job; an all-reduce spans both processes."""
     proc = launch("local_multiprocess.sh", "2", "--devices", "4", "--port", str(_free_port()), "--",
-                  sys.executable, "-m", "turnsight_jax.distributed")
+                  sys.executable, "-m", "turnsight_jax.distributed", env=job_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for i in range(2):
         assert f"[p{i}] process {i} of 2: 4 local of 8 cpu devices; all-reduce 12 (expected 12) ok" in proc.stdout
@@ -438,7 +452,7 @@ def test_split_rollout_pieces_on_two_processes():
     """The split of a step's rollouts on a real 2 x 4 job (tests/_split_check.py): whole groups per
     process, the policy's local copy, the global batch from each process's rows, the agreements."""
     proc = launch("local_multiprocess.sh", "2", "--devices", "4", "--port", str(_free_port()), "--",
-                  sys.executable, str(REPO_ROOT / "tests" / "_split_check.py"))
+                  sys.executable, str(REPO_ROOT / "tests" / "_split_check.py"), env=job_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for i in range(2):
         for check in ("rollout_share ok", "local_replica ok (1 device(s))", "assemble_rows ok",
@@ -526,7 +540,7 @@ def test_the_warm_start_on_two_processes_writes_one_folder(tmp_path):
                            "--", sys.executable, "-m", "turnsight_jax.train", "--config", "tests/configs/tiny_random.py",
                            "--config.sft.steps=2", "--config.sft.curriculum_steps=0", "--config.train.steps=0",
                            "--config.data.num_eval=2", "--config.eval.samples=1", "--workdir", str(work)],
-                          capture_output=True, text=True, env=clean_env(), cwd=REPO_ROOT, timeout=600)
+                          capture_output=True, text=True, env=job_env(), cwd=REPO_ROOT, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     sft = work / "sft"
     assert (sft / "SFT_DONE").is_file() and (sft / "config.json").is_file() and (sft / "tokenizer.json").is_file()
