@@ -60,9 +60,16 @@ def trainer_worker() -> TrainerWorker:
     return _WORKER
 
 
-def run_main(module: str, *argv: str, env: dict | None = None, timeout: float = 900.0) -> tuple[int, str]:
-    """`python -m <module> argv...` run in the trainer process -> (exit code, stdout + stderr)."""
-    return trainer_worker().run(module, [str(a) for a in argv], env=env, cwd=str(REPO), timeout=timeout)
+class Ran:
+    """What a run in the trainer process gave, named as subprocess.CompletedProcess names it."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def run_main(module: str, *argv, env: dict | None = None, timeout: float = 900.0) -> Ran:
+    """`python -m <module> argv...` run in the trainer process (its `main(argv)`)."""
+    return Ran(*trainer_worker().run(module, [str(a) for a in argv], env=env, cwd=str(REPO), timeout=timeout))
 
 
 def train(method: str, workdir: pathlib.Path, warm_start: pathlib.Path | None, *more: str) -> list[dict]:
@@ -70,11 +77,11 @@ def train(method: str, workdir: pathlib.Path, warm_start: pathlib.Path | None, *
     unless the folder already holds one) -> its metrics records."""
     if warm_start is not None and not (workdir / "sft").exists():
         shutil.copytree(warm_start, workdir / "sft")
-    rc, output = run_main("turnsight_jax.train", "--config", REPO / "configs" / "methods" / f"{method}.py",
-                          "--workdir", workdir, *SIZES, *more)
-    assert rc == 0, f"{method}: exit {rc}\n{output[-4000:]}"
+    proc = run_main("turnsight_jax.train", "--config", REPO / "configs" / "methods" / f"{method}.py",
+                    "--workdir", workdir, *SIZES, *more)
+    assert proc.returncode == 0, f"{method}: exit {proc.returncode}\n{proc.stderr[-4000:]}"
     # the config's method, or its rollout controller (configs/methods/<controller>.py: rl.rollout=<controller>)
-    assert f"method {method}:" in output or f"rollout {method}," in output
+    assert f"method {method}:" in proc.stderr or f"rollout {method}," in proc.stderr
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 

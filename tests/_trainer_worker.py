@@ -11,8 +11,7 @@ tests/test_launch.py.
 
 Protocol (the parent is `TrainerWorker` below): one length-prefixed JSON request on stdin,
 {"module", "argv", "env", "cwd"}; one length-prefixed JSON reply on the original stdout,
-{"rc", "output", "cpu_s"}, where output is everything the run wrote to file descriptors 1 and 2
-and cpu_s the worker's CPU-seconds so far (itself and the processes it waited for: the tool
+{"rc", "stdout", "stderr", "cpu_s"}: what the run wrote to file descriptors 1 and 2, and cpu_s the worker's CPU-seconds so far (itself and the processes it waited for: the tool
 sandboxes), which the tests' cost table (tests/conftest.py) adds to the test that asked. The
 process is started with the environment of a trainer subprocess (one CPU device, the tests' XLA
 flags and compilation cache); a request's `env` sets or (None) removes variables for that run only.
@@ -56,7 +55,7 @@ def _write(stream, obj: dict) -> None:
 
 
 def _run(request: dict) -> dict:
-    """main(argv) of request["module"] with fds 1 and 2 captured -> {"rc", "output"}."""
+    """main(argv) of request["module"] with fds 1 and 2 captured -> {"rc", "stdout", "stderr"}."""
     saved_env = {k: os.environ.get(k) for k in request.get("env", {})}
     for k, v in request.get("env", {}).items():
         if v is None:
@@ -68,9 +67,9 @@ def _run(request: dict) -> dict:
     sys.stdout.flush()
     sys.stderr.flush()
     saved_fds = os.dup(1), os.dup(2)
-    with tempfile.TemporaryFile() as out:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         os.dup2(out.fileno(), 1)
-        os.dup2(out.fileno(), 2)
+        os.dup2(err.fileno(), 2)
         try:
             rc = importlib.import_module(request["module"]).main(list(request["argv"]))
         except SystemExit as e:  # argparse and explicit exits
@@ -93,9 +92,11 @@ def _run(request: dict) -> dict:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-        out.seek(0)
-        output = out.read().decode("utf-8", errors="replace")
-    return {"rc": 0 if rc is None else int(rc), "output": output, "cpu_s": _own_cpu_s()}
+        texts = []
+        for f in (out, err):
+            f.seek(0)
+            texts.append(f.read().decode("utf-8", errors="replace"))
+    return {"rc": 0 if rc is None else int(rc), "stdout": texts[0], "stderr": texts[1], "cpu_s": _own_cpu_s()}
 
 
 def _serve() -> None:
@@ -107,7 +108,7 @@ def _serve() -> None:
 
 
 class TrainerWorker:
-    """The parent's handle: `run(module, argv, env, cwd, timeout)` -> (rc, output); a worker
+    """The parent's handle: `run(module, argv, env, cwd, timeout)` -> (rc, stdout, stderr); a worker
     that died or timed out is replaced by a fresh one for the next run."""
 
     def __init__(self, env: dict[str, str], cwd: str):
@@ -120,7 +121,7 @@ class TrainerWorker:
                                 stderr=subprocess.DEVNULL, env=self._env, cwd=self._cwd)
 
     def run(self, module: str, argv: list[str], *, env: dict | None = None, cwd: str | None = None,
-            timeout: float = 900.0) -> tuple[int, str]:
+            timeout: float = 900.0) -> tuple[int, str, str]:
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 self._proc = self._start()
@@ -138,9 +139,9 @@ class TrainerWorker:
                 code = proc.wait()
                 LIVE_CPU_S.pop(proc.pid, None)
                 self._proc = None
-                return (code if code != 0 else 1), f"trainer worker died (exit {code}) during {module} {argv}"
+                return (code if code != 0 else 1), "", f"trainer worker died (exit {code}) during {module} {argv}"
             LIVE_CPU_S[proc.pid] = reply["cpu_s"]
-            return reply["rc"], reply["output"]
+            return reply["rc"], reply["stdout"], reply["stderr"]
 
     def close(self) -> None:
         with self._lock:

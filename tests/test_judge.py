@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import SUBPROCESS_XLA_FLAGS
+from _train_runs import run_main
 
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.judge import prompt as jp
@@ -301,13 +298,11 @@ def distilled(tmp_path_factory):
     small = ["--config", str(REPO / "configs" / "methods" / "judge.py"), "--config.judge.max_new_tokens=32"]
     assert main(["label", *small, "--teacher", "verifier", "--policy", "demonstrations", "--demos", "gold,no_tools",
                  "--num-tasks", "40", "--samples", "2", "--out", str(labels)]) == 0
-    # distill as a command of its own: one CPU device, as a user's machine (the test process's
-    # eight fake devices run its matmuls about 2x slower)
-    env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "turnsight_jax.judge", "distill", *small, "--labels", str(labels),
-                           "--student-preset", "tiny", "--steps", "80", "--lr", "2e-2", "--batch-size", "4",
-                           "--holdout", "0.25", "--out", str(student)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    # distill as a command of its own, on one CPU device as a user's machine (the test process's
+    # eight fake devices run its matmuls about 2x slower): in the trainer process (tests/_train_runs.py)
+    proc = run_main("turnsight_jax.judge.__main__", "distill", *small, "--labels", labels, "--student-preset", "tiny",
+                    "--steps", "80", "--lr", "2e-2", "--batch-size", "4", "--holdout", "0.25", "--out", student,
+                    timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     printed = json.loads(proc.stdout.strip().splitlines()[-1])
     summary = json.loads((student / "distill.json").read_text())
@@ -362,15 +357,14 @@ def test_judge_config_trains_three_steps_on_the_distilled_judge(distilled, tmp_p
     """configs/methods/judge.py, 3 steps from a random policy (no warm-start), the distilled
     student as the judge: every trajectory is judged, and the diagnostics are consistent."""
     _, student, _ = distilled
-    env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS, JAX_PLATFORMS="cpu")
-    args = [sys.executable, "-m", "turnsight_jax.train", "--config", str(REPO / "configs" / "methods" / "judge.py"),
+    args = ["--config", str(REPO / "configs" / "methods" / "judge.py"),
             "--workdir", str(tmp_path / "run"), f"--config.judge.checkpoint={student}",
             "--config.judge.max_new_tokens=32", "--config.model.allow_random_init=True", "--config.sft.steps=0",
             "--config.sft.curriculum_steps=0", "--config.data.num_eval=0", "--config.train.steps=3",
             "--config.train.prompts_per_step=2", "--config.train.group_size=4", "--config.rollout.max_turns=2",
             "--config.rollout.max_turn_tokens=24", "--config.rollout.max_response_tokens=64",
             "--config.checkpoint.every=0", "--config.log.tensorboard=False", "--config.checkpoint.export_at_end=False"]
-    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_main("turnsight_jax.train", *args, timeout=600)  # in the trainer process (tests/_train_runs.py)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "method judge: rollout judged, rewards [judge," in proc.stderr
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

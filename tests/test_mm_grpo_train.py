@@ -1,6 +1,7 @@
 """MM-GRPO (configs/methods/mm_grpo.py: rl.method=grpo, rl.rollout=mm_grpo) trains 3 steps through
 `python -m turnsight_jax.train` on the built-in tasks from the shared warm-start
-(tests/_train_runs.py), once with GRPO and once with TurnSight over GRPO as the method; in both,
+(tests/_train_runs.py): one run, 3 steps with GRPO and then 3 with TurnSight over GRPO as the
+method (the two-stage switch, `rl.switch_step`), each stage's assertions on its own steps; in both,
 groups are dropped and refilled, observations are elided from later turns' contexts, and the
 trainer's student forward scores every turn as the sampler did. Groups of 2 (2 prompts x 2 per
 step): the warm-start solves some tasks, and a group of 2 often agrees, so groups get dropped."""
@@ -22,17 +23,25 @@ G = ("--config.train.group_size=2",)
 
 
 @pytest.fixture(scope="module")
-def grpo(root, warm_start):
-    return train("mm_grpo", root / "grpo", warm_start, *G)
+def stages(root, warm_start):
+    records = train("mm_grpo", root / "run", warm_start, *G, "--config.train.steps=6", "--config.rl.switch_step=3",
+                    "--config.rl.switch_method=turnsight", "--config.rl.base=grpo")
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]
+    assert [r["rl/stage"] for r in records] == [1.0] * 3 + [2.0] * 3
+    return records[:3], records[3:]
 
 
 @pytest.fixture(scope="module")
-def turnsight(root, warm_start):
-    return train("mm_grpo", root / "turnsight", warm_start, *G, "--config.rl.method=turnsight", "--config.rl.base=grpo")
+def grpo(stages):
+    return stages[0]
+
+
+@pytest.fixture(scope="module")
+def turnsight(stages):
+    return stages[1]
 
 
 def _check_mechanism(records):
-    assert [r["step"] for r in records] == [0, 1, 2]
     assert all(r["train/skipped_updates"] == 0.0 for r in records)
     # dynamic sampling: zero-variance groups dropped and refilled (2 rollouts each)
     assert _any(records, "mm_grpo/dropped_groups", lambda v: v > 0)

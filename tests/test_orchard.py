@@ -6,10 +6,7 @@ per token."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +29,7 @@ from turnsight_jax.rl.views import DEFAULT_PACKED_BUCKETS
 
 from _replayed import gold_and_wrong
 from _vocab import SMALL_VOCAB, fold_batch, fold_probes
-from conftest import SUBPROCESS_XLA_FLAGS
+from _train_runs import run_main
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -211,15 +208,14 @@ def test_trains_three_steps_from_its_config_on_failures_alone(tmp_path):
     random teacher's credits are tiny (|c| ~ 0.01), so the run sets the rise threshold to -1:
     every turn of a failed trajectory rises, one consecutive segment per trajectory (the
     threshold's own cases are the unit tests above)."""
-    env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS, JAX_PLATFORMS="cpu")
-    args = [sys.executable, "-m", "turnsight_jax.train", "--config", str(REPO / "configs" / "methods" / "orchard.py"),
+    args = ["--config", str(REPO / "configs" / "methods" / "orchard.py"),
             "--workdir", str(tmp_path / "run"), "--config.model.allow_random_init=True",
             "--config.sft.steps=0", "--config.sft.curriculum_steps=0", "--config.data.num_eval=0",
             "--config.train.steps=3", "--config.train.prompts_per_step=2", "--config.train.group_size=4",
             "--config.rollout.max_turns=2", "--config.rollout.max_turn_tokens=24",
             "--config.rollout.max_response_tokens=64", "--config.checkpoint.every=0", "--config.log.tensorboard=False",
             "--config.checkpoint.export_at_end=False", "--config.rl.orchard_rise=-1.0"]
-    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_main("turnsight_jax.train", *args, timeout=600)  # in the trainer process (tests/_train_runs.py)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "method orchard:" in proc.stderr and "loss [clipped_surrogate, ca_sft]" in proc.stderr
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

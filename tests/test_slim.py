@@ -8,10 +8,7 @@ the checkpoint holds the library, a resumed runner continues with it, and the re
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
@@ -21,7 +18,7 @@ from turnsight_jax.errors import ConfigError
 from turnsight_jax.rl import slim, slim_text
 from turnsight_jax.rl.slim import SkillLibrary, SlimConfig
 
-from conftest import SUBPROCESS_XLA_FLAGS
+from _train_runs import run_main
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CFG = SlimConfig(ema_decay=0.5, keep_above=0.1, retire_below=-0.05, min_exposures=6, min_low_rounds=2)
@@ -274,10 +271,9 @@ def test_three_steps_audit_expand_retire_checkpoint_resume_report(tmp_path, tok)
     from turnsight_jax.rl.slim_runner import LIBRARY_FILE, SlimRunner
 
     run = tmp_path / "run"
-    env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS, JAX_PLATFORMS="cpu")
-    args = [sys.executable, "-m", "turnsight_jax.train", "--config", str(REPO / "configs" / "methods" / "slim.py"),
+    args = ["--config", str(REPO / "configs" / "methods" / "slim.py"),
             "--workdir", str(run), *RUN]
-    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_main("turnsight_jax.train", *args, timeout=600)  # in the trainer process (tests/_train_runs.py)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "method slim: rollout slim, rewards [outcome], advantage base(grpo)" in proc.stderr
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,7 +16,7 @@ from turnsight_jax.chat.types import CallError, ToolCall
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.rl import srl
 
-from conftest import SUBPROCESS_XLA_FLAGS
+from _train_runs import run_main
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -114,15 +111,14 @@ def test_two_stage_run_from_a_random_model(tmp_path):
     to GRPO on the outcome after 2: the random policy never solves a task (outcome 0 throughout),
     yet SRL's similarity reward differs between siblings, so stage 1 has a non-zero advantage and
     an update; stage 2's outcome GRPO has none."""
-    env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS, JAX_PLATFORMS="cpu")
-    args = [sys.executable, "-m", "turnsight_jax.train", "--config", str(REPO / "configs" / "methods" / "srl.py"),
+    args = ["--config", str(REPO / "configs" / "methods" / "srl.py"),
             "--workdir", str(tmp_path / "run"), "--config.model.allow_random_init=True",
             "--config.sft.steps=0", "--config.sft.curriculum_steps=0", "--config.data.num_eval=0",
             "--config.train.steps=3", "--config.rl.switch_step=2", "--config.train.prompts_per_step=2",
             "--config.train.group_size=4", "--config.rollout.max_turns=2", "--config.rollout.max_turn_tokens=24",
             "--config.rollout.max_response_tokens=64", "--config.checkpoint.every=0", "--config.log.tensorboard=False",
             "--config.checkpoint.export_at_end=False"]
-    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_main("turnsight_jax.train", *args, timeout=600)  # in the trainer process (tests/_train_runs.py)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "method srl:" in proc.stderr and "from step 3: method grpo:" in proc.stderr
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
