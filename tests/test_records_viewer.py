@@ -402,3 +402,19 @@ def test_the_viewer_of_a_method_without_turnsight_numbers(stepped, browser, tmp_
     assert "w" not in heads and "d*" not in heads and "Ã" in heads and "A_base" in heads
     assert browser.eval("document.querySelectorAll('tr.turn').length") == sum(
         len(json.loads(t)["turns"]) for t in trajs)
+
+
+def test_a_turn_value_constant_to_float32_rounding_is_one_number():
+    """records.turn_value: min == max gives that float; a spread of one ulp (one token's copy of a
+    per-turn product computed a last bit apart) the mean, one float; a real spread the summary."""
+    from turnsight_jax.records import turn_value
+
+    x = np.float32(0.61750719)
+    up = np.nextafter(x, np.float32(1))
+    summary = lambda lo, hi, total: {"min": np.array([[lo]]), "max": np.array([[hi]]), "sum": np.array([[total]])}  # noqa: E731
+    assert turn_value(summary(x, x, 4 * float(x)), 0, 0, 4.0) == float(x)
+    one = turn_value(summary(x, up, 3 * float(x) + float(up)), 0, 0, 4.0)
+    assert isinstance(one, float) and float(x) <= one <= float(up)
+    assert turn_value(summary(x, x + np.float32(1e-4), 4 * float(x)), 0, 0, 4.0) == {
+        "mean": pytest.approx(float(x)), "min": float(x), "max": float(x + np.float32(1e-4))}
+    assert turn_value(summary(x, x, 0.0), 0, 0, 0.0) is None

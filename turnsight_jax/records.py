@@ -78,7 +78,9 @@ def _number(x: float) -> float | None:
 
 def turn_value(summary: dict, b: int, k: int, count: float):
     """One per-turn value from rl.turn_records' {"min", "max", "sum"(, "n")} [B, K]: the exact value
-    when it is constant over the turn's (masked) tokens, {"mean", "min", "max"} when it varies,
+    when it is constant over the turn's (masked) tokens, its mean when it is constant to float32
+    rounding (a spread of at most _ROUNDING_ULPS ulps: vectorised code can compute one token's copy
+    of a per-turn product a last bit apart from another's), {"mean", "min", "max"} when it varies,
     None when the turn has no such token."""
     n = float(summary["n"][b, k]) if "n" in summary else count
     if n <= 0:
@@ -86,7 +88,13 @@ def turn_value(summary: dict, b: int, k: int, count: float):
     lo, hi = float(summary["min"][b, k]), float(summary["max"][b, k])
     if lo == hi:
         return _number(lo)
-    return {"mean": _number(float(summary["sum"][b, k]) / n), "min": _number(lo), "max": _number(hi)}
+    mean = float(summary["sum"][b, k]) / n
+    if hi - lo <= _ROUNDING_ULPS * float(np.spacing(np.float32(max(abs(lo), abs(hi))))):
+        return _number(min(max(mean, lo), hi))
+    return {"mean": _number(mean), "min": _number(lo), "max": _number(hi)}
+
+
+_ROUNDING_ULPS = 4
 
 
 def call_failures(turn) -> list[bool]:
