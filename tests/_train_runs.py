@@ -24,7 +24,7 @@ import subprocess
 import sys
 
 from _trainer_worker import TrainerWorker
-from conftest import SUBPROCESS_XLA_FLAGS
+from conftest import TRAINER_XLA_FLAGS
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 WARM_START = ["--config.sft.curriculum_steps=200", "--config.sft.steps=60", "--config.sft.batch_size=4",
@@ -55,7 +55,7 @@ def trainer_worker() -> TrainerWorker:
     """This test process's trainer process (started at its first run, closed at exit)."""
     global _WORKER
     if _WORKER is None:
-        _WORKER = TrainerWorker(dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS, JAX_PLATFORMS="cpu"), str(REPO))
+        _WORKER = TrainerWorker(dict(os.environ, XLA_FLAGS=TRAINER_XLA_FLAGS, JAX_PLATFORMS="cpu"), str(REPO))
         atexit.register(_WORKER.close)
     return _WORKER
 
