@@ -131,7 +131,17 @@ def _file_costs() -> dict[str, float]:
 
 def pytest_collection_modifyitems(session, config, items):
     costs = _file_costs()
-    items.sort(key=lambda item: -costs.get(item.path.name, float("inf")))  # stable within a file
+    files = sorted({item.path.name for item in items}, key=lambda name: -costs.get(name, float("inf")))
+    # The first file that needs the shared warm-start builds it (~100 CPU-s) while the other
+    # worker would wait on its lock: the three files after it, the other worker's first two and
+    # this worker's next, are the heaviest that do not need it.
+    waiting = {item.path.name for item in items if "warm_start" in getattr(item, "fixturenames", ())}
+    if waiting:
+        first = next(f for f in files if f in waiting)
+        head = [first] + [f for f in files if f not in waiting][:3]
+        files = head + [f for f in files if f not in head]
+    rank = {name: k for k, name in enumerate(files)}
+    items.sort(key=lambda item: rank[item.path.name])  # stable: a file's tests keep their order
 
 
 def _cpu_seconds() -> float:
