@@ -131,7 +131,8 @@ def _file_costs() -> dict[str, float]:
 
 def pytest_collection_modifyitems(session, config, items):
     costs = _file_costs()
-    files = sorted({item.path.name for item in items}, key=lambda name: -costs.get(name, float("inf")))
+    # ties broken by name: every xdist worker must collect the same order
+    files = sorted({item.path.name for item in items}, key=lambda name: (-costs.get(name, float("inf")), name))
     # The first file that needs the shared warm-start builds it (~100 CPU-s) while the other
     # worker would wait on its lock: the three files after it, the other worker's first two and
     # this worker's next, are the heaviest that do not need it.
