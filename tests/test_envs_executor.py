@@ -138,3 +138,47 @@ def test_failures_inside_a_batch_cost_only_their_own_call(ex):
     assert [o for i, o in enumerate(outs) if i not in bad] == [
         str(i * 10) for i in range(40) if i not in bad]
     _healthy(ex)
+
+
+def _numbered(i: int) -> ToolRequest:
+    """A tool of its own source per i, whose result names both its source and its call."""
+    return ToolRequest("f", f"def f(x):\n    return 'src{i}-' + str(x)", {"x": i})
+
+
+def test_every_reply_lands_with_its_call_past_the_hosts_source_cache():
+    """Issue 57, item 1, at its real threshold: one host sees 4,100 distinct tool sources (its
+    cache holds 4,096, first in first out); then frames of 10 calls mixing evicted sources with
+    new and cached ones. Every reply is its own call's (before the fix the reply of the call after an
+    evicted one came back as its answer, and every later one shifted)."""
+    from turnsight_jax.envs.executor import MAX_CACHED_SOURCES
+
+    n = MAX_CACHED_SOURCES + 4
+    with ToolExecutor(1, timeout_s=5.0) as one:
+        for start in range(0, n, 64):
+            batch = [_numbered(i) for i in range(start, min(start + 64, n))]
+            assert one.run_many(batch) == [f"src{r.arguments['x']}-{r.arguments['x']}" for r in batch]
+        assert len(one._all[0].known_keys) == MAX_CACHED_SOURCES  # the host's record, as the host keeps it
+        # 40 calls a run_many: frames of 10 calls (executor chunks of len / 4 per worker)
+        evicted, cached, new = list(range(40)), list(range(n - 40, n)), list(range(9000, 9040))
+        for mix in (evicted[:20] + new[:20], [x for pair in zip(evicted[20:], cached[:20]) for x in pair],
+                    new[20:] + evicted[:10] + cached[20:30]):
+            assert one.run_many([_numbered(i) for i in mix]) == [f"src{i}-{i}" for i in mix]
+
+
+def test_a_source_the_host_lost_is_sent_again_without_shifting_the_batch():
+    """The trainer believes the host holds sources it does not (the need_source path: a host that
+    forgot, whatever the reason): each such call is answered need_source, the host goes on with
+    the batch, and the calls are sent again with their sources; replies are matched by id."""
+    import hashlib
+    import random
+
+    rng = random.Random(0)
+    with ToolExecutor(1, timeout_s=5.0) as one:
+        worker = one._all[0]
+        for round_ in range(6):
+            ids = rng.sample(range(10_000 * (round_ + 1), 10_000 * (round_ + 1) + 200), 36)  # frames of 9
+            lost = set(rng.sample(ids, rng.randint(1, 20)))
+            for i in lost:  # claimed known, never sent
+                worker.sent_source(hashlib.sha256(_numbered(i).source.encode()).hexdigest())
+            assert one.run_many([_numbered(i) for i in ids]) == [f"src{i}-{i}" for i in ids], (round_, lost)
+        _healthy(one)

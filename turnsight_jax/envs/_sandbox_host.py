@@ -31,10 +31,14 @@ are missing in its first frame (the trainer prints the residual risk once, see `
 
 Trainer <-> host protocol: length-prefixed JSON frames (4-byte big-endian length, UTF-8 JSON).
   first frame  {"ready": true, "isolation": {...}}
-  requests     {"op": "call", "key": <source hash>, "source": <str, optional>, "name": <tool>,
-                "args": <JSON value>, "seed": <int>, "timeout": <s>, "cpu": <s>}
+  requests     {"op": "call", "id": <int>, "key": <source hash>, "source": <str, optional>,
+                "name": <tool>, "args": <JSON value>, "seed": <int>, "timeout": <s>, "cpu": <s>}
                {"op": "batch", "calls": [<call request>, ...]}   (one reply frame per call)
-  replies      {"ok": <text>} | {"err": <message>} | {"need_source": true}
+  replies      {"id": <the call's id>, "ok": <text>} | {..., "err": <message>}
+               | {..., "need_source": true}
+The trainer matches replies to calls by id. Sources are cached by key, first in first out, at most
+config["max_cached_sources"]; the trainer keeps the same record (executor.py), and a call whose
+source was evicted all the same is answered need_source and sent again with its source.
 Call process -> host: one frame, 4-byte length + kind byte (b"o" result, b"e" error) + UTF-8
 text, read with a byte cap; anything else is the call's own error.
 """
@@ -484,7 +488,7 @@ class Host:
         source = call.get("source")
         if source is not None:
             self.cache[key] = source
-            if len(self.cache) > _MAX_CACHED_SOURCES:
+            if len(self.cache) > int(self.config.get("max_cached_sources", _MAX_CACHED_SOURCES)):
                 self.cache.pop(next(iter(self.cache)))
         elif key in self.cache:
             source = self.cache[key]
@@ -671,7 +675,9 @@ def main() -> None:
             return  # trainer closed the pipe; the zygote's death takes the namespace with it
         calls = request["calls"] if request.get("op") == "batch" else [request]
         for call in calls:
-            _write_frame(out_fd, host.serve(call))
+            reply = host.serve(call)
+            reply["id"] = call.get("id")
+            _write_frame(out_fd, reply)
 
 
 if __name__ == "__main__":

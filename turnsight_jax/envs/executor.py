@@ -45,6 +45,8 @@ from typing import Any, Sequence
 
 _HOST_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_host.py")
 _HEADER = struct.Struct(">I")
+# Sources a sandbox host keeps compiled, first in first out; the trainer keeps the same record.
+MAX_CACHED_SOURCES = 4096
 ERROR_TEMPLATE = "an error occured when call {name}: {message}"
 
 
@@ -132,7 +134,8 @@ def _warn_once(isolation: dict) -> None:
 class _Worker:
     """One sandbox host process plus the source keys it has been sent."""
 
-    def __init__(self, limits: ExecutorLimits, workdir: str, namespaces: bool):
+    def __init__(self, limits: ExecutorLimits, workdir: str, namespaces: bool,
+                 max_cached_sources: int = MAX_CACHED_SOURCES):
         config = {
             "workdir": os.path.join(workdir, f"host-{time.monotonic_ns()}"),
             "namespaces": namespaces,
@@ -143,6 +146,7 @@ class _Worker:
             "open_files": limits.open_files,
             "processes": limits.processes,
             "kill_grace_s": limits.kill_grace_s,
+            "max_cached_sources": max_cached_sources,
         }
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -165,7 +169,10 @@ class _Worker:
             env=env,
             start_new_session=True,  # own process group: kill() takes the zygote with it
         )
-        self.known_keys: set[str] = set()
+        # The host's source cache as the host keeps it: insertion order, first in first out at
+        # max_cached_sources (a key sent again keeps its place, as in the host's dict).
+        self.known_keys: dict[str, None] = {}
+        self.max_cached_sources = max_cached_sources
         self._buffer = b""
         try:
             ready = self._read_frame(deadline=time.monotonic() + 60.0)
@@ -199,6 +206,12 @@ class _Worker:
                 raise _WorkerCrashed
             self._buffer += chunk
 
+    def sent_source(self, key: str) -> None:
+        """Record that the host now caches `key` (and evicted its oldest past the cap)."""
+        self.known_keys[key] = None
+        if len(self.known_keys) > self.max_cached_sources:
+            self.known_keys.pop(next(iter(self.known_keys)))
+
     def send(self, obj: dict) -> None:
         body = json.dumps(obj, ensure_ascii=False).encode("utf-8", errors="surrogatepass")
         try:
@@ -206,10 +219,6 @@ class _Worker:
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError) as e:
             raise _WorkerCrashed from e
-
-    def request(self, obj: dict, deadline: float) -> dict:
-        self.send(obj)
-        return self._read_frame(deadline)
 
     def death_message(self) -> str:
         """Why the sandbox host stopped answering, once it has exited."""
@@ -478,44 +487,51 @@ class ToolExecutor:
             if error is not None:
                 out[i] = error
                 continue
+            message["id"] = len(messages)
             messages.append(message)
             keys.append(key)
             slots.append(i)
             if "source" in message:
-                worker.known_keys.add(key)  # later calls of this chunk reuse the compiled code
+                worker.sent_source(key)  # later calls of this chunk reuse the compiled code
         if not messages:
             return out, worker  # type: ignore[return-value]
-        done = 0
+        # Replies are matched to calls by id. A call whose source the host no longer holds is
+        # answered need_source and the host goes on with the batch; such calls are sent again,
+        # with their sources, once the batch's other replies are in.
+        unanswered = list(range(len(messages)))
+        current = 0
         try:
-            worker.send(messages[0] if len(messages) == 1 else {"op": "batch", "calls": messages})
-            for done in range(len(messages)):
-                # The host enforces the call's limits itself; this only catches a silent host.
-                deadline = time.monotonic() + limits.timeout_s + 2 * limits.kill_grace_s + 5.0
-                reply = worker._read_frame(deadline)
-                if isinstance(reply, dict) and reply.get("need_source"):  # evicted from the worker's cache: resend alone
-                    worker.known_keys.discard(keys[done])
-                    resend = dict(messages[done], source=requests[slots[done]].source)
-                    reply = worker.request(resend, deadline)
-                    worker.known_keys.add(keys[done])
-                name = requests[slots[done]].name
-                out[slots[done]] = _observation(name, reply)
-        except TimeoutError:
-            name = requests[slots[done]].name
-            out[slots[done]] = error_text(
-                name, f"Function {name} timed out after {limits.timeout_s:.6f} seconds."
-            )
+            batch = messages
+            while batch:
+                worker.send(batch[0] if len(batch) == 1 else {"op": "batch", "calls": batch})
+                again = []
+                for message in batch:
+                    current = message["id"]
+                    # The host enforces the call's limits itself; this only catches a silent host.
+                    deadline = time.monotonic() + limits.timeout_s + 2 * limits.kill_grace_s + 5.0
+                    reply = worker._read_frame(deadline)
+                    if not isinstance(reply, dict) or reply.pop("id", None) != current:
+                        raise _WorkerCrashed  # out of step with its requests: never trusted again
+                    if reply.get("need_source") and "source" not in message:
+                        again.append(dict(message, source=requests[slots[current]].source))
+                        worker.sent_source(keys[current])
+                        continue
+                    name = requests[slots[current]].name
+                    out[slots[current]] = _observation(name, reply)
+                    unanswered.remove(current)
+                batch = again
+        except (TimeoutError, _WorkerCrashed) as e:
+            name = requests[slots[current]].name
+            if isinstance(e, TimeoutError):
+                out[slots[current]] = error_text(
+                    name, f"Function {name} timed out after {limits.timeout_s:.6f} seconds."
+                )
+            else:
+                out[slots[current]] = error_text(name, worker.death_message())
             worker = self._replace(worker)
-            rest = [requests[i] for i in slots[done + 1 :]]
+            rest = [j for j in unanswered if j != current]
             if rest:
-                texts, worker = self._call_chunk(worker, rest)
-                for i, text in zip(slots[done + 1 :], texts):
-                    out[i] = text
-        except _WorkerCrashed:
-            out[slots[done]] = error_text(requests[slots[done]].name, worker.death_message())
-            worker = self._replace(worker)
-            rest = [requests[i] for i in slots[done + 1 :]]
-            if rest:
-                texts, worker = self._call_chunk(worker, rest)
-                for i, text in zip(slots[done + 1 :], texts):
-                    out[i] = text
+                texts, worker = self._call_chunk(worker, [requests[slots[j]] for j in rest])
+                for j, text in zip(rest, texts):
+                    out[slots[j]] = text
         return out, worker  # type: ignore[return-value]
