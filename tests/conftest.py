@@ -50,7 +50,12 @@ _SYSTEM_TMP = pathlib.Path(os.environ.get("TURNSIGHT_TEST_SYSTEM_TMP") or tempfi
 os.environ["TURNSIGHT_TEST_SYSTEM_TMP"] = str(_SYSTEM_TMP)
 if "TURNSIGHT_TEST_RUN_ROOT" not in os.environ:
     os.environ["TURNSIGHT_TEST_RUN_ROOT"] = tempfile.mkdtemp(prefix="turnsight-tests-", dir=_SYSTEM_TMP)
+    os.environ["TURNSIGHT_TEST_RUN_OWNER"] = str(os.getpid())
 RUN_ROOT = pathlib.Path(os.environ["TURNSIGHT_TEST_RUN_ROOT"])
+# Only the process that made the folder sets pytest's basetemp in it and removes it at the end: a
+# pytest run started inside a test (one that inherited the folder) must not clear the outer run's
+# tmp_path folders or delete its files (a CI failure: a doc-test ran tests/file_costs.py).
+_OWNS_RUN_ROOT = os.environ.get("TURNSIGHT_TEST_RUN_OWNER") == str(os.getpid())
 (RUN_ROOT / "tmp").mkdir(exist_ok=True)
 os.environ["TMPDIR"] = str(RUN_ROOT / "tmp")
 tempfile.tempdir = None  # re-read TMPDIR
@@ -275,7 +280,7 @@ def warm_start() -> pathlib.Path:
 
 
 def pytest_configure(config):
-    if not hasattr(config, "workerinput") and config.option.basetemp is None:
+    if not hasattr(config, "workerinput") and _OWNS_RUN_ROOT and config.option.basetemp is None:
         config.option.basetemp = str(RUN_ROOT / "pytest")  # tmp_path folders (xdist workers: below it)
         config._turnsight_tmp_before = _tmp_entries()
 
@@ -291,7 +296,7 @@ def pytest_sessionfinish(session, exitstatus):
     runs = sys.modules.get("_train_runs")  # this process's trainer worker (tests/_train_runs.py)
     if runs is not None and runs._WORKER is not None:
         runs._WORKER.close()
-    if hasattr(session.config, "workerinput"):
+    if hasattr(session.config, "workerinput") or not _OWNS_RUN_ROOT:
         return
     # the controller (or a run without xdist), after every worker has finished
     if os.environ.get("TURNSIGHT_KEEP_TEST_TMP"):

@@ -1,6 +1,7 @@
 """Rebuild tests/file_costs.json: the suite's CPU-seconds per test file.
 
     python tests/file_costs.py            # the whole suite, as CI runs it (-n 2 --dist loadfile)
+    python tests/file_costs.py -- tests/test_rl_step.py  # only the files named; the rest kept
     python tests/file_costs.py -- -k foo  # extra pytest arguments after --
 
 tests/conftest.py measures each test's CPU time (the test process and the subprocesses it waited
@@ -18,16 +19,19 @@ import pathlib
 import subprocess
 import sys
 
-TABLE = pathlib.Path(__file__).with_name("file_costs.json")
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TABLE = REPO / "tests" / "file_costs.json"
 
 
 def main(argv: list[str]) -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     out = TABLE.with_suffix(".new.json")
     env = dict(os.environ, TURNSIGHT_FILE_COSTS_OUT=str(out))
+    for inherited in ("TURNSIGHT_TEST_RUN_ROOT", "TURNSIGHT_TEST_RUN_OWNER"):
+        env.pop(inherited, None)  # started from a test run: its own run folder, not the outer one's
     cmd = [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", *extra]
     print("running:", " ".join(cmd), flush=True)
-    rc = subprocess.call(cmd, cwd=TABLE.parents[1], env=env)
+    rc = subprocess.call(cmd, cwd=REPO, env=env)
     if not out.exists():
         print(f"no table written (pytest exit {rc})", file=sys.stderr)
         return rc or 1
