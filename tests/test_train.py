@@ -6,6 +6,7 @@ import json
 import re
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -444,4 +445,190 @@ def test_checkpointer_saves_and_restores_the_optional_items(tmp_path):
     assert float(got["params"]["head"]["value_b"]) == -1.0 and int(got["opt_state"]["count"]) == 7
     np.testing.assert_array_equal(np.asarray(got["params"]["head"]["value_w"]), [0.5, 0.5, 0.5])
     np.testing.assert_array_equal(np.asarray(ckpt.restore_teacher(2, p)["embed"]), np.full((2, 3), 2.0))
+    ckpt.close()
+
+
+# ---- untrusted checkpoints and run folders (issue 57, item 6): in-process, no trainer ----
+
+def _fake_step(workdir: pathlib.Path, step: int) -> pathlib.Path:
+    """A step folder as a save leaves it (files, then the manifest), without orbax."""
+    from turnsight_jax.checkpointing import write_manifest
+
+    folder = workdir / "checkpoints" / str(step)
+    (folder / "params").mkdir(parents=True)
+    (folder / "params" / "a").write_bytes(b"abc" * 10)
+    (folder / "_CHECKPOINT_METADATA").write_text("{}")
+    write_manifest(folder)
+    return folder
+
+
+def _manifest(step_dir: pathlib.Path, text: str) -> None:
+    (step_dir / "turnsight_manifest.json").write_text(text)
+
+
+M = "turnsight_manifest.json"
+_UNTRUSTED = {
+    "top_level_list": (lambda d, out: _manifest(d, "[]"),
+                       f'{M}: the top level is a list of 0 items, expected an object {{"format": 1, "files": {{...}}}}'),
+    "top_level_string": (lambda d, out: _manifest(d, '"files"'),
+                         f"{M}: the top level is a string ('files'), expected an object "
+                         f'{{"format": 1, "files": {{...}}}}'),
+    "files_a_string": (lambda d, out: _manifest(d, '{"format": 1, "files": "params/a"}'),
+                       f"{M}: \"files\" is a string ('params/a'), expected an object of path -> [size, crc32]"),
+    "files_a_list_of_numbers": (lambda d, out: _manifest(d, '{"format": 1, "files": [30, 7]}'),
+                                f'{M}: "files" is a list of 2 items, expected an object of path -> [size, crc32]'),
+    "entry_a_number": (lambda d, out: _manifest(d, '{"format": 1, "files": {"params/a": 30}}'),
+                       f"{M}: files['params/a'] is the number 30, expected [size, crc32] (two integers)"),
+    "entry_floats": (lambda d, out: _manifest(d, '{"format": 1, "files": {"params/a": [30.0, 1]}}'),
+                     f"{M}: files['params/a'] is a list of 2 items, expected [size, crc32] (two integers)"),
+    "crc_out_of_range": (lambda d, out: _manifest(d, '{"format": 1, "files": {"params/a": [30, -1]}}'),
+                         f"{M}: files['params/a'] is [30, -1], expected a size >= 0 and a CRC-32 in 0..4294967295"),
+    "no_format": (lambda d, out: _manifest(d, '{"files": {}}'), f"{M}: no key \"format\" (keys: 'files')"),
+    "format_a_string": (lambda d, out: _manifest(d, '{"format": "1", "files": {}}'),
+                        f"{M}: \"format\" is a string ('1'), expected 1"),
+    "deeply_nested": (lambda d, out: _manifest(d, '{"format": 1, "files": ' + "[" * 100_000),
+                      f'{M}: JSON nested too deeply, expected {{"format": 1, "files": {{...}}}}'),
+    "dot_dot_path": (lambda d, out: _manifest(d, json.dumps({"format": 1, "files": {"../../outside": [5, 0]}})),
+                     f"{M}: files['../../outside']: a path with a '..' component, expected a relative path "
+                     f"inside the step folder"),
+    "absolute_path": (lambda d, out: _manifest(d, json.dumps({"format": 1, "files": {"/etc/hostname": [5, 0]}})),
+                      f"{M}: files['/etc/hostname']: an absolute path, expected a relative path inside the step "
+                      f"folder"),
+    "file_symlinked_out": (lambda d, out: ((d / "params" / "a").unlink(), (out / "a").write_bytes(b"abc" * 10),
+                                           (d / "params" / "a").symlink_to(out / "a")),
+                           re.compile(r"params/a: a symbolic link \(to '/.*/a'\); a step's files must be its own, no link is "
+                           r"followed out of the step folder")),
+    "folder_symlinked_out": (lambda d, out: (shutil.move(d / "params", out / "params"),
+                                             (d / "params").symlink_to(out / "params")),
+                             re.compile(r"params: a symbolic link \(to '/.*/params'\); .*")),
+    "step_folder_a_symlink": (lambda d, out: (shutil.move(d, out / "step"), d.symlink_to(out / "step")),
+                              re.compile(r"the step folder is a symbolic link \(to '/.*/step'\); a step is read from its own "
+                              r"folder only")),
+    "unprintable_path": (lambda d, out: _manifest(d, json.dumps({"format": 1, "files": {"a\nb": [5, 0]}})),
+                         f"{M}: files['a\\nb']: a path with unprintable characters, expected a relative path inside "
+                         f"the step folder"),
+    "a_named_pipe": (lambda d, out: ((d / "params" / "a").unlink(), os.mkfifo(d / "params" / "a")),
+                     "params/a: a named pipe, expected a file"),
+}
+
+
+@pytest.mark.parametrize("kind", list(_UNTRUSTED))
+def test_an_untrusted_manifest_or_link_is_a_named_reason_and_a_skipped_step(tmp_path, kind):
+    """Valid JSON of the wrong shape, paths out of the step folder, symbolic links and special
+    files: each is a reason from check_step (never an exception), evaluate's step choice and resume
+    skip the step, resume moves it aside; nothing outside the step is read."""
+    from turnsight_jax import checkpointing
+
+    work, out = tmp_path / "run", tmp_path / "outside"
+    out.mkdir()
+    _fake_step(work, 1)
+    step2 = _fake_step(work, 2)
+    change, reason = _UNTRUSTED[kind]
+    change(step2, out)
+    got = checkpointing.check_step(step2)
+    assert got is not None and (reason.fullmatch(got) if isinstance(reason, re.Pattern) else got == reason), got
+    assert "\n" not in got and len(got) < 300
+    assert checkpointing.latest_valid_step(work) == (1, [(2, got)])
+    logged = []
+    assert checkpointing.resume_step(work, logged.append) == 1
+    assert logged == [f"resume: skipping checkpoint step 2: {got} (moved to invalid-2-0)"]
+    assert os.path.lexists(work / "checkpoints" / "invalid-2-0") and not os.path.lexists(step2)
+
+
+def test_step_folders_are_ascii_step_numbers(tmp_path):
+    """'²' passes str.isdigit() and fails int(); '007' would be read as step 7 where orbax reads '7':
+    neither is a step, and evaluate's and resume's step choice go on without them."""
+    from turnsight_jax import checkpointing
+
+    _fake_step(tmp_path, 3)
+    for name in ("²", "٣", "007", "+4", " 5", "6.0"):
+        (tmp_path / "checkpoints" / name).mkdir()
+    assert list(checkpointing.step_folders(tmp_path)) == [3]
+    assert checkpointing.latest_valid_step(tmp_path) == (3, [])
+    assert checkpointing.resume_step(tmp_path, print) == 3
+
+
+def test_the_workdir_lock_refuses_a_second_trainer_and_takes_over_a_stale_one(tmp_path, monkeypatch):
+    import fcntl
+    import errno
+    import socket
+
+    from turnsight_jax.checkpointing import LOCK_FILE, WorkdirLock
+    from turnsight_jax.errors import WorkdirInUse
+
+    host = socket.gethostname()
+    first = WorkdirLock(tmp_path)
+    first.acquire()
+    with pytest.raises(WorkdirInUse) as e:
+        WorkdirLock(tmp_path).acquire()
+    line = str(e.value)
+    assert "\n" not in line and re.match(
+        rf"{re.escape(str(tmp_path))} is in use by another trainer: pid {os.getpid()} on host {re.escape(host)} "
+        rf"since \d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\dZ \(lock file ", line), line
+    first.release()
+    assert not (tmp_path / LOCK_FILE).exists()  # a normal exit leaves no lock file
+    # A holder killed with its lock held: the kernel dropped the flock, its file remains.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = {"pid": int(dead.stdout), "host": host, "since": "2020-01-01T00:00:00Z"}
+    (tmp_path / LOCK_FILE).write_text(json.dumps(stale))
+    said = []
+    with WorkdirLock(tmp_path, log=said.append):
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert said == [f"workdir lock: taking over the stale lock {tmp_path / LOCK_FILE} of pid {stale['pid']} on "
+                    f"host {host} since 2020-01-01T00:00:00Z (that process is gone)"]
+    # Where flock is refused (some network file systems) the file decides: a live pid on this host holds it.
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    (tmp_path / LOCK_FILE).write_text(json.dumps(dict(stale, pid=os.getppid())))
+    with pytest.raises(WorkdirInUse, match=f"pid {os.getppid()} on host"):
+        WorkdirLock(tmp_path).acquire()
+    (tmp_path / LOCK_FILE).write_text(json.dumps(stale))
+    said.clear()
+    with WorkdirLock(tmp_path, log=said.append):
+        pass
+    assert len(said) == 1 and "taking over the stale lock" in said[0]
+
+
+def test_a_second_trainer_on_a_held_workdir_exits_2_naming_the_first(tmp_path):
+    """The lock is taken after the inputs are checked and before any model is built (~3 CPU-s)."""
+    import socket
+
+    from turnsight_jax.checkpointing import WorkdirLock
+
+    with WorkdirLock(tmp_path / "run"):
+        proc = _run(["--config", str(REPO / "tests/configs/tiny_random.py"), "--config.sft.steps=0",
+                     "--config.sft.curriculum_steps=0", "--config.data.num_eval=0"], tmp_path / "run")
+        _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err[-2000:]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"is in use by another trainer: pid {os.getpid()} on host {socket.gethostname()} " \
+        "since " in errors[0], err[-2000:]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == []  # nothing of the run was written
+
+
+def test_checkpoint_rotation_never_crashes_a_save(tmp_path):
+    """Orbax's rotation raised on a step folder that is a symbolic link, inside the save, and left
+    the new step without its manifest. Now the save completes (manifest included), the link is
+    reported and left, and older real steps are removed."""
+    import jax.numpy as jnp
+
+    from turnsight_jax.checkpointing import Checkpointer, check_step, step_folders
+
+    said = []
+    ckpt = Checkpointer(tmp_path / "run", keep=1, log=said.append)
+    p = {"w": jnp.ones(3)}
+    ckpt.save(1, p, p, {"next_step": 1})
+    shutil.move(tmp_path / "run" / "checkpoints" / "1", tmp_path / "elsewhere")
+    (tmp_path / "run" / "checkpoints" / "1").symlink_to(tmp_path / "elsewhere")
+    ckpt.save(2, p, p, {"next_step": 2})
+    ckpt.save(3, p, p, {"next_step": 3})
+    assert sorted(step_folders(tmp_path / "run")) == [1, 3]  # 2 rotated out, 1 (the link) left
+    assert check_step(tmp_path / "run" / "checkpoints" / "3") is None
+    assert (tmp_path / "elsewhere" / "turnsight_manifest.json").is_file()  # nothing removed through the link
+    assert said and all(s.startswith("checkpoint rotation: step 1 left in place: ") and "symbolic link" in s
+                        for s in said), said
+    assert ckpt.latest_step() == 3 and 2 not in ckpt.all_steps()
     ckpt.close()

@@ -13,3 +13,8 @@ class NonFiniteTraining(RuntimeError):
 class CheckpointError(ValueError):
     """No usable checkpoint where one is required: every step under `checkpoints/` is invalid
     (incomplete or corrupt, see `checkpointing.check_step`), or the step asked for is."""
+
+
+class WorkdirInUse(RuntimeError):
+    """Another trainer holds the run folder's lock (`checkpointing.WorkdirLock`): the message is one
+    line naming it (pid, host, since when). The trainer exits 2."""

@@ -29,7 +29,7 @@ import ml_collections as mlc
 import numpy as np
 from flax import nnx
 
-from turnsight_jax import batch_shapes, checkpointing, cost, distributed, flops, model_setup, records, sources
+from turnsight_jax import batch_shapes, checkpointing, cost, distributed, errors, flops, model_setup, records, sources
 from turnsight_jax.checkpointing import Checkpointer, write_run_config, write_run_files
 from turnsight_jax.config import (engine_config, fault_config, load_run_config, model_layer_name, rollout_config,
                                   sampling_params, second_stage, slim_config, validate)
@@ -218,6 +218,29 @@ def _describe(ev: dict) -> str:
 
 
 def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
+    """Runs training in `workdir`, holding its lock (`checkpointing.WorkdirLock`, taken once the
+    inputs are checked and before the folder is written; released however the run ends)."""
+    lock = checkpointing.WorkdirLock(workdir, log=log)
+    try:
+        return _train(cfg, pathlib.Path(workdir), lock)
+    finally:
+        lock.release()
+
+
+def _lock_workdir(lock: checkpointing.WorkdirLock) -> None:
+    """Process 0 takes the run folder's lock; every process stops when it could not."""
+    refused = None
+    if jax.process_index() == 0:
+        try:
+            lock.acquire()
+        except (errors.WorkdirInUse, errors.CheckpointError) as e:
+            refused = e
+    if distributed.any_process(refused is not None):
+        raise refused or errors.WorkdirInUse(f"{lock.workdir}: process 0 could not take the workdir lock (its "
+                                             f"error names the holder)")
+
+
+def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.WorkdirLock) -> dict:
     step_cfg, method = validate(cfg, jax.device_count())
     log(method.describe())
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
@@ -242,6 +265,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
                 f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
 
     workdir.mkdir(parents=True, exist_ok=True)
+    _lock_workdir(lock)  # before anything in the folder is written: one trainer per run folder
     write_run_files(workdir, qcfg, tokdir)
     write_run_config(workdir, cfg)  # `python -m turnsight_jax.evaluate --checkpoint` reads it back
     start_path = cfg.model.hf_path or None
@@ -314,7 +338,7 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
     old_kinds = {m.rollout.old_policy_kind(cfg) for m in ([method] + ([later[2]] if later is not None else []))}
     previous = None
     latest = checkpointing.resume_step(workdir, log)  # the newest valid step; invalid newer ones moved aside
-    ckpt = Checkpointer(workdir, keep=cfg.checkpoint.keep)
+    ckpt = Checkpointer(workdir, keep=cfg.checkpoint.keep, log=log)
     start = 0
     resumed_meta: dict = {}
     if latest is not None:
@@ -689,6 +713,9 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:  # dataset rows, checkpoint files: the message names file/row/key
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except errors.WorkdirInUse as e:  # another trainer holds the run folder: one line naming it
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteTraining as e:
