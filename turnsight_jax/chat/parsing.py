@@ -28,7 +28,7 @@ Malformed calls never raise: each becomes a ``CallError`` whose message starts w
   - ``</tool_call> without a matching <tool_call>``
   - ``empty body``
   - ``invalid JSON (<decoder message> at char P)``   (``truncated JSON`` when the error is at the end)
-  - ``JSON nested too deeply``
+  - ``JSON nested too deeply``                      (more than ``MAX_JSON_DEPTH`` = 128 levels)
   - ``body must be a JSON object, got <type>``
   - ``missing "name"`` / ``"name" must be a non-empty string, got <type>``
   - ``arguments must be a JSON object, got <type>``
@@ -61,6 +61,8 @@ CLOSE_THINK = "</think>"
 OPEN_ANSWER = "<answer>"
 CLOSE_ANSWER = "</answer>"
 _STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+# A call's JSON body nested deeper than this is refused ("JSON nested too deeply").
+MAX_JSON_DEPTH = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,10 +98,35 @@ def json_type_name(value: Any) -> str:
     return type(value).__name__
 
 
+def json_depth(value: Any, stop: int) -> int:
+    """Nesting depth of a JSON-like value (a scalar is 0, ``[]`` and ``{}`` are 1), counted without
+    recursion; counting stops once the depth exceeds `stop`."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > stop:
+            break
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def _loads(text: str) -> tuple[Any, str | None]:
     """Decode JSON; return (value, None) or (None, error description). Never raises."""
     try:
-        return json.loads(text), None
+        value = json.loads(text)
+        # A fixed bound, not whatever the caller's stack leaves: every later coder of the call
+        # (the executor, records, fault keys) recurses once per level.
+        if json_depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+            return None, "JSON nested too deeply"
+        return value, None
     except json.JSONDecodeError as e:
         where = f"{e.msg.removesuffix(' at')} at char {e.pos}"
         # An unterminated string reports where the string starts, but it too means the text ended early.
@@ -110,6 +137,8 @@ def _loads(text: str) -> tuple[Any, str | None]:
         return None, "JSON nested too deeply"
     except ValueError as e:  # e.g. integers beyond Python's digit limit
         return None, f"invalid JSON ({e})"
+    except Exception as e:  # noqa: BLE001 - MemoryError, ...: model text never raises out of here
+        return None, f"invalid JSON ({type(e).__name__})"
 
 
 def _parse_call_body(body: str) -> ToolCall | str:

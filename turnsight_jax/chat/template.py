@@ -190,25 +190,44 @@ def prompt_ids(
     return tok_lib.encode(tokenizer, render_prompt(messages, tools, enable_thinking=enable_thinking))
 
 
+OPEN_RESPONSE = "<tool_response>"
+CLOSE_RESPONSE = "</tool_response>"
+
+
+def escape_tool_response(text: str) -> str:
+    """``text`` with the ``<`` of every ``<tool_response>`` / ``</tool_response>`` written as
+    ``&lt;``: a tool result can then never spell the added tokens that delimit a tool response
+    (Qwen3's 151665 / 151666), nor close its own response and forge another. No ``<`` is added,
+    so no new delimiter can form; escaping twice changes nothing more. Other text is unchanged."""
+    if "_response>" not in text:
+        return text
+    return text.replace(CLOSE_RESPONSE, "&lt;/tool_response>").replace(OPEN_RESPONSE, "&lt;tool_response>")
+
+
 def _observation_parts(results: Sequence[str], enable_thinking: bool) -> tuple[str, list[tuple[int, int]], int]:
-    """Suffix text, each result's character span in it, and where the next assistant header starts."""
+    """Suffix text, each result's character span in it, and where the next assistant header starts.
+    Each result is written through `escape_tool_response` (its span covers the escaped text)."""
     if isinstance(results, str):
         raise TypeError("results must be a list of strings (one per tool call), not a single string")
     if len(results) == 0:
         # The template renders no user turn at all for zero tool messages.
         raise ValueError("observation suffix needs at least one result (a turn without tool calls gets no observation)")
-    text = "\n" + IM_START + "user"
+    parts = ["\n" + IM_START + "user"]
+    size = len(parts[0])
     spans: list[tuple[int, int]] = []
+    opening, closing = "\n" + OPEN_RESPONSE + "\n", "\n" + CLOSE_RESPONSE
     for i, result in enumerate(results):
         if not isinstance(result, str):
             raise TypeError(f"result {i} is {type(result).__name__}, expected str")
-        text += "\n<tool_response>\n"
-        spans.append((len(text), len(text) + len(result)))
-        text += result + "\n</tool_response>"
-    text += IM_END + "\n"
-    header_char = len(text)
-    text += generation_prompt(enable_thinking=enable_thinking)
-    return text, spans, header_char
+        result = escape_tool_response(result)
+        size += len(opening)
+        spans.append((size, size + len(result)))
+        parts += (opening, result, closing)
+        size += len(result) + len(closing)
+    parts.append(IM_END + "\n")
+    header_char = size + len(parts[-1])
+    parts.append(generation_prompt(enable_thinking=enable_thinking))
+    return "".join(parts), spans, header_char
 
 
 def observation_suffix(results: Sequence[str], *, enable_thinking: bool) -> str:

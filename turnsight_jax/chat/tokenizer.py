@@ -220,7 +220,7 @@ def encode_with_plain_spans(tokenizer: Any, text: str, spans: Sequence[tuple[int
     specials = special_token_texts(tokenizer)
     if not any(sp in text[a:b] for a, b in spans for sp in specials):
         ids, offsets = encode_with_offsets(tokenizer, text)
-        return (ids, [char_span_to_token_span(offsets, a, b) for a, b in spans],
+        return (ids, char_spans_to_token_spans(offsets, spans),
                 [char_span_to_token_span(offsets, m, m + 1)[0] for m in marks])
     ids: list[int] = []
     token_spans: list[tuple[int, int]] = []
@@ -301,7 +301,12 @@ def char_span_to_token_span(
     result's leading newline) is included. An empty character range gives an empty token span
     placed at the first token ending after ``start``.
     """
-    i = 0
+    return _span_from(offsets, 0, start, end)
+
+
+def _span_from(offsets: Sequence[tuple[int, int]], i: int, start: int, end: int) -> tuple[int, int]:
+    """`char_span_to_token_span`, scanning from token `i` (every token before it ends at or
+    before `start`)."""
     while i < len(offsets) and offsets[i][1] <= start:
         i += 1
     if end <= start:
@@ -310,3 +315,20 @@ def char_span_to_token_span(
     while j < len(offsets) and offsets[j][0] < end:
         j += 1
     return i, j
+
+
+def char_spans_to_token_spans(
+    offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]
+) -> list[tuple[int, int]]:
+    """`char_span_to_token_span` of each of ``spans`` (sorted by start, disjoint), in one pass:
+    each span's scan starts where the previous span's started, so the cost is linear in tokens
+    plus spans (not tokens x spans: a turn of thousands of tool results)."""
+    out = []
+    i = prev = 0
+    for start, end in spans:
+        if start < prev:
+            raise ValueError(f"spans must be sorted by start: {start} after {prev}")
+        prev = start
+        i, j = _span_from(offsets, i, start, end)
+        out.append((i, j))
+    return out

@@ -217,6 +217,11 @@ def _format_result(value) -> str:
     return value
 
 
+# The longest note `truncate` appends (executor.NOTE_CHARS): a reply holds at most max_output_chars
+# characters plus this many.
+_NOTE_CHARS = 64
+
+
 def truncate(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
@@ -539,6 +544,10 @@ class Host:
             return {"err": f"Function {name} timed out after {timeout:.6f} seconds."}
         if isinstance(reply, tuple):
             kind, text = reply
+            # The byte cap bounds what is read; the observation's cap counts characters, after
+            # decoding (a forged frame or a patched str.encode can bypass the call's own cut).
+            if len(text) > self.max_chars + _NOTE_CHARS:
+                text = truncate(text, self.max_chars)
             if kind == "o":
                 return {"ok": text}
             return {"err": text}

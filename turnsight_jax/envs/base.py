@@ -27,6 +27,7 @@ import concurrent.futures
 import dataclasses
 from typing import Any, Mapping, Sequence
 
+from turnsight_jax.chat.template import escape_tool_response
 from turnsight_jax.chat.types import Call, CallError, Task, ToolCall
 
 
@@ -51,6 +52,14 @@ class StepResult:
     added_tools: tuple[dict, ...] = ()
     error: str | None = None
     info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _escaped(result: StepResult) -> StepResult:
+    """`result` with every observation passed through `escape_tool_response`."""
+    observations = tuple(escape_tool_response(o) if isinstance(o, str) else o for o in result.observations)
+    if observations == result.observations:
+        return result
+    return dataclasses.replace(result, observations=observations)
 
 
 def _failed(e: BaseException) -> StepResult:
@@ -131,7 +140,9 @@ class VectorEnv:
     `step(calls_per_episode)` takes one entry per episode: the turn's calls, or None for an
     episode that does not act this round (finished, or waiting). The tool calls of all
     executor-backed episodes are sent to the executor as one batch; other episodes step in
-    parallel threads.
+    parallel threads. An episode whose environment (or executor) raises ends with the reason
+    (`StepResult.error`); the others go on. Observations come back through
+    `chat.template.escape_tool_response` (docs/sandbox.md, Observations).
     """
 
     def __init__(self, env: Environment, *, max_threads: int = 32):
@@ -190,13 +201,18 @@ class VectorEnv:
         for group in batched.values():
             executor = group[0][1].executor
             requests = [r for _, _, _, (_, reqs, _) in group for r in reqs]
-            texts = executor.run_many(requests)
+            try:
+                texts = executor.run_many(requests)
+            except Exception:  # noqa: BLE001 - find the episode(s) whose calls raise; only they pay
+                texts = None
             offset = 0
             for i, ep, calls, (observations, reqs, slots) in group:
                 try:
-                    results[i] = ep.commit_step(
-                        calls, observations, slots, texts[offset : offset + len(reqs)]
-                    )
+                    if texts is not None:
+                        mine = texts[offset : offset + len(reqs)]
+                    else:
+                        mine = executor.run_many(reqs)
+                    results[i] = ep.commit_step(calls, observations, slots, mine)
                 except Exception as e:  # noqa: BLE001
                     results[i] = _failed(e)
                 offset += len(reqs)
@@ -205,7 +221,9 @@ class VectorEnv:
                 results[i] = future.result()
             except Exception as e:  # noqa: BLE001
                 results[i] = _failed(e)
-        return results
+        # Tool results are untrusted text: none may spell a tool-response delimiter (see
+        # chat.template.escape_tool_response).
+        return [None if r is None else _escaped(r) for r in results]
 
     def score(self, final_texts: Sequence[str | None] | None = None,
               indices: Sequence[int] | None = None) -> list[EpisodeScore]:

@@ -63,6 +63,7 @@ from typing import Any, Mapping, Sequence
 from turnsight_jax.chat.types import Call, CallError, Task, ToolCall
 from turnsight_jax.envs.base import Environment, Episode, EpisodeScore, StepResult
 from turnsight_jax.envs.base import malformed_observation
+from turnsight_jax.envs.executor import short_name
 
 BFCL_VERSION = "2026.3.23"
 BFCL_CATEGORIES = (
@@ -551,12 +552,12 @@ class BFCLEpisode(Episode):
             return f"Error during execution: Function call {name} is not allowed."
         if name not in self.allowed or name.startswith("_") or name not in self._methods:
             # What BFCL's executor answers for a name it cannot resolve.
-            return f"Error during execution: name {name!r} is not defined"
+            return f"Error during execution: name {short_name(repr(name))} is not defined"
         if not isinstance(call.arguments, Mapping):
             return f"Error during execution: arguments of {name} must be a JSON object"
         bad = [k for k in call.arguments if not _valid_kwarg_name(k)]
         if bad:
-            return f"Error during execution: invalid argument name {bad[0]!r} for {name}"
+            return f"Error during execution: invalid argument name {short_name(repr(bad[0]))} for {name}"
         try:
             return _format_result(self._methods[name](**call.arguments))
         except Exception as e:  # noqa: BLE001 - backend errors become observations, as in BFCL

@@ -15,7 +15,7 @@ from typing import Sequence
 from turnsight_jax.chat.types import Call, CallError, Task, ToolCall
 from turnsight_jax.envs.base import Environment, Episode, EpisodeScore, StepResult
 from turnsight_jax.envs.base import malformed_observation
-from turnsight_jax.envs.executor import ToolExecutor, ToolRequest, error_text
+from turnsight_jax.envs.executor import ToolExecutor, ToolRequest, error_text, short_name
 
 
 def call_seed(seed: int, task_id: str, call_index: int) -> int:
@@ -79,8 +79,9 @@ class CodeToolEpisode(Episode):
                 elif not isinstance(call, ToolCall):
                     observations[i] = f"unsupported call object {type(call).__name__}"
                 elif call.name not in self.task.codes:
-                    # FTRL looks the code up with codes[name]: a KeyError whose text is repr(name).
-                    observations[i] = error_text(call.name, repr(call.name))
+                    # FTRL looks the code up with codes[name]: a KeyError whose text is repr(name)
+                    # (a long name is cut in both places: the observation stays short).
+                    observations[i] = error_text(call.name, short_name(repr(call.name)))
                 else:
                     seed = call_seed(self._seed, self.task.task_id, self._n_calls + i)
                     requests.append(

@@ -43,16 +43,42 @@ import threading
 import time
 from typing import Any, Sequence
 
+from turnsight_jax.chat.parsing import json_depth
+
 _HOST_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_host.py")
 _HEADER = struct.Struct(">I")
 # Sources a sandbox host keeps compiled, first in first out; the trainer keeps the same record.
 MAX_CACHED_SOURCES = 4096
 ERROR_TEMPLATE = "an error occured when call {name}: {message}"
+# A tool name is model text: echoed in an error observation it is cut to this many characters.
+MAX_NAME_CHARS = 200
+# The longest truncation note `cap_chars` appends: an observation's text (a result, or an error
+# message) is at most max_output_chars + NOTE_CHARS characters.
+NOTE_CHARS = 64
+# Arguments nested deeper than this are refused before they are sent: the trainer's, the host's
+# and the call process's JSON coders recurse once per level (Python's limit is 1,000 frames).
+# parse_turn refuses model text nested deeper still (chat.parsing.MAX_JSON_DEPTH).
+MAX_ARGUMENT_DEPTH = 256
+
+
+def short_name(name: str) -> str:
+    """`name` cut to MAX_NAME_CHARS characters, with a note of how much was cut."""
+    if len(name) <= MAX_NAME_CHARS:
+        return name
+    return name[:MAX_NAME_CHARS] + f"... [name truncated: {len(name) - MAX_NAME_CHARS} more characters]"
 
 
 def error_text(name: str, message: str) -> str:
-    """FTRL's error observation for a failed call of tool `name`."""
-    return ERROR_TEMPLATE.format(name=name, message=message)
+    """FTRL's error observation for a failed call of tool `name` (a long name is cut, `short_name`)."""
+    return ERROR_TEMPLATE.format(name=short_name(name), message=message)
+
+
+def cap_chars(text: str, limit: int) -> str:
+    """`text` when it has at most `limit` + NOTE_CHARS characters (an honest reply the call
+    process already cut, with its note), else its first `limit` characters and a note."""
+    if len(text) <= limit + NOTE_CHARS:
+        return text
+    return text[:limit] + f"... [output truncated: {len(text) - limit} more characters]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,14 +288,15 @@ class _Worker:
         self.kill()
 
 
-def _observation(name: str, reply: Any) -> str:
-    """The observation text of a host reply, which must be {"ok": str} or {"err": str}."""
+def _observation(name: str, reply: Any, max_chars: int | None = None) -> str:
+    """The observation text of a host reply, which must be {"ok": str} or {"err": str}; the text
+    is cut to `max_chars` characters (`cap_chars`) whatever the host sent."""
     if isinstance(reply, dict) and len(reply) == 1:
         ((kind, text),) = reply.items()
-        if isinstance(text, str) and kind == "ok":
-            return text
-        if isinstance(text, str) and kind == "err":
-            return error_text(name, text)
+        if isinstance(text, str) and kind in ("ok", "err"):
+            if max_chars is not None:
+                text = cap_chars(text, max_chars)
+            return text if kind == "ok" else error_text(name, text)
     return error_text(name, f"malformed reply from the tool sandbox: {str(reply)[:200]}")
 
 
@@ -427,7 +454,7 @@ class ToolExecutor:
                         first = next(starts, None)
                     if first is None:
                         return
-                    texts, worker = self._call_chunk(worker, requests[first : first + chunk])
+                    texts, worker = self._guarded_chunk(worker, requests[first : first + chunk])
                     results[first : first + len(texts)] = texts
             finally:
                 self._idle.put(worker)
@@ -440,17 +467,38 @@ class ToolExecutor:
     def _run_one(self, request: ToolRequest) -> str:
         worker = self._idle.get()
         try:
-            texts, worker = self._call_chunk(worker, [request])
+            texts, worker = self._guarded_chunk(worker, [request])
             return texts[0]
         finally:
             self._idle.put(worker)
 
+    def _guarded_chunk(
+        self, worker: _Worker, requests: Sequence[ToolRequest]
+    ) -> tuple[list[str], _Worker]:
+        """`_call_chunk`, but anything it raises (a bug, MemoryError, RecursionError from a caller's
+        deep stack) costs only these calls: each gets an error observation and the worker, whose
+        protocol state is then unknown, is replaced."""
+        try:
+            return self._call_chunk(worker, requests)
+        except Exception as e:  # noqa: BLE001 - these calls pay, never the batch
+            why = f"tool sandbox error: {type(e).__name__}: {e}"[:500]
+            try:
+                worker = self._replace(worker)
+            except Exception:  # noqa: BLE001 - no replacement: the next caller's call tries again
+                pass
+            return [error_text(r.name, why) for r in requests], worker
+
     def _message(self, request: ToolRequest, worker: _Worker) -> tuple[dict | None, str, str | None]:
         """(wire message or None, source key, error text when the arguments are not JSON)."""
+        # Arguments come from model text: whatever they make the coders raise (RecursionError,
+        # MemoryError, OverflowError, ...) is this call's error observation.
         try:
+            if json_depth(request.arguments, MAX_ARGUMENT_DEPTH) > MAX_ARGUMENT_DEPTH:
+                return None, "", error_text(
+                    request.name, f"arguments are nested too deeply (more than {MAX_ARGUMENT_DEPTH} levels)")
             args = json.loads(json.dumps(request.arguments, ensure_ascii=False, allow_nan=True))
-        except (TypeError, ValueError) as e:
-            return None, "", error_text(request.name, f"arguments are not JSON data: {e}")
+        except Exception as e:  # noqa: BLE001 - the call's own error, never the batch's
+            return None, "", error_text(request.name, f"arguments are not JSON data: {type(e).__name__}: {e}"[:500])
         key = self._key_cache.get(request.source)
         if key is None:
             key = hashlib.sha256(request.source.encode("utf-8", errors="surrogatepass")).hexdigest()
@@ -517,7 +565,7 @@ class ToolExecutor:
                         worker.sent_source(keys[current])
                         continue
                     name = requests[slots[current]].name
-                    out[slots[current]] = _observation(name, reply)
+                    out[slots[current]] = _observation(name, reply, limits.max_output_chars)
                     unanswered.remove(current)
                 batch = again
         except (TimeoutError, _WorkerCrashed) as e:
