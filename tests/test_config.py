@@ -195,6 +195,8 @@ TODAY_DEFAULT["t2po"] = {"alpha": 0.5, "top_j": 5, "tti": True, "tti_window": 8,
                          "tds_threshold": 0.02, "tds_max_resamples": 2, "phi_floor": 1e-3}
 TODAY_DEFAULT["appo"] = {"branches": 2, "gamma": 0.9, "clip_low": 0.2, "clip_high": 0.28, "amplify": 0.5,
                          "ratio_to": "previous"}
+# The tool-output cap (issue 58): the executor's 16,384 characters, now a key; the default run does not move.
+TODAY_DEFAULT["rollout"].update(max_tool_output_chars=16_384)
 
 # Keys where configs/qwen3_8b.py's experiment departs from base + its model layer: how the run
 # fits 8 x 80 GB devices and how it evaluates. Anything else would be a value from somewhere else.
@@ -316,6 +318,46 @@ def test_paper_configs_are_base_model_experiment(name, model, extra):
     assert "name" not in c.rl  # rl.method replaced rl.name
 
 
+def test_spec_defaults_table_is_the_code():
+    """docs/spec.md §2's table of defaults holds base_config()'s values, which configs/qwen3_8b.py keeps."""
+    import ast
+    import re
+
+    text = (REPO / "docs" / "spec.md").read_text()
+    section = text.split("These values are `base_config()`'s", 1)[1].split("\n\n", 2)[1]
+    rows = [ln for ln in section.splitlines() if ln.startswith("| `")]
+    base, paper = flat(C.base_config().to_dict()), flat(cfg_file("qwen3_8b").to_dict())
+    seen = []
+    for row in rows:
+        keys_cell, values_cell, _source = [c.strip() for c in row.strip("|").split("|")]
+        keys = re.findall(r"`([a-z_]+\.[a-z_0-9]+)`", keys_cell)
+        values = ast.literal_eval("[" + re.sub(r"`([^`]*)`", r"'\1'", values_cell) + "]")
+        assert len(keys) == len(values), row
+        for key, value in zip(keys, values):
+            assert base[key] == value and paper[key] == value, (key, value, base[key], paper[key])
+            seen.append(key)
+    assert len(seen) >= 30 and "train.steps" in seen and "eval.max_turns" in seen
+    assert "eval.max_turns=20" not in text and "208 steps" not in text
+
+
+@pytest.mark.parametrize("lam", ["0", "0.0", "1", "1.0"])
+def test_lambda_0_and_1_are_valid(lam):
+    """Figure 6's λ grid has both ends: λ = 0 (the base advantage) and λ = 1 (the full weight)."""
+    c = C.load_run_config(None, [f"--config.rl.lam={lam}", "--config.rl.eps_w=0.9"])
+    step_cfg, _ = C.validate(c, 1)
+    assert step_cfg.algo.lam == float(lam) and step_cfg.algo.eps_w == 0.9
+
+
+def test_lambda_outside_0_1_and_a_bad_tool_output_cap_are_refused():
+    for lam in ("-0.1", "1.01"):
+        with pytest.raises(ConfigError, match=r"rl.lam must be in \[0, 1\]"):
+            C.validate(C.load_run_config(None, [f"--config.rl.lam={lam}"]), 1)
+    for cap in ("0", "-5"):
+        with pytest.raises(ConfigError, match="rollout.max_tool_output_chars must be an int >= 1"):
+            C.validate(C.load_run_config(None, [f"--config.rollout.max_tool_output_chars={cap}"]), 1)
+    C.validate(C.load_run_config(None, ["--config.rollout.max_tool_output_chars=100"]), 1)
+
+
 def test_model_files_set_only_model_keys():
     for path in sorted((REPO / "configs" / "models").glob("*.py")):
         layer = C.model_file(REPO / "configs" / "x.py", path.stem)
@@ -341,7 +383,7 @@ def test_qwen3_8b_has_the_papers_values():
     assert c.rollout.enable_thinking is True
     assert (c.data.source, c.data.eval_source) == ("ftrl", "ftrl")
     assert c.model.preset == "qwen3-8b" and not c.model.allow_random_init
-    assert c.train.steps == 208  # 3 epochs x ceil(2215 / 32)
+    assert c.train.steps == 207  # 3 epochs x floor(2215 / 32): verl's drop_last, as the released trainer counts
     step_cfg, method = C.validate(c, 8, check_data=False)
     assert step_cfg.algo.method == "turnsight" and step_cfg.algo.base == "matchtir"
     assert method is not None

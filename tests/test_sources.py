@@ -101,3 +101,25 @@ def test_training_rows_without_ground_truth_are_refused(tmp_path):
 def test_environments_come_from_the_registry():
     with sources.make_env("builtin", num_workers=1, timeout_s=5.0) as env:
         assert type(env).__name__ == "FTRLEnv"
+
+
+def test_the_tool_output_cap_is_a_config_value():
+    """rollout.max_tool_output_chars reaches the executor of the built-in sources' environments
+    (which then own and close it); the executor's default builds the environment as registered; a
+    source whose environment cannot take another value is refused."""
+    from turnsight_jax.envs.executor import ToolRequest
+
+    with sources.make_env("builtin", num_workers=1, timeout_s=5.0, max_output_chars=100) as env:
+        assert env.executor.limits.max_output_chars == 100
+        out = env.executor.run(ToolRequest("f", "def f(x=None):\n    return 'y' * 1000", {"x": 1}))
+        assert out == "y" * 100 + "... [output truncated: 900 more characters]"
+    assert env.executor._closed  # closed with its environment
+    plain = sources.TaskSource("plain_env_source", lambda workers, timeout: object(), trainable=False)
+    sources.register_source(plain)
+    try:
+        assert sources.make_env("plain_env_source", max_output_chars=16_384) is not None  # the default: as registered
+        assert not sources.check_output_cap("plain_env_source", None)
+        with pytest.raises(ConfigError, match="does not take rollout.max_tool_output_chars=100"):
+            sources.make_env("plain_env_source", max_output_chars=100)
+    finally:
+        del sources.SOURCES["plain_env_source"]

@@ -39,7 +39,7 @@ from turnsight_jax.rl.methods import ResolvedMethod, resolve_method
 from turnsight_jax.rollout.driver import RolloutConfig
 from turnsight_jax.rollout.engine import EngineConfig
 from turnsight_jax.rollout.sampler import SamplingParams
-from turnsight_jax.sources import check_provides, get_source
+from turnsight_jax.sources import check_output_cap, check_provides, get_source
 
 
 _HINDSIGHT = HindsightTemplate()  # rl.hindsight_template's defaults
@@ -116,6 +116,7 @@ def base_config() -> mlc.ConfigDict:
     # Parse semantics of the released code (docs/spec.md §3), off by default:
     c.rollout.end_on_unparsable_turn = False  # a turn whose calls all fail to parse ends the episode (else: errors go back)
     c.rollout.calls_in_think = False  # execute calls written inside <think> (else: reasoning, never executed)
+    c.rollout.max_tool_output_chars = 16_384  # a longer tool result is cut to this + a note (paper silent; released: no cut; docs/reproducing.md)
 
     c.rl = mlc.ConfigDict()  # the method and its knobs: turnsight_jax.rl.config.AlgoConfig
     c.rl.method = "turnsight"  # a registered method (turnsight_jax.rl.methods): grpo | matchtir | turnsight | ...
@@ -286,7 +287,8 @@ def base_config() -> mlc.ConfigDict:
     c.mm_grpo.refill_rounds = 3  # dynamic sampling: rounds of new prompts for groups whose rewards have zero variance; 0: off
 
     c.train = mlc.ConfigDict()  # the RL loop and the split of a step's batch
-    c.train.steps = 208  # RL steps: 3 epochs x ceil(2215 FTRL training tasks / 32) (paper: 3 epochs)
+    # The released verl trainer drops each epoch's last partial batch (drop_last=True) and runs len(loader) x epochs steps:
+    c.train.steps = 207  # RL steps: 3 epochs x floor(2215 FTRL training tasks / 32) = 3 x 69 (paper: 3 epochs)
     c.train.prompts_per_step = 32  # prompts per step (paper: 32)
     c.train.group_size = 16  # rollouts per prompt, G (paper: 16)
     c.train.micro_batches = 1  # gradient accumulation inside one mini-batch (memory only)
@@ -780,6 +782,12 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
     fault_config(cfg)
     if not isinstance(cfg.log.turn_records, bool):
         raise ConfigError(f"log.turn_records must be True or False, got {cfg.log.turn_records!r}")
+    cap = cfg.rollout.get("max_tool_output_chars", 16_384)
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise ConfigError(f"rollout.max_tool_output_chars must be an int >= 1 (a tool result longer than that is cut), "
+                          f"got {cap!r}")
+    for name in {cfg.data.source, cfg.data.eval_source}:
+        check_output_cap(name, cap)
     if "builtin" in (cfg.data.source, cfg.data.eval_source):
         from turnsight_jax.sources import synthetic_config
 

@@ -60,10 +60,20 @@ def get_source(name: str, *, key: str = "data.source", trainable: bool = False) 
     return SOURCES[name]
 
 
-def _ftrl_env(num_workers: int, timeout_s: float) -> Environment:
+def _executor_env(env_cls, num_workers: int, timeout_s: float, max_output_chars: int | None) -> Environment:
+    if max_output_chars is None:
+        return env_cls(num_workers=num_workers, timeout_s=timeout_s)
+    from turnsight_jax.envs.executor import ToolExecutor
+
+    env = env_cls(ToolExecutor(num_workers, timeout_s=timeout_s, max_output_chars=max_output_chars))
+    env._owns_executor = True  # built for this environment alone: its close() closes it too
+    return env
+
+
+def _ftrl_env(num_workers: int, timeout_s: float, max_output_chars: int | None = None) -> Environment:
     from turnsight_jax.envs.ftrl import FTRLEnv
 
-    return FTRLEnv(num_workers=num_workers, timeout_s=timeout_s)
+    return _executor_env(FTRLEnv, num_workers, timeout_s, max_output_chars)
 
 
 def _ftrl_load(path: pathlib.Path, needs: tuple[str, ...] = ()) -> list[Task]:
@@ -72,10 +82,10 @@ def _ftrl_load(path: pathlib.Path, needs: tuple[str, ...] = ()) -> list[Task]:
     return ftrl.load_tasks(path, require=needs)
 
 
-def _toolhop_env(num_workers: int, timeout_s: float) -> Environment:
+def _toolhop_env(num_workers: int, timeout_s: float, max_output_chars: int | None = None) -> Environment:
     from turnsight_jax.envs.toolhop import ToolHopEnv
 
-    return ToolHopEnv(num_workers=num_workers, timeout_s=timeout_s)
+    return _executor_env(ToolHopEnv, num_workers, timeout_s, max_output_chars)
 
 
 def _toolhop_load(path: pathlib.Path, needs: tuple[str, ...] = ()) -> list[Task]:
@@ -156,5 +166,26 @@ def load_tasks(cfg: mlc.ConfigDict, split: str) -> list[Task]:
     return tasks
 
 
-def make_env(name: str, *, num_workers: int = 2, timeout_s: float = 10.0) -> Environment:
-    return get_source(name).make_env(num_workers, timeout_s)
+def make_env(name: str, *, num_workers: int = 2, timeout_s: float = 10.0,
+             max_output_chars: int | None = None) -> Environment:
+    """A fresh environment of source `name`. `max_output_chars` (`rollout.max_tool_output_chars`):
+    tool results longer than this are cut to it plus a note; None or the executor's default
+    (16,384) builds the source's environment as registered. Only the built-in executor-backed
+    sources (builtin, ftrl, toolhop) take another value: for any other source it is a ConfigError."""
+    source = get_source(name)
+    if not check_output_cap(name, max_output_chars):
+        return source.make_env(num_workers, timeout_s)
+    return source.make_env(num_workers, timeout_s, max_output_chars)
+
+
+def check_output_cap(name: str, max_output_chars: int | None) -> bool:
+    """Whether source `name`'s environment must be built with `max_output_chars` (not None, not
+    the executor's default); ConfigError when the source cannot take it."""
+    from turnsight_jax.envs.executor import ExecutorLimits
+
+    if max_output_chars in (None, ExecutorLimits.max_output_chars):
+        return False
+    if get_source(name).make_env not in (_ftrl_env, _toolhop_env):
+        raise ConfigError(f"source {name!r} does not take rollout.max_tool_output_chars={max_output_chars} (its "
+                          f"environment does not run tools through this project's executor)")
+    return True

@@ -372,9 +372,12 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
 
     # The training rollouts' environment, with faults injected when faults.* asks (envs.faults);
     # the held-out evaluation runs on the clean one.
-    clean_env = sources.make_env(cfg.data.source)
+    # rollout.max_tool_output_chars: .get, a run folder's config.json written before the key has none
+    cap = cfg.rollout.get("max_tool_output_chars", None)
+    clean_env = sources.make_env(cfg.data.source, max_output_chars=cap)
     env = faults_lib.wrap(clean_env, fault_config(cfg))
-    eval_env = clean_env if cfg.data.eval_source == cfg.data.source else sources.make_env(cfg.data.eval_source)
+    eval_env = (clean_env if cfg.data.eval_source == cfg.data.source
+                else sources.make_env(cfg.data.eval_source, max_output_chars=cap))
     summary: dict = {}
     eval_before_path = workdir / "eval_before_rl.json"
     if eval_tasks and not eval_before_path.exists():

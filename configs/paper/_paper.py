@@ -1,7 +1,8 @@
 """The paper's runs as config layers: one place for what every `configs/paper/*.py` row shares.
 
-A row is `row(method, model)` (Table 1) or `ablation(change)` (Table 2 / Figures 3-6: the main
-TurnSight Qwen3-8B config with exactly one thing changed). Both start from configs/qwen3_8b.py's
+A row is `row(method, model)` (Table 1: the same run for every method, only the method changes)
+or `ablation(change)` (Table 2 / Figure 6: the main TurnSight Qwen3-8B config with exactly one
+thing changed). docs/reproducing.md maps every file to its paper cell. Both start from configs/qwen3_8b.py's
 experiment (FTRL, 32 prompts x 16 rollouts, 10 turns, lr 1e-6, fsdp over 8 devices) and add
 `released`: the released MatchTIR code's conventions (docs/spec.md §1 "Released code" and §3),
 which the published numbers were produced with. Each is one override away, e.g.
@@ -58,6 +59,10 @@ def released(c) -> None:
     c.eval.temperature = 0.0
     c.eval.max_turns = 10
     c.rollout.enable_thinking = True
+    # Kept from base_config, not the released code's (docs/reproducing.md, "Where the paper configs
+    # differ from the released code"): tool results cut at 16,384 characters (the released code does
+    # not cut); observations in the official chat template's text (the released rollout writes its own).
+    c.rollout.max_tool_output_chars = 16_384
 
 
 def _experiment():
@@ -89,13 +94,14 @@ def row(method: str, model: str = "8b"):
     else:
         c.rl.method = method
         c.rl.base = method if method != "toolrl" else "grpo"
-    if method == "matchtir":  # the released MatchTIR recipe adds KL 0.001 (low-var) and entropy 0.001
-        c.loss.kl_coef, c.loss.kl_estimator, c.loss.entropy_coef = 0.001, "low_var_kl", 0.001
+    # Every Table 1 row is the paper's setup (docs/spec.md §2: KL 0, no entropy bonus) and differs from
+    # the TurnSight row of its size in the method alone. MatchTIR's own released recipe (KL 0.001,
+    # entropy 0.001, 256 prompts per step, ...) is configs/released/matchtir_8b.py, not a paper cell.
     return c
 
 
 def ablation(name: str, change):
-    """Table 2 / Figures 3-6: the main TurnSight Qwen3-8B row with `change(c)` applied."""
+    """Table 2 / Figure 6: the main TurnSight Qwen3-8B row with `change(c)` applied."""
     c = row("turnsight", "8b")
     change(c)
     c.name = f"paper_ablation_{name}"

@@ -1,6 +1,6 @@
 """Table 1: GRPO (outcome reward, group-normalised), Qwen3-4B, released-code conventions (configs/paper/_paper.py).
 
-Paper: not quoted in docs/spec.md (fill in from the paper's Table 1).
+Paper: not quoted (read it off the paper's Table 1).
 
     python -m turnsight_jax.train --config configs/paper/table1_grpo_4b.py \
         --config.model.hf_path=/path/to/Qwen3-4B \

@@ -1,7 +1,7 @@
 """Table 1: RLSD on MatchTIR (the advantage modulated by the gold-answer teacher's token gap; teacher: the current policy), Qwen3-4B, released-code conventions (configs/paper/_paper.py); what was chosen
 where the method's paper is silent: docs/reproducing.md.
 
-Paper: not quoted in docs/spec.md (fill in from the paper's Table 1).
+Paper: not quoted (read it off the paper's Table 1).
 
     python -m turnsight_jax.train --config configs/paper/table1_rlsd_4b.py \
         --config.model.hf_path=/path/to/Qwen3-4B \

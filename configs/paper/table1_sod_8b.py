@@ -1,7 +1,7 @@
 """Table 1: SOD over GRPO (turn-weighted top-K KL to an external Qwen3-32B teacher), Qwen3-8B, released-code conventions (configs/paper/_paper.py); what was chosen
 where the method's paper is silent: docs/reproducing.md.
 
-Paper: not quoted in docs/spec.md (fill in from the paper's Table 1).
+Paper: not quoted (read it off the paper's Table 1).
 
     python -m turnsight_jax.train --config configs/paper/table1_sod_8b.py \
         --config.model.hf_path=/path/to/Qwen3-8B \

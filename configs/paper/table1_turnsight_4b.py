@@ -1,6 +1,6 @@
 """Table 1: TurnSight on MatchTIR (the paper's method), Qwen3-4B, released-code conventions (configs/paper/_paper.py).
 
-Paper: not quoted in docs/spec.md (fill in from the paper's Table 1).
+Paper (Table 1, Qwen3-4B): overall 37.51 (MatchTIR: 34.76).
 
     python -m turnsight_jax.train --config configs/paper/table1_turnsight_4b.py \
         --config.model.hf_path=/path/to/Qwen3-4B \

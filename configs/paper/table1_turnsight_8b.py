@@ -1,6 +1,6 @@
 """Table 1: TurnSight on MatchTIR (the paper's method), Qwen3-8B, released-code conventions (configs/paper/_paper.py).
 
-Paper: FTRL average 46.92 (docs/spec.md §1).
+Paper (Table 1, Qwen3-8B): overall 42.02 (the mean of FTRL Avg 46.92, BFCL Avg 37.56 and ToolHop 41.58).
 
     python -m turnsight_jax.train --config configs/paper/table1_turnsight_8b.py \
         --config.model.hf_path=/path/to/Qwen3-8B \

@@ -1,6 +1,6 @@
 """Table 1: the untrained model (vanilla evaluation), Qwen3-4B, released-code conventions (configs/paper/_paper.py).
 
-Paper: not quoted in docs/spec.md (fill in from the paper's Table 1).
+Paper: not quoted (read it off the paper's Table 1).
 
 train.steps = 0: the run evaluates the held-out FTRL tasks and exports; BFCL and ToolHop of the
 same model: `python -m turnsight_jax.evaluate --hf /path/to/Qwen3-4B --benchmarks ftrl,bfcl,toolhop ...`

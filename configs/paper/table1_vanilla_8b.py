@@ -1,6 +1,6 @@
 """Table 1: the untrained model (vanilla evaluation), Qwen3-8B, released-code conventions (configs/paper/_paper.py).
 
-Paper: BFCL base 46.5 (docs/spec.md §2); the other cells of Table 1 are not quoted in docs/spec.md.
+Paper (Table 1, Qwen3-8B): BFCL base 46.5 (docs/spec.md §2); its other cells not quoted (read them off the paper's Table 1).
 
 train.steps = 0: the run evaluates the held-out FTRL tasks and exports; BFCL and ToolHop of the
 same model: `python -m turnsight_jax.evaluate --hf /path/to/Qwen3-8B --benchmarks ftrl,bfcl,toolhop ...`

@@ -1,6 +1,6 @@
 """Table 2: TurnSight, temporal coverage: the last 5 turns; everything else as configs/paper/table1_turnsight_8b.py.
 
-Paper (Qwen3-8B, FTRL average): 43.04; the full method 46.92.
+Paper (Table 2, Qwen3-8B): FTRL Avg 43.04; the full method 46.92.
 
     python -m turnsight_jax.train --config configs/paper/table2_last_5.py \
         --config.model.hf_path=/path/to/Qwen3-8B \

@@ -70,6 +70,6 @@ def policy_rollouts(cfg, policy: str, tasks: Sequence[Task], samples: int, *, se
         tok = load_tokenizer(model_setup.tokenizer_folder(cfg.tokenizer_path, policy))
         graphdef, params = nnx.split(load_pretrained(policy, dtype=model_setup.DTYPES[cfg.model.param_dtype]))
         actor = ModelPolicy(graphdef, params, tok, sampling=sampling_params(cfg), config=rc, seed=seed)
-    with sources.make_env(cfg.data.source) as env:
+    with sources.make_env(cfg.data.source, max_output_chars=cfg.rollout.get("max_tool_output_chars", None)) as env:
         res = rollout(actor, env, list(tasks), tokenizer=tok, group_size=samples, config=rc, seed=seed)
     return res.trajectories, [t for t in tasks for _ in range(samples)]
