@@ -131,7 +131,17 @@ _RISKS = {
     "chroot": "tool code can read and write files the trainer's user can",
     "uid_drop": ("tool code runs as the trainer's uid: it can signal the trainer's processes, and a "
                  "setsid() grandchild can outlive its call"),
+    "ipc_per_call": ("a call's System V IPC objects can be reached by other processes while it runs and "
+                     "their memory is not capped (they are removed when it ends)"),
+    "seccomp": ("tool code can use the kernel keyring (one per uid, outliving the call), AF_VSOCK and "
+                "other socket families the network namespace does not cover, io_uring and memfds"),
+    "memory_cgroup": ("a call's memory is bounded per process, not per call: its processes can hold up to "
+                      "processes x memory_mb, plus memfds of file_mb each"),
 }
+# Without a memory cgroup but with the seccomp filter, calls cannot start processes or memfds.
+_MEMORY_RISK_FILTERED = ("a call's memory is bounded per process, not per call: it cannot start processes "
+                         "(threads only) or memfds, so it holds about memory_mb plus its disk_mb of files "
+                         "and its pipes' and sockets' buffers")
 _warned: set[str] = set()
 
 
@@ -142,6 +152,8 @@ def isolation_gaps(isolation: dict) -> list[str]:
         held = isolation.get(layer)
         if layer == "uid_drop":
             held = held or isolation.get("pid_ns") and isolation.get("user_ns")
+        if layer == "memory_cgroup" and isolation.get("seccomp"):
+            risk = _MEMORY_RISK_FILTERED
         if not held:
             gaps.append(risk)
     return gaps
