@@ -23,6 +23,7 @@ from turnsight_jax.assets import default_tokenizer_dir
 from turnsight_jax.config import apply_overrides, default_config, load_config_file, rollout_config
 from turnsight_jax.envs.synthetic import generate_tasks, gold_turn_texts
 from turnsight_jax.eval import heldout
+from turnsight_jax.eval.ftrl_metrics import ftrl_scores
 from turnsight_jax.eval.heldout import evaluate_policy
 from turnsight_jax.eval.runner import run_batches
 from turnsight_jax.model_setup import runtime_options
@@ -43,7 +44,8 @@ def _cfg(*extra):
 
 def _reference(graphdef, state, tok, tasks, cfg, env, *, greedy):
     """The training-time held-out evaluation before it ran on the evaluation runner (verbatim
-    but for returning the trajectories too)."""
+    but for returning the trajectories too, the task-pooled means' names, task_mean_*, and the
+    paper's FTRL metrics, `ftrl`, added: issue 58)."""
     samples = 1 if greedy else int(cfg.eval.samples)
     sampling = SamplingParams(greedy=True) if greedy else SamplingParams(
         temperature=cfg.eval.temperature, top_k=int(cfg.eval.top_k), top_p=float(cfg.eval.top_p))
@@ -62,13 +64,14 @@ def _reference(graphdef, state, tok, tasks, cfg, env, *, greedy):
     out = {"n": len(per_task), "mode": "greedy" if greedy else
            f"{samples} samples at temperature {cfg.eval.temperature:g}"
            + (f", top-k {cfg.eval.top_k}" if cfg.eval.top_k else "")
-           + (f", top-p {cfg.eval.top_p:g}" if cfg.eval.top_p < 1 else "")}
+           + (f", top-p {cfg.eval.top_p:g}" if cfg.eval.top_p < 1 else ""),
+           "ftrl": ftrl_scores(zip([t.category for t in tasks], per_task))}
     for key in ("solve_f1", "solve_p", "solve_r", "answer_correct", "num_turns"):
         vals = np.array([m.get(key, np.nan) for m in per_task], np.float64)
         vals = vals[np.isfinite(vals)]
         if vals.size:
-            out[key] = float(vals.mean())
-            out[key + "_se"] = float(vals.std(ddof=1) / math.sqrt(vals.size)) if vals.size > 1 else 0.0
+            out["task_mean_" + key] = float(vals.mean())
+            out["task_mean_" + key + "_se"] = float(vals.std(ddof=1) / math.sqrt(vals.size)) if vals.size > 1 else 0.0
     out["per_task_solve_f1"] = [float(m.get("solve_f1", 0.0)) for m in per_task]
     return out, trajs
 
@@ -132,7 +135,9 @@ def test_cli_reproduces_the_runs_heldout_evaluation_from_the_run_folder(tok, env
     assert results["heldout"] == want
     assert want["n"] == 4 and want["mode"] == "2 samples at temperature 1, top-k 20"
     assert "Decoding: 2 samples at temperature 1, top-k 20." in stdout
-    assert f"Solve-F1 {want['solve_f1']:.4f}" in stdout
+    assert f"FTRL Avg {want['ftrl']['avg']:.4f}" in stdout
+    assert f"task-mean Solve-F1 {want['task_mean_solve_f1']:.4f}" in stdout
+    assert results["benchmarks"]["builtin"]["score"] == want["ftrl"]["avg"]  # the table's Avg is summary.json's
     assert results["settings"]["seed"] == 3 and results["settings"]["batch_size"] == 4
     assert "4/4" not in err and "8/8 episodes (100.0%)" in err  # the progress line, 4 tasks x 2 samples
     examples = [json.loads(line) for line in (out / "examples.jsonl").read_text().splitlines()]
@@ -238,9 +243,12 @@ def test_sampled_evaluation_averages_each_tasks_samples(monkeypatch):
     out = heldout.evaluate_policy(None, None, None, tasks, cfg, None)
     assert out["mode"] == "3 samples at temperature 1" and out["n"] == 5
     np.testing.assert_allclose(out["per_task_solve_f1"], f1.mean(1))
-    np.testing.assert_allclose(out["solve_f1"], f1.mean())
-    np.testing.assert_allclose(out["solve_f1_se"], f1.mean(1).std(ddof=1) / np.sqrt(5))
-    np.testing.assert_allclose(out["num_turns"], 2.0)  # mean of 1, 2, 3
+    np.testing.assert_allclose(out["task_mean_solve_f1"], f1.mean())
+    np.testing.assert_allclose(out["task_mean_solve_f1_se"], f1.mean(1).std(ddof=1) / np.sqrt(5))
+    np.testing.assert_allclose(out["task_mean_num_turns"], 2.0)  # mean of 1, 2, 3
+    # these fake tasks have no category: one "uncategorised" category, so the category average is the task mean
+    assert list(out["ftrl"]["categories"]) == ["uncategorised"]
+    np.testing.assert_allclose(out["ftrl"]["average"]["solve_f1"], f1.mean())
     assert [c[0] for c in calls] == [(0, 1), (2, 3), (4,)] and {c[1] for c in calls} == {3}
     assert {c[2].temperature for c in calls} == {1.0} and not calls[0][2].greedy
     first = list(calls)

@@ -45,8 +45,9 @@ def realistic_record(step: int, rng: np.random.Generator, *, turnsight: bool = T
             "turnsight/weight_min": 0.55,
         })
     if evaluate:
-        rec.update({"eval/solve_f1": f1, "eval/solve_f1_se": 0.03, "eval/solve_p": f1, "eval/solve_p_se": 0.03,
-                    "eval/solve_r": f1, "eval/solve_r_se": 0.03, "eval/answer_correct": f1})
+        rec.update({"eval/ftrl_solve_f1": f1, "eval/ftrl_solve_p": f1, "eval/ftrl_solve_r": f1, "eval/ftrl_avg": f1,
+                    "eval/task_mean_solve_f1": f1, "eval/task_mean_solve_f1_se": 0.03,
+                    "eval/task_mean_answer_correct": f1})
     return rec
 
 
@@ -87,7 +88,7 @@ def test_all_plots_from_a_realistic_run(tmp_path, capsys):
     metrics, notes = report.load_metrics(tmp_path / "run" / "metrics.jsonl")
     assert metrics.steps == list(range(20))
     assert metrics.series("rollout/reward_mean")[1][19] == 0.987
-    assert metrics.series("eval/solve_f1")[0] == [4, 9, 14]  # only evaluation steps (18/19 re-logged without)
+    assert metrics.series("eval/ftrl_solve_f1")[0] == [4, 9, 14]  # only evaluation steps (18/19 re-logged without)
     steps, fractions = report.depth_fractions(metrics)
     assert steps == list(range(20)) and len(fractions) == 3
     hist = metrics.records[7]["turnsight/depth_histogram"]
@@ -106,7 +107,7 @@ def test_grpo_run_without_turnsight_keys_skips_those_plots(tmp_path, capsys):
     skipped = [n for n in result.notes if n.startswith("skipped")]
     assert [n.split(":")[0] for n in skipped] == ["skipped turnsight_weights.png", "skipped depth_histogram.png",
                                                   "skipped agreement.png"]
-    assert any(n.startswith("solve.png: absent keys left out: eval/solve_p") for n in result.notes)
+    assert any(n.startswith("solve.png: absent keys left out: eval/ftrl_solve_p") for n in result.notes)
     assert "skipped depth_histogram.png: no turnsight/depth_histogram in metrics.jsonl" in (
         tmp_path / "report" / "index.md").read_text()
 

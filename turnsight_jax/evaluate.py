@@ -17,7 +17,9 @@ needs `--bfcl-search-backend`); the printed header states each. `--temperature T
 run's own held-out built-in tasks (data.num_eval tasks of the run's held-out seed stream, in the
 run's order) with the run's budgets (rollout.*, eval.max_turns), batch size (eval.batch_size),
 seed and model runtime options, so that `--temperature 1 --top-k 20 --samples 4` (the run's eval.*
-sampling) reproduces the run's held-out Solve-F1 exactly; giving --builtin-per-category or
+sampling) reproduces the run's held-out evaluation exactly (results.json's `heldout` = its
+summary.json entry: the paper's FTRL metrics `ftrl`, the same function as the tables, and the
+task-pooled `task_mean_*`); giving --builtin-per-category or
 --builtin-seed evaluates the generic built-in suite instead. Prints the sampling mode and the
 tables (Markdown) and writes results.json (scores, settings, timing) and examples.jsonl (one
 line per task: ids, category, decoded trajectory, turns with calls and results, metrics) into
@@ -331,12 +333,15 @@ def evaluate(args) -> dict:
     }
     held = [s for s in suites if s.heldout]
     if held:
-        # The training run's own held-out figure: the mean over tasks (not over categories).
-        ho = summarise_tasks([e.metrics for e in examples if e.benchmark == held[0].benchmark], mode)
+        # The training run's own held-out evaluation, as summary.json holds it: the paper's FTRL
+        # metrics (`ftrl`, the same numbers as the builtin table) and the task-pooled means.
+        held_examples = [e for e in examples if e.benchmark == held[0].benchmark]
+        ho = summarise_tasks([e.metrics for e in held_examples], mode, [e.category for e in held_examples])
         results["heldout"] = ho
-        header += (f"Run held-out tasks ({ho['n']} built-in tasks of the run's held-out stream): "
-                   f"Solve-F1 {ho.get('solve_f1', float('nan')):.4f} ± {ho.get('solve_f1_se', 0.0):.4f} "
-                   f"(mean over tasks).\n")
+        header += (f"Run held-out tasks ({ho['n']} tasks of the run's held-out stream): FTRL Avg "
+                   f"{ho['ftrl']['avg']:.4f} (category averages as in the table below; summary.json "
+                   f"eval_after_rl.ftrl.avg); task-mean Solve-F1 {ho.get('task_mean_solve_f1', float('nan')):.4f} ± "
+                   f"{ho.get('task_mean_solve_f1_se', 0.0):.4f} (mean over tasks).\n")
     return {"results": results, "markdown": header + "\n" + markdown(source.label, summary), "examples": examples}
 
 

@@ -5,7 +5,8 @@
 Writes PNG files of a fixed size (8 x 4.5 in at 100 dpi = 800 x 450 px) and an index.md:
 
   reward.png            rollout/reward_mean
-  solve.png             Solve-P/R/F1 of the rollouts and of the held-out evaluations (eval/*)
+  solve.png             Solve-P/R/F1 of the rollouts and of the held-out evaluations (eval/ftrl_*: the
+                        paper's category averages; older runs' task-pooled eval/solve_* when present)
   turnsight_weights.png TurnSight weight mean with its min-max range
   depth_histogram.png   share of turns whose selected depth d* is 1, 2, 3, ... (stacked area)
   agreement.png         depth agreement rate, share of turns amplified / damped
@@ -16,6 +17,11 @@ Writes PNG files of a fixed size (8 x 4.5 in at 100 dpi = 800 x 450 px) and an i
   cost.png, cost.md     where the wall-clock went (measured and estimated parts), teacher FLOPs and their
                         share, tokens per view kind, peak memory (turnsight_jax.cost_report); with
                         `--compare OTHER_RUN` both runs side by side (TurnSight and its base)
+
+index.md also holds the held-out evaluations of summary.json (eval_before_rl, eval_after_rl and
+their greedy entries) as the paper's FTRL table: per category Solve-P/R/F1, Avg Solve-P/R/F1 and
+Avg, the same numbers and layout as `python -m turnsight_jax.evaluate` prints
+(`eval.ftrl_metrics`); they are printed too.
 
 A plot whose keys are all absent is skipped with a note (printed and listed in index.md); a
 panel or line whose key is absent is left out. Steps written twice (a resumed run) keep the
@@ -33,13 +39,15 @@ import sys
 from typing import Callable, Sequence
 
 from turnsight_jax import cost_report
+from turnsight_jax.eval import ftrl_metrics
 from turnsight_jax.rl import slim_report
 
 FIG_SIZE = (8.0, 4.5)  # inches
 DPI = 100  # -> 800 x 450 pixels
 
-SOLVE_KEYS = ("rollout/solve_p", "rollout/solve_r", "rollout/solve_f1", "eval/solve_p", "eval/solve_r",
-              "eval/solve_f1")
+SOLVE_KEYS = ("rollout/solve_p", "rollout/solve_r", "rollout/solve_f1", "eval/ftrl_solve_p", "eval/ftrl_solve_r",
+              "eval/ftrl_solve_f1")
+LEGACY_EVAL_KEYS = ("eval/solve_p", "eval/solve_r", "eval/solve_f1")  # runs before eval/ftrl_*: task-pooled
 WEIGHT_KEYS = ("turnsight/weight_mean", "turnsight/weight_min", "turnsight/weight_max")
 AGREEMENT_KEYS = ("turnsight/agreement_rate", "turnsight/frac_turns_amplified", "turnsight/frac_turns_damped")
 LENGTH_KEYS = ("rollout/response_tokens", "rollout/num_turns")
@@ -163,7 +171,9 @@ def plot_solve(m: Metrics, path: pathlib.Path) -> None:
     styles = {"solve_f1": ("Solve-F1", "C0"), "solve_p": ("Solve-P", "C1"), "solve_r": ("Solve-R", "C2")}
     for suffix, (name, color) in styles.items():
         _line(a, m, f"rollout/{suffix}", f"rollout {name}", color=color, lw=2 if suffix == "solve_f1" else 1)
-        _line(a, m, f"eval/{suffix}", f"eval {name}", color=color, ls="--", marker="o", ms=4)
+        if not _line(a, m, f"eval/ftrl_{suffix}", f"eval {name} (category avg)", color=color, ls="--", marker="o",
+                     ms=4):
+            _line(a, m, f"eval/{suffix}", f"eval {name} (task mean)", color=color, ls="--", marker="o", ms=4)
     _finish(a, "Solve-P/R/F1 (rollouts: solid; held-out eval: dashed)", "score")
     _save(fig, path)
 
@@ -307,6 +317,8 @@ def make_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None 
     files = []
     for name, keys, plot in PLOTS:
         present = [k for k in keys if metrics.has(k)]
+        if plot is plot_solve and not any(k.startswith("eval/") for k in present):  # an older run
+            present += [k.replace("/solve", "/ftrl_solve") for k in LEGACY_EVAL_KEYS if metrics.has(k)]
         if not present or (plot is plot_depths and not depth_fractions(metrics)[0]):
             notes.append(f"skipped {name}: no {', '.join(keys)} in metrics.jsonl")
             continue
@@ -322,16 +334,62 @@ def make_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None 
         files.append(out / slim_report.PLOT)
         log(f"wrote {out / slim_report.PLOT}")
     cost_lines = _cost_section(run_dir, metrics, compare, out, files, notes, log)
+    heldout_lines = heldout_section(run_dir, notes)
+    if heldout_lines:
+        log("\n".join(heldout_lines))
     for note in notes:
         log(f"note: {note}")
     index = [f"# Training report: {run_dir.name}", "",
              f"{len(metrics.steps)} steps ({metrics.steps[0]}..{metrics.steps[-1]}).", ""]
     index += [f"![{f.stem}]({f.name})" for f in files]
-    index += slim_lines + cost_lines
+    index += heldout_lines + slim_lines + cost_lines
     if notes:
         index += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     (out / "index.md").write_text("\n".join(index) + "\n")
     return Report(files, notes, len(metrics.steps))
+
+
+def heldout_section(run_dir: str | pathlib.Path, notes: list[str] | None = None) -> list[str]:
+    """index.md's lines for summary.json's held-out evaluations (eval_before_rl.json when the run
+    has no summary.json yet): per evaluation the paper's FTRL table (`ftrl_metrics.ftrl_table` of
+    its `ftrl` entry) and which categories it covers. [] when there is neither file; an
+    evaluation without `ftrl` (written before it existed) gets a note instead of a table."""
+    run_dir = pathlib.Path(run_dir)
+    notes = notes if notes is not None else []
+    path = run_dir / "summary.json"
+    try:
+        if path.is_file():
+            summary = json.loads(path.read_text())
+        elif (run_dir / "eval_before_rl.json").is_file():
+            path = run_dir / "eval_before_rl.json"
+            summary = {"eval_before_rl": json.loads(path.read_text())}
+        else:
+            return []
+    except (OSError, json.JSONDecodeError) as e:
+        notes.append(f"{path.name}: not read ({e})")
+        return []
+    if not isinstance(summary, dict):
+        notes.append(f"{path.name}: not a JSON object")
+        return []
+    lines = ["", "## Held-out evaluation (the paper's FTRL metrics, %)", "",
+             f"From `{path.name}`: Solve-P/R/F1 per category, their averages over the categories "
+             "(Avg Solve-P/R/F1) and Avg, the mean of the three (the paper's FTRL Avg)."]
+    for key, title in (("eval_before_rl", "before RL"), ("eval_after_rl", "after RL")):
+        ev = summary.get(key)
+        if not isinstance(ev, dict):
+            continue
+        for entry, label in ((ev, f"{title} ({ev.get('mode', '?')})"), (ev.get("greedy"), f"{title} (greedy)")):
+            if not isinstance(entry, dict):
+                continue
+            ftrl = entry.get("ftrl")
+            if not isinstance(ftrl, dict):
+                notes.append(f"{path.name} {key}: no per-category FTRL metrics (written before they existed); "
+                             "python -m turnsight_jax.evaluate computes them")
+                continue
+            lines += ["", f"`{key}{'' if entry is ev else '.greedy'}`: {label}", "",
+                      ftrl_metrics.ftrl_table(run_dir.name, ftrl["categories"], ftrl["average"], ftrl["avg"]), "",
+                      ftrl_metrics.coverage_note(ftrl["categories"], ftrl.get("missing", []))]
+    return lines if len(lines) > 4 else []
 
 
 def _cost_section(run_dir, metrics, compare, out, files, notes, log) -> list[str]:

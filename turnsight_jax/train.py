@@ -2,7 +2,7 @@
 
 With no config this runs the embedded default end to end on a CPU: a tiny Qwen3 with the real
 Qwen3 tokenizer, a supervised warm-start on gold built-in trajectories, TurnSight RL on built-in
-tasks, and held-out Solve-F1 before and after RL.
+tasks, and held-out FTRL metrics before and after RL.
 
 Per step: rollouts with the current policy (KV-cached sampler ⇄ isolated tool environments) ->
 trajectory batch + packed hindsight views -> the fused, sharded train step -> metrics; held-out
@@ -36,7 +36,7 @@ from turnsight_jax.config import (engine_config, fault_config, load_run_config, 
 from turnsight_jax.envs import faults as faults_lib
 from turnsight_jax.distributed import maybe_initialize_distributed
 from turnsight_jax.errors import ConfigError, NonFiniteTraining
-from turnsight_jax.eval.heldout import evaluate_policy
+from turnsight_jax.eval.heldout import evaluate_policy, flat_ftrl
 from turnsight_jax.models.sharding import make_mesh, opt_state_shardings
 from turnsight_jax.models.weights import save_pretrained
 from turnsight_jax.rl import turn_outcomes
@@ -211,9 +211,14 @@ def _evaluate(graphdef, params, tok, tasks, cfg, env) -> dict:
 
 
 def _describe(ev: dict) -> str:
-    text = f"Solve-F1 {ev.get('solve_f1', float('nan')):.3f} ± {ev.get('solve_f1_se', 0):.3f} ({ev['mode']})"
+    """The paper's FTRL Avg and category-averaged Solve-F1, then the task-pooled Solve-F1 ± SE."""
+    nan = float("nan")
+    ftrl = ev.get("ftrl") or {"avg": nan, "average": {}}
+    text = (f"FTRL Avg {ftrl['avg']:.3f}, Solve-F1 {ftrl['average'].get('solve_f1', nan):.3f} (category average); "
+            f"task-mean Solve-F1 {ev.get('task_mean_solve_f1', nan):.3f} ± {ev.get('task_mean_solve_f1_se', 0):.3f} "
+            f"({ev['mode']})")
     if "greedy" in ev:
-        text += f", greedy {ev['greedy'].get('solve_f1', float('nan')):.3f}"
+        text += f", greedy FTRL Avg {(ev['greedy'].get('ftrl') or {'avg': nan})['avg']:.3f}"
     return text
 
 
@@ -578,7 +583,7 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
                 t0 = time.perf_counter()
                 ev = evaluate_policy(graphdef, params, tok, eval_tasks, cfg, eval_env,
                                      progress=_eval_progress(cfg, len(eval_tasks)))
-                metrics.update({f"eval/{k}": v for k, v in ev.items() if isinstance(v, float)})
+                metrics.update({f"eval/{k}": v for k, v in {**ev, **flat_ftrl(ev)}.items() if isinstance(v, float)})
                 metrics["perf/eval_s"] = time.perf_counter() - t0
             mlog.write(step, metrics)
             progress.update(step, {"reward": metrics["rollout/reward_mean"],
@@ -624,15 +629,11 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
             summary["eval_before_rl"] = before
             diff = np.array(after["per_task_solve_f1"]) - np.array(before["per_task_solve_f1"])
             se = float(diff.std(ddof=1) / math.sqrt(len(diff))) if len(diff) > 1 else float("nan")
-            summary["improvement"] = {"mean": float(diff.mean()), "paired_se": se,
+            summary["improvement"] = {"metric": "task_mean_solve_f1", "mean": float(diff.mean()), "paired_se": se,
                                       "z": _z_score(float(diff.mean()), se)}
-            log(
-                f"held-out Solve-F1 ({after['mode']}): after warm-start {before['solve_f1']:.3f} ± "
-                f"{before['solve_f1_se']:.3f} -> after RL {after['solve_f1']:.3f} ± {after['solve_f1_se']:.3f} "
-                f"(paired difference {diff.mean():+.3f} ± {se:.3f}, {_z_score(float(diff.mean()), se):.1f} SE)")
-            if "greedy" in before and "greedy" in after:
-                log(f"held-out Solve-F1 (greedy): after warm-start {before['greedy']['solve_f1']:.3f} -> "
-                            f"after RL {after['greedy']['solve_f1']:.3f}")
+            log(f"held-out: after warm-start {_describe(before)} -> after RL {_describe(after)}")
+            log(f"held-out task-mean Solve-F1: paired difference {diff.mean():+.3f} ± {se:.3f} "
+                f"({_z_score(float(diff.mean()), se):.1f} SE)")
         if jax.process_index() == 0:
             (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     if cfg.checkpoint.export_at_end:

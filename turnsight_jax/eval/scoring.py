@@ -3,9 +3,11 @@
 All scores are fractions in [0, 1] in results.json and percentages (two decimals) in the
 Markdown tables.
 
-* FTRL / built-in: per category, the mean over its tasks of each task's Solve-P, Solve-R and
-  Solve-F1; "Avg P/R/F1" is the mean over the categories present; the benchmark's headline
-  "Avg" is the mean of those three (= the mean of all category x metric cells).
+* FTRL / built-in: `eval.ftrl_metrics.ftrl_scores` (the one computation of the paper's FTRL
+  metrics, shared with the training-time held-out evaluation and the report): per category, the
+  mean over its tasks of each task's Solve-P, Solve-R and Solve-F1; "Avg P/R/F1" is the mean over
+  the categories present; the benchmark's headline "Avg" (`score`) is the mean of those three
+  (= the mean of all category x metric cells).
 * BFCL: per subset (the four multi-turn categories, Memory, Web Search), the fraction of tasks
   BFCL's checker passes (multi-turn: `multi_turn_checker`; Memory, Web Search: `agentic_checker`);
   headline = the mean over the subsets run (`averaged` lists them, `not_run` says which selected
@@ -19,10 +21,12 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from turnsight_jax.eval import suites as suite_lib
+from turnsight_jax.eval.ftrl_metrics import SHORT, coverage_note, ftrl_scores, ftrl_table  # noqa: F401
+from turnsight_jax.eval.ftrl_metrics import pct as _pct
+from turnsight_jax.eval.ftrl_metrics import table as _table
 from turnsight_jax.eval.runner import Example
 
 ACCURACY_KEY = {"bfcl": "bfcl_pass", "toolhop": "answer_correct"}
-SHORT = {"solve_p": "Solve-P", "solve_r": "Solve-R", "solve_f1": "Solve-F1"}
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -30,10 +34,9 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def _category_stats(benchmark: str, examples: Sequence[Example]) -> dict:
+    """A category's counts and rates; Solve-P/R/F1 come from `ftrl_scores` (in `summarise`)."""
     stats: dict = {"n": len(examples)}
     if suite_lib.KIND[benchmark] == "solve":
-        for key in suite_lib.SOLVE_METRICS:
-            stats[key] = _mean([float(e.metrics[key]) for e in examples])
         if examples and "answer_correct" in examples[0].metrics:
             stats["answer_correct"] = _mean([float(e.metrics["answer_correct"]) for e in examples])
     else:
@@ -53,20 +56,23 @@ def summarise(suites: Sequence[suite_lib.Suite], examples: Sequence[Example]) ->
         for e in examples:
             if e.benchmark == suite.benchmark:
                 by_cat[e.category].append(e)
-        cats = {}
-        for cat, exs in by_cat.items():
-            cats[cat] = {"label": suite.labels[cat], **_category_stats(suite.benchmark, exs)}
         kind = suite_lib.KIND[suite.benchmark]
-        if kind == "solve":
-            average = {k: _mean([c[k] for c in cats.values()]) for k in suite_lib.SOLVE_METRICS}
-            score = _mean(list(average.values()))
+        extra: dict = {}
+        if kind == "solve":  # the paper's FTRL metrics, computed once (eval.ftrl_metrics)
+            ftrl = ftrl_scores((cat, e.metrics) for cat, exs in by_cat.items() for e in exs)
+            cats = {cat: {"label": scores["label"], **_category_stats(suite.benchmark, by_cat[cat]), **scores}
+                    for cat, scores in ftrl["categories"].items()}
+            average, score = ftrl["average"], ftrl["avg"]
+            extra = {"missing": ftrl["missing"], "paper_categories": ftrl["paper_categories"]}
         else:
+            cats = {cat: {"label": suite.labels[cat], **_category_stats(suite.benchmark, exs)}
+                    for cat, exs in by_cat.items()}
             average = {"accuracy": _mean([c["accuracy"] for c in cats.values()])}
             score = average["accuracy"]
         out["benchmarks"][suite.benchmark] = {
             "title": suite_lib.TITLES[suite.benchmark], "kind": kind, "n": sum(c["n"] for c in cats.values()),
             "categories": cats, "average": average, "score": score,
-            "averaged": [c["label"] for c in cats.values()], "not_run": dict(suite.not_run),
+            "averaged": [c["label"] for c in cats.values()], "not_run": dict(suite.not_run), **extra,
         }
         if suite.benchmark == "bfcl":  # which of the paper's six subsets --bfcl-categories left out
             out["benchmarks"][suite.benchmark]["not_selected"] = list(suite.not_selected)
@@ -74,28 +80,8 @@ def summarise(suites: Sequence[suite_lib.Suite], examples: Sequence[Example]) ->
     return out
 
 
-def _pct(x: float) -> str:
-    return "–" if x != x else f"{100 * x:.2f}"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def _solve_table(model: str, bench: Mapping) -> str:
-    header, row = ["Model"], [model]
-    for cat in bench["categories"].values():
-        for key in suite_lib.SOLVE_METRICS:
-            header.append(f"{cat['label']} {SHORT[key]}")
-            row.append(_pct(cat[key]))
-    for key in suite_lib.SOLVE_METRICS:
-        header.append(f"Avg {SHORT[key]}")
-        row.append(_pct(bench["average"][key]))
-    header.append("Avg")
-    row.append(_pct(bench["score"]))
-    return _table(header, [row])
+    return ftrl_table(model, bench["categories"], bench["average"], bench["score"])
 
 
 def _accuracy_table(model: str, bench: Mapping) -> str:
@@ -116,7 +102,8 @@ def markdown(model: str, summary: Mapping) -> str:
         counts = ", ".join(f"{c['label']} {c['n']}" for c in bench["categories"].values())
         table = _solve_table(model, bench) if bench["kind"] == "solve" else _accuracy_table(model, bench)
         metric = "Solve-P/R/F1 (%)" if bench["kind"] == "solve" else "accuracy (%)"
-        note = f"Tasks per category: {counts}."
+        note = coverage_note(bench["categories"], bench["missing"]) if bench["kind"] == "solve" \
+            else f"Tasks per category: {counts}."
         if bench.get("not_run") or "not_selected" in bench:
             note += f"\nAvg over: {', '.join(bench['averaged'])}."
             if bench.get("not_run"):

@@ -27,17 +27,13 @@ from typing import Sequence
 
 from turnsight_jax.chat.types import Task
 from turnsight_jax.envs.base import Environment
+from turnsight_jax.eval import ftrl_metrics
 from turnsight_jax.eval.errors import EvalError
 from turnsight_jax.rollout.driver import RolloutConfig
 
 BENCHMARKS = ("ftrl", "bfcl", "toolhop", "builtin")
 
-FTRL_CATEGORIES: tuple[tuple[str, str], ...] = (
-    ("single_hop", "Single-Hop"),
-    ("parallel_single_hop", "Parallel Single-Hop"),
-    ("multi_hop", "Multi-Hop"),
-    ("parallel_multi_hop", "Parallel Multi-Hop"),
-)
+FTRL_CATEGORIES = ftrl_metrics.FTRL_CATEGORIES  # (key, label) in Table 1 order
 BFCL_CATEGORIES: tuple[tuple[str, str], ...] = (
     ("multi_turn_base", "Base"),
     ("multi_turn_miss_func", "Missing Function"),
@@ -61,7 +57,7 @@ BFCL_CATEGORY_GROUPS: dict[str, tuple[str, ...]] = {
 TOOLHOP_CATEGORIES: tuple[tuple[str, str], ...] = (("toolhop", "ToolHop"),)
 
 # What each benchmark reports per category: FTRL-style Solve-P/R/F1 or a pass rate.
-SOLVE_METRICS = ("solve_p", "solve_r", "solve_f1")
+SOLVE_METRICS = ftrl_metrics.SOLVE_METRICS
 KIND = {"ftrl": "solve", "builtin": "solve", "bfcl": "accuracy", "toolhop": "accuracy"}
 TITLES = {"ftrl": "FTRL", "bfcl": "BFCL v4", "toolhop": "ToolHop", "builtin": "Built-in"}
 
@@ -296,10 +292,10 @@ def _group(tasks: Sequence[Task], known: Sequence[tuple[str, str]], limit: int |
     labels = dict(known)
     groups: dict[str, list[Task]] = {key: [] for key, _ in known}
     for task in tasks:
-        key = task.category or "uncategorised"
+        key = ftrl_metrics.category_key(task.category)
         if key not in groups:
             groups[key] = []
-            labels[key] = key.replace("_", " ").title()
+            labels[key] = ftrl_metrics.category_label(key)
         groups[key].append(task)
     groups = {k: (v[:limit] if limit is not None else v) for k, v in groups.items() if v}
     if not groups:
@@ -352,7 +348,7 @@ def run_heldout_suite(run_cfg, settings: EvalSettings) -> Suite:
     tasks = sources.load_tasks(run_cfg, "eval")
     groups, labels = _group(tasks, FTRL_CATEGORIES, settings.limit, "the run's held-out tasks")
     kept = {id(t) for ts in groups.values() for t in ts}
-    order = [(t.category or "uncategorised", t) for t in tasks if id(t) in kept]
+    order = [(ftrl_metrics.category_key(t.category), t) for t in tasks if id(t) in kept]
     return Suite("builtin", groups, labels, order=order, heldout=True)
 
 
