@@ -141,7 +141,8 @@ TODAY_DEFAULT["model"].update(attn_impl="xla", attn_block=64)
 TODAY_DEFAULT["train"].update(micro_batch_groups=1)
 # The non-finite guard (issue 19): a bound on skipped steps, not a training value.
 TODAY_DEFAULT["train"].update(max_skipped_steps=3)
-TODAY_DEFAULT["rl"].update(norm_pool="turn_mean", uncovered_in_stats=True, student_sees_observations=True,
+TODAY_DEFAULT["rl"].update(norm_pool="turn_mean", uncovered_in_stats=True, empty_block_turns="weighted",
+                           student_sees_observations=True,
                            hindsight_template={"message_open": "<|im_start|>user\n<hindsight>\n",
                                                "answer": "<answer>{answer}</answer>\n",
                                                "item": "<turn>\n{calls}{results}</turn>\n",
@@ -545,7 +546,8 @@ def test_released_code_switches_translate_and_validate():
     for override, message in [
         ("loss.clip_ratio_c=1.0", r"loss.clip_ratio_c must be None \(off\) or > 1, got 1.0"),
         ("loss.entropy_coef=-0.1", "loss.entropy_coef must be finite and >= 0"),
-        ("rl.norm_pool=tokens", r"rl.norm_pool must be one of \('turn_mean', 'token_gap'\), got 'tokens'"),
+        ("rl.norm_pool=tokens", r"rl.norm_pool must be one of \('turn_mean', 'token_gap', 'per_turn'\), got 'tokens'"),
+        ("rl.empty_block_turns=dropped", r"rl.empty_block_turns must be one of \('weighted', 'excluded'\)"),
         ("rl.hindsight_template.result=<r>{result}{gold}</r>",
          r"rl.hindsight_template.result: unknown field \{gold\}; allowed: \{result\}"),
         ("rl.hindsight_template.message_open={", r"rl.hindsight_template.message_open: not a format string"),

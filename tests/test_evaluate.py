@@ -330,8 +330,9 @@ def test_toolhop_scripted_replay_answer_accuracy(tmp_path, capsys):
 
 @pytest.mark.parametrize("scenario", ["direct", "free"])
 def test_toolhop_direct_and_free_scenarios(tmp_path, capsys, scenario):
-    """direct (the default): no tools in the prompt, one generation, so th2's call is never run and
-    its answer turn never comes; free: the tools, the prompt without the must-call sentences."""
+    """direct (the default): no tools in the prompt, one generation, so th2's call runs against no
+    tool (an error, recorded on its turn: issue 58) and its answer turn never comes; free: the
+    tools, the prompt without the must-call sentences."""
     data = _toolhop_file(tmp_path)
     scripts = [
         {"task_id": "th0", "turns": ["<answer>Jane Doe</answer>"]},  # correct in both
@@ -350,7 +351,8 @@ def test_toolhop_direct_and_free_scenarios(tmp_path, capsys, scenario):
         assert "Turns: ToolHop 1 (direct scenario)." in out
         assert [e["metrics"]["answer_correct"] for e in examples] == [1.0, 0.0, 0.0]
         assert "<tools>" not in prompt and prompt.count("You will be asked a question, and should provide") == 1
-        assert examples[2]["num_turns"] == 1 and examples[2]["turns"][0]["results"] == []
+        assert examples[2]["num_turns"] == 1 and [r[:40] for r in examples[2]["turns"][0]["results"]] == [
+            "an error occured when call director_of: "]
     else:
         assert "Turns: ToolHop 9 (free scenario)." in out
         assert [e["metrics"]["answer_correct"] for e in examples] == [1.0, 0.0, 1.0]

@@ -430,7 +430,8 @@ def test_registry_and_make_advantage_fn():
              "delta": DELTA}
     knobs = {"eps": 1e-6, "gamma": 0.9, "num_groups": None, "max_turns": None, "lam": 0.25, "eps_w": 0.5,
              "selection": "mean", "aggregation": "turn", "group_norm": True, "turns": "all",
-             "matchtir_singleton": "zero", "norm_pool": "turn_mean", "uncovered_in_stats": True, "depths": (1, 2, 3),
+             "matchtir_singleton": "zero", "norm_pool": "turn_mean", "uncovered_in_stats": True,
+             "empty_block_turns": "weighted", "depths": (1, 2, 3),
              "horizon_tol": 0.05}
     plain = A.make_advantage_fn("grpo", knobs=knobs)(batch)
     np.testing.assert_array_equal(plain["advantages"], grpo_advantages(rewards, GIDS, POLICY))

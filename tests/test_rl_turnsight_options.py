@@ -102,3 +102,122 @@ def test_bad_options_are_refused():
         _run(norm_pool="tokens")
     with pytest.raises(ValueError, match="uncovered_in_stats must be a bool"):
         _run(uncovered_in_stats=1)
+
+
+# ---- rl.norm_pool="per_turn": one value per (trajectory, turn) ----
+
+def test_per_turn_pool_by_hand():
+    # one value per turn: 2, -1 (row 0) and 1 (row 1) -> μ = 2/3, σ² = (16 + 25 + 1)/27 = 14/9,
+    # whatever the turns' lengths (turn_mean weighs them 2, 2, 3: μ = 5/7)
+    _expect(_run(norm_pool="per_turn"), 2 / 3, math.sqrt(14) / 3)
+    # covered turns only (turns="first:1", uncovered_in_stats=False): 2 and 1 -> μ = 3/2, σ = 1/2
+    out = _run(norm_pool="per_turn", uncovered_in_stats=False, turns="first:1")
+    _expect(out, 1.5, 0.5, covered=COVERED)
+
+
+def _per_turn_reference(delta, mask, turns, groups, base, *, depth, aggregation, lam=0.5, eps_w=0.5):
+    """numpy, loop by loop: δ̄* at the fixed depth (the turn mean, or the token's gap under
+    aggregation="token"), μ_g / σ_g (ddof 0) over one value per (trajectory, turn) of the group
+    (the turn's mean of δ̄*), δ̂ = (δ̄* − μ)/(σ + eps), w, Ã."""
+    x = delta[depth].astype(np.float64)
+    b, t = mask.shape
+    xbar = np.zeros((b, t))
+    turn_value = {}
+    for i in range(b):
+        for k in set(turns[i][mask[i]].tolist()):
+            sel = mask[i] & (turns[i] == k)
+            turn_value[i, k] = x[i][sel].mean()
+            xbar[i][sel] = turn_value[i, k] if aggregation == "turn" else x[i][sel]
+    mu, sd = {}, {}
+    for g in set(groups.tolist()):
+        vals = np.array([v for (i, _), v in turn_value.items() if groups[i] == g])
+        mu[g], sd[g] = vals.mean(), vals.std()
+    d_hat = np.zeros((b, t))
+    for i in range(b):
+        d_hat[i] = np.where(mask[i], (xbar[i] - mu[groups[i]]) / (sd[groups[i]] + EPS), 0.0)
+    w = np.where(mask, 1 + eps_w * np.tanh(np.sign(base) * d_hat), 1.0)
+    return mu, sd, d_hat, w, np.where(mask, base * ((1 - lam) + lam * w), 0.0)
+
+
+@pytest.mark.parametrize("aggregation", ["turn", "token"])
+def test_per_turn_pool_equals_a_numpy_reference(aggregation):
+    """Three groups of unequal size, trajectories of 1-4 turns of 1-5 tokens, signed base advantages."""
+    rng = np.random.default_rng(3)
+    b, t, k_max = 7, 14, 4
+    groups = np.array([0, 0, 0, 1, 1, 2, 2], np.int32)
+    mask = np.zeros((b, t), bool)
+    turns = np.full((b, t), -1, np.int32)
+    for i in range(b):
+        pos = 0
+        for k in range(int(rng.integers(1, k_max + 1))):
+            n = int(rng.integers(1, 4))
+            mask[i, pos:pos + n] = True
+            turns[i, pos:pos + n] = k
+            pos += n + int(rng.integers(0, 2))  # an observation token between some turns
+    delta = rng.normal(size=(2, b, t)).astype(np.float32)
+    base = np.where(mask, rng.choice([-1.5, 0.5, 2.0], size=(b, 1)), 0.0).astype(np.float32)
+    out = turnsight_advantages(jnp.asarray(delta), jnp.asarray(mask), jnp.asarray(turns), jnp.asarray(groups),
+                               jnp.asarray(base), selection=1, aggregation=aggregation, norm_pool="per_turn",
+                               eps=EPS, num_groups=3, max_turns=k_max)
+    mu, sd, d_hat, w, adv = _per_turn_reference(delta, mask, turns, groups, base, depth=1, aggregation=aggregation)
+    np.testing.assert_allclose(np.asarray(out["group_mean"]), [mu[g] for g in range(3)], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out["group_std"]), [sd[g] for g in range(3)], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(out["delta_hat"]), d_hat, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out["weights"]), w, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(out["advantages"]), adv, rtol=1e-5, atol=1e-6)
+    # the token-weighted pool differs here (turns of unequal length)
+    tm = turnsight_advantages(jnp.asarray(delta), jnp.asarray(mask), jnp.asarray(turns), jnp.asarray(groups),
+                              jnp.asarray(base), selection=1, aggregation=aggregation, eps=EPS, num_groups=3,
+                              max_turns=k_max)
+    assert not np.allclose(np.asarray(tm["group_std"]), np.asarray(out["group_std"]))
+
+
+# ---- rl.empty_block_turns: turns scored on their own context (no hindsight block) ----
+
+# Row 0's turn 1 (tokens 2-3) had an empty block: the teacher read the student's own context.
+BLOCK = MASK & ~((np.arange(2)[:, None] == 0) & (TURNS == 1))
+
+
+def test_empty_block_turns_excluded_by_hand():
+    out = _run(empty_block_turns="excluded", teacher_covered=jnp.asarray(BLOCK))
+    # weight exactly 1 (and Ã = A^base) on the excluded turn
+    assert np.all(out["weights"][MASK & ~BLOCK] == 1.0) and np.all(out["advantages"][MASK & ~BLOCK] == 1.0)
+    # the statistics of the remaining turns: δ̄* = 2, 2, 1, 1, 1 -> μ = 7/5, σ² = 11/5 - 49/25 = 6/25
+    _expect(out, 7 / 5, math.sqrt(6) / 5, covered=BLOCK)
+    # the same as a batch without the excluded turn (its tokens off policy)
+    alone = turnsight_advantages(jnp.asarray(DELTA), jnp.asarray(BLOCK), jnp.asarray(TURNS), jnp.asarray(GROUPS),
+                                 jnp.asarray(BASE), selection=0, eps=EPS, eps_w=0.5, lam=0.5, num_groups=1, max_turns=2)
+    for key in ("group_mean", "group_std"):
+        np.testing.assert_array_equal(out[key], np.asarray(alone[key]), err_msg=key)
+    np.testing.assert_array_equal(out["weights"][BLOCK], np.asarray(alone["weights"])[BLOCK])
+    # with one value per turn: 2 and 1 -> μ = 3/2, σ = 1/2
+    _expect(_run(empty_block_turns="excluded", teacher_covered=jnp.asarray(BLOCK), norm_pool="per_turn"),
+            1.5, 0.5, covered=BLOCK)
+
+
+def test_empty_block_turns_weighted_is_the_default_and_ignores_the_blocks():
+    a, b = _run(), _run(empty_block_turns="weighted", teacher_covered=jnp.asarray(BLOCK))
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_empty_block_turns_through_the_registry():
+    """The step's path: make_advantage_fn passes the batch's "teacher_covered" to TurnSight."""
+    from turnsight_jax.rl.advantages import KNOBS, make_advantage_fn
+
+    knobs = {k: None for k in KNOBS} | dict(eps=EPS, num_groups=1, max_turns=2, lam=0.5, eps_w=0.5, selection=0,
+                                           aggregation="turn", group_norm=True, turns="all", norm_pool="turn_mean",
+                                           uncovered_in_stats=True, empty_block_turns="excluded", depths=(1,),
+                                           horizon_tol=0.05)
+    arrays = {"rewards": np.array([1.0, 0.0], np.float32), "group_ids": GROUPS, "policy_mask": MASK,
+              "turn_ids": TURNS, "delta": DELTA, "teacher_covered": BLOCK}
+    out = make_advantage_fn("turnsight", base="grpo", knobs=knobs)(arrays)
+    assert np.all(np.asarray(out["weights"])[MASK & ~BLOCK] == 1.0)
+    np.testing.assert_allclose(np.asarray(out["group_mean"]), [7 / 5], rtol=1e-6)
+
+
+def test_bad_empty_block_options_are_refused():
+    with pytest.raises(ValueError, match="empty_block_turns must be one of"):
+        _run(empty_block_turns="dropped")
+    with pytest.raises(ValueError, match="needs teacher_covered"):
+        _run(empty_block_turns="excluded")

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from turnsight_jax.chat.hindsight import hindsight_pieces, teacher_view_ids
+from turnsight_jax.chat.hindsight import hindsight_ids, hindsight_pieces, teacher_view_ids
 from turnsight_jax.chat.trajectory import turn_context
 from turnsight_jax.envs.ftrl import FTRLEnv
 from turnsight_jax.envs.synthetic import SyntheticConfig, generate_task, gold_turn_texts
@@ -78,6 +78,58 @@ def test_packed_views_under_an_observation_window_equal_plain_sequences(tok, mod
     _check_views_against_plain_sequences(tok, tasks, trajs, model, ViewOptions())
 
 
+def test_last_turn_results_reach_the_blocks_of_the_last_three_turns(tok, model):
+    """Issue 58: a 10-turn episode stops at rollout.max_turns right after its 10th turn called a
+    tool. The call ran, so its result is recorded on that turn (no tokens follow it) and shows in
+    the depth-1, 2 and 3 blocks of turns 9, 8 and 7 (k̄ = min(k + d − 1, K − 1) = 9), in the
+    turn's record (what the viewer shows); the packed views equal the plain sequences."""
+    from turnsight_jax.records import trajectory_record
+
+    task = generate_task("multi_hop", 4, SyntheticConfig(hops=10, min_distractors=0, max_distractors=0))
+    script = gold_turn_texts(task)  # 10 tool turns, then the answer turn the episode never reaches
+    with FTRLEnv(num_workers=1) as env:
+        traj = rollout(ReplayPolicy(tok, [script]), env, [task], tokenizer=tok, group_size=1,
+                       config=RolloutConfig(max_turns=10, max_response_tokens=4096)).trajectories[0]
+        ep = env.start(task, seed=0)
+        for t in traj.turns:  # the environment's own results of the same calls
+            want = list(ep.step(list(t.calls)).observations)
+    last = traj.turns[-1]
+    assert traj.num_turns == 10 and traj.finish_reason == "max_turns" and not traj.truncated
+    assert len(last.calls) == 1 and last.results == want == [task.answer]  # the chain's last hop is the answer
+    # no observation tokens after the last turn: the token stream and the budget are unchanged
+    assert not last.has_observation and last.result_spans == [] and traj.length == last.policy_end
+    response = f"<tool_response>\n{task.answer}\n</tool_response>"
+    for k in range(10):
+        for d in (1, 2, 3):
+            text = tok.decode(hindsight_ids(tok, traj, k, d))
+            assert (response in text) == (k + d - 1 >= 9), (k, d)
+    record = trajectory_record(traj, task, 0, {"group": 0, "signals": {}}, {"count": np.zeros((1, 10))}, {},
+                               depths=(1, 2, 3), selection="vote", text_chars=1000)
+    assert record["turns"][-1]["observations"] == [task.answer]
+    # every turn called a tool, so every turn's views show a block (PackedViews.covered)
+    views, _ = build_views([traj], tok)
+    assert views.covered[0, : int(traj.policy_mask.sum())].all()
+    _check_views_against_plain_sequences(tok, [task], [traj], model, ViewOptions())
+
+
+def test_covered_marks_the_turns_whose_views_show_a_block(tok, trajectories):
+    """PackedViews.covered (rl.empty_block_turns reads it): False on the answer turn (an empty
+    block under source tool_results) and on turns outside rl.turns, True elsewhere."""
+    _, trajs = trajectories
+    for options in (ViewOptions(), ViewOptions(turns="first:1"), ViewOptions(source="tool_results_answer")):
+        views, _ = build_views(trajs, tok, options=options, gold_answers=["x"] * len(trajs))
+        for b, traj in enumerate(trajs):
+            want = []
+            for k, t in enumerate(traj.turns):
+                shown = k in covered_turns(traj.num_turns, options.turns) and not hindsight_pieces(
+                    tok, traj, k, source=options.source, gold_answer="x").is_empty
+                want += [shown] * t.num_policy_tokens
+            np.testing.assert_array_equal(views.covered[b, : len(want)], want)
+            assert not views.covered[b, len(want):].any()
+    views, _ = build_views(trajs, tok)
+    assert not views.covered.all() and views.covered.any()
+
+
 def _own_context(traj, k) -> list[int]:
     """Turn k's own context and its tokens (what the student scores)."""
     turn = traj.turns[k]
@@ -107,7 +159,8 @@ def _check_views_against_plain_sequences(tok, tasks, trajs, model, options):
                 cases.append((b, k, di, seq, turn.policy_end - turn.policy_start))
             # the reference row: the student's own context
             cases.append((b, k, len(options.depths), _own_context(traj, k), turn.policy_end - turn.policy_start))
-    rows, width, most = 8, 1024, 64  # fixed shapes: one compilation
+    rows, most = 8, 64  # fixed shapes: one compilation (1,024 wide, or the longest view's 256-multiple)
+    width = max(1024, -(-max(len(c[3]) for c in cases) // 256) * 256)
     assert max(n for *_, n in cases) <= most
     score = jax.jit(lambda x, m, pred, y: logprobs_at(model, model.hidden_states(x, Layout.causal(m)), pred, y,
                                                       chunk=256), compiler_options=OPTIMIZED)

@@ -173,3 +173,41 @@ def test_an_environment_error_ends_only_its_episode_with_the_reason(tok, env, wh
     assert res.stats["env_errors"] == 1.0
     err = capsys.readouterr().err
     assert "1 episode(s) ended by an environment error" in err and "KeyError: 'checker state missing'" in err
+
+
+def test_last_turn_results_are_recorded_when_the_episode_stops_after_its_calls(tok, env):
+    """Issue 58: at max_turns, and on the response budget, the last turn's calls ran: their
+    results are on the turn (hindsight blocks, records), with no observation tokens, so the
+    budget counts only what the policy saw."""
+    task = generate_task("multi_hop", 5, SyntheticConfig(hops=3))
+    texts = gold_turn_texts(task)
+    full = rollout(ReplayPolicy(tok, [texts]), env, [task], tokenizer=tok, group_size=1,
+                   config=RolloutConfig(max_turns=4, max_response_tokens=4096)).trajectories[0]
+    first = full.turns[0]
+    # max_turns=2: the second turn's call ran; its result is recorded, nothing follows the turn
+    capped = rollout(ReplayPolicy(tok, [texts]), env, [task], tokenizer=tok, group_size=1,
+                     config=RolloutConfig(max_turns=2, max_response_tokens=4096)).trajectories[0]
+    assert capped.finish_reason == "max_turns" and capped.num_turns == 2
+    assert capped.turns[1].results == full.turns[1].results and len(capped.turns[1].results) == 1
+    assert not capped.turns[1].has_observation and capped.length == capped.turns[1].policy_end
+    np.testing.assert_array_equal(capped.tokens, full.tokens[: capped.length])
+    # a response budget the first turn fits but not its observation: truncated, result recorded
+    budget = first.num_policy_tokens + (first.obs_end - first.obs_start)
+    cut = rollout(ReplayPolicy(tok, [texts]), env, [task], tokenizer=tok, group_size=1,
+                  config=RolloutConfig(max_turns=4, max_response_tokens=budget)).trajectories[0]
+    assert cut.truncated and cut.finish_reason == "length" and cut.num_turns == 1
+    assert cut.turns[0].results == first.results and not cut.turns[0].has_observation
+    assert cut.length - cut.prompt_len == first.num_policy_tokens < budget
+
+
+def test_per_turn_cap_off_is_the_response_budget():
+    """rollout.max_turn_tokens=0 (the paper configs' value: the paper and the released code have
+    no per-turn cap): a turn may use the whole response budget."""
+    from turnsight_jax.config import base_config, rollout_config
+
+    assert RolloutConfig(max_turn_tokens=0, max_response_tokens=700).turn_cap == 700
+    assert RolloutConfig(max_turn_tokens=48).turn_cap == 48
+    with pytest.raises(ValueError, match="max_turn_tokens must be >= 0"):
+        RolloutConfig(max_turn_tokens=-1)
+    rc = rollout_config(base_config())
+    assert (rc.max_turn_tokens, rc.turn_cap) == (0, 13_000)

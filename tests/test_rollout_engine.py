@@ -194,3 +194,25 @@ def test_sampled_draws_depend_on_the_episode_only(tok, env, model):
             np.testing.assert_array_equal(a.tokens, b.tokens)
         # siblings (same prompt, other rows) and other groups draw differently
         assert not np.array_equal(whole[0].tokens, whole[1].tokens)
+
+
+@pytest.mark.parametrize("cap", [64, 0])
+def test_last_turn_results_are_recorded_on_both_backends(tok, env, model, cap):
+    """Issue 58: an episode that stops at max_turns after a turn whose calls ran records their
+    results on that turn, on the paged engine as on the lockstep sampler (the driver does it for
+    every backend); no tokens follow the last turn. cap 0: no per-turn cap (the paper configs')."""
+    tasks = [generate_task("multi_hop", s, SyntheticConfig(hops=3)) for s in (1, 2)]
+    G = 2
+    scripts = [gold_turn_texts(t) for t in tasks for _ in range(G)]
+    rc = RolloutConfig(max_turns=2, max_prompt_tokens=1024, max_response_tokens=512, max_turn_tokens=cap)
+    sampling = SamplingParams(greedy=True)
+    graphdef, state = model
+    ref = rollout(ModelPolicy(graphdef, state, tok, sampling=sampling, config=rc, seed=0, forced_scripts=scripts),
+                  env, tasks, tokenizer=tok, group_size=G, config=rc)
+    got = rollout(_engine(model, tok, rc, sampling, slots=4, scripts=scripts), env, tasks, tokenizer=tok,
+                  group_size=G, config=rc)
+    _same(ref, got)
+    for a, b in zip(ref.trajectories, got.trajectories, strict=True):
+        assert a.num_turns == 2 and a.finish_reason == "max_turns" and len(a.turns[-1].calls) == 1
+        assert len(a.turns[-1].results) == 1 and a.turns[-1].results == b.turns[-1].results
+        assert not b.turns[-1].has_observation and b.length == b.turns[-1].policy_end

@@ -102,7 +102,7 @@ def base_config() -> mlc.ConfigDict:
     c.rollout.max_turns = 10  # assistant turns per trajectory (paper: 10)
     c.rollout.max_prompt_tokens = 10_000  # the prompt (system + tools + question) (paper: <= 10,000)
     c.rollout.max_response_tokens = 13_000  # everything after the prompt, tool responses included (paper: <= 13,000)
-    c.rollout.max_turn_tokens = 4096  # tokens one assistant turn may generate (paper silent)
+    c.rollout.max_turn_tokens = 0  # per-turn generation cap, a turn reaching it ends the episode truncated; 0: none, only the response budget (paper silent; released: none)
     c.rollout.enable_thinking = True  # Qwen3's thinking mode (the post-trained Qwen3 the paper's scores fit)
     c.rollout.temperature = 1.0  # sampling temperature of the rollouts and of the log-probs (paper: 1.0)
     c.rollout.top_p = 1.0  # nucleus filter (1.0: off)
@@ -132,8 +132,9 @@ def base_config() -> mlc.ConfigDict:
     c.rl.turns = "all"  # turns TurnSight reweights: all | first:N | last:N
     c.rl.depths = (1, 2, 3)  # hindsight depths D_H (paper: {1, 2, 3})
     c.rl.source = "tool_results"  # hindsight block: tool_results | tool_results_answer | answer
-    c.rl.norm_pool = "turn_mean"  # group statistics pool: turn_mean (each token's δ̄*) | token_gap (raw gaps at d*) (paper silent)
+    c.rl.norm_pool = "turn_mean"  # group statistics pool: turn_mean (each token's δ̄*) | token_gap (raw gaps at d*) | per_turn (one δ̄* per turn) (paper silent)
     c.rl.uncovered_in_stats = True  # turns outside rl.turns still enter the group statistics (paper silent)
+    c.rl.empty_block_turns = "weighted"  # turns with an empty hindsight block: weighted (like the others) | excluded (w = 1, out of the group statistics) (paper silent)
     # The hindsight message (docs/hindsight_views.md): str.format strings, the named fields in braces (paper silent).
     c.rl.hindsight_template = mlc.ConfigDict()  # pieces of chat.hindsight.HindsightTemplate; defaults are its own
     c.rl.hindsight_template.message_open = _HINDSIGHT.message_open  # opens the user message (no fields)
@@ -611,7 +612,7 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
                         selection=r.selection, horizon_tol=r.horizon_tol,
                         aggregation=r.aggregation, group_norm=r.group_norm, turns=r.turns,
                         depths=tuple(int(d) for d in r.depths), source=r.source, norm_pool=r.norm_pool,
-                        uncovered_in_stats=r.uncovered_in_stats,
+                        uncovered_in_stats=r.uncovered_in_stats, empty_block_turns=r.empty_block_turns,
                         hindsight_template=hindsight_template(r.hindsight_template),
                         hindsight_budget=r.hindsight_budget, hindsight_filler=r.hindsight_filler,
                         student_sees_observations=r.student_sees_observations,

@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="episodes decoded together (default 32; a run's held-out tasks: its eval.batch_size)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="per-turn token cap (default: off, only the response budget applies; BFCL: its own 4096 "
-                        "per step; a run's held-out tasks: its rollout.max_turn_tokens)")
+                        "per step; a run's held-out tasks: its rollout.max_turn_tokens, 0 = off)")
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="longer prompts are an error (default 10000; a run's: rollout.max_prompt_tokens)")
     p.add_argument("--max-response-tokens", type=int, default=None,
@@ -153,7 +153,7 @@ def settings_from_args(args, run_cfg=None) -> suite_lib.EvalSettings:
 
     run = {} if run_cfg is None else dict(
         max_turns=run_cfg.eval.max_turns, batch_size=run_cfg.eval.batch_size,
-        max_new_tokens=run_cfg.rollout.max_turn_tokens, max_prompt_tokens=run_cfg.rollout.max_prompt_tokens,
+        max_new_tokens=run_cfg.rollout.max_turn_tokens or None, max_prompt_tokens=run_cfg.rollout.max_prompt_tokens,
         max_response_tokens=run_cfg.rollout.max_response_tokens, seed=run_cfg.seed)
     values = {k: getattr(args, k) if getattr(args, k) is not None else run.get(k, d) for k, d in DEFAULTS.items()}
     for name in ("max_turns", "batch_size", "max_new_tokens", "max_prompt_tokens", "max_response_tokens",

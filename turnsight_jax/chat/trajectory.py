@@ -1,12 +1,14 @@
 """Trajectories: the token stream of one multi-turn rollout, its masks and per-turn records.
 
-A trajectory is ``prompt + turn_0 + obs_0 + turn_1 + obs_1 + ... + turn_{K-1} [+ obs_{K-1}]``:
+A trajectory is ``prompt + turn_0 + obs_0 + turn_1 + obs_1 + ... + turn_{K-1}``:
 
 - ``prompt``: ``template.prompt_ids`` (ends with the generation prompt = turn 0's assistant header);
 - ``turn_k``: the policy's sampled tokens, appended as sampled (never re-tokenised), ending with the
   sampled ``<|im_end|>`` unless the turn was cut at the length limit;
 - ``obs_k``: ``template.observation_suffix_ids`` of turn k's tool results; it ends with turn k+1's
-  assistant header.
+  assistant header. The last turn has none: when the episode ended after its calls ran (max_turns,
+  the response budget) their results are recorded on its TurnRecord only (no policy token reads
+  them; the hindsight blocks do), so the token stream never ends in an observation.
 
 Only ``turn_k`` tokens are policy tokens (``policy_mask``; ``turn_ids`` = k there, -1 elsewhere).
 The training batch built from trajectories is turnsight_jax.rl.batch.
@@ -41,7 +43,9 @@ class TurnRecord:
     header_start: first token of this turn's assistant header ``<|im_start|>assistant\\n...``.
     policy_start, policy_end: the policy tokens [start, end), including the sampled <|im_end|>.
     text: decoded policy text. calls: parsed calls. answer: parsed final answer (or None).
-    results: one observation text per call, in order.
+    results: one observation text per call, in order. The last turn's results are recorded even
+      when the episode ended after its calls ran (TrajectoryBuilder.add_final_results): then they
+      have no observation suffix (obs_start == obs_end) and no result spans.
     obs_start, obs_end: the observation suffix appended after this turn ([e, e) when none).
     result_spans: token span [start, end) of each result's text inside the trajectory.
     env_info: what the environment reported about this turn beyond its observations
@@ -196,7 +200,9 @@ class TrajectoryBuilder:
     """Assembles a Trajectory turn by turn during a rollout.
 
     Call order: ``add_policy_turn`` then ``add_observation``, alternating; optionally
-    ``mark_truncated`` (after which nothing more may be added); then ``build``.
+    ``add_final_results`` after the last policy turn (its calls ran but the episode ends: results
+    without tokens); optionally ``mark_truncated`` (after which nothing more may be added); then
+    ``build``.
 
     Args:
       prompt_ids: token ids of the rendered prompt, ending with the generation prompt.
@@ -238,6 +244,7 @@ class TrajectoryBuilder:
         self._expect_policy = True
         self._truncated = False
         self._truncation_reason = ""
+        self._closed = False  # add_final_results: the episode ended after its last turn's calls
 
     @property
     def length(self) -> int:
@@ -283,6 +290,8 @@ class TrajectoryBuilder:
           signals: optional {name: float [n]} per-token values of the turn (Trajectory.token_values).
         """
         self._check_open("add a policy turn")
+        if self._closed:
+            raise RuntimeError("cannot add a policy turn: the last turn's results were recorded as final")
         if not self._expect_policy:
             raise RuntimeError(
                 f"turn {len(self._turns)}: add_observation must follow turn {len(self._turns) - 1} before "
@@ -335,6 +344,8 @@ class TrajectoryBuilder:
           env_info: what the environment reported about the turn (TurnRecord.env_info).
         """
         self._check_open("add an observation")
+        if self._closed:
+            raise RuntimeError("cannot add an observation: the last turn's results were recorded as final")
         if self._expect_policy:
             raise RuntimeError("add_observation must follow a policy turn")
         k = len(self._turns) - 1
@@ -373,6 +384,25 @@ class TrajectoryBuilder:
         self._next_header = start + int(header_offset)
         self._expect_policy = True
         return record
+
+    def add_final_results(self, results: Sequence[str], env_info: dict[str, Any] | None = None) -> TurnRecord:
+        """Record the results of the last turn's calls when the episode ends after them (max_turns,
+        the response budget, the environment's done): no observation tokens are appended (no policy
+        token follows to read them), the turn keeps obs_start == obs_end and no result spans, and
+        its `results` hold the texts, so the hindsight blocks of this turn and the turns before it
+        (docs/spec.md §1.1: H holds the results up to min(k + d − 1, K)), the records and the
+        viewer show them. Nothing may be added after it but `mark_truncated`.
+        """
+        self._check_open("add final results")
+        if self._closed or self._expect_policy:
+            raise RuntimeError("add_final_results must follow a policy turn")
+        k = len(self._turns) - 1
+        turn = self._turns[k]
+        if len(results) != len(turn.calls):
+            raise ValueError(f"turn {k}: {len(turn.calls)} calls but {len(results)} results")
+        self._turns[k] = dataclasses.replace(turn, results=list(results), env_info=dict(env_info or {}))
+        self._closed = True
+        return self._turns[k]
 
     def mark_truncated(self, reason: str = "length") -> None:
         """Record that the rollout was cut (e.g. "length": a turn cut without <|im_end|>)."""

@@ -195,7 +195,7 @@ def _matchtir_estimator(turn_rewards, num_turns, turn_ids, policy_mask, group_id
 # Knobs an estimator may ask for, and where they come from: the AlgoConfig field of the same name,
 # or the step geometry (num_groups = B / G, max_turns = the rollout's turn budget).
 KNOBS = ("eps", "gamma", "num_groups", "max_turns", "lam", "eps_w", "selection", "aggregation",
-         "group_norm", "turns", "norm_pool", "uncovered_in_stats", "matchtir_singleton", "sdpo_coef",
+         "group_norm", "turns", "norm_pool", "uncovered_in_stats", "empty_block_turns", "matchtir_singleton", "sdpo_coef",
          "gae_gamma", "gae_lam", "gae_whiten", "toolomni_gate", "depths", "horizon_tol", "appo_amplify")
 
 
@@ -210,9 +210,10 @@ class Estimator:
     rl.critic), and any key a registered reward fills); `knobs` name
     entries of KNOBS. An estimator that takes "base_advantages" wraps a base estimator; one that
     takes "delta" needs the teacher's views (hindsight or privileged, as the method declares;
-    "teacher_covered" [B, N] bool marks the tokens a privileged view covers). `optional` names
-    arrays passed as keyword arguments when the batch has them (TurnSight's "turn_uses" [B, K, K],
-    which the batch carries only for rl.selection="dependency").
+    "teacher_covered" [B, N] bool marks the tokens whose view showed a block: a privileged one, or
+    a non-empty hindsight block). `optional` names arrays passed as keyword arguments when the
+    batch has them (TurnSight's "turn_uses" [B, K, K], which the batch carries only for
+    rl.selection="dependency", and "teacher_covered", read for rl.empty_block_turns="excluded").
     """
 
     name: str
@@ -290,8 +291,8 @@ register_advantage("matchtir", ("turn_rewards", "num_turns", "turn_ids", "policy
 register_advantage(
     "turnsight", ("delta", "policy_mask", "turn_ids", "group_ids", "base_advantages"),
     ("lam", "eps_w", "eps", "selection", "aggregation", "group_norm", "turns", "num_groups", "max_turns",
-     "norm_pool", "uncovered_in_stats", "depths", "horizon_tol"),
-    optional=("turn_uses",),
+     "norm_pool", "uncovered_in_stats", "empty_block_turns", "depths", "horizon_tol"),
+    optional=("turn_uses", "teacher_covered"),
 )(turnsight_advantages)
 
 

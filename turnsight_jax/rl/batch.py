@@ -603,8 +603,7 @@ def abstract_batch(g: Geometry, mesh, method: ResolvedMethod) -> TrainBatch:
                             arr((b, g.distinct), i32), arr((b, g.distinct), i32), arr((g.views, b, g.policy), i32, axis=1),
                             row_class=row_class, classes=None if classes is None else LengthClasses(
                                 g.class_rows, (g.packed,) * len(g.class_rows), g.row_shards))
-        if method.teacher == "privileged":
-            views = views.replace(covered=arr((b, g.policy), bool))
+        views = views.replace(covered=arr((b, g.policy), bool))  # privileged and hindsight views record it
         if g.pack_cell is not None:
             views = views.replace(tokens=None, layout=None, packed=packed_rows(g.pack_teacher))
     signals = {r.output: arr({"trajectory": (b,), "turn": (b, g.turns), "token": (b, g.policy)}[r.per], jnp.float32)

@@ -28,7 +28,10 @@ MATCHTIR_SEMANTICS = ("clean", "released")
 # MatchTIR advantage, a (group) or (group, turn) pool of one trajectory: "zero" gives it advantage
 # 0 (no sibling to compare with); "raw" normalises it with mean 0, std 1 (the released code).
 MATCHTIR_SINGLETONS = ("zero", "raw")
-NORM_POOLS = ("turn_mean", "token_gap")
+NORM_POOLS = ("turn_mean", "token_gap", "per_turn")
+# TurnSight, turns whose hindsight block is empty (the answer turn under source tool_results):
+# "weighted" like every other turn; "excluded": weight 1, out of the group statistics.
+EMPTY_BLOCK_TURNS = ("weighted", "excluded")
 # The teacher (docs/baselines.md): whose weights score the teacher views, and for the
 # privileged-context methods (RLSD, SDPO, SDAR, SOD) what block is shown where (chat.privileged).
 TEACHER_WEIGHTS = ("reference", "policy", "ema", "external")
@@ -70,8 +73,10 @@ class AlgoConfig:
     index, or an adaptive horizon, rl.horizon: "dependency" | "saturation" with horizon_tol), aggregation ("turn" | "token"), group_norm, turns ("all" | "first:N" | "last:N"),
     depths (the hindsight depth set D_H), source ("tool_results" | "tool_results_answer" |
     "answer"). Choices the paper leaves open (docs/spec.md §1.6, §1.7, §1.2): norm_pool
-    ("turn_mean" | "token_gap": what the group statistics pool), uncovered_in_stats (turns outside
-    `turns` enter the group statistics), hindsight_template (the hindsight message's format
+    ("turn_mean" | "token_gap" | "per_turn": what the group statistics pool), uncovered_in_stats
+    (turns outside `turns` enter the group statistics), empty_block_turns ("weighted" |
+    "excluded": turns whose hindsight block is empty get weight 1 and leave the group
+    statistics), hindsight_template (the hindsight message's format
     strings). hindsight_budget / hindsight_filler: the equal-length control (chat.budget): every
     non-empty hindsight message exactly that many tokens (0: off), padded with the filler text.
     student_sees_observations: False masks observation tokens out of the student's
@@ -113,6 +118,7 @@ class AlgoConfig:
     source: str = "tool_results"
     norm_pool: str = "turn_mean"
     uncovered_in_stats: bool = True
+    empty_block_turns: str = "weighted"
     hindsight_template: HindsightTemplate = HindsightTemplate()
     hindsight_budget: int = 0
     hindsight_filler: str = DEFAULT_FILLER
@@ -350,6 +356,8 @@ class StepConfig:
         parse_turn_coverage(algo.turns)
         if algo.norm_pool not in NORM_POOLS:
             raise ConfigError(f"rl.norm_pool must be one of {NORM_POOLS}, got {algo.norm_pool!r}")
+        if algo.empty_block_turns not in EMPTY_BLOCK_TURNS:
+            raise ConfigError(f"rl.empty_block_turns must be one of {EMPTY_BLOCK_TURNS}, got {algo.empty_block_turns!r}")
         for name in ("uncovered_in_stats", "student_sees_observations"):
             if not isinstance(getattr(algo, name), bool):
                 raise ConfigError(f"rl.{name} must be True or False, got {getattr(algo, name)!r}")

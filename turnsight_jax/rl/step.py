@@ -89,15 +89,17 @@ def advantage_knobs(cfg: StepConfig, batch_size: int) -> dict:
     return {"eps": a.eps, "gamma": a.gamma, "num_groups": batch_size, "max_turns": cfg.max_turns,
             "lam": a.lam, "eps_w": a.eps_w, "selection": a.selection, "aggregation": a.aggregation,
             "group_norm": a.group_norm, "turns": a.turns, "matchtir_singleton": a.matchtir_singleton,
-            "norm_pool": a.norm_pool, "uncovered_in_stats": a.uncovered_in_stats, "sdpo_coef": a.sdpo_coef,
+            "norm_pool": a.norm_pool, "uncovered_in_stats": a.uncovered_in_stats,
+            "empty_block_turns": a.empty_block_turns, "sdpo_coef": a.sdpo_coef,
             "depths": tuple(a.depths), "horizon_tol": a.horizon_tol,
             "gae_gamma": a.gae_gamma, "gae_lam": a.gae_lam, "gae_whiten": a.gae_whiten, "toolomni_gate": a.toolomni_gate,
             "appo_amplify": a.appo_amplify}
 
 
 def teacher_covered(batch: TrainBatch):
-    """[B, N] bool: the policy tokens whose teacher view showed its block (privileged views
-    record it; hindsight views cover every policy token)."""
+    """[B, N] bool: the policy tokens whose teacher view showed its block (privileged views and
+    hindsight views record it: a hindsight turn outside rl.turns or with an empty block is
+    scored on the student's own context, False)."""
     covered = None if batch.views is None else batch.views.covered
     return batch.pol_valid if covered is None else covered & batch.pol_valid
 

@@ -24,8 +24,9 @@ Array = jax.Array
 _SELECT_VOTE, _SELECT_MEAN, _SELECT_FIXED, _SELECT_DEPENDENCY, _SELECT_SATURATION = 0, 1, 2, 3, 4
 _ADAPTIVE = {"dependency": _SELECT_DEPENDENCY, "saturation": _SELECT_SATURATION}
 _COVER_ALL, _COVER_FIRST, _COVER_LAST = 0, 1, 2
-_POOL_TURN_MEAN, _POOL_TOKEN_GAP = 0, 1
-_POOLS = {"turn_mean": _POOL_TURN_MEAN, "token_gap": _POOL_TOKEN_GAP}
+_POOL_TURN_MEAN, _POOL_TOKEN_GAP, _POOL_PER_TURN = 0, 1, 2
+_POOLS = {"turn_mean": _POOL_TURN_MEAN, "token_gap": _POOL_TOKEN_GAP, "per_turn": _POOL_PER_TURN}
+_EMPTY_BLOCK = {"weighted": 0, "excluded": 1}
 
 
 def parse_turns(turns: str) -> tuple[int, int]:
@@ -115,6 +116,8 @@ def turnsight_advantages(
     turns: str = "all",
     norm_pool: str = "turn_mean",
     uncovered_in_stats: bool = True,
+    empty_block_turns: str = "weighted",
+    teacher_covered: Array | None = None,
     num_groups: int | None = None,
     max_turns: int | None = None,
     depths: tuple[int, ...] | None = None,
@@ -127,7 +130,7 @@ def turnsight_advantages(
     int32 (−1 off policy), group_ids [B] int32, base_adv [B, T] float. delta and base_adv are
     wrapped in stop_gradient: advantages are constants of the surrogate (docs/spec.md §1.3).
     Modes (`selection`, `aggregation`, `group_norm`, `turns`, `norm_pool`, `uncovered_in_stats`,
-    `num_groups`, `max_turns`) are Python values, validated here; `lam`, `eps_w`, `eps` may be traced. Jit- and vmap-able.
+    `empty_block_turns`, `num_groups`, `max_turns`) are Python values, validated here; `lam`, `eps_w`, `eps` may be traced. Jit- and vmap-able.
 
     A policy token is *assigned* when 0 ≤ turn_id < max_turns. Assigned tokens form the
     (trajectory, turn) segments; unassigned policy tokens (an inconsistent batch) pass through
@@ -149,7 +152,14 @@ def turnsight_advantages(
         δ̂ = (δ̄*−μ)/(σ+eps). The pooled value of a token (`norm_pool`): "turn_mean" its δ̄*
         (default), "token_gap" its raw gap at its unit's selected depth, δ^{(d*)}_{i,t} (the depth
         mean for selection="mean"; the same as "turn_mean" under aggregation="token").
+        "per_turn": one value per (trajectory, turn), whatever its length: its δ̄* (under
+        aggregation="token", the mean of its tokens' δ̄*), μ_g and σ_g over the group's turns.
         `uncovered_in_stats`=False pools only the tokens of covered turns (see `turns`).
+      empty_block_turns: "weighted" (default) treats a turn whose hindsight block was empty like
+        any other (its δ̄ is then the reference-vs-current gap on the student's own context);
+        "excluded": such a covered turn gets w = 1 exactly and leaves the group statistics. Which
+        turns had a block: `teacher_covered` [B, T] bool (the step's "teacher_covered": False on
+        the tokens of a turn scored on its own context); required for "excluded".
         A group whose δ̄* are all equal gives δ̂ = 0 exactly (shifted accumulation); values equal
         only up to float32 round-off leave σ ~ 1e-7·|δ̄*|, which eps = 1e-6 need not absorb.
         group_norm=False: δ̂ = δ̄*.
@@ -173,7 +183,7 @@ def turnsight_advantages(
       the token's turn, with `turn_uses`; −1 off policy, and everywhere without it); delta_bar [B, T]
       (δ̄* per token); delta_hat [B, T] (δ̂ per token); depth_turn_means [D, B, K] (δ̄^{(d)} of every
       (trajectory, turn k) segment, the values the vote reads under aggregation="turn"; 0 for empty
-      turns); group_mean, group_std [G] (μ_g, σ_g of δ̄*; 0 for empty groups, reported even when
+      turns); group_mean, group_std [G] (μ_g, σ_g of the pool rl.norm_pool names; 0 for empty groups, reported even when
       group_norm=False); diagnostics (scalars unless noted):
         agreement_rate: fraction of selection units where all D depths share one sign — units are
           non-empty turns for aggregation="turn" and assigned policy tokens for "token".
@@ -200,6 +210,13 @@ def turnsight_advantages(
         raise ValueError(f"norm_pool must be one of {tuple(_POOLS)}, got {norm_pool!r}")
     if not isinstance(uncovered_in_stats, (bool, np.bool_)):
         raise ValueError(f"uncovered_in_stats must be a bool, got {uncovered_in_stats!r}")
+    if empty_block_turns not in _EMPTY_BLOCK:
+        raise ValueError(f"empty_block_turns must be one of {tuple(_EMPTY_BLOCK)}, got {empty_block_turns!r}")
+    if empty_block_turns == "excluded" and teacher_covered is None:
+        raise ValueError("empty_block_turns='excluded' needs teacher_covered [B, T] (which turns showed a block)")
+    if teacher_covered is None:
+        teacher_covered = jnp.ones((b, t), bool)
+    chex.assert_shape(teacher_covered, (b, t))
     max_turns = t if max_turns is None else int(max_turns)
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -215,21 +232,24 @@ def turnsight_advantages(
     # travel as int32 scalars so an ablation sweep reuses one executable (under an outer jit they
     # are constants and fold away).
     modes = np.asarray([sel_code, fixed_depth, int(group_norm), cover_code, cover_n, _POOLS[norm_pool],
-                        int(uncovered_in_stats)], np.int32)
+                        int(uncovered_in_stats), _EMPTY_BLOCK[empty_block_turns]], np.int32)
     return _turnsight_impl(
         delta, policy_mask, turn_ids, group_ids, base_adv, modes, lam, eps_w, eps, horizon_tol, turn_uses,
+        jnp.asarray(teacher_covered, bool),
         aggregation=aggregation, num_groups=num_groups, max_turns=max_turns, depths=depths,
     )
 
 
 @functools.partial(jax.jit, static_argnames=("aggregation", "num_groups", "max_turns", "depths"))
 def _turnsight_impl(
-    delta, policy_mask, turn_ids, group_ids, base_adv, modes, lam, eps_w, eps, horizon_tol, turn_uses,
+    delta, policy_mask, turn_ids, group_ids, base_adv, modes, lam, eps_w, eps, horizon_tol, turn_uses, block,
     *, aggregation: str, num_groups: int, max_turns: int, depths: tuple[int, ...],
 ) -> dict[str, Array]:
     """Body of `turnsight_advantages`; modes = [sel_code, fixed_depth, group_norm, cover_code, N,
-    pool code, uncovered_in_stats]."""
-    sel_code, fixed_depth, group_norm, cover_code, cover_n, pool, uncovered_in_stats = (modes[i] for i in range(7))
+    pool code, uncovered_in_stats, empty-block code]; block [B, T]: the tokens whose view showed
+    a hindsight block."""
+    sel_code, fixed_depth, group_norm, cover_code, cover_n, pool, uncovered_in_stats, empty_mode = (
+        modes[i] for i in range(8))
     num_depths, b, t = delta.shape
     k = max_turns
 
@@ -290,26 +310,47 @@ def _turnsight_impl(
         jnp.where(cover_code == _COVER_LAST, turn_ids >= n_turns - cover_n, True),
     )
     covered = assigned & in_window
+    # rl.empty_block_turns="excluded": covered turns scored on their own context (an empty block)
+    # get w = 1 and leave the group statistics
+    empty = (empty_mode == 1) & covered & ~block
+    weighted = covered & ~empty
 
-    # Token-weighted group statistics (population std) of the pooled values: δ̄* itself, or each
+    # Group statistics (population std) of the pooled values, token-weighted: δ̄* itself, or each
     # token's raw gap at its unit's selected depth; over every assigned token, or the covered ones.
     token_gap = jnp.where(d_star >= 0, jnp.take_along_axis(delta, jnp.maximum(d_star, 0)[None], axis=0)[0],
                           jnp.mean(delta, axis=0))
     pooled = jnp.where(pool == _POOL_TOKEN_GAP, jnp.where(assigned, token_gap, 0.0), x_star)
-    in_stats = jnp.where(uncovered_in_stats == 1, assigned, covered)
+    in_stats = jnp.where(uncovered_in_stats == 1, assigned, covered) & ~empty
     count_g, mean_g, dev = pooled_group_stats(pooled, in_stats, group_ids, num_groups)
     var_g = jax.ops.segment_sum(jnp.sum(dev * dev, axis=1), group_ids, num_segments=num_groups)
-    std_g = jnp.sqrt(var_g / jnp.maximum(count_g, 1.0))
+    # or one value per (trajectory, turn) (norm_pool="per_turn"): the turn's δ̄* (its tokens' mean
+    # of δ̄* under aggregation="token"), in the statistics when its tokens are
+    if aggregation == "turn":
+        turn_val = x_star_u
+    else:
+        turn_val = jax.ops.segment_sum(x_star.reshape(-1), seg_flat, num_segments=n_seg + 1)[:n_seg] / \
+            jnp.maximum(tok_count, 1.0)
+    turn_in = jax.ops.segment_sum(in_stats.reshape(-1).astype(jnp.float32), seg_flat,
+                                  num_segments=n_seg + 1)[:n_seg] > 0
+    count_t, mean_t, dev_t = pooled_group_stats(turn_val.reshape(b, k), turn_in.reshape(b, k), group_ids, num_groups)
+    var_t = jax.ops.segment_sum(jnp.sum(dev_t * dev_t, axis=1), group_ids, num_segments=num_groups)
+    per_turn = pool == _POOL_PER_TURN
+    mean_g = jnp.where(per_turn, mean_t, mean_g)
+    std_g = jnp.where(per_turn, jnp.sqrt(var_t / jnp.maximum(count_t, 1.0)),
+                      jnp.sqrt(var_g / jnp.maximum(count_g, 1.0)))
     std_b = group_gather(std_g, group_ids, num_groups)[:, None]
     # δ̄* − μ: where δ̄* is the pooled value itself, the shifted-accumulation deviation (exactly 0
     # for a constant group); elsewhere centred directly. Ungrouped trajectories get 0 (w = 1).
     in_group = ((group_ids >= 0) & (group_ids < num_groups))[:, None]
     mean_b = group_gather(mean_g, group_ids, num_groups)[:, None]
-    centred = jnp.where((pool == _POOL_TURN_MEAN) & in_stats, dev,
-                        jnp.where(assigned & in_group, x_star - mean_b, 0.0))
+    direct = jnp.where(assigned & in_group, x_star - mean_b, 0.0)
+    if aggregation == "turn":  # a token's δ̄* is its turn's value: the per-turn deviation, gathered
+        dev_tok = jnp.concatenate([dev_t.reshape(-1), jnp.zeros((1,), jnp.float32)])[seg]
+        direct = jnp.where(per_turn & in_stats, dev_tok, direct)
+    centred = jnp.where((pool == _POOL_TURN_MEAN) & in_stats, dev, direct)
     d_hat = jnp.where(group_norm == 1, jnp.where(assigned, centred / (std_b + eps), 0.0), x_star)
 
-    w = jnp.where(covered, 1.0 + eps_w * jnp.tanh(jnp.sign(base) * d_hat), 1.0)
+    w = jnp.where(weighted, 1.0 + eps_w * jnp.tanh(jnp.sign(base) * d_hat), 1.0)
     adv = jnp.where(policy_mask, base + base * (lam * (w - 1.0)), 0.0)
 
     # ---- diagnostics ----

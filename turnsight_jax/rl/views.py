@@ -89,8 +89,9 @@ class PackedViews:
     packed: rl.packing.PackedRows or None: the rows packed several per row (train.pack_rows);
       tokens and layout are then None (the packed rows replace them; pred and view_pred stay in
       each row's own coordinates).
-    covered [B, N] bool or None: privileged views (rl.privileged_views) only: True where the
-      token's view 0 showed a privileged block (False: no block, the student's own context).
+    covered [B, N] bool or None: True where the token's view 0 showed a block (privileged views,
+      rl.privileged_views) or its hindsight views did (False: no block, the student's own context:
+      a turn outside rl.turns or with an empty hindsight block; rl.empty_block_turns reads it).
     """
 
     tokens: Any
@@ -202,6 +203,7 @@ def build_views(
     n_pol = pol_pos.shape[1]
     n_views = len(depths) + int(with_reference)
     view_pred = np.zeros((n_views, len(trajs), n_pol), np.int32)
+    covered = np.zeros((len(trajs), n_pol), bool)  # the tokens whose views show a hindsight block
     rows = []
     block_tokens = copy_tokens = 0  # the packed tokens of each view kind (next to the trajectories)
     n_msgs = msg_tokens = cut = 0  # distinct (turn, item count) hindsight messages, their tokens, those cut
@@ -249,13 +251,15 @@ def build_views(
                 first = branch_of[m]
                 for i, p in enumerate(range(turn.policy_start, turn.policy_end)):
                     view_pred[di, b, where[int(own.index[p])]] = first + i
+                    covered[b, where[int(own.index[p])]] = True
         rows.append(row)
     width = pick_bucket(max([r.length for r in rows] + [min_widths[0]]), buckets, "packed hindsight row")
     cols = [np.stack(c) for c in zip(*(r.arrays(width) for r in rows))]
     tok, pos, seg, c1s, c1e, c2s, c2e = cols
     pred, pred_target, slot = _distinct_predictors([r.tokens for r in own_rows], view_pred, pol_pos, pol_valid,
                                                    min_widths[1])
-    views = PackedViews(tok, Layout(pos, seg, c1s, c1e, c2s, c2e), view_pred, pred, pred_target, slot)
+    views = PackedViews(tok, Layout(pos, seg, c1s, c1e, c2s, c2e), view_pred, pred, pred_target, slot,
+                        covered=covered)
     own = sum(r.length for r in own_rows)
     packed = sum(r.length for r in rows)
     stats = {"view_tokens": float(packed), "trajectory_tokens": float(own), "view_overhead": packed / max(own, 1),

@@ -47,7 +47,10 @@ class RolloutConfig:
 
     max_turns: policy turns per episode. max_prompt_tokens: longer prompts are an error (they
     would otherwise be silently cut). max_response_tokens: policy + observation tokens after the
-    prompt. max_turn_tokens: decode cap of one turn (static: one compiled decode loop).
+    prompt (the last turn's results, recorded without tokens when the episode ends after its calls,
+    do not count). max_turn_tokens: decode cap of one turn; a turn that reaches it ends its episode
+    as truncated; 0: no per-turn cap, a turn may use all the response budget left (`turn_cap`; the
+    released code's behaviour, the paper names no such cap). Static: one compiled decode loop.
     Parse semantics (both False by default; True is the released code's behaviour, docs/spec.md §3):
     end_on_unparsable_turn: a turn that wrote call blocks none of which parses ends the episode
     (finish reason "unparsable") instead of returning the parse errors to the policy;
@@ -63,9 +66,17 @@ class RolloutConfig:
     calls_in_think: bool = False
 
     def __post_init__(self):
-        for name in ("max_turns", "max_prompt_tokens", "max_response_tokens", "max_turn_tokens"):
+        for name in ("max_turns", "max_prompt_tokens", "max_response_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"rollout.{name} must be positive, got {getattr(self, name)}")
+        if self.max_turn_tokens < 0:
+            raise ValueError(f"rollout.max_turn_tokens must be >= 0 (0: no per-turn cap), got {self.max_turn_tokens}")
+
+    @property
+    def turn_cap(self) -> int:
+        """The most tokens one turn may generate: max_turn_tokens, or the whole response budget
+        when it is 0 (no per-turn cap)."""
+        return self.max_turn_tokens or self.max_response_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,23 +227,23 @@ class ModelPolicy:
         act = np.zeros(self.padded_rows, bool)
         act[: self.rows] = active
         bud = np.zeros(self.padded_rows, np.int32)
-        bud[: self.rows] = np.minimum(budgets, self.config.max_turn_tokens)
+        bud[: self.rows] = np.minimum(budgets, self.config.turn_cap)
         act &= bud > 0
         forced = None
         if self.forced_scripts is not None:
-            forced = np.full((self.padded_rows, self.config.max_turn_tokens), -1, np.int32)
+            forced = np.full((self.padded_rows, self.config.turn_cap), -1, np.int32)
             for r in range(self.rows):
                 script = self.forced_scripts[r]
                 if self.turn < len(script):
                     ids = (tok_lib.encode(self.tokenizer, script[self.turn]) + [int(self.stop_ids[0])])
-                    ids = ids[: self.config.max_turn_tokens]
+                    ids = ids[: self.config.turn_cap]
                     forced[r, : len(ids)] = ids
             forced = jnp.asarray(forced)
         self.turn += 1
         out, self.cache, self.hidden, _ = decode_turn(
-            self.graphdef, self.state, self.cache, self.hidden, self.row_keys, self.config.max_turn_tokens,
+            self.graphdef, self.state, self.cache, self.hidden, self.row_keys, self.config.turn_cap,
             self.sampling, self.stop_ids, jnp.asarray(act), jnp.asarray(bud), forced, jnp.asarray(self.sampled),
-            window=self._window(int(self.lengths.max()) + self.config.max_turn_tokens),
+            window=self._window(int(self.lengths.max()) + int(bud.max())),  # a row decodes at most its budget
         )
         tokens, logprobs = to_host(out.tokens), to_host(out.logprobs)
         lengths, stopped = to_host(out.lengths), to_host(out.stopped)
@@ -400,7 +411,7 @@ class RolloutBackend(Protocol):
 
     def begin(self, prompts: Sequence[Sequence[int]], group_size: int) -> None:
         """Queue len(prompts) * group_size episodes; row r continues prompt r // group_size and
-        its first turn may emit min(max_response_tokens, max_turn_tokens) tokens."""
+        its first turn may emit min(max_response_tokens, turn_cap) tokens."""
 
     def generate(self) -> dict[int, GeneratedTurn]:
         """Advance decoding; return the turns that completed (possibly none)."""
@@ -653,7 +664,7 @@ def rollout(
             partial[r] = (parent.tokens[head].tolist(), parent.old_logprobs[head].tolist(),
                           {name: v[head].tolist() for name, v in parent.token_values.items()})
             used[r], turn_of[r] = st.position - parent.prompt_len, k
-            budget = min(config.max_turn_tokens - len(partial[r][0]), config.max_response_tokens - used[r])
+            budget = min(config.turn_cap - len(partial[r][0]), config.max_response_tokens - used[r])
             backend.branch(r, st.parent, st.position, max(budget, 0), st.key_row)
             added["branches"] += 1
         with_backend.add(r)
@@ -694,15 +705,21 @@ def rollout(
                 env_errors.append(f"row {r}, turn {int(turn_of[r]) - 1}: {step.error}")
                 end(r, "env_error")
                 continue
+            # The episode ends after this turn: its calls ran, so their results are recorded on the
+            # turn (no tokens: no policy token follows; its hindsight blocks and the records read
+            # them). They do not count against max_response_tokens (docs/spec.md §1.1).
             if step.done or (not calls and step.user_message is None):
+                _final_results(builders[r], calls, step)
                 end(r, "answer" if not calls else "env_done")
                 continue
             if turn_of[r] >= config.max_turns:
+                _final_results(builders[r], calls, step)
                 end(r, "max_turns")
                 continue
             sid, spans, header = user_suffix(tokenizer, list(step.observations), step.user_message,
                                              enable_thinking=config.enable_thinking)
             if used[r] + len(sid) >= config.max_response_tokens:
+                _final_results(builders[r], calls, step)
                 end(r, None, truncated=True)
                 continue
             builders[r].add_observation(sid, list(step.observations), spans, header, env_info=dict(step.info))
@@ -801,6 +818,13 @@ def rollout(
         stats["compilations"] = float(policy.compilations())
         stats["decoded_tokens"] = stats.get("engine/decoded_tokens", 0.0)
     return RolloutResult(trajectories, stats)
+
+
+def _final_results(builder: TrajectoryBuilder, calls, step) -> None:
+    """The results of the last turn's calls when its episode ends after them (TrajectoryBuilder.
+    add_final_results); nothing when the turn made no call."""
+    if calls and len(step.observations) == len(calls):
+        builder.add_final_results(list(step.observations), env_info=dict(step.info))
 
 
 def _start_branch(parent: Trajectory, position: int, builder: TrajectoryBuilder, vec: VectorEnv, r: int) -> int:

@@ -310,7 +310,7 @@ class PagedEngine:
         self.pending_branches: dict[int, tuple[int, int, int]] = {}  # queued branch row -> (parent, position, budget)
         self.turn_of = [0] * n
         self.sampled = [0] * n  # tokens each episode drew so far (its key stream position)
-        self.first_budget = min(self.config.max_response_tokens, self.config.max_turn_tokens)
+        self.first_budget = min(self.config.max_response_tokens, self.config.turn_cap)
 
     def append(self, row: int, ids: Sequence[int], budget: int, rewind: int = 0) -> None:
         s, j = self.where[row]
@@ -471,7 +471,7 @@ class PagedEngine:
                     copies[s].append((pslot.blocks[b], table[-1]))
                     self.slots[s][j] = _Slot(row=row, state=_DECODE, length=position, blocks=table,
                                              prompt_blocks=prompt_blocks, own_from=b,
-                                             budget=min(budget, self.config.max_turn_tokens), reserved=need,
+                                             budget=min(budget, self.config.turn_cap), reserved=need,
                                              history=pslot.history[:position], turn_start=position, stale="recompute")
                     self.where[row] = (s, j)
                     self.counters["branches"] += 1
@@ -598,7 +598,7 @@ class PagedEngine:
             slot.history += ids
             slot.turn_start = slot.length
             slot.state = _DECODE
-            slot.budget = min(self.pending_appends[row][1], self.config.max_turn_tokens)
+            slot.budget = min(self.pending_appends[row][1], self.config.turn_cap)
         self.pending_appends.clear()
 
     def _restore_stale(self) -> None:
@@ -641,7 +641,7 @@ class PagedEngine:
                 key = (row, turn)
                 if key not in self._forced_ids:  # tokenised once per turn, not once per chunk
                     ids = tok_lib.encode(self.tokenizer, script[turn]) + [self.im_end]
-                    self._forced_ids[key] = ids[: self.config.max_turn_tokens]
+                    self._forced_ids[key] = ids[: self.config.turn_cap]
                 part = self._forced_ids[key][offset: offset + steps]
                 out[: len(part)] = part
         if slot.force_next:
