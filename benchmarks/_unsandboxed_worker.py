@@ -20,7 +20,7 @@ Requests:
   {"op": "call", "key": <source hash>, "source": <str, optional>, "name": <tool name>,
    "args": <JSON value>, "seed": <int>, "timeout": <float s>, "cpu": <float s>}
   {"op": "batch", "calls": [<call request>, ...]}   (one reply frame per call, in order)
-Replies:
+Replies (each carries the call's "id", echoed, as the sandbox host's do):
   {"ok": <result text>}            tool returned; text formatted the FTRL way
   {"err": <message>}               tool raised, timed out or exceeded a limit
   {"need_source": true}            the worker has no compiled code for `key`; resend with source
@@ -224,7 +224,10 @@ def main() -> None:
         # in order, so the parent can tell which call a crash or hang belongs to.
         calls = request["calls"] if request.get("op") == "batch" else [request]
         for call in calls:
-            _write_frame(out_fd, _serve_call(call, cache, memory_mb, max_chars))
+            reply = _serve_call(call, cache, memory_mb, max_chars)
+            # the executor matches replies to calls by id (issue 57): echo it as the sandbox host does
+            reply["id"] = call.get("id")
+            _write_frame(out_fd, reply)
 
 
 def _serve_call(request: dict, cache: collections.OrderedDict, memory_mb: int, max_chars: int) -> dict:

@@ -19,10 +19,12 @@ slot's KV cache holds 30,000 tokens here, not 23,000), the update's micro-batche
 (`train.micro_batch_groups` needs one mini-batch), and 512 micro-batches (one row per device, as in
 the paper configs); these change memory and speed only.
 
-Its dry run does not pass yet: with 8 mini-batches and at most 4 rows per device per micro-batch,
-compiling the update stops in rl/logprobs.py (`_scan_rows`: the chunk-skipping lax.cond's branches
-differ in their varying mesh axes); with 8 rows per device (64 micro-batches) it compiles but plans
-125.55 GiB per device. The config is kept as the documented recipe, not as a verified 8 x 80 GB plan.
+Its dry run compiles (`--dry_run --fake_devices 8`) but plans 99.38 GiB per device against 80
+(temporaries 85.81 GiB: 4,096 rows of 30,720 tokens, one row per device per micro-batch, log-prob
+chunks of 2,048), so it is kept as the documented recipe, not as a verified 8 x 80 GB plan: run.sh
+fits with verl's parameter/optimizer offloading and dynamic batch sizes, which this trainer does not
+have. (Until the fix in rl/logprobs.py its update stopped compiling: with fewer rows than devices
+the head's gathered weight was typed as varying over fsdp.)
 
     python -m turnsight_jax.train --config configs/released/matchtir_8b.py \
         --config.model.hf_path=/path/to/Qwen3-8B \

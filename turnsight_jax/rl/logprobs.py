@@ -55,7 +55,16 @@ def _scan_rows(rows, skipped, args, *, chunk: int, used, remat: bool = True):
         if used is None:
             return None, rows(*x)
         *chunk_args, live = x
-        return None, jax.lax.cond(live, rows, skipped, *chunk_args)
+        # The skipped branch's zeros must vary over the mesh axes the computed rows vary over
+        # (lax.cond under shard_map compares them): rows' outputs can vary over an axis none of
+        # the chunk's own inputs does (a weight or hidden rows sharded over fsdp, as with <= 4
+        # rows per device in the released MatchTIR recipe), so take the axes from rows' types.
+        like = jax.eval_shape(rows, *chunk_args)
+
+        def skip(*a):
+            return jax.tree.map(_vary_as, skipped(*a), like)
+
+        return None, jax.lax.cond(live, rows, skip, *chunk_args)
 
     if remat:
         body = jax.checkpoint(body)
@@ -68,6 +77,12 @@ def _scan_rows(rows, skipped, args, *, chunk: int, used, remat: bool = True):
         return out
     back = jnp.argsort(order)
     return jax.tree.map(lambda o: _zero_unused(o[back], used), out)
+
+
+def _vary_as(z, like):
+    """z cast to vary over every mesh axis `like` (an array or its abstract type) varies over."""
+    missing = tuple(sorted(_varying(like) - _varying(z)))
+    return jax.lax.pcast(z, missing, to="varying") if missing else z
 
 
 def _zero_unused(o, used):
@@ -279,9 +294,12 @@ def gather_rows(hidden: jax.Array, index: jax.Array) -> jax.Array:
 
 def _varying(x) -> frozenset:
     """The mesh axes a value inside `shard_map` varies over (JAX's manual-axis type)."""
-    aval = jax.typeof(x)
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
     vma = getattr(aval, "vma", None)  # the attribute's name before JAX 0.10
-    return frozenset(vma if vma is not None else aval.manual_axis_type.varying)
+    if vma is None:
+        manual = getattr(aval, "manual_axis_type", None)  # None on an abstract value outside shard_map
+        vma = manual.varying if manual is not None else ()
+    return frozenset(vma)
 
 
 def _active_mesh():
@@ -336,7 +354,11 @@ def logprobs_at(model: Qwen3, hidden: jax.Array, pred_index: jax.Array, targets:
     def local(h, idx, tgt, w, u=None, extra=None):
         w = w.astype(h.dtype)  # gather in the compute dtype
         if gather_axis is not None:
-            w = jax.lax.all_gather(w, gather_axis, axis=0, tiled=True)  # once; its transpose reduce-scatters
+            # once; its transpose reduce-scatters. Rows too few to split over the gather axis (the
+            # released MatchTIR recipe's micro-batches on 8 devices) are replicated over it: the
+            # gathered weight is then typed invariant, so the outputs are replicated as out_specs says
+            to = "varying" if gather_axis in _varying(h) else "invarying"
+            w = jax.lax.all_gather(w, gather_axis, axis=0, tiled=True, to=to)
         # Mark the weight as varying over the axes the rows vary over, here, outside the chunk
         # loop: left implicit, that cast happens inside each chunk, and its transpose (a psum of
         # the [D, V] gradient) with it.
