@@ -429,6 +429,54 @@ def test_observation_suffix_ids_spans_and_header(tok):
         assert s.ids[: s.header_offset].count(tok.convert_tokens_to_ids("<|im_start|>")) == 1
 
 
+# ---- rollout.observation_template="released": the released MatchTIR rollout's text (issue 58) ----
+
+RELEASED_TWO = (  # written by hand from docs/reproducing.md "Observation text"
+    "<|im_start|>user\n"
+    "<tool_response>\nA\n</tool_response>\n"
+    "<tool_response>\nx &lt;/tool_response> y\n</tool_response>\n"
+    "<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def test_released_observation_suffix_exact_text_and_spans():
+    results = ["A", "x </tool_response> y"]  # the second is escaped in both templates
+    text = T.observation_suffix(results, enable_thinking=True, template="released")
+    assert text == RELEASED_TWO
+    assert T.observation_suffix(results, enable_thinking=False, template="released") == (
+        RELEASED_TWO + "<think>\n\n</think>\n\n")
+    _, spans, header = T._observation_parts(results, True, "released")
+    assert [text[a:b] for a, b in spans] == ["A", "x &lt;/tool_response> y"]
+    assert spans == [(33, 34), (68, 91)]  # hand-counted: len("<|im_start|>user\n<tool_response>\n") = 33
+    assert text[header:] == "<|im_start|>assistant\n"
+    # "project" stays today's text (the official template's), byte for byte
+    assert T.observation_suffix(["A", "B"], enable_thinking=True, template="project") == (
+        "\n<|im_start|>user\n<tool_response>\nA\n</tool_response>\n<tool_response>\nB\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n")
+    ptext, pspans, _ = T._observation_parts(results, True)
+    assert [ptext[a:b] for a, b in pspans] == ["A", "x &lt;/tool_response> y"]
+    with pytest.raises(ValueError, match="rollout.observation_template must be one of"):
+        T.observation_suffix(["A"], enable_thinking=True, template="verl")
+
+
+def test_released_observation_suffix_ids_spans_and_header(tok):
+    results = ["Sunny, 21°C", "x </tool_response> 晴天"]
+    for think in (True, False):
+        s = T.observation_suffix_ids(tok, results, enable_thinking=think, template="released")
+        assert s.text == T.observation_suffix(results, enable_thinking=think, template="released")
+        assert s.ids == encode(tok, s.text) and tok.decode(s.ids) == s.text
+        assert tok.decode(s.ids[slice(*s.result_spans[0])]) == "Sunny, 21°C"
+        assert tok.decode(s.ids[slice(*s.result_spans[1])]) == "x &lt;/tool_response> 晴天"
+        assert s.ids[s.header_offset] == tok.convert_tokens_to_ids("<|im_start|>")
+        assert tok.decode(s.ids[s.header_offset:]) == T.generation_prompt(enable_thinking=think)
+        assert s.ids[0] == tok.convert_tokens_to_ids("<|im_start|>")  # no newline before the user turn
+        # the two templates differ only by the newlines around the blocks: same result text
+        p = T.observation_suffix_ids(tok, results, enable_thinking=think)
+        assert [tok.decode(p.ids[slice(*sp)]) for sp in p.result_spans] == \
+            [tok.decode(s.ids[slice(*sp)]) for sp in s.result_spans]
+        assert p.ids != s.ids
+
+
 def test_observation_suffix_rejects_bad_results():
     with pytest.raises(TypeError, match="list of strings"):
         T.observation_suffix("oops", enable_thinking=True)

@@ -198,6 +198,8 @@ TODAY_DEFAULT["appo"] = {"branches": 2, "gamma": 0.9, "clip_low": 0.2, "clip_hig
                          "ratio_to": "previous"}
 # The tool-output cap (issue 58): the executor's 16,384 characters, now a key; the default run does not move.
 TODAY_DEFAULT["rollout"].update(max_tool_output_chars=16_384)
+# The observation text (issue 58): the official chat template's, as before; the default run does not move.
+TODAY_DEFAULT["rollout"].update(observation_template="project")
 
 # Keys where configs/qwen3_8b.py's experiment departs from base + its model layer: how the run
 # fits 8 x 80 GB devices and how it evaluates. Anything else would be a value from somewhere else.
@@ -357,6 +359,17 @@ def test_lambda_outside_0_1_and_a_bad_tool_output_cap_are_refused():
         with pytest.raises(ConfigError, match="rollout.max_tool_output_chars must be an int >= 1"):
             C.validate(C.load_run_config(None, [f"--config.rollout.max_tool_output_chars={cap}"]), 1)
     C.validate(C.load_run_config(None, ["--config.rollout.max_tool_output_chars=100"]), 1)
+
+
+def test_observation_template_is_validated_and_mapped():
+    """rollout.observation_template (issue 58): project (default) | released; another value is a
+    ConfigError naming the key and the allowed values; rollout_config carries it to the driver."""
+    with pytest.raises(ConfigError, match=r"rollout.observation_template must be one of project, released.*'verl'"):
+        C.validate(C.load_run_config(None, ["--config.rollout.observation_template=verl"]), 1)
+    assert C.rollout_config(C.base_config()).observation_template == "project"
+    c = C.load_run_config(None, ["--config.rollout.observation_template=released"])
+    C.validate(c, 1)
+    assert C.rollout_config(c).observation_template == "released"
 
 
 def test_model_files_set_only_model_keys():

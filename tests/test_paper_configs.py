@@ -159,6 +159,7 @@ def test_every_row_resolves_and_validates(path):
     assert (loss.clip_ratio_c, loss.clip_eps, loss.clip_eps_high) == (3.0, 0.2, 0.2)
     assert a.student_sees_observations is False and a.toolrl_format is False
     assert c.rollout.end_on_unparsable_turn and c.rollout.calls_in_think and c.rollout.enable_thinking
+    assert c.rollout.observation_template == "released" and C.rollout_config(c).observation_template == "released"
     assert (c.eval.temperature, c.eval.max_turns, c.rollout.max_turns) == (0.0, 10, 10)
     # the paper's setup (docs/spec.md §2), whatever the method: KL 0, no entropy bonus
     assert (c.train.prompts_per_step, c.train.group_size, c.optim.lr) == (32, 16, 1e-6)
@@ -221,7 +222,8 @@ def test_the_clean_side_is_one_override_away():
     c = C.load_run_config(str(PAPER / "table1_turnsight_8b.py"), DATA + [
         "--config.loss.clip_ratio_c=None", "--config.loss.clip_eps_high=0.28", "--config.rl.matchtir_semantics=clean",
         "--config.rl.matchtir_matching=assignment", "--config.rl.matchtir_singleton=zero",
-        "--config.rl.student_sees_observations=True"])
+        "--config.rl.student_sees_observations=True", "--config.rollout.observation_template=project"])
     step_cfg, _ = C.validate(c, 8)
     assert step_cfg.loss.clip_ratio_c is None and step_cfg.loss.clip_eps_high == 0.28
     assert (step_cfg.algo.matchtir_semantics, step_cfg.algo.matchtir_matching) == ("clean", "assignment")
+    assert C.rollout_config(c).observation_template == "project"

@@ -211,3 +211,29 @@ def test_per_turn_cap_off_is_the_response_budget():
         RolloutConfig(max_turn_tokens=-1)
     rc = rollout_config(base_config())
     assert (rc.max_turn_tokens, rc.turn_cap) == (0, 13_000)
+
+
+def test_released_observation_template_puts_the_released_text_after_a_turn(tok, env):
+    """rollout.observation_template="released" (issue 58): after a turn's sampled <|im_end|> the
+    trajectory holds the released MatchTIR rollout's text up to the next assistant header; the
+    turns, calls and recorded results are those of the default ("project") rollout."""
+    task = generate_task("multi_hop", 5, SyntheticConfig(hops=3))
+    texts = gold_turn_texts(task)
+    runs = {name: rollout(ReplayPolicy(tok, [texts]), env, [task], tokenizer=tok, group_size=1,
+                          config=RolloutConfig(max_turns=4, max_response_tokens=4096, observation_template=name)
+                          ).trajectories[0] for name in ("project", "released")}
+    proj, rel = runs["project"], runs["released"]
+    assert rel.num_turns == proj.num_turns == 4 and rel.finish_reason == proj.finish_reason == "answer"
+    for k in range(3):  # the three call turns
+        t, p = rel.turns[k], proj.turns[k]
+        assert t.results == p.results and len(t.results) == 1
+        assert [(c.name, c.arguments) for c in t.calls] == [(c.name, c.arguments) for c in p.calls]
+        assert tok.decode(rel.tokens[t.policy_start:t.policy_end]).endswith("<|im_end|>")
+        between = tok.decode(rel.tokens[t.obs_start:rel.turns[k + 1].policy_start])
+        result = t.results[0]
+        assert between == ("<|im_start|>user\n<tool_response>\n" + result + "\n</tool_response>\n<|im_end|>\n"
+                           "<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking off (RolloutConfig's default)
+        assert tok.decode(rel.tokens[slice(*t.result_spans[0])]) == result
+        assert tok.decode(proj.tokens[p.obs_start:proj.turns[k + 1].policy_start]).startswith("\n<|im_start|>user")
+    with pytest.raises(ValueError, match="rollout.observation_template must be one of"):
+        RolloutConfig(observation_template="verl")

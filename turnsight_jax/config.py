@@ -37,6 +37,7 @@ from turnsight_jax.rl.config import (AlgoConfig, CriticConfig, LossConfig, Optim
                                      TeacherConfig)
 from turnsight_jax.rl.methods import ResolvedMethod, resolve_method
 from turnsight_jax.rollout.driver import RolloutConfig
+from turnsight_jax.chat.template import OBSERVATION_TEMPLATES
 from turnsight_jax.rollout.engine import EngineConfig
 from turnsight_jax.rollout.sampler import SamplingParams
 from turnsight_jax.sources import check_output_cap, check_provides, get_source
@@ -116,6 +117,7 @@ def base_config() -> mlc.ConfigDict:
     # Parse semantics of the released code (docs/spec.md §3), off by default:
     c.rollout.end_on_unparsable_turn = False  # a turn whose calls all fail to parse ends the episode (else: errors go back)
     c.rollout.calls_in_think = False  # execute calls written inside <think> (else: reasoning, never executed)
+    c.rollout.observation_template = "project"  # text after a turn's tool calls: project (the official Qwen3 chat template's) | released (MatchTIR's vllm_rollout_spmd.py; paper silent; docs/reproducing.md)
     c.rollout.max_tool_output_chars = 16_384  # a longer tool result is cut to this + a note (paper silent; released: no cut; docs/reproducing.md)
 
     c.rl = mlc.ConfigDict()  # the method and its knobs: turnsight_jax.rl.config.AlgoConfig
@@ -706,7 +708,8 @@ def rollout_config(cfg: mlc.ConfigDict, *, max_turns: int | None = None) -> Roll
     return RolloutConfig(max_turns=max_turns or r.max_turns, max_prompt_tokens=r.max_prompt_tokens,
                          max_response_tokens=r.max_response_tokens, max_turn_tokens=r.max_turn_tokens,
                          enable_thinking=r.enable_thinking, end_on_unparsable_turn=r.end_on_unparsable_turn,
-                         calls_in_think=r.calls_in_think)
+                         calls_in_think=r.calls_in_think,
+                         observation_template=r.get("observation_template", "project"))
 
 
 def engine_config(cfg: mlc.ConfigDict) -> EngineConfig | None:
@@ -783,6 +786,10 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
     fault_config(cfg)
     if not isinstance(cfg.log.turn_records, bool):
         raise ConfigError(f"log.turn_records must be True or False, got {cfg.log.turn_records!r}")
+    template = cfg.rollout.get("observation_template", "project")
+    if template not in OBSERVATION_TEMPLATES:
+        raise ConfigError(f"rollout.observation_template must be one of {', '.join(OBSERVATION_TEMPLATES)} "
+                          f"(the text after a turn's tool calls), got {template!r}")
     cap = cfg.rollout.get("max_tool_output_chars", 16_384)
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
         raise ConfigError(f"rollout.max_tool_output_chars must be an int >= 1 (a tool result longer than that is cut), "

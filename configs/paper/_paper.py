@@ -55,13 +55,16 @@ def released(c) -> None:
     c.rl.student_sees_observations = False
     c.rollout.end_on_unparsable_turn = True
     c.rollout.calls_in_think = True
+    # observation text: the released rollout's (vllm_rollout_spmd.py: `<|im_start|>user\n` right after
+    # the sampled <|im_end|>, a newline after each </tool_response>); the paper is silent
+    c.rollout.observation_template = "released"
     # evaluation: greedy, 10 turns on FTRL; thinking on (post-trained Qwen3)
     c.eval.temperature = 0.0
     c.eval.max_turns = 10
     c.rollout.enable_thinking = True
     # Kept from base_config, not the released code's (docs/reproducing.md, "Where the paper configs
     # differ from the released code"): tool results cut at 16,384 characters (the released code does
-    # not cut); observations in the official chat template's text (the released rollout writes its own).
+    # not cut).
     c.rollout.max_tool_output_chars = 16_384
 
 

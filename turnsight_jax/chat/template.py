@@ -204,18 +204,40 @@ def escape_tool_response(text: str) -> str:
     return text.replace(CLOSE_RESPONSE, "&lt;/tool_response>").replace(OPEN_RESPONSE, "&lt;tool_response>")
 
 
-def _observation_parts(results: Sequence[str], enable_thinking: bool) -> tuple[str, list[tuple[int, int]], int]:
+OBSERVATION_TEMPLATES = ("project", "released")
+
+
+def check_observation_template(template: str) -> str:
+    """``template`` if it is one of ``OBSERVATION_TEMPLATES``, else ValueError naming the key."""
+    if template not in OBSERVATION_TEMPLATES:
+        raise ValueError(f"rollout.observation_template must be one of {OBSERVATION_TEMPLATES}, got {template!r}")
+    return template
+
+
+def _observation_parts(results: Sequence[str], enable_thinking: bool,
+                       template: str = "project") -> tuple[str, list[tuple[int, int]], int]:
     """Suffix text, each result's character span in it, and where the next assistant header starts.
-    Each result is written through `escape_tool_response` (its span covers the escaped text)."""
+    Each result is written through `escape_tool_response` (its span covers the escaped text).
+
+    template: "project", the official Qwen3 chat template's text
+    (``\n<|im_start|>user`` + per call ``\n<tool_response>\n{r}\n</tool_response>`` + ``<|im_end|>\n``);
+    "released", the released MatchTIR rollout's text (``vllm_rollout_spmd.py``: ``<|im_start|>user\n``
+    + per call ``<tool_response>\n{r}\n</tool_response>\n`` + ``<|im_end|>\n``: no newline after the
+    sampled ``<|im_end|>``, one after each ``</tool_response>``). Both end with the generation prompt."""
+    check_observation_template(template)
     if isinstance(results, str):
         raise TypeError("results must be a list of strings (one per tool call), not a single string")
     if len(results) == 0:
         # The template renders no user turn at all for zero tool messages.
         raise ValueError("observation suffix needs at least one result (a turn without tool calls gets no observation)")
-    parts = ["\n" + IM_START + "user"]
+    if template == "released":
+        parts = [IM_START + "user\n"]
+        opening, closing = OPEN_RESPONSE + "\n", "\n" + CLOSE_RESPONSE + "\n"
+    else:
+        parts = ["\n" + IM_START + "user"]
+        opening, closing = "\n" + OPEN_RESPONSE + "\n", "\n" + CLOSE_RESPONSE
     size = len(parts[0])
     spans: list[tuple[int, int]] = []
-    opening, closing = "\n" + OPEN_RESPONSE + "\n", "\n" + CLOSE_RESPONSE
     for i, result in enumerate(results):
         if not isinstance(result, str):
             raise TypeError(f"result {i} is {type(result).__name__}, expected str")
@@ -230,14 +252,15 @@ def _observation_parts(results: Sequence[str], enable_thinking: bool) -> tuple[s
     return "".join(parts), spans, header_char
 
 
-def observation_suffix(results: Sequence[str], *, enable_thinking: bool) -> str:
+def observation_suffix(results: Sequence[str], *, enable_thinking: bool, template: str = "project") -> str:
     """Text appended after a policy turn that ended with the sampled ``<|im_end|>``.
 
-    It starts with the newline the template writes after ``<|im_end|>``, holds one
-    ``<tool_response>`` block per call (all in one user turn, as the template groups consecutive
-    tool messages), closes that turn and opens the next assistant turn.
+    "project" (default): it starts with the newline the template writes after ``<|im_end|>``, holds
+    one ``<tool_response>`` block per call (all in one user turn, as the template groups consecutive
+    tool messages), closes that turn and opens the next assistant turn. "released": the released
+    MatchTIR rollout's text (`_observation_parts`; ``rollout.observation_template``).
     """
-    return _observation_parts(results, enable_thinking)[0]
+    return _observation_parts(results, enable_thinking, template)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,15 +285,17 @@ class ObservationSuffix:
         return iter((self.ids, self.result_spans))
 
 
-def observation_suffix_ids(tokenizer: Any, results: Sequence[str], *, enable_thinking: bool) -> ObservationSuffix:
+def observation_suffix_ids(tokenizer: Any, results: Sequence[str], *, enable_thinking: bool,
+                           template: str = "project") -> ObservationSuffix:
     """Tokenise ``observation_suffix`` as one string and locate each result and the next header.
 
     The suffix is tokenised whole (not piece by piece) so its ids are exactly the template's ids;
     the result spans come from the tokenizer's character offsets. Results are untrusted: one that
     spells a control token (``<|im_end|>``, ...) is tokenised as plain text instead, piece by piece
     (`tokenizer.encode_with_plain_spans`), so a tool cannot close the turn or open a fake one.
+    template: "project" | "released" (`_observation_parts`).
     """
-    text, char_spans, header_char = _observation_parts(results, enable_thinking)
+    text, char_spans, header_char = _observation_parts(results, enable_thinking, template)
     ids, spans, (header_offset,) = tok_lib.encode_with_plain_spans(tokenizer, text, char_spans, [header_char])
     im_start = tok_lib.im_start_id(tokenizer)
     if header_offset >= len(ids) or ids[header_offset] != im_start:

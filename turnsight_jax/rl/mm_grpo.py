@@ -61,11 +61,12 @@ class MMGRPOSettings:
     placeholder: str = PLACEHOLDER
     refill_rounds: int = 3
 
-    def observation_window(self, tokenizer, *, enable_thinking: bool) -> ObservationWindow | None:
+    def observation_window(self, tokenizer, *, enable_thinking: bool,
+                           template: str = "project") -> ObservationWindow | None:
         if self.window == 0:
             return None
         return ObservationWindow(self.window, placeholder_suffix(tokenizer, self.placeholder,
-                                                                 enable_thinking=enable_thinking))
+                                                                 enable_thinking=enable_thinking, template=template))
 
 
 def mm_grpo_settings(node) -> MMGRPOSettings:
@@ -98,10 +99,11 @@ def check_method(settings: MMGRPOSettings, method) -> None:
                           f"mm_grpo.window=0 (no window) or choose another method")
 
 
-def placeholder_tokens_bound(settings: MMGRPOSettings, *, enable_thinking: bool) -> int:
+def placeholder_tokens_bound(settings: MMGRPOSettings, *, enable_thinking: bool, template: str = "project") -> int:
     """The placeholder's tokens at most, without a tokenizer: the UTF-8 bytes of its rendered
     observation suffix (a byte-level BPE token, a control token too, spans at least one byte)."""
-    return len(tmpl.observation_suffix([settings.placeholder], enable_thinking=enable_thinking).encode())
+    return len(tmpl.observation_suffix([settings.placeholder], enable_thinking=enable_thinking,
+                                       template=template).encode())
 
 
 def planned_extra(cfg, method) -> tuple[int, int]:
@@ -116,7 +118,8 @@ def planned_extra(cfg, method) -> tuple[int, int]:
     if n == 0:
         return 0, 0
     r = cfg.rollout
-    slack = max(0, r.max_turns - 1 - n) * placeholder_tokens_bound(settings, enable_thinking=r.enable_thinking)
+    slack = max(0, r.max_turns - 1 - n) * placeholder_tokens_bound(
+        settings, enable_thinking=r.enable_thinking, template=r.get("observation_template", "project"))
     return slack, slack + n * r.max_response_tokens
 
 
@@ -145,7 +148,8 @@ def dynamic_rollout(ctx, tasks: Sequence[Task], seed: int, *, sample: SampleFn,
         node = getattr(ctx.run_config, "mm_grpo", None) if ctx.run_config is not None else None
         settings = MMGRPOSettings() if node is None else mm_grpo_settings(node)
     g = ctx.group_size
-    window = settings.observation_window(ctx.tokenizer, enable_thinking=ctx.config.enable_thinking)
+    window = settings.observation_window(ctx.tokenizer, enable_thinking=ctx.config.enable_thinking,
+                                         template=ctx.config.observation_template)
     res = sample(ctx, tasks, seed, window)
     stats = dict(res.stats)
     slots = [res.trajectories[i * g:(i + 1) * g] for i in range(len(tasks))]

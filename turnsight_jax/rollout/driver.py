@@ -55,6 +55,9 @@ class RolloutConfig:
     end_on_unparsable_turn: a turn that wrote call blocks none of which parses ends the episode
     (finish reason "unparsable") instead of returning the parse errors to the policy;
     calls_in_think: call blocks inside <think> are executed (chat.parsing.parse_turn).
+    observation_template: the text appended after a turn that made tool calls
+    (chat.template.observation_suffix): "project" (default), the official Qwen3 chat template's;
+    "released", the released MatchTIR rollout's (docs/reproducing.md "Observation text").
     """
 
     max_turns: int = 10
@@ -64,8 +67,12 @@ class RolloutConfig:
     enable_thinking: bool = False
     end_on_unparsable_turn: bool = False
     calls_in_think: bool = False
+    observation_template: str = "project"
 
     def __post_init__(self):
+        if self.observation_template not in tmpl.OBSERVATION_TEMPLATES:
+            raise ValueError(f"rollout.observation_template must be one of {tmpl.OBSERVATION_TEMPLATES}, "
+                             f"got {self.observation_template!r}")
         for name in ("max_turns", "max_prompt_tokens", "max_response_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"rollout.{name} must be positive, got {getattr(self, name)}")
@@ -101,10 +108,11 @@ class ObservationWindow:
         return max(0, max_turns - 1 - self.size) * len(self.placeholder_ids)
 
 
-def placeholder_suffix(tokenizer, text: str, *, enable_thinking: bool) -> tuple[int, ...]:
+def placeholder_suffix(tokenizer, text: str, *, enable_thinking: bool, template: str = "project") -> tuple[int, ...]:
     """The ids that replace an elided observation: a tool-response message holding `text`, then
-    the next assistant header, as `template.observation_suffix_ids` renders one result."""
-    return tuple(tmpl.observation_suffix_ids(tokenizer, [text], enable_thinking=enable_thinking).ids)
+    the next assistant header, as `template.observation_suffix_ids` renders one result (in the
+    rollout's `observation_template`)."""
+    return tuple(tmpl.observation_suffix_ids(tokenizer, [text], enable_thinking=enable_thinking, template=template).ids)
 
 
 @dataclasses.dataclass
@@ -330,18 +338,19 @@ class ReplayPolicy:
         pass
 
 
-def user_suffix(tokenizer, results: Sequence[str], user_message: str | None, *, enable_thinking: bool):
+def user_suffix(tokenizer, results: Sequence[str], user_message: str | None, *, enable_thinking: bool,
+                template: str = "project"):
     """(ids, result_spans, header_offset) appended after a completed policy turn: the tool
-    responses (if any), then a user message (if any), then the next assistant header."""
+    responses (if any, in `template`: chat.template.observation_suffix), then a user message (if
+    any), then the next assistant header."""
     if results and user_message is None:
-        suf = tmpl.observation_suffix_ids(tokenizer, results, enable_thinking=enable_thinking)
+        suf = tmpl.observation_suffix_ids(tokenizer, results, enable_thinking=enable_thinking, template=template)
         return suf.ids, suf.result_spans, suf.header_offset
     text = ""
     char_spans = []
     if results:
-        head = tmpl.observation_suffix(results, enable_thinking=enable_thinking)
+        head, char_spans, _ = tmpl._observation_parts(results, enable_thinking, template)
         cut = head.rindex(tok_lib.IM_START)  # drop the assistant header; the user turn follows
-        _, char_spans, _ = tmpl._observation_parts(results, enable_thinking)
         text = head[:cut]
     text += ("" if text else "\n") + tok_lib.IM_START + "user\n" + (user_message or "") + tok_lib.IM_END + "\n"
     header_char = len(text)
@@ -717,7 +726,8 @@ def rollout(
                 end(r, "max_turns")
                 continue
             sid, spans, header = user_suffix(tokenizer, list(step.observations), step.user_message,
-                                             enable_thinking=config.enable_thinking)
+                                             enable_thinking=config.enable_thinking,
+                                             template=config.observation_template)
             if used[r] + len(sid) >= config.max_response_tokens:
                 _final_results(builders[r], calls, step)
                 end(r, None, truncated=True)
