@@ -163,6 +163,15 @@ def test_every_reply_lands_with_its_call_past_the_hosts_source_cache():
         for mix in (evicted[:20] + new[:20], [x for pair in zip(evicted[20:], cached[:20]) for x in pair],
                     new[20:] + evicted[:10] + cached[20:30]):
             assert one.run_many([_numbered(i) for i in mix]) == [f"src{i}-{i}" for i in mix]
+        # random compositions (seeded): any order of sources the host evicted, holds and never saw,
+        # each round evicting more of what the host held before it
+        import random
+
+        rng = random.Random(57)
+        for round_ in range(8):
+            pool = rng.sample(range(n), 30) + list(range(20_000 + 40 * round_, 20_000 + 40 * round_ + 10))
+            mix = rng.sample(pool, len(pool))
+            assert one.run_many([_numbered(i) for i in mix]) == [f"src{i}-{i}" for i in mix], (round_, mix)
 
 
 def test_a_source_the_host_lost_is_sent_again_without_shifting_the_batch():
