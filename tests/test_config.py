@@ -612,3 +612,15 @@ def test_study_keys_accept_their_values():
     for good in (["rl.hindsight_budget=96"], ["rl.selection=dependency"], ["rl.selection=saturation"],
                  ["faults.wrong_rate=0.2"], ["data.max_hops=3", "data.vocab_size=12"]):
         C.validate(C.apply_overrides(C.default_config(), good), 1)
+
+
+def test_turn_coverage_accepts_ascii_counts_only():
+    """rl.turns: "all", "first:N" or "last:N"; a count in other digits ("²": str.isdigit() is true,
+    int() fails) is the same ConfigError as any bad value, not a ValueError from int()."""
+    from turnsight_jax.rl.config import parse_turn_coverage
+
+    assert parse_turn_coverage("all") == ("all", 0)
+    assert parse_turn_coverage("first:5") == ("first", 5) and parse_turn_coverage("last:12") == ("last", 12)
+    for bad in ("first:²", "last:٣", "first:0", "first:", "middle:2", "last:-1"):
+        with pytest.raises(ConfigError, match="turns must be 'all', 'first:N' or 'last:N'"):
+            parse_turn_coverage(bad)

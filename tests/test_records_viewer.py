@@ -379,6 +379,18 @@ def test_a_resumed_run_clears_its_records_of_the_steps_it_redoes(tmp_path):
     assert sorted(p.name for p in (tmp_path / "records").iterdir()) == [
         "step_000001.jsonl.gz", "step_000002.p1.jsonl.gz", "step_000004.p1.jsonl.gz.tmp"]
     assert [records.file_step(p) for p in records.run_record_files(tmp_path)] == [1, 2]
+    # files that are not ours (a non-ASCII digit, no number, a copy) are neither listed nor removed,
+    # and do not stop a resume (int("²") raised here before)
+    strays = ["step_00000².jsonl.gz", "step_000002.p².jsonl.gz", "step_abc.jsonl.gz", "step_000002 (copy).jsonl.gz",
+              "step_000009.p².jsonl.gz.tmp"]
+    for name in strays:
+        (tmp_path / "records" / name).write_bytes(b"x")
+    records.clear_from(tmp_path, 0, 0)
+    assert sorted(p.name for p in (tmp_path / "records").iterdir()) == sorted(strays + [
+        "step_000002.p1.jsonl.gz", "step_000004.p1.jsonl.gz.tmp"])
+    assert [(records.file_step(p), records.file_process(p)) for p in records.run_record_files(tmp_path)] == [(2, 1)]
+    with pytest.raises(records.RecordsError, match="not a records file name"):
+        records.file_step(tmp_path / "records" / strays[0])
 
 
 def test_the_viewer_of_a_method_without_turnsight_numbers(stepped, browser, tmp_path):

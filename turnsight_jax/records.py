@@ -19,6 +19,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import zlib
 from typing import Any, Iterable, Sequence
 
@@ -45,15 +46,26 @@ def records_path(workdir: pathlib.Path, step: int, process: int = 0) -> pathlib.
     return pathlib.Path(workdir) / FOLDER / f"step_{step:06d}{suffix}.jsonl.gz"
 
 
+# records_path's names, and a killed write's temporary name: ASCII digits only (str.isdigit() also
+# accepts "²", which int() refuses); any other file in the folder is not ours and is left alone
+_NAME = re.compile(r"step_([0-9]+)(?:\.p([0-9]+))?\.jsonl\.gz(\.tmp)?")
+
+
+def _name_match(path: pathlib.Path) -> re.Match:
+    m = _NAME.fullmatch(pathlib.Path(path).name)
+    if m is None:
+        raise RecordsError(f"{path}: not a records file name (step_<step>[.p<process>].jsonl.gz)")
+    return m
+
+
 def file_step(path: pathlib.Path) -> int:
     """The step of a records file's name (records_path)."""
-    return int(pathlib.Path(path).name.split(".")[0].removeprefix("step_"))
+    return int(_name_match(path).group(1))
 
 
 def file_process(path: pathlib.Path) -> int:
     """The process of a records file's name (records_path): 0, or p of ".p<p>"."""
-    part = pathlib.Path(path).name.split(".")[1]
-    return int(part[1:]) if part.startswith("p") and part[1:].isdigit() else 0
+    return int(_name_match(path).group(2) or 0)
 
 
 def due(step: int, every: int) -> bool:
@@ -331,7 +343,14 @@ def read_records(path: pathlib.Path) -> tuple[dict, list[dict]]:
 def run_record_files(run_dir: pathlib.Path) -> list[pathlib.Path]:
     """The records files of a run folder, by step then process."""
     folder = pathlib.Path(run_dir) / FOLDER
-    return sorted(folder.glob("step_*.jsonl.gz")) if folder.is_dir() else []
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.glob("step_*.jsonl.gz") if _is_name(p, tmp=False))
+
+
+def _is_name(path: pathlib.Path, *, tmp: bool) -> bool:
+    m = _NAME.fullmatch(path.name)
+    return m is not None and bool(m.group(3)) == tmp
 
 
 def clear_from(run_dir: pathlib.Path, step: int, process: int) -> None:
@@ -342,7 +361,7 @@ def clear_from(run_dir: pathlib.Path, step: int, process: int) -> None:
         if file_step(path) >= step and file_process(path) == process:
             path.unlink()
     for tmp in folder.glob("step_*.jsonl.gz.tmp") if folder.is_dir() else ():
-        if file_process(tmp) == process:
+        if _is_name(tmp, tmp=True) and file_process(tmp) == process:
             tmp.unlink(missing_ok=True)
 
 

@@ -372,7 +372,8 @@ def host_cgroup(report: dict) -> str | None:
         if missing:
             raise OSError(f"no {' and '.join(missing)} controller in cgroup v2 at {base}")
         for entry in os.listdir(base):  # hosts that died without removing theirs
-            if entry.startswith(_CGROUP_PREFIX) and entry[len(_CGROUP_PREFIX):].isdigit():
+            pid = entry[len(_CGROUP_PREFIX):]
+            if entry.startswith(_CGROUP_PREFIX) and pid.isascii() and pid.isdigit():  # "²".isdigit()
                 try:
                     os.kill(int(entry[len(_CGROUP_PREFIX):]), 0)
                 except ProcessLookupError:

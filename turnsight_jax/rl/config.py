@@ -55,7 +55,7 @@ def parse_turn_coverage(turns: str) -> tuple[str, int]:
     if turns == "all":
         return "all", 0
     kind, _, num = str(turns).partition(":")
-    if kind in ("first", "last") and num.isdigit() and int(num) >= 1:
+    if kind in ("first", "last") and num.isascii() and num.isdigit() and int(num) >= 1:  # "²".isdigit()
         return kind, int(num)
     raise ConfigError(f"turns must be 'all', 'first:N' or 'last:N' with N >= 1, got {turns!r}")
 
