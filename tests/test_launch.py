@@ -539,6 +539,8 @@ def test_the_warm_start_on_two_processes_writes_one_folder(tmp_path):
     proc = subprocess.run([str(LAUNCH / "local_multiprocess.sh"), "2", "--devices", "2", "--port", str(_free_port()),
                            "--", sys.executable, "-m", "turnsight_jax.train", "--config", "tests/configs/tiny_random.py",
                            "--config.sft.steps=2", "--config.sft.curriculum_steps=0", "--config.train.steps=0",
+                           # 16 demonstrations and tasks, not 2 x 1,024 and 2,000 (the data, not the folder, took 26 s)
+                           "--config.sft.num_tasks=16", "--config.data.num_train=16",
                            "--config.data.num_eval=2", "--config.eval.samples=1", "--workdir", str(work)],
                           capture_output=True, text=True, env=job_env(), cwd=REPO_ROOT, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
