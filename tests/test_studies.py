@@ -40,3 +40,25 @@ def test_a_bad_study_argument_is_refused(capsys):
     with pytest.raises(SystemExit):
         studies.main(["nonsense"])
     assert studies.main(["horizon", "--steps", "0", "--check"]) == 2
+
+
+def test_an_arms_folder_is_emptied_under_its_workdir_lock(tmp_path):
+    """A study run empties each arm's folder before training it, holding the folder's workdir lock:
+    a trainer holding that lock (another study command in the same folder) is refused, and nothing
+    of its run is deleted; a free folder is emptied and gets the warm-start, and no lock is left."""
+    from turnsight_jax.checkpointing import LOCK_FILE, WorkdirLock
+    from turnsight_jax.errors import WorkdirInUse
+
+    sft = tmp_path / "warm" / "sft"
+    sft.mkdir(parents=True)
+    (sft / "SFT_DONE").write_text("")
+    arm = tmp_path / "study" / "arm"
+    (arm / "checkpoints" / "3").mkdir(parents=True)
+    (arm / "metrics.jsonl").write_text("{}\n")
+    with WorkdirLock(arm):  # a running trainer's lock (another open file: flock refuses it here too)
+        with pytest.raises(WorkdirInUse, match=str(arm)):
+            studies._fresh_arm_folder(arm, sft)
+        assert (arm / "checkpoints" / "3").is_dir() and (arm / "metrics.jsonl").is_file()
+    studies._fresh_arm_folder(arm, sft)
+    assert sorted(p.name for p in arm.iterdir()) == ["sft"] and (arm / "sft" / "SFT_DONE").is_file()
+    assert not (arm / LOCK_FILE).exists()

@@ -291,6 +291,24 @@ def _warm_start_note(sft: pathlib.Path, seconds: float) -> str:
     return f"warm-start reused from {sft.parent.name} (built in {built:.0f} s by the same code)"
 
 
+def _fresh_arm_folder(run_dir: pathlib.Path, sft: pathlib.Path) -> None:
+    """Empties an arm's run folder (the table holds this command's numbers only) and copies the
+    warm-start in, holding the folder's workdir lock while it does: a trainer still running there
+    (another study command) is refused with WorkdirInUse naming it, not deleted from under. The
+    lock is released before training, which takes it again."""
+    from turnsight_jax.checkpointing import LOCK_FILE, WorkdirLock
+
+    with WorkdirLock(run_dir):
+        for entry in run_dir.iterdir():
+            if entry.name == LOCK_FILE:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        shutil.copytree(sft, run_dir / "sft")
+
+
 def run(name: str, workdir: pathlib.Path, out: pathlib.Path, seed: int = 0, steps: int | None = None) -> dict:
     """Train every arm of study `name` and write its table, plots and summary.json to `out`."""
     from turnsight_jax.train import train
@@ -304,9 +322,7 @@ def run(name: str, workdir: pathlib.Path, out: pathlib.Path, seed: int = 0, step
     for arm in study.arms:
         cfg = arm_config(study, arm, seed, steps)
         run_dir = workdir / name / arm
-        if run_dir.exists():
-            shutil.rmtree(run_dir)  # a fresh run: the table holds this command's numbers only
-        shutil.copytree(sft, run_dir / "sft")
+        _fresh_arm_folder(run_dir, sft)
         t1 = time.perf_counter()
         train(cfg, run_dir)
         results[arm] = {"run": run_dir, "records": _metrics(run_dir), "wall_s": time.perf_counter() - t1}
@@ -399,7 +415,13 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     else:
-        run(args.study, workdir, out, args.seed, steps)
+        from turnsight_jax.errors import WorkdirInUse
+
+        try:
+            run(args.study, workdir, out, args.seed, steps)
+        except WorkdirInUse as e:  # another trainer holds an arm's folder: one line naming it, as train's CLI
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     print(f"{args.study}: {out / 'table.md'}")
     return 0
 
