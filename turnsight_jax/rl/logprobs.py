@@ -55,16 +55,7 @@ def _scan_rows(rows, skipped, args, *, chunk: int, used, remat: bool = True):
         if used is None:
             return None, rows(*x)
         *chunk_args, live = x
-        # The skipped branch's zeros must vary over the mesh axes the computed rows vary over
-        # (lax.cond under shard_map compares them): rows' outputs can vary over an axis none of
-        # the chunk's own inputs does (a weight or hidden rows sharded over fsdp, as with <= 4
-        # rows per device in the released MatchTIR recipe), so take the axes from rows' types.
-        like = jax.eval_shape(rows, *chunk_args)
-
-        def skip(*a):
-            return jax.tree.map(_vary_as, skipped(*a), like)
-
-        return None, jax.lax.cond(live, rows, skip, *chunk_args)
+        return None, jax.lax.cond(live, rows, skipped, *chunk_args)
 
     if remat:
         body = jax.checkpoint(body)
@@ -77,12 +68,6 @@ def _scan_rows(rows, skipped, args, *, chunk: int, used, remat: bool = True):
         return out
     back = jnp.argsort(order)
     return jax.tree.map(lambda o: _zero_unused(o[back], used), out)
-
-
-def _vary_as(z, like):
-    """z cast to vary over every mesh axis `like` (an array or its abstract type) varies over."""
-    missing = tuple(sorted(_varying(like) - _varying(z)))
-    return jax.lax.pcast(z, missing, to="varying") if missing else z
 
 
 def _zero_unused(o, used):
@@ -294,12 +279,9 @@ def gather_rows(hidden: jax.Array, index: jax.Array) -> jax.Array:
 
 def _varying(x) -> frozenset:
     """The mesh axes a value inside `shard_map` varies over (JAX's manual-axis type)."""
-    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+    aval = jax.typeof(x)
     vma = getattr(aval, "vma", None)  # the attribute's name before JAX 0.10
-    if vma is None:
-        manual = getattr(aval, "manual_axis_type", None)  # None on an abstract value outside shard_map
-        vma = manual.varying if manual is not None else ()
-    return frozenset(vma)
+    return frozenset(vma if vma is not None else aval.manual_axis_type.varying)
 
 
 def _active_mesh():
