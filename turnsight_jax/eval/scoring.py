@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from turnsight_jax.eval import suites as suite_lib
-from turnsight_jax.eval.ftrl_metrics import SHORT, coverage_note, ftrl_scores, ftrl_table  # noqa: F401
+from turnsight_jax.eval.ftrl_metrics import coverage_note, ftrl_scores, ftrl_table
 from turnsight_jax.eval.ftrl_metrics import pct as _pct
 from turnsight_jax.eval.ftrl_metrics import table as _table
 from turnsight_jax.eval.runner import Example

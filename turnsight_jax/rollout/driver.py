@@ -70,9 +70,7 @@ class RolloutConfig:
     observation_template: str = "project"
 
     def __post_init__(self):
-        if self.observation_template not in tmpl.OBSERVATION_TEMPLATES:
-            raise ValueError(f"rollout.observation_template must be one of {tmpl.OBSERVATION_TEMPLATES}, "
-                             f"got {self.observation_template!r}")
+        tmpl.check_observation_template(self.observation_template)
         for name in ("max_turns", "max_prompt_tokens", "max_response_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"rollout.{name} must be positive, got {getattr(self, name)}")
