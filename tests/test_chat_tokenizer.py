@@ -37,6 +37,24 @@ def test_missing_files_are_named(tmp_path, qwen3_tokenizer_dir):
         tl.load_tokenizer(tmp_path)
 
 
+def test_a_process_builds_each_tokenizer_content_once(tmp_path, qwen3_tokenizer_dir):
+    """The Rust tokenizer is cached by tokenizer.json's content: a copy in another folder (each
+    run's folder holds one) shares it and encodes the same, an edited file is built again."""
+    import json
+
+    first = tl.load_tokenizer(qwen3_tokenizer_dir)
+    copy = shutil.copytree(qwen3_tokenizer_dir, tmp_path / "copy")
+    second = tl.load_tokenizer(copy)
+    assert second._tk is first._tk and second.name_or_path == str(copy)
+    assert second.encode_plain("<|im_end|>") == first.encode_plain("<|im_end|>") != first.encode("<|im_end|>")
+    spec = json.loads((copy / "tokenizer.json").read_text())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] != "<|im_end|>"]
+    (copy / "tokenizer.json").write_text(json.dumps(spec))
+    edited = tl.load_tokenizer(copy)
+    assert edited._tk is not first._tk and edited.convert_tokens_to_ids("<|im_end|>") is None
+    assert tl.load_tokenizer(qwen3_tokenizer_dir).convert_tokens_to_ids("<|im_end|>") == QWEN3_IM_END_ID
+
+
 def test_check_vocab_fits(tok):
     tl.check_vocab_fits(tok, 151936)  # Qwen3's padded embedding
     tl.check_vocab_fits(tok, 151669)

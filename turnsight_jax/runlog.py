@@ -3,6 +3,7 @@ the measured matmul peak that CPU MFU figures divide by. Only process 0 writes."
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -121,8 +122,11 @@ class Progress:
               f"{rate:.1f} s/step | ETA {int(eta // 60)}m{int(eta % 60):02d}s", file=sys.stderr, flush=True)
 
 
+@functools.lru_cache(maxsize=None)
 def matmul_peak_flops(seconds: float = 0.5) -> float:
-    """Measured float32 matmul throughput of device 0 (FLOP/s): the MFU denominator on CPU."""
+    """Measured float32 matmul throughput of device 0 (FLOP/s): the MFU denominator on CPU.
+    Measured once per process (half a second of both cores per run otherwise): the machine does
+    not change between the runs of one notebook, study or test process."""
     n = 1024
     a = jnp.ones((n, n), jnp.float32)
     f = jax.jit(lambda x: x @ x)

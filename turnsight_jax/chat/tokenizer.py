@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import re
 from typing import Any, Sequence
@@ -47,10 +48,10 @@ class FastTokenizer:
     def __init__(self, folder: str | os.PathLike[str]):
         import json
 
-        from tokenizers import Tokenizer
-
         self.name_or_path = os.fspath(folder)
-        self._tk = Tokenizer.from_file(os.path.join(self.name_or_path, "tokenizer.json"))
+        self._json = os.path.join(self.name_or_path, "tokenizer.json")
+        self._digest = _file_digest(self._json)
+        self._tk = _rust_tokenizer(self._json, self._digest, False)
         self._specials: tuple[str, ...] | None = None
         self._plain = None
         with open(os.path.join(self.name_or_path, "tokenizer_config.json"), encoding="utf-8") as f:
@@ -91,10 +92,7 @@ class FastTokenizer:
     def encode_plain(self, text: str) -> list[int]:
         """Ids of ``text`` with special-token spellings tokenised as ordinary text."""
         if self._plain is None:  # a second instance: toggling the shared one is not thread-safe
-            from tokenizers import Tokenizer
-
-            self._plain = Tokenizer.from_str(self._tk.to_str())
-            self._plain.encode_special_tokens = True
+            self._plain = _rust_tokenizer(self._json, self._digest, True)
         return self._plain.encode(text, add_special_tokens=False).ids
 
     def convert_tokens_to_ids(self, token: str) -> int | None:
@@ -123,6 +121,35 @@ def load_tokenizer(path: str | os.PathLike[str]) -> FastTokenizer:
             f"(need {' and '.join(_REQUIRED_FILES)})"
         )
     return FastTokenizer(folder)
+
+
+def _file_digest(path: str) -> str:
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.blake2b(f.read(), digest_size=16).hexdigest()
+
+
+_RUST_TOKENIZERS: dict[tuple[str, bool], Any] = {}
+
+
+def _rust_tokenizer(path: str, digest: str, plain: bool):
+    """One `tokenizers.Tokenizer` per tokenizer.json content in a process (`plain`: the variant
+    that tokenises special-token spellings as text). Building one from Qwen3's 11 MB file takes
+    ~0.6 s, and a process that runs several trainings (a notebook, a study, the tests' trainer
+    process) reads the same file from each run's folder. Keyed by the content's digest, not the
+    path, so an edited file is read again; encoding never mutates the instance, so callers share
+    it."""
+    key = (digest, plain)
+    if key not in _RUST_TOKENIZERS:
+        from tokenizers import Tokenizer
+
+        if len(_RUST_TOKENIZERS) >= 8:
+            _RUST_TOKENIZERS.pop(next(iter(_RUST_TOKENIZERS)))
+        tk = Tokenizer.from_file(path)
+        tk.encode_special_tokens = plain
+        _RUST_TOKENIZERS[key] = tk
+    return _RUST_TOKENIZERS[key]
 
 
 def check_vocab_fits(tokenizer: Any, vocab_size: int) -> None:
