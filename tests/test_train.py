@@ -211,6 +211,69 @@ def test_the_step_compiles_once_per_batch_geometry(uninterrupted):
     assert recs[-1]["perf/step_compilations"] == len(geometries), [r["perf/step_compilations"] for r in recs]
 
 
+def test_a_changed_config_never_silently_continues_a_run(uninterrupted, tmp_path, capsys):
+    """Re-running into a finished run (turnsight_jax.provenance): a result-changing key exits 2
+    naming it and leaves every file of the run byte-identical; a harmless change (more steps, other
+    logging) resumes and is recorded in config_history.jsonl; --allow-config-change continues under
+    a result-changing key and records that it was allowed."""
+    from turnsight_jax import train
+
+    run = shutil.copytree(uninterrupted, tmp_path / "run")
+
+    def files():
+        return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))
+                if p.is_file() and p.name != "turnsight.lock"}
+
+    before = files()
+    stored = json.loads(before["config.json"])
+    assert stored["rl"]["method"] != "grpo" and any(k.startswith("export/") for k in before)
+    code = train.main(FAST + ["--workdir", str(run), "--config.rl.method=grpo", "--config.rl.lam=0.25"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith(f"error: {run} holds a run with another config"), last
+    assert f'rl.method: "{stored["rl"]["method"]}" -> "grpo"' in last and "rl.lam:" in last, last
+    assert "--allow-config-change" in last and "train.steps" not in last
+    assert files() == before  # config.json, metrics, checkpoints, export: nothing rewritten
+
+    proc = _run(FAST + ["--config.train.steps=5", "--config.log.records_every=1"], run)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert "resumed from" in err and "(next step 4)" in err and "config changed since this run's last start" in err
+    history = [json.loads(line) for line in (run / "config_history.jsonl").read_text().splitlines()]
+    assert len(history) == 1 and history[0]["allowed_by"] == "harmless" and history[0]["result_changing"] == []
+    assert history[0]["changed"] == {"log.records_every": [2, 1], "train.steps": [4, 5]}
+    assert json.loads((run / "config.json").read_text())["train"]["steps"] == 5
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1, 2, 3, 4]
+    assert lines[:4] == before["metrics.jsonl"].decode().splitlines()  # the earlier steps' record kept
+
+    # allowed: the finished run (5 of 5 steps) under another lambda; recorded as allowed
+    code = train.main(FAST + ["--workdir", str(run), "--config.train.steps=5", "--config.log.records_every=1",
+                              "--config.rl.lam=0.25", "--allow-config-change"])
+    assert code == 0, capsys.readouterr().err[-3000:]
+    history = [json.loads(line) for line in (run / "config_history.jsonl").read_text().splitlines()]
+    assert history[1]["allowed_by"] == "--allow-config-change" and history[1]["result_changing"] == ["rl.lam"]
+    # (this process has 8 devices: the row groups are fitted off, a layout key, harmless)
+    assert history[1]["changed"]["rl.lam"] == [stored["rl"]["lam"], 0.25]
+    assert json.loads((run / "config.json").read_text())["rl"]["lam"] == 0.25
+
+
+def test_harmless_keys_are_the_ones_that_leave_every_step_as_it_was():
+    from turnsight_jax.provenance import config_changes, harmless
+
+    new = {"optim": {"schedule": "constant"}, "train": {"steps": 9, "group_size": 4}, "log": {"progress": False},
+           "mesh": {"data": 2}, "name": "x", "rl": {"lam": 0.5, "new_key": 1}}
+    old = {"optim": {"schedule": "constant"}, "train": {"steps": 3, "group_size": 8}, "log": {"progress": True},
+           "mesh": {"data": 1}, "name": "y", "rl": {"lam": 0.5, "gone": 2}}
+    changed, added = config_changes(old, new)
+    assert set(changed) == {"train.steps", "train.group_size", "log.progress", "mesh.data", "name", "rl.gone"}
+    assert harmless("train.micro_batches", {}) and not harmless("train.mini_batches", {})  # accumulation vs more updates
+    assert added == ["rl.new_key"] and changed["rl.gone"] == (2, None)
+    flat = {"optim.schedule": "constant"}
+    assert [k for k in sorted(changed) if not harmless(k, flat)] == ["rl.gone", "train.group_size"]
+    # a cosine schedule decays over train.steps: more steps change every later step's learning rate
+    assert not harmless("train.steps", {"optim.schedule": "cosine"})
+
+
 def test_unfinished_checkpoint_is_never_loaded(uninterrupted, tmp_path):
     import shutil
 

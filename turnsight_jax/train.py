@@ -29,7 +29,8 @@ import ml_collections as mlc
 import numpy as np
 from flax import nnx
 
-from turnsight_jax import batch_shapes, checkpointing, cost, distributed, errors, flops, model_setup, records, sources
+from turnsight_jax import (batch_shapes, checkpointing, cost, distributed, errors, flops, model_setup, provenance,
+                           records, sources)
 from turnsight_jax.checkpointing import Checkpointer, write_run_config, write_run_files
 from turnsight_jax.config import (engine_config, fault_config, load_run_config, model_layer_name, rollout_config,
                                   sampling_params, second_stage, slim_config, validate)
@@ -222,12 +223,14 @@ def _describe(ev: dict) -> str:
     return text
 
 
-def train(cfg: mlc.ConfigDict, workdir: pathlib.Path) -> dict:
+def train(cfg: mlc.ConfigDict, workdir: pathlib.Path, *, allow_config_change: bool = False) -> dict:
     """Runs training in `workdir`, holding its lock (`checkpointing.WorkdirLock`, taken once the
-    inputs are checked and before the folder is written; released however the run ends)."""
+    inputs are checked and before the folder is written; released however the run ends). A
+    workdir that already holds a run is resumed only under the same config, up to the changes
+    `turnsight_jax.provenance` calls harmless (`allow_config_change`: any change, recorded)."""
     lock = checkpointing.WorkdirLock(workdir, log=log)
     try:
-        return _train(cfg, pathlib.Path(workdir), lock)
+        return _train(cfg, pathlib.Path(workdir), lock, allow_config_change)
     finally:
         lock.release()
 
@@ -245,7 +248,21 @@ def _lock_workdir(lock: checkpointing.WorkdirLock) -> None:
                                              f"error names the holder)")
 
 
-def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.WorkdirLock) -> dict:
+def _check_provenance(workdir: pathlib.Path, cfg: mlc.ConfigDict, allow_change: bool) -> None:
+    """Process 0 compares the config with the run already in the folder (provenance.check_resume);
+    every process stops when it refused."""
+    refused = None
+    if jax.process_index() == 0:
+        try:
+            provenance.check_resume(workdir, cfg, allow_change=allow_change, log=log)
+        except ConfigError as e:
+            refused = e
+    if distributed.any_process(refused is not None):
+        raise refused or ConfigError(f"{workdir}: process 0 refused the config change (its error names the keys)")
+
+
+def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.WorkdirLock,
+           allow_config_change: bool = False) -> dict:
     step_cfg, method = validate(cfg, jax.device_count())
     log(method.describe())
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
@@ -271,6 +288,7 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
 
     workdir.mkdir(parents=True, exist_ok=True)
     _lock_workdir(lock)  # before anything in the folder is written: one trainer per run folder
+    _check_provenance(workdir, cfg, allow_config_change)  # a changed config never silently continues a run
     write_run_files(workdir, qcfg, tokdir)
     write_run_config(workdir, cfg)  # `python -m turnsight_jax.evaluate --checkpoint` reads it back
     start_path = cfg.model.hf_path or None
@@ -683,6 +701,10 @@ def main(argv=None) -> int:
                                  epilog="Overrides: --config.<key>=<value>, e.g. --config.rl.lam=0.3")
     ap.add_argument("--config", default=None, help="a configs/*.py file (default: the embedded tiny CPU config)")
     ap.add_argument("--workdir", default=None, help="run folder (default: runs/<config name>)")
+    ap.add_argument("--allow-config-change", "--allow_config_change", dest="allow_config_change",
+                    action="store_true",
+                    help="resume a run folder whose config differs in keys that change results (recorded in "
+                         "its config_history.jsonl); without it such a re-run exits 2 naming the keys")
     ap.add_argument("--dry_run", action="store_true",
                     help="compile the train step on abstract parameters and print its memory plan; allocate nothing")
     ap.add_argument("--fake_devices", type=int, default=0,
@@ -712,7 +734,7 @@ def main(argv=None) -> int:
                 return 1
             return 0
         workdir = pathlib.Path(args.workdir or f"runs/{cfg.name}")
-        train(cfg, workdir)
+        train(cfg, workdir, allow_config_change=args.allow_config_change)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
