@@ -207,7 +207,7 @@ def main() -> int:
                             f"1-process run's {calls_one[step]}")
     if sum(calls_one) == 0:
         problems.append("no tool calls at all: the split of the tool calls went untested")
-    signalled = "[p1] process 1: received signal 15" in out_cut and "[p0] process 0: received signal" not in out_cut
+    signalled = "[p1] process 1: received SIGTERM" in out_cut and "[p0] process 0: received SIG" not in out_cut
     if not 0 < saved < STEPS or f"stopped after step {saved} (checkpoint {saved} written by all processes)" not in out_cut \
             or not signalled:
         problems.append(f"preemption: checkpoint {saved} (expected one before step {STEPS}, written after the signal "

@@ -156,7 +156,7 @@ CHAOS = [
 
 
 def test_chaos_sigterm_then_sigkill_in_a_checkpoint_write_then_resume(tmp_path):
-    """Hostile tools all along; SIGTERM (graceful stop with a checkpoint), then a resumed run
+    """Hostile tools all along; Ctrl-C and SIGTERM (graceful stop with a checkpoint), then a resumed run
     SIGKILLed while writing its next checkpoint (every file written, not yet verified), then a
     second resume: it finishes, keeps every finished step, skips the unverified one saying why,
     and logs the same numbers as an uninterrupted run from the last finished step on."""
@@ -169,12 +169,15 @@ def test_chaos_sigterm_then_sigkill_in_a_checkpoint_write_then_resume(tmp_path):
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= 1:
-            proc.send_signal(signal.SIGTERM)  # a real signal while step 2 runs (or just after step 1)
+            # real signals while step 2 runs (or just after step 1): Ctrl-C, then a preemption
+            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGTERM)
             break
         time.sleep(0.1)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
-    assert "checkpointing after this step" in err
+    assert "received SIGINT: checkpointing after this step, then exiting; press Ctrl-C again" in err, err[-3000:]
+    assert "received SIGTERM: checkpointing after this step, then exiting" in err, err[-3000:]
     stopped = max(_records(workdir))  # 0-based; checkpoint `stopped + 1` holds it
     assert 0 <= stopped < 2, stopped
     killed_step = stopped + 2  # the next save: one more step, then SIGKILL before its manifest
@@ -200,6 +203,28 @@ def test_chaos_sigterm_then_sigkill_in_a_checkpoint_write_then_resume(tmp_path):
     assert sorted(folders) == list(range(max(1, 4 - keep), 4))  # the newest `keep` finished steps, all there
     assert all(check_step(f) is None for f in folders.values()), {s: check_step(f) for s, f in folders.items()}
     assert (workdir / "checkpoints" / f"invalid-{killed_step}-0").is_dir() and reference_dir.is_dir()
+
+
+def test_ctrl_c_and_sigterm_ask_for_a_checkpoint_and_a_second_ctrl_c_stops_now(capsys):
+    """The trainer's handler (train._Preemption), with real signals to this process: SIGINT and
+    SIGTERM each set the stop flag with one line; a second SIGINT raises KeyboardInterrupt (main
+    turns it into one line and exit 130); restore() puts the previous handlers back."""
+    from turnsight_jax.train import _Preemption
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for first in (signal.SIGTERM, signal.SIGINT):
+        preempt = _Preemption()
+        try:
+            os.kill(os.getpid(), first)
+            time.sleep(0.01)  # the handler runs between bytecodes of this thread
+            assert preempt.requested
+            assert f"received {first.name}: checkpointing after this step" in capsys.readouterr().err
+            with pytest.raises(KeyboardInterrupt, match="second SIGINT"):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.01)
+        finally:
+            preempt.restore()
+    assert {s: signal.getsignal(s) for s in before} == before
 
 
 def test_the_step_compiles_once_per_batch_geometry(uninterrupted):

@@ -57,17 +57,25 @@ def _z_score(mean: float, se: float) -> float:
 
 
 class _Preemption:
-    """SIGTERM sets a flag; the loop checkpoints after the current step and exits."""
+    """SIGTERM (a preemption) or SIGINT (Ctrl-C, a notebook's interrupt) sets a flag; the loop
+    checkpoints after the current step and exits. A second Ctrl-C stops at once, without a
+    checkpoint (the last one stays valid: a save is verified before it counts)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.requested = False
-        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM,)}
+        self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
     def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT and self.requested:
+            raise KeyboardInterrupt(f"second {name}: stopped without a checkpoint of this step")
         # every process says it (a preemption may reach only one of them); the stop is agreed
         # after the step (`distributed.any_process`)
         who = f"process {jax.process_index()}: " if jax.process_count() > 1 else ""
-        print(f"{who}received signal {signum}: checkpointing after this step, then exiting", file=sys.stderr,
+        again = "; press Ctrl-C again to stop now, without it" if signum == signal.SIGINT else ""
+        print(f"{who}received {name}: checkpointing after this step, then exiting{again}", file=sys.stderr,
               flush=True)
         self.requested = True
 
@@ -747,6 +755,10 @@ def main(argv=None) -> int:
     except NonFiniteTraining as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:  # Ctrl-C outside the RL loop, or a second one inside it
+        print(f"error: interrupted ({e or 'Ctrl-C'}); every finished checkpoint is intact: rerun the same command "
+              f"to resume", file=sys.stderr)
+        return 130
     return 0
 
 
