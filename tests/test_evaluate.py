@@ -491,6 +491,20 @@ def test_checkpoint_folder_that_is_not_a_run(tmp_path, capsys):
     assert _error_line(err) == f"error: --checkpoint {tmp_path}: not a turnsight_jax run folder (no model/config.json)"
 
 
+@pytest.mark.parametrize("benchmarks", ["builtin", "bfcl"])
+def test_checkpoint_given_an_export_folder_says_use_hf(tmp_path, capsys, benchmarks):
+    """A run's export/ (a Hugging Face folder) passed as --checkpoint: one line pointing at --hf,
+    not an AttributeError on the model config read as a run config."""
+    from turnsight_jax.models.config import Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=16)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    code, _, err = run_cli(["--checkpoint", tmp_path, "--benchmarks", benchmarks], capsys)
+    line = _error_line(err)
+    assert code == 2 and line.startswith("error: ") and f"--hf {tmp_path}" in line, line
+
+
 def test_tokenizer_larger_than_model_vocabulary(tmp_path, capsys):
     from turnsight_jax.models.config import Qwen3Config
 

@@ -84,6 +84,17 @@ def test_bad_inputs_fail_before_training(tmp_path, capsys, args, message):
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing touched
 
 
+def test_a_workdir_that_is_a_file_is_one_line(tmp_path, capsys):
+    from turnsight_jax import train
+
+    (tmp_path / "run").write_text("notes")
+    code = train.main(FAST + ["--workdir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip() == f"error: --workdir {tmp_path / 'run'} is a file, not a run folder: name a new " \
+                                        f"or existing folder", err[-2000:]
+    assert (tmp_path / "run").read_text() == "notes"
+
+
 def test_the_cli_exits_2_on_a_config_error(tmp_path):
     """The same through a real `python -m turnsight_jax.train` process (exit status, stderr)."""
     proc = _run(FAST + ["--config.rl.lamda=0.3"], tmp_path / "run")

@@ -598,9 +598,16 @@ def read_run_config(workdir: str | pathlib.Path):
     if not path.is_file():
         return None
     try:
-        return mlc.ConfigDict(json.loads(path.read_text()))
-    except (ValueError, TypeError) as e:
+        raw = json.loads(path.read_text())
+    except ValueError as e:
         raise ValueError(f"{path}: not a run config ({e})") from None
+    if isinstance(raw, dict) and "model_type" in raw and "rl" not in raw:  # an export / HF model folder
+        raise ValueError(f"{path.parent} is a Hugging Face model folder (its config.json is a model config), not a "
+                         f"training run folder: pass it as --hf {path.parent}")
+    missing = [k for k in ("data", "model", "rl", "rollout", "train") if not isinstance(raw, dict) or k not in raw]
+    if missing:
+        raise ValueError(f"{path}: not a run config (no {', '.join(missing)} section)")
+    return mlc.ConfigDict(raw)
 
 
 def load_policy_from_run(

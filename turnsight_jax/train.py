@@ -726,6 +726,8 @@ def main(argv=None) -> int:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     maybe_initialize_distributed()
     try:
+        if args.workdir and pathlib.Path(args.workdir).exists() and not pathlib.Path(args.workdir).is_dir():
+            raise ConfigError(f"--workdir {args.workdir} is a file, not a run folder: name a new or existing folder")
         cfg = load_run_config(args.config, rest)
         if jax.process_index() == 0:
             source = args.config or "embedded default"

@@ -147,7 +147,9 @@ class ModelSource:
         if kind == "checkpoint":
             model_dir = folder / "model"
             if not (model_dir / "config.json").is_file():
-                raise EvalError(f"{flag} {folder}: not a turnsight_jax run folder (no model/config.json)")
+                hf = (folder / "config.json").is_file() and '"model_type"' in (folder / "config.json").read_text()
+                hint = f": it is a Hugging Face model folder (an export?), evaluate it with --hf {folder}" if hf else ""
+                raise EvalError(f"{flag} {folder}: not a turnsight_jax run folder (no model/config.json){hint}")
             default_tok = folder / "tokenizer"
         else:
             model_dir = folder
