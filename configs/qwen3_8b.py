@@ -24,7 +24,7 @@ def experiment(c):
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1  # fsdp over every device
     # The paged engine runs all 32 x 16 episodes through 128 decode slots, 16 per device, its
     # bf16 KV pool sized for each slot at prompt + response length (10k + 13k): 50.5 GiB per
-    # device next to 17 GiB of resident trainer state (`--dry_run` prints the plan).
+    # device next to 17 GiB of resident trainer state (`--dry-run` prints the plan).
     c.rollout.decode_slots = 128
     c.train.micro_batches = 64  # 8 trajectories per micro-batch: one per device
     c.train.teacher_micro_batches = 64

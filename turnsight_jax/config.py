@@ -175,7 +175,7 @@ def base_config() -> mlc.ConfigDict:
     c.teacher.weights = "reference"  # reference (frozen initial policy; TurnSight) | policy (current, no gradient) | ema | external
     c.teacher.ema_decay = 0.99  # weights=ema: teacher <- decay * teacher + (1 - decay) * policy after every step
     c.teacher.checkpoint = ""  # weights=external: a Hugging Face Qwen3 folder with the policy's tokenizer | warm_start
-    c.teacher.preset = ""  # weights=external: its architecture (a preset) for --dry_run where the folder is absent
+    c.teacher.preset = ""  # weights=external: its architecture (a preset) for --dry-run where the folder is absent
     c.teacher.source = "gold_answer"  # privileged block: gold_answer | sibling | feedback | skill | none (RLSD/SDPO/SDAR/SOD)
     c.teacher.placement = "prompt"  # privileged block: prompt (once, after the prompt) | turn (before every turn)
     c.teacher.skills = ""  # source=skill: JSON file {task category: skill text}; "": the bundled skills
@@ -337,7 +337,7 @@ def base_config() -> mlc.ConfigDict:
     c.mesh.fsdp = -1  # parameter/optimizer sharding (every device by default)
     c.mesh.tensor = 1  # tensor parallelism
 
-    c.plan = mlc.ConfigDict()  # --dry_run: the worst-case geometry and the device budget
+    c.plan = mlc.ConfigDict()  # --dry-run: the worst-case geometry and the device budget
     c.plan.packed_factor = 2.0  # packed teacher row length / trajectory length
     c.plan.distinct_factor = 3.0  # distinct teacher predictors / policy tokens
     c.plan.device_memory_gib = 80.0  # per-device memory the plan is checked against (paper: 80 GB GPUs)

@@ -50,10 +50,11 @@ DEFAULTS = dict(max_turns=None, batch_size=32, max_new_tokens=None, max_prompt_t
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except None (those flags state their default in their help)."""
+    """Shows defaults, except None (those flags state their default in their help) and on/off
+    switches (a store_false switch's own default, True, is not the option's)."""
 
     def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
+        return action.help if action.default is None or action.nargs == 0 else super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:

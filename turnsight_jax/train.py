@@ -1,4 +1,4 @@
-"""`python -m turnsight_jax.train [--config FILE] [--config.key=value ...] [--workdir DIR] [--dry_run]`
+"""`python -m turnsight_jax.train [--config FILE] [--config.key=value ...] [--workdir DIR] [--dry-run]`
 
 With no config this runs the embedded default end to end on a CPU: a tiny Qwen3 with the real
 Qwen3 tokenizer, a supervised warm-start on gold built-in trajectories, TurnSight RL on built-in
@@ -713,10 +713,11 @@ def main(argv=None) -> int:
                     action="store_true",
                     help="resume a run folder whose config differs in keys that change results (recorded in "
                          "its config_history.jsonl); without it such a re-run exits 2 naming the keys")
-    ap.add_argument("--dry_run", action="store_true",
+    # hyphenated flags, as every other CLI and the launchers; the underscore spellings stay as aliases
+    ap.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
                     help="compile the train step on abstract parameters and print its memory plan; allocate nothing")
-    ap.add_argument("--fake_devices", type=int, default=0,
-                    help="with --dry_run on a CPU: pretend to have N devices (sets XLA's host device count)")
+    ap.add_argument("--fake-devices", "--fake_devices", dest="fake_devices", type=int, default=0,
+                    help="with --dry-run on a CPU: pretend to have N devices (sets XLA's host device count)")
     args, rest = ap.parse_known_args(argv)
     if args.fake_devices:
         import os

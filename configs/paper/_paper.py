@@ -34,7 +34,7 @@ BASELINES = {
                 knobs={"sod_coef": 0.1, "sod_tau": 1.0}),
 }
 # SOD's external teacher: a larger Qwen3 with the same tokenizer (pass its folder with
-# --config.teacher.checkpoint=/path/to/Qwen3-32B; the preset lets --dry_run plan it without the folder).
+# --config.teacher.checkpoint=/path/to/Qwen3-32B; the preset lets --dry-run plan it without the folder).
 SOD_TEACHER = dict(checkpoint="Qwen/Qwen3-32B", preset="qwen3-32b")
 
 
@@ -93,7 +93,7 @@ def row(method: str, model: str = "8b"):
         if method == "sod":
             c.teacher.checkpoint, c.teacher.preset = SOD_TEACHER["checkpoint"], SOD_TEACHER["preset"]
             if model == "8b":  # the 32B teacher (8 GiB per device) stays resident while rolling out:
-                c.rollout.decode_slots = 96  # 128 slots' KV pool plans 80.45 GiB per device, 96 fit (--dry_run)
+                c.rollout.decode_slots = 96  # 128 slots' KV pool plans 80.45 GiB per device, 96 fit (--dry-run)
     else:
         c.rl.method = method
         c.rl.base = method if method != "toolrl" else "grpo"

@@ -19,7 +19,7 @@ slot's KV cache holds 30,000 tokens here, not 23,000), the update's micro-batche
 (`train.micro_batch_groups` needs one mini-batch), and 512 micro-batches (one row per device, as in
 the paper configs); these change memory and speed only.
 
-Its dry run compiles (`--dry_run --fake_devices 8`) but plans 99.38 GiB per device against 80
+Its dry run compiles (`--dry-run --fake-devices 8`) but plans 99.38 GiB per device against 80
 (temporaries 85.81 GiB: 4,096 rows of 30,720 tokens, one row per device per micro-batch, log-prob
 chunks of 2,048), so it is kept as the documented recipe, not as a verified 8 x 80 GB plan: run.sh
 fits with verl's parameter/optimizer offloading and dynamic batch sizes, which this trainer does not

@@ -16,7 +16,7 @@ The controller (registered in rl.methods as "mm_grpo") changes what is sampled i
   without one keeps its last group (zero-variance, counted in `mm_grpo/zero_variance_kept`), so
   the batch always holds train.prompts_per_step groups of G.
 
-The dry-run plan (`--dry_run`) sizes the training rows and the engine's KV reservation for the
+The dry-run plan (`--dry-run`) sizes the training rows and the engine's KV reservation for the
 window (`planned_extra`).
 
 Refill draws: the step's refill stream is a permutation of the training tasks seeded by the

@@ -1,6 +1,6 @@
 """Ahead-of-time memory planning: compile the train step and the rollout's decode on abstract inputs.
 
-`python -m turnsight_jax.train --config configs/qwen3_8b.py --dry_run --fake_devices 8` builds
+`python -m turnsight_jax.train --config configs/qwen3_8b.py --dry-run --fake-devices 8` builds
 the mesh, abstract (never allocated) parameters, optimizer state and a batch of the config's
 worst-case geometry, compiles the fused step with XLA, and prints XLA's per-device memory
 analysis against the device memory budget. It then plans the rollout (the paged engine): the
