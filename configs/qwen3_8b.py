@@ -22,10 +22,15 @@ def experiment(c):
     c.data.source = c.data.eval_source = "ftrl"
     c.data.num_eval = 200  # held-out tasks evaluated every eval.every steps
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1  # fsdp over every device
-    # The paged engine runs all 32 x 16 episodes through 128 decode slots, 16 per device, its
-    # bf16 KV pool sized for each slot at prompt + response length (10k + 13k): 50.5 GiB per
-    # device next to 17 GiB of resident trainer state (`--dry-run` prints the plan).
+    # The paged engine runs all 32 x 16 episodes through 128 decode slots, 16 per device. Its bf16
+    # KV pool: 20,000 blocks of 16 tokens per device (43.9 GiB), 87% of every slot at prompt +
+    # response length (10k + 13k: 23,009 blocks, 50.5 GiB), so the rollout plans 66.2 GiB per
+    # device for Qwen3-8B, within the launchers' XLA_PYTHON_CLIENT_MEM_FRACTION=0.90 of an 80 GB
+    # card less 5% headroom (68.4 GiB; `--dry-run` prints the plan). Admission reserves an
+    # episode's worst case and waits for free blocks; a group's siblings share the prompt's blocks
+    # (one group needs 13,634), and an episode's tokens do not depend on when it was admitted.
     c.rollout.decode_slots = 128
+    c.rollout.kv_pool_blocks = 20_000
     c.train.micro_batches = 64  # 8 trajectories per micro-batch: one per device
     c.train.teacher_micro_batches = 64
     # One row per device per micro-batch: neither length classes nor packing can cut its padding.

@@ -21,11 +21,11 @@ Rules:
     the named test file must exist and mention the command's module or script name;
   - `# doc-test: external <why>` for a command of a program that is not part of this
     repository (e.g. `gcloud`): it must not be a python, `launch/` or repository script.
-* `python -m turnsight_jax.train` without `--dry_run`: the short-run overrides `SHORT_TRAIN` are
+* `python -m turnsight_jax.train` without `--dry-run`: the short-run overrides `SHORT_TRAIN` are
   appended (later overrides win) and `--workdir` becomes a fresh temp folder (added when absent;
   the doc's folder, or the default `runs/<config name>`, is remembered for later commands of the
   same file). Identical resolved configs are trained once per session and the run reused.
-  With `--dry_run` it runs as written plus the small geometry `SHORT_DRY_RUN`, so compiling even
+  With `--dry-run` it runs as written plus the small geometry `SHORT_DRY_RUN`, so compiling even
   the 8B step takes well under two minutes.
 * Placeholder paths (`/path/to/...`, `/models/...`, `data/...`) become test fixtures by name:
   `ftrl` -> the FTRL sample rows (`ftrl_sample_path`; in train/sft commands the 4 rows with the
@@ -205,7 +205,7 @@ def _slug(argv: list[str]) -> str:
     kind = _kind(argv)
     if kind in ("train", "sft", "evaluate", "report", "module"):
         name = cmd[2].rsplit(".", 1)[-1]
-        extra = [a for a in cmd[3:] if a in ("--dry_run", "--hf", "--checkpoint", "--replay")]
+        extra = [a for a in cmd[3:] if a in ("--dry-run", "--hf", "--checkpoint", "--replay")]
         if "--config" in cmd:
             extra.insert(0, pathlib.Path(cmd[cmd.index("--config") + 1]).stem)
         return "-".join([name, *(e.lstrip("-") for e in extra)])
@@ -394,7 +394,7 @@ class Session:
 
         if kind == "train":
             args = prog[3:]
-            if "--dry_run" not in args:
+            if "--dry-run" not in args:
                 return self.train(cmd)
 
             def planned(proc):
@@ -460,7 +460,7 @@ class Session:
         runs = self.runs(file)
         if key not in runs:
             producer = next((c for c in COMMANDS if c.file == file and _kind(c.argv) == "train"
-                             and "--dry_run" not in c.argv and self.doc_workdir(c) == key), None)
+                             and "--dry-run" not in c.argv and self.doc_workdir(c) == key), None)
             if producer is not None:
                 self.job(producer)
             else:
@@ -485,11 +485,11 @@ class Session:
         config, overrides, k = None, [], 0
         while k < len(args):
             a = args[k]
-            if a in ("--config", "--workdir", "--fake_devices"):
+            if a in ("--config", "--workdir", "--fake-devices"):
                 config = args[k + 1] if a == "--config" else config
                 k += 2
                 continue
-            if a.startswith(("--workdir=", "--fake_devices=")) or a == "--dry_run":
+            if a.startswith(("--workdir=", "--fake-devices=")) or a == "--dry-run":
                 k += 1
                 continue
             if a.startswith("--config="):

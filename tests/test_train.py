@@ -510,18 +510,52 @@ def test_a_packed_run_equals_the_plain_run(uninterrupted, tmp_path):
 
 
 def test_a_dry_run_whose_plan_does_not_fit_exits_1(tmp_path):
-    """--dry_run prints the plan and exits 1 when a peak is over plan.device_memory_gib (a launch
-    script can gate on it); the same plan within the budget exits 0."""
-    args = ["--config", str(REPO / "tests/configs/tiny_random.py"), "--dry_run", "--config.train.prompts_per_step=2",
+    """--dry-run prints the plan against the budget the allocator will give (plan.device_memory_gib
+    x XLA_PYTHON_CLIENT_MEM_FRACTION, JAX's 0.75 when unset, less 5% headroom), the checkpoint size
+    and the host RAM to load the weights, lists every input the run would refuse, and exits 1 when
+    a peak is over the budget (a launch script can gate on it); the same plan within it exits 0."""
+    args = ["--config", str(REPO / "tests/configs/tiny_random.py"), "--dry-run", "--config.train.prompts_per_step=2",
             "--config.train.group_size=2", "--config.rollout.max_response_tokens=64"]
-    over = _run([*args, "--config.plan.device_memory_gib=0.001"], tmp_path / "a")
+    over = _run([*args, "--config.plan.device_memory_gib=0.001", "--config.data.source=ftrl",
+                 "--config.data.path=/nonexistent/train.parquet", "--config.tokenizer_path=/nonexistent/tok"],
+                tmp_path / "a", extra_env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"})
     out, err = over.communicate(timeout=600)
     assert over.returncode == 1, err[-2000:]
-    assert "does NOT fit in 0.001 GiB per device" in out
-    assert "error: the train step plan does not fit plan.device_memory_gib = 0.001 GiB per device" in err
+    assert ("budget: 0.00 GiB per device = 0.001 GiB (plan.device_memory_gib) x 0.50 "
+            "(XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 of the card) - 5% headroom") in out, out[-3000:]
+    assert "does NOT fit: peak" in out and "to fit: more train.micro_batches" in out
+    assert "error: the train step plan does not fit the budget of 0.00 GiB per device" in err
+    # every refused input in one line, before the error
+    assert ("warning: on this machine the run would also refuse 2 input(s): data.path=/nonexistent/train.parquet: "
+            "no such file; tokenizer_path=/nonexistent/tok: not a Hugging Face folder here") in err, err[-2000:]
     ok = _run(args, tmp_path / "b")
     out, err = ok.communicate(timeout=600)
-    assert ok.returncode == 0 and "fits in" in out, err[-2000:]
+    assert ok.returncode == 0 and "fits: peak" in out and "XLA_PYTHON_CLIENT_MEM_FRACTION unset: JAX's default 0.75" \
+        in out, err[-2000:]
+    ckpt = re.search(r"checkpoint: ([\d.]+) GiB per step \(params ([\d.]+), optimizer state ([\d.]+)\)", out)
+    assert ckpt and float(ckpt[3]) == pytest.approx(2 * float(ckpt[2]), abs=0.011), out[-2000:]  # AdamW: mu and nu
+    assert "host RAM to load the weights: about" in out and "warning:" not in err
+
+
+def test_the_memory_budget_reads_the_launchers_allocator_settings():
+    import ml_collections as mlc
+
+    from turnsight_jax.rl.plan import memory_budget, missing_inputs
+
+    cfg = mlc.ConfigDict({"plan": {"device_memory_gib": 80.0}})
+    assert memory_budget(cfg, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.90"})[0] == pytest.approx(80 * 0.90 * 0.95)
+    assert memory_budget(cfg, {})[0] == pytest.approx(80 * 0.75 * 0.95)
+    assert memory_budget(cfg, {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"})[0] == pytest.approx(80 * 0.95)
+    from turnsight_jax.config import default_config
+
+    c = default_config()
+    c.data.source, c.data.path, c.data.eval_source = "ftrl", "/nonexistent/a.parquet", "toolhop"
+    c.model.hf_path, c.teacher.weights, c.teacher.checkpoint = "/nonexistent/qwen", "external", "/nonexistent/big"
+    assert missing_inputs(c) == [
+        "data.path=/nonexistent/a.parquet: no such file",
+        "data.eval_path: not set (data.eval_source='toolhop' reads a file)",
+        "model.hf_path=/nonexistent/qwen: not a Hugging Face folder here (no config.json)",
+        "teacher.checkpoint=/nonexistent/big: not a Hugging Face folder here (no config.json)"]
 
 
 def test_checkpointer_saves_and_restores_the_optional_items(tmp_path):

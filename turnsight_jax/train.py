@@ -740,9 +740,16 @@ def main(argv=None) -> int:
             plan = dry_run(cfg)
             over = [name for name, p in (("train step", plan), ("rollout", plan.get("rollout"))) if p and not p["fits"]]
             if over:  # exit non-zero so that a launch script can gate on the plan
-                print(f"error: the {' and the '.join(over)} plan does not fit plan.device_memory_gib = "
-                      f"{cfg.plan.device_memory_gib} GiB per device (peaks above)", file=sys.stderr)
+                if plan["missing_inputs"]:
+                    print(f"warning: on this machine the run would also refuse {len(plan['missing_inputs'])} "
+                          f"input(s): {'; '.join(plan['missing_inputs'])}", file=sys.stderr)
+                print(f"error: the {' and the '.join(over)} plan does not fit the budget of {plan['budget_gib']:.2f} "
+                      f"GiB per device (plan.device_memory_gib = {cfg.plan.device_memory_gib} and the allocator's "
+                      f"share, above)", file=sys.stderr)
                 return 1
+            if plan["missing_inputs"]:  # the plan holds; the run itself would stop at these
+                print(f"warning: on this machine the run would refuse {len(plan['missing_inputs'])} input(s): "
+                      f"{'; '.join(plan['missing_inputs'])}", file=sys.stderr)
             return 0
         workdir = pathlib.Path(args.workdir or f"runs/{cfg.name}")
         train(cfg, workdir, allow_config_change=args.allow_config_change)

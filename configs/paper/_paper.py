@@ -93,7 +93,8 @@ def row(method: str, model: str = "8b"):
         if method == "sod":
             c.teacher.checkpoint, c.teacher.preset = SOD_TEACHER["checkpoint"], SOD_TEACHER["preset"]
             if model == "8b":  # the 32B teacher (8 GiB per device) stays resident while rolling out:
-                c.rollout.decode_slots = 96  # 128 slots' KV pool plans 80.45 GiB per device, 96 fit (--dry-run)
+                c.rollout.decode_slots = 96  # with 128 slots' full KV pool the rollout planned 80.45 GiB per device
+                c.rollout.kv_pool_blocks = 16_000  # 35.2 GiB: within the launchers' 0.90 share (--dry-run)
     else:
         c.rl.method = method
         c.rl.base = method if method != "toolrl" else "grpo"

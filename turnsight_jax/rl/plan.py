@@ -13,6 +13,8 @@ at its widest: every slot decoding at the longest context), on a line
 from __future__ import annotations
 
 import math
+import os
+import pathlib
 import time
 
 import jax
@@ -86,13 +88,77 @@ def compile_step(cfg: mlc.ConfigDict):
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = step.lower(params, opt, ref, batch, teacher, aux).compile()
-    return compiled, geo, time.perf_counter() - t0, mesh, step_cfg
+    # what a checkpoint holds (checkpointing.Checkpointer.save): the policy, its optimizer state, an
+    # EMA teacher, the learned auxiliaries with theirs; an external teacher is read, never saved
+    saved = {"params": params, "optimizer state": opt, "critic / PRM": aux,
+             "EMA teacher": teacher if method.uses_teacher and step_cfg.teacher.weights == "ema" else None}
+    sizes = {name: _global_bytes(tree) for name, tree in saved.items() if tree is not None}
+    sizes["param count"] = sum(x.size for x in jax.tree.leaves(params))
+    return compiled, geo, time.perf_counter() - t0, mesh, step_cfg, sizes
+
+
+def _global_bytes(tree) -> int:
+    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+# XLA's GPU client: the share of each card it preallocates and will not exceed, unless told
+# otherwise (JAX's documented default, used when the variable is unset)
+JAX_DEFAULT_MEM_FRACTION = 0.75
+# kept free under the allocator's limit for what the compiled plan does not count: cuBLAS/cuDNN
+# workspaces, NCCL buffers, allocator fragmentation
+HEADROOM = 0.05
+
+
+def memory_budget(cfg: mlc.ConfigDict, environ=None) -> tuple[float, str]:
+    """(GiB per device the train step may plan to use, how it was derived) from the card's memory
+    (plan.device_memory_gib) and the allocator settings in the environment the run will have:
+    the launchers (launch/gpu_single_host.sh, slurm_multinode.sh) set XLA_PYTHON_CLIENT_MEM_FRACTION
+    (their --mem-fraction, 0.90 by default); unset, JAX takes 0.75 of the card. A HEADROOM share of
+    that limit is kept free."""
+    env = os.environ if environ is None else environ
+    card = float(cfg.plan.device_memory_gib)
+    if env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "") == "platform":
+        limit, why = card, "XLA_PYTHON_CLIENT_ALLOCATOR=platform: no allocator limit, the card's memory"
+    elif "XLA_PYTHON_CLIENT_MEM_FRACTION" in env:
+        frac = float(env["XLA_PYTHON_CLIENT_MEM_FRACTION"])
+        limit, why = card * frac, f"XLA_PYTHON_CLIENT_MEM_FRACTION={env['XLA_PYTHON_CLIENT_MEM_FRACTION']} of the card"
+    else:
+        limit, why = card * JAX_DEFAULT_MEM_FRACTION, (
+            f"XLA_PYTHON_CLIENT_MEM_FRACTION unset: JAX's default {JAX_DEFAULT_MEM_FRACTION} of the card (the "
+            f"launchers set 0.90: run the dry run under the same variable)")
+    budget = limit * (1 - HEADROOM)
+    return budget, (f"{budget:.2f} GiB per device = {card:g} GiB (plan.device_memory_gib) x "
+                    f"{limit / card:.2f} ({why}) - {HEADROOM:.0%} headroom")
+
+
+def missing_inputs(cfg: mlc.ConfigDict) -> list[str]:
+    """Every data and weights path the run will read that is not on this machine (one line each)."""
+    from turnsight_jax.sources import get_source
+
+    problems = []
+    for key, source_key in (("data.path", "data.source"), ("data.eval_path", "data.eval_source")):
+        path = cfg.data[key.split(".")[1]]
+        if get_source(cfg.data[source_key.split(".")[1]]).needs_path:
+            if not path:
+                problems.append(f"{key}: not set ({source_key}={cfg.data[source_key.split('.')[1]]!r} reads a file)")
+            elif not pathlib.Path(path).exists():
+                problems.append(f"{key}={path}: no such file")
+    if not cfg.model.hf_path and not cfg.model.allow_random_init:
+        problems.append(f"model.hf_path: not set (model.preset={cfg.model.preset!r} would start from random weights)")
+    folders = [("model.hf_path", cfg.model.hf_path), ("tokenizer_path", cfg.tokenizer_path)]
+    if cfg.teacher.weights == "external" and cfg.teacher.checkpoint not in ("", "warm_start"):
+        folders.append(("teacher.checkpoint", cfg.teacher.checkpoint))
+    for key, path in folders:
+        if path and not (pathlib.Path(path) / ("tokenizer.json" if key == "tokenizer_path" else "config.json")).is_file():
+            problems.append(f"{key}={path}: not a Hugging Face folder here (no "
+                            f"{'tokenizer.json' if key == 'tokenizer_path' else 'config.json'})")
+    return problems
 
 
 def dry_run(cfg: mlc.ConfigDict) -> dict:
     log(f"dry run: compiling the train step for {jax.device_count()} {jax.devices()[0].platform} device(s) "
                 "on abstract parameters (nothing is allocated)")
-    compiled, geo, secs, mesh, step_cfg = compile_step(cfg)
+    compiled, geo, secs, mesh, step_cfg, sizes = compile_step(cfg)
     mem = compiled.memory_analysis()
     gib = 1024**3
     fields = {
@@ -102,7 +168,7 @@ def dry_run(cfg: mlc.ConfigDict) -> dict:
         "temporaries (activations, logits chunks)": mem.temp_size_in_bytes,
     }
     peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
-    budget = cfg.plan.device_memory_gib
+    budget, budget_why = memory_budget(cfg)
     print(f"\n## Memory plan: {cfg.name} on mesh {dict(mesh.shape)} (compiled in {secs:.0f}s)")
     print(f"geometry per step: B={geo.batch} trajectories, T={geo.length}, policy tokens/row N={geo.policy}, "
           f"packed teacher row P={geo.packed}, distinct teacher rows U={geo.distinct}; micro-batches "
@@ -119,13 +185,31 @@ def dry_run(cfg: mlc.ConfigDict) -> dict:
     for k, v in fields.items():
         print(f"| {k} | {v / gib:.2f} |")
     print(f"| **peak estimate** (args + outputs - aliased + temporaries) | **{peak / gib:.2f}** |")
-    verdict = "fits" if peak / gib <= budget else "does NOT fit"
-    print(f"\n{verdict} in {budget} GiB per device")
+    fits = peak / gib <= budget
+    print(f"\nbudget: {budget_why}")
+    print(f"{'fits' if fits else 'does NOT fit'}: peak {peak / gib:.2f} GiB, headroom {budget - peak / gib:+.2f} GiB"
+          + ("" if fits else "; to fit: more train.micro_batches / train.teacher_micro_batches, model.remat=True, "
+                             "a larger mesh.fsdp, or a larger XLA_PYTHON_CLIENT_MEM_FRACTION (the launchers' "
+                             "--mem-fraction)"))
     print(f"train step: peak {peak / gib:.2f} GiB per device")
-    out = {"peak_gib": peak / gib, "fits": peak / gib <= budget, "compile_s": secs,
+    keep = cfg.checkpoint.keep
+    ckpt = sum(v for k, v in sizes.items() if k != "param count")
+    print(f"\n## Disk and host memory\ncheckpoint: {ckpt / gib:.2f} GiB per step ("
+          + ", ".join(f"{k} {v / gib:.2f}" for k, v in sizes.items() if k != "param count")
+          + f"), x checkpoint.keep={keep}: {keep * ckpt / gib:.2f} GiB on disk (+ one step being written)")
+    n = sizes["param count"]
+    host = n * 2 + sizes["params"]
+    print(f"host RAM to load the weights: about {host / gib:.2f} GiB per process ({n / 1e9:.2f} B parameters: the "
+          f"bf16 safetensors, {n * 2 / gib:.2f} GiB, and one host copy in {cfg.model.param_dtype}, "
+          f"{sizes['params'] / gib:.2f} GiB)")
+    out = {"peak_gib": peak / gib, "fits": fits, "budget_gib": budget, "headroom_gib": budget - peak / gib,
+           "compile_s": secs, "checkpoint_gib": ckpt / gib, "host_load_gib": host / gib,
            **{k: v / gib for k, v in fields.items()}}
     if cfg.rollout.engine == "paged":
-        out["rollout"] = rollout_plan(cfg)
+        out["rollout"] = rollout_plan(cfg, budget, budget_why)
+    out["missing_inputs"] = missing_inputs(cfg)
+    if out["missing_inputs"]:
+        print("\n## Inputs the run would refuse\n" + "\n".join(f"- {p}" for p in out["missing_inputs"]))
     return out
 
 
@@ -138,8 +222,11 @@ def _per_device_bytes(tree) -> int:
     return total
 
 
-def rollout_plan(cfg: mlc.ConfigDict) -> dict:
-    """Per-device memory while the paged engine decodes, printed as a table and one line."""
+def rollout_plan(cfg: mlc.ConfigDict, budget: float | None = None, budget_why: str = "") -> dict:
+    """Per-device memory while the paged engine decodes, printed as a table and one line, against
+    `budget` GiB (memory_budget's; None: computed here)."""
+    if budget is None:
+        budget, budget_why = memory_budget(cfg)
     from turnsight_jax.config import engine_config, rollout_config
     from turnsight_jax.models.paged_cache import (LiveBlocks, PagedKV, bytes_per_token, pool_shape, pool_spec,
                                                   storage_dtype)
@@ -218,7 +305,9 @@ def rollout_plan(cfg: mlc.ConfigDict) -> dict:
                     ("KV block pool", pool), ("decode temporaries (widest program)", temps)):
         print(f"| {name} | {v / gib:.2f} |")
     print(f"rollout plan: peak {peak / gib:.2f} GiB per device")
-    verdict = "fits" if peak / gib <= cfg.plan.device_memory_gib else "does NOT fit"
-    print(f"{verdict} in {cfg.plan.device_memory_gib} GiB per device")
-    return {"peak_gib": peak / gib, "fits": peak / gib <= cfg.plan.device_memory_gib, "slots": per_shard * shards, "pool_gib": pool / gib, "resident_gib": resident / gib,
+    fits = peak / gib <= budget
+    print(f"{'fits' if fits else 'does NOT fit'} the budget ({budget_why}): headroom {budget - peak / gib:+.2f} GiB"
+          + ("" if fits else "; to fit: fewer rollout.decode_slots or rollout.kv_pool_blocks, a larger mesh.fsdp, "
+                             "or a larger XLA_PYTHON_CLIENT_MEM_FRACTION"))
+    return {"peak_gib": peak / gib, "fits": fits, "budget_gib": budget, "slots": per_shard * shards, "pool_gib": pool / gib, "resident_gib": resident / gib,
             "decode_copy_gib": copy / gib, "temps_gib": temps / gib, "compile_s": secs}
