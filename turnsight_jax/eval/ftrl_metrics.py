@@ -95,15 +95,24 @@ def ftrl_table(model: str, categories: Mapping[str, Mapping], average: Mapping[s
     for key in SOLVE_METRICS:
         header.append(f"Avg {SHORT[key]}")
         row.append(pct(average[key]))
-    header.append("Avg")
+    header.append(AVG_LABEL)
     row.append(pct(avg))
     return table(header, [row])
+
+
+# The last column: the paper's FTRL "Avg", labelled with what it averages (it is not a Solve-F1)
+AVG_LABEL = "Avg (mean of Avg Solve-P/R/F1)"
+# FTRL's scorer (docs/spec.md): a task with no calls has Solve-P 1 (nothing wrong was called), so a
+# model that never calls scores Solve-P 100 and an Avg of about a third: read Solve-F1 first.
+SOLVE_P_NOTE = ("Solve-P of a task with no calls is 1 (FTRL's scorer): a model that makes no call has Solve-P 100 "
+                "and Solve-F1 0, so its Avg is about 33, not 0; read the Avg (the paper's number) with Solve-F1.")
 
 
 def coverage_note(categories: Mapping[str, Mapping], missing: Sequence[str]) -> str:
     """"Tasks per category: ..."; when the categories are not the paper's four, which ones the
     averages cover."""
-    note = "Tasks per category: " + ", ".join(f"{c['label']} {c['n']}" for c in categories.values()) + "."
+    note = "Tasks per category: " + ", ".join(f"{c['label']} {c['n']}" for c in categories.values()) + ". "
+    note += SOLVE_P_NOTE
     others = [c["label"] for key, c in categories.items() if key not in dict(FTRL_CATEGORIES)]
     if missing or others:
         note += f" Averaged over {', '.join(c['label'] for c in categories.values())}"
