@@ -143,6 +143,27 @@ def test_cli_reproduces_the_runs_heldout_evaluation_from_the_run_folder(tok, env
     examples = [json.loads(line) for line in (out / "examples.jsonl").read_text().splitlines()]
     assert [e["task_id"] for e in examples] == [t.task_id for t in sources.load_tasks(cfg, "eval")]
     assert all(len(e["samples"]) == 2 for e in examples)
+    # The run's Hugging Face export (train.export: it carries the run's config) evaluated with
+    # --hf: the same settings, the same held-out tasks, the same numbers; so is any folder with
+    # --run naming the run; the header comes before the decoding.
+    from turnsight_jax.train import export
+
+    export(graphdef, params, run / "export", default_tokenizer_dir(), cfg)
+    flags = ["--benchmarks", "builtin", "--temperature", 1, "--top-k", 20, "--samples", 2, "--workers", 1]
+    code = evaluate.main([str(a) for a in ["--hf", run / "export", *flags, "--out", tmp_path / "out_hf"]])
+    stdout_hf, err_hf = capsys.readouterr()
+    assert code == 0, err_hf
+    assert json.loads((tmp_path / "out_hf" / "results.json").read_text())["heldout"] == want
+    assert err_hf.index("on its run's held-out tasks, with the run's rollout settings") < err_hf.index("8/8 episodes")
+    (run / "export" / "turnsight_run.json").unlink()
+    code = evaluate.main([str(a) for a in ["--hf", run / "export", "--run", run, *flags, "--out", tmp_path / "out_run"]])
+    assert code == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "out_run" / "results.json").read_text())["heldout"] == want
+    code = evaluate.main([str(a) for a in ["--hf", run / "export", "--run", run, "--benchmarks", "builtin",
+                                           "--builtin-per-category", 1, "--limit", 1, "--workers", 1, "--max-turns", 1,
+                                           "--max-response-tokens", 8, "--no-thinking"]])
+    assert code == 0 and "warning: --builtin-per-category / --builtin-seed: the generic built-in suite, not the " \
+        "task family this model's run trained on" in capsys.readouterr().err
     # Every sampled trajectory the CLI wrote is the one the training-time loop decodes.
     rc = rollout_config(cfg, max_turns=cfg.eval.max_turns)
     sampling = SamplingParams(temperature=1.0, top_k=20)

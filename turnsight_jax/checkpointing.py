@@ -589,6 +589,26 @@ def write_run_config(workdir: str | pathlib.Path, cfg) -> None:
         (pathlib.Path(workdir) / RUN_CONFIG).write_text(cfg.to_json(indent=2) + "\n")
 
 
+EXPORT_RUN_CONFIG = "turnsight_run.json"  # the run's config inside its Hugging Face export (train.export)
+
+
+def read_export_run_config(folder: str | pathlib.Path):
+    """The config of the training run a Hugging Face export came from (its turnsight_run.json),
+    or None for any other folder."""
+    import ml_collections as mlc
+
+    path = pathlib.Path(folder) / EXPORT_RUN_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not a run config ({e})") from None
+    if not isinstance(raw, dict) or any(k not in raw for k in ("data", "rl", "rollout")):
+        raise ValueError(f"{path}: not a run config (no data / rl / rollout section)")
+    return mlc.ConfigDict(raw)
+
+
 def read_run_config(workdir: str | pathlib.Path):
     """The run's ml_collections ConfigDict from `workdir/config.json`, or None when the run has none
     (JSON turns tuples into lists; consumers convert where they need tuples)."""

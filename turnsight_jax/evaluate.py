@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--hf", metavar="HF_DIR", help="a Hugging Face Qwen3 folder (config.json + safetensors)")
     src.add_argument("--replay", metavar="gold|FILE.jsonl",
                      help="replay fixed turns: the ground truth, or {task_id, turns} lines from a file")
+    p.add_argument("--run", metavar="RUN_DIR", default=None,
+                   help="with --benchmarks builtin: evaluate on this training run's held-out tasks with its rollout "
+                        "settings (default: the run of --checkpoint, or the run a --hf export came from)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer folder (default: the run's / HF folder's, else the bundled Qwen3 one)")
@@ -81,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "generic built-in suite even for a run folder)")
     p.add_argument("--builtin-seed", type=int, default=None,
                    help=f"seed of the built-in tasks (default {DEFAULTS['builtin_seed']}; given: as above)")
-    p.add_argument("--out", default=None, help="output folder for results.json and examples.jsonl")
+    p.add_argument("--out", default=None, help="output folder for results.json, results.md and examples.jsonl "
+                                               "(without it nothing is written: the tables go to stdout)")
     p.add_argument("--name", default=None, help="model name in the tables")
     p.add_argument("--max-turns", type=int, default=None,
                    help="policy turns per episode, every benchmark but BFCL (default: the released evaluation's, "
@@ -132,20 +136,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_config_for(args, benchmarks: Sequence[str]):
-    """The run's config when `--checkpoint RUN --benchmarks builtin` evaluates the run's held-out
-    tasks (the folder has config.json, its held-out source is builtin, and neither
-    --builtin-per-category nor --builtin-seed is given); else None."""
-    from turnsight_jax.checkpointing import read_run_config
+    """The run's config when `--benchmarks builtin` evaluates a training run's held-out tasks: the
+    run of `--run`, of `--checkpoint`, or the one a `--hf` export came from (its
+    turnsight_run.json), when that run's held-out source is builtin and neither
+    --builtin-per-category nor --builtin-seed asks for the generic suite; else None."""
+    from turnsight_jax.checkpointing import read_export_run_config, read_run_config
 
-    if not args.checkpoint or "builtin" not in benchmarks:
-        return None
-    if args.builtin_per_category is not None or args.builtin_seed is not None:
+    if "builtin" not in benchmarks:
+        if args.run:
+            raise EvalError("--run evaluates a run's held-out tasks: it needs --benchmarks builtin")
         return None
     try:
-        cfg = read_run_config(args.checkpoint)
+        if args.run:
+            cfg = read_run_config(args.run)
+            if cfg is None:
+                raise EvalError(f"--run {args.run}: not a turnsight_jax run folder (no config.json)")
+        elif args.checkpoint:
+            cfg = read_run_config(args.checkpoint)
+        elif args.hf:
+            cfg = read_export_run_config(args.hf)
+        else:
+            cfg = None
     except ValueError as e:
         raise EvalError(str(e)) from None
-    return cfg if cfg is not None and cfg.data.eval_source == "builtin" else None
+    if cfg is None or cfg.data.eval_source != "builtin":
+        return None
+    if args.builtin_per_category is not None or args.builtin_seed is not None:
+        print(f"warning: --builtin-per-category / --builtin-seed: the generic built-in suite, not the task family "
+              f"this model's run trained on (data.vocab_size={cfg.data.vocab_size}, num_relations="
+              f"{cfg.data.num_relations}); its scores are not comparable with the run's held-out numbers",
+              file=sys.stderr)
+        return None
+    return cfg
 
 
 def settings_from_args(args, run_cfg=None) -> suite_lib.EvalSettings:
@@ -320,10 +342,14 @@ def evaluate(args) -> dict:
     source, suites, settings = prepare(args)
     setup_s = time.monotonic() - t0
     mode = sampling_mode(settings)
+    header = describe_settings(settings, [s.benchmark for s in suites])
+    if not args.quiet:  # what is about to run, before the (possibly long) decoding
+        print(f"evaluating {source.label}" + (" on its run's held-out tasks, with the run's rollout settings"
+                                               if any(s.heldout for s in suites) else "") + f":\n{header}",
+              file=sys.stderr, flush=True)
     progress = ProgressLine(sum(len(s) for s in suites) * settings.group_size, quiet=args.quiet)
     examples, stats = run_suites(source, suites, settings, progress=progress)
     summary = summarise(suites, examples)
-    header = describe_settings(settings, [s.benchmark for s in suites])
     results = {
         "model": source.label,
         "source": source.describe(),

@@ -663,7 +663,7 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
         if jax.process_index() == 0:
             (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     if cfg.checkpoint.export_at_end:
-        export(graphdef, params, workdir / "export", workdir / "tokenizer")
+        export(graphdef, params, workdir / "export", workdir / "tokenizer", cfg)
     ckpt.close()
     env.close()  # closes clean_env too when it wraps it
     if eval_env is not clean_env:
@@ -671,13 +671,19 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
     return summary
 
 
-def export(graphdef, params, out: pathlib.Path, tokdir: pathlib.Path) -> pathlib.Path:
-    """The trained policy as a Hugging Face folder (safetensors + config + tokenizer)."""
+def export(graphdef, params, out: pathlib.Path, tokdir: pathlib.Path,
+           cfg: mlc.ConfigDict | None = None) -> pathlib.Path:
+    """The trained policy as a Hugging Face folder (safetensors + config + tokenizer), with the
+    run's config as `turnsight_run.json` (checkpointing.EXPORT_RUN_CONFIG) so that
+    `python -m turnsight_jax.evaluate --hf EXPORT` evaluates it as the run did: its rollout
+    settings and its own held-out tasks (other Hugging Face tools ignore the file)."""
     save_pretrained(nnx.merge(graphdef, params), out)
     if jax.process_index() == 0:
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if (tokdir / name).is_file():
                 shutil.copyfile(tokdir / name, out / name)
+        if cfg is not None:
+            (out / checkpointing.EXPORT_RUN_CONFIG).write_text(cfg.to_json(indent=2) + "\n")
     log(f"exported Hugging Face folder {out}")
     return out
 
