@@ -155,6 +155,8 @@ def test_the_cost_table_of_a_run_and_its_base(tmp_path, capsys):
     out = tmp_path / "turnsight" / "report"
     rows = {line.split(" | ")[0].strip("| *"): [c.strip() for c in line.strip("|").split(" | ")[1:]]
             for line in (out / "cost.md").read_text().splitlines() if line.startswith("| ") and "---" not in line}
+    assert rows[""] == ["turnsight: total", "turnsight: per step (median)", "grpo: total", "grpo: per step (median)",
+                        "ratio"]
     assert rows["rollout: decode"] == ["6.00 s", "2.00 s", "6.00 s", "2.00 s", "1.00x"]
     # rollout 3 - 0.5 - 2 - 0.25 of host work per step
     assert rows["rollout: host (parsing, episodes; < 0: tools overlapped decoding)"][:2] == ["0.75 s", "0.25 s"]
@@ -171,3 +173,49 @@ def test_the_cost_table_of_a_run_and_its_base(tmp_path, capsys):
     assert rows["peak host RSS of the process"][0] == "3.50 GiB"
     assert png_size(out / "cost.png") == (800, 450)
     assert "## Cost" in (out / "index.md").read_text()
+
+
+def _summary(before: float, after: float) -> dict:
+    def ev(f1, greedy_f1):
+        ftrl = {"categories": {"single_hop": {"label": "Single-Hop", "n": 2, "solve_p": 0.9, "solve_r": f1,
+                                              "solve_f1": f1}},
+                "average": {"solve_p": 0.9, "solve_r": f1, "solve_f1": f1}, "avg": (0.9 + 2 * f1) / 3,
+                "averaged_over": ["Single-Hop"], "missing": [], "paper_categories": False}
+        return {"n": 2, "mode": "2 samples at temperature 1", "ftrl": ftrl, "task_mean_solve_f1": f1,
+                "greedy": {"n": 2, "mode": "greedy", "ftrl": ftrl, "task_mean_solve_f1": greedy_f1}}
+    return {"eval_before_rl": ev(before, before + 0.1), "eval_after_rl": ev(after, after + 0.05),
+            "improvement": {"metric": "task_mean_solve_f1", "mean": after - before, "paired_se": 0.025, "z": 9.6}}
+
+
+def test_the_index_opens_with_the_result_and_the_solve_plot_draws_its_held_out_line(tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    run = tmp_path / "run"
+    write_metrics(run, [realistic_record(s, rng) for s in range(4)])
+    (run / "summary.json").write_text(json.dumps(_summary(0.561, 0.802)))
+    figures = {}
+    real_save = report._save
+    monkeypatch.setattr(report, "_save", lambda fig, path: (figures.__setitem__(path.name, fig), real_save(fig, path)))
+    report.make_report(run, log=lambda s: None)
+    index = (run / "report" / "index.md").read_text().splitlines()
+    assert index[:5] == [
+        "# Training report: run", "", "## Result", "",
+        "- Held-out task-mean Solve-F1, 2 tasks, 2 samples at temperature 1: **0.561 -> 0.802** before -> after RL "
+        "(paired difference +0.241 ± 0.025 SE, z 9.6)"]
+    assert index[5] == "- Greedy: 0.661 -> 0.852"
+    assert index[6].startswith("- The paper's FTRL Avg (mean of Avg Solve-P/R/F1): 67.40 -> 83.47")
+    ax = figures["solve.png"].axes[0]
+    assert "held-out eval: dashed" in ax.get_title()
+    dashed = {line.get_label(): line.get_xydata().tolist() for line in ax.get_lines() if line.get_linestyle() == "--"}
+    # before RL at the step before the first, after RL at the last step
+    assert dashed["held-out Solve-F1"] == [[-1.0, 0.561], [3.0, 0.802]]
+    assert set(dashed) == {"held-out Solve-F1", "held-out Solve-P", "held-out Solve-R"}
+
+    # a run without any held-out evaluation: no dashed line, and the title says so
+    bare = tmp_path / "bare"
+    write_metrics(bare, [realistic_record(s, rng) for s in range(4)])
+    figures.clear()
+    report.make_report(bare, log=lambda s: None)
+    ax = figures["solve.png"].axes[0]
+    assert ax.get_title() == "Solve-P/R/F1 of the rollouts (no held-out evaluation in this run)"
+    assert not [line for line in ax.get_lines() if line.get_linestyle() == "--"]
+    assert "## Result" not in (bare / "report" / "index.md").read_text()

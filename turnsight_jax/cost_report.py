@@ -108,7 +108,7 @@ def cost_markdown(names: Sequence[str], summaries: Sequence[CostSummary]) -> lis
     """The cost table (markdown lines) of one or more runs, one column pair per run (total over
     the run, median per step); with two runs a ratio column (first / second, totals)."""
     two = len(summaries) == 2
-    head = "| | " + " | ".join(f"{n}: total | {n}: per step" for n in names) + (" | ratio |" if two else " |")
+    head = "| | " + " | ".join(f"{n}: total | {n}: per step (median)" for n in names) + (" | ratio |" if two else " |")
     lines = [head, "|---" * (1 + 2 * len(names) + int(two)) + "|"]
     labels = list(dict.fromkeys(label for s in summaries for label, _, _ in s.wall))
 

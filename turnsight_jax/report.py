@@ -5,8 +5,10 @@
 Writes PNG files of a fixed size (8 x 4.5 in at 100 dpi = 800 x 450 px) and an index.md:
 
   reward.png            rollout/reward_mean
-  solve.png             Solve-P/R/F1 of the rollouts and of the held-out evaluations (eval/ftrl_*: the
-                        paper's category averages; older runs' task-pooled eval/solve_* when present)
+  solve.png             Solve-P/R/F1 of the rollouts (solid) and of the held-out evaluations (dashed:
+                        eval/ftrl_*, the paper's category averages, or older runs' task-pooled
+                        eval/solve_*, and summary.json's before RL and after RL); the title says
+                        when the run has no held-out evaluation
   turnsight_weights.png TurnSight weight mean with its min-max range
   depth_histogram.png   share of turns whose selected depth d* is 1, 2, 3, ... (stacked area)
   agreement.png         depth agreement rate, share of turns amplified / damped
@@ -18,7 +20,9 @@ Writes PNG files of a fixed size (8 x 4.5 in at 100 dpi = 800 x 450 px) and an i
                         share, tokens per view kind, peak memory (turnsight_jax.cost_report); with
                         `--compare OTHER_RUN` both runs side by side (TurnSight and its base)
 
-index.md also holds the held-out evaluations of summary.json (eval_before_rl, eval_after_rl and
+index.md opens with the run's result (summary.json: held-out task-mean Solve-F1 before -> after RL
+with the paired difference and its standard error, greedy, the FTRL Avg), and holds the held-out
+evaluations of summary.json (eval_before_rl, eval_after_rl and
 their greedy entries) as the paper's FTRL table: per category Solve-P/R/F1, Avg Solve-P/R/F1 and
 Avg, the same numbers and layout as `python -m turnsight_jax.evaluate` prints
 (`eval.ftrl_metrics`); they are printed too.
@@ -165,17 +169,41 @@ def plot_reward(m: Metrics, path: pathlib.Path) -> None:
     _save(fig, path)
 
 
-def plot_solve(m: Metrics, path: pathlib.Path) -> None:
+def plot_solve(m: Metrics, path: pathlib.Path, summary: dict | None = None) -> None:
+    """Rollout Solve-P/R/F1 per step (solid); the held-out evaluations (dashed, circles): those
+    logged during the run (eval/ftrl_*, eval.every) and summary.json's before RL (drawn at the step
+    before the first) and after RL (at the last step), category averages."""
     fig, ax = _figure()
     a = ax[0, 0]
     styles = {"solve_f1": ("Solve-F1", "C0"), "solve_p": ("Solve-P", "C1"), "solve_r": ("Solve-R", "C2")}
+    ends = _summary_points(m, summary)
+    drew_eval = False
     for suffix, (name, color) in styles.items():
         _line(a, m, f"rollout/{suffix}", f"rollout {name}", color=color, lw=2 if suffix == "solve_f1" else 1)
-        if not _line(a, m, f"eval/ftrl_{suffix}", f"eval {name} (category avg)", color=color, ls="--", marker="o",
-                     ms=4):
-            _line(a, m, f"eval/{suffix}", f"eval {name} (task mean)", color=color, ls="--", marker="o", ms=4)
-    _finish(a, "Solve-P/R/F1 (rollouts: solid; held-out eval: dashed)", "score")
+        points = sorted(ends.get(suffix, []) + [(x, y) for x, y in zip(*m.series(f"eval/ftrl_{suffix}"))])
+        if not points:
+            points = sorted(ends.get(suffix, []) + [(x, y) for x, y in zip(*m.series(f"eval/{suffix}"))])
+        if points:
+            a.plot([x for x, _ in points], [y for _, y in points], color=color, ls="--", marker="o", ms=4,
+                   label=f"held-out {name}")
+            drew_eval = True
+    _finish(a, "Solve-P/R/F1 (rollouts: solid; held-out eval: dashed)" if drew_eval
+            else "Solve-P/R/F1 of the rollouts (no held-out evaluation in this run)", "score")
     _save(fig, path)
+
+
+def _summary_points(m: Metrics, summary: dict | None) -> dict[str, list[tuple[float, float]]]:
+    """summary.json's held-out category averages: before RL at the step before the first, after RL
+    at the last step."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    if not summary or not m.steps:
+        return out
+    for key, x in (("eval_before_rl", m.steps[0] - 1), ("eval_after_rl", m.steps[-1])):
+        ftrl = (summary.get(key) or {}).get("ftrl") if isinstance(summary.get(key), dict) else None
+        if isinstance(ftrl, dict) and isinstance(ftrl.get("average"), dict):
+            for suffix, value in ftrl["average"].items():
+                out.setdefault(suffix, []).append((float(x), float(value)))
+    return out
 
 
 def plot_weights(m: Metrics, path: pathlib.Path) -> None:
@@ -325,7 +353,10 @@ def make_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None 
         missing = [k for k in keys if k not in present]
         if missing:
             notes.append(f"{name}: absent keys left out: {', '.join(missing)}")
-        plot(metrics, out / name)
+        if plot is plot_solve:
+            plot(metrics, out / name, _read_summary(run_dir))
+        else:
+            plot(metrics, out / name)
         files.append(out / name)
         log(f"wrote {out / name}")
     slim_lines = slim_report.slim_section(run_dir) or []  # a SLIM run's skill library (slim_library.json)
@@ -339,7 +370,8 @@ def make_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None 
         log("\n".join(heldout_lines))
     for note in notes:
         log(f"note: {note}")
-    index = [f"# Training report: {run_dir.name}", "",
+    result_lines = result_section(run_dir)
+    index = [f"# Training report: {run_dir.name}", ""] + result_lines + [
              f"{len(metrics.steps)} steps ({metrics.steps[0]}..{metrics.steps[-1]}).", ""]
     index += [f"![{f.stem}]({f.name})" for f in files]
     index += heldout_lines + slim_lines + cost_lines
@@ -347,6 +379,42 @@ def make_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None 
         index += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     (out / "index.md").write_text("\n".join(index) + "\n")
     return Report(files, notes, len(metrics.steps))
+
+
+def _read_summary(run_dir: pathlib.Path) -> dict | None:
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def result_section(run_dir: str | pathlib.Path) -> list[str]:
+    """index.md's opening lines: the run's result, held-out before -> after RL (summary.json), the
+    task-mean Solve-F1 with the paired difference and its standard error, then greedy, then the
+    paper's FTRL Avg; [] when the run has no held-out evaluation at both ends."""
+    summary = _read_summary(pathlib.Path(run_dir))
+    if summary is None:
+        return []
+    before, after = summary.get("eval_before_rl"), summary.get("eval_after_rl")
+    if not isinstance(before, dict) or not isinstance(after, dict):
+        return []
+    key = "task_mean_solve_f1"
+    lines = ["## Result", ""]
+    imp = summary.get("improvement") or {}
+    if key in before and key in after:
+        diff = (f" (paired difference {imp['mean']:+.3f} ± {imp['paired_se']:.3f} SE, z {imp['z']:.1f})"
+                if {"mean", "paired_se", "z"} <= set(imp) else "")
+        lines.append(f"- Held-out task-mean Solve-F1, {after.get('n', '?')} tasks, {after.get('mode', '?')}: "
+                     f"**{before[key]:.3f} -> {after[key]:.3f}** before -> after RL{diff}")
+    gb, ga = before.get("greedy"), after.get("greedy")
+    if isinstance(gb, dict) and isinstance(ga, dict) and key in gb and key in ga:
+        lines.append(f"- Greedy: {gb[key]:.3f} -> {ga[key]:.3f}")
+    fb, fa = before.get("ftrl"), after.get("ftrl")
+    if isinstance(fb, dict) and isinstance(fa, dict):
+        lines.append(f"- The paper's FTRL {ftrl_metrics.AVG_LABEL}: {ftrl_metrics.pct(fb['avg'])} -> "
+                     f"{ftrl_metrics.pct(fa['avg'])} (%; tables below)")
+    return lines + [""] if len(lines) > 2 else []
 
 
 def heldout_section(run_dir: str | pathlib.Path, notes: list[str] | None = None) -> list[str]:
