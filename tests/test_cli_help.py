@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-ENTRY_POINTS = ["train", "sft", "evaluate", "distributed", "inspect", "report", "studies", "calibration",
+ENTRY_POINTS = ["train", "sft", "evaluate", "distributed", "inspect", "report", "studies", "calibration", "export",
                 "judge.__main__"]
 
 

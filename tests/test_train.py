@@ -400,6 +400,30 @@ def test_exported_folder_loads_in_transformers(uninterrupted):
     assert np.abs(np.asarray(ours(jnp.asarray([ids]))) - ref).max() < 1e-4
 
 
+def test_any_checkpoint_exports_as_the_run_does(uninterrupted, tmp_path, capsys):
+    """python -m turnsight_jax.export RUN --step N: the same Hugging Face folder as the trainer's
+    end-of-run export of that step (weights, config, tokenizer, the run's config); a step that
+    does not exist and an occupied --out are one line, exit 2."""
+    from turnsight_jax import export
+
+    step = max(int(p.name) for p in (uninterrupted / "checkpoints").iterdir() if p.name.isdigit())
+    assert export.main([str(uninterrupted), "--step", str(step), "--out", str(tmp_path / "e")]) == 0
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "turnsight_run.json"):
+        assert (tmp_path / "e" / name).read_bytes() == (uninterrupted / "export" / name).read_bytes(), name
+    assert export.main([str(uninterrupted), "--step", "99", "--out", str(tmp_path / "f")]) == 2
+    assert export.main([str(uninterrupted), "--out", str(tmp_path / "e")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert err[0] == f"error: {uninterrupted}: no checkpoint for step 99; have [{step}]"
+    assert err[1] == f"error: {tmp_path / 'e'} exists and is not empty: pass another --out"
+
+
+def test_the_console_is_kept_in_the_run_folder(uninterrupted):
+    log = (uninterrupted / "train.log").read_text()
+    first = log.splitlines()[0]  # when and how it started: the command line
+    assert first.startswith("--- ") and f"--workdir {uninterrupted}" in first, first
+    assert "] step 4/4 |" in log and f"exported Hugging Face folder {uninterrupted / 'export'}" in log
+
+
 def test_the_update_flops_are_logged(uninterrupted):
     """Every step logs the update's necessary and executed FLOPs (turnsight_jax.flops) and their
     ratio, the padding the step pays for; MFU counts the necessary work only."""

@@ -21,6 +21,47 @@ def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
+class ConsoleLog:
+    """Keeps a copy of this process's stderr (the trainer's log lines and progress) in a file of
+    the run folder, appended to across resumes: `start(path)` until `stop()`. Output that child
+    processes write to the file descriptor directly (tool sandboxes) is not copied."""
+
+    def __init__(self):
+        self._file = None
+        self._stream = None
+
+    def start(self, path: pathlib.Path) -> None:
+        if self._file is not None:
+            return
+        self._file = open(path, "a", encoding="utf-8", buffering=1)
+        self._file.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(sys.argv)}\n")
+        self._stream, sys.stderr = sys.stderr, _Tee(sys.stderr, self._file)
+
+    def stop(self) -> None:
+        if self._file is None:
+            return
+        if isinstance(sys.stderr, _Tee) and sys.stderr.file is self._file:
+            sys.stderr = self._stream
+        self._file.close()
+        self._file = None
+
+
+class _Tee:
+    def __init__(self, stream, file):
+        self.stream, self.file = stream, file
+
+    def write(self, text: str) -> int:
+        self.file.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.file.flush()
+        self.stream.flush()
+
+    def __getattr__(self, name):  # encoding, isatty, fileno, ...: the console's
+        return getattr(self.stream, name)
+
+
 class MetricsLog:
     """JSONL (and optionally TensorBoard) metrics, written by process 0 only."""
 

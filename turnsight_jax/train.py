@@ -46,7 +46,7 @@ from turnsight_jax.rl.methods import RolloutContext
 from turnsight_jax.rl.slim_runner import LIBRARY_FILE, SlimRunner, uses_slim
 from turnsight_jax.rl.step import TURNSIGHT_METRICS, init_aux, make_aux_optimizers, make_optimizer, make_train_step
 from turnsight_jax.rollout.progress import ProgressLine
-from turnsight_jax.runlog import MetricsLog, Progress, log, matmul_peak_flops
+from turnsight_jax.runlog import ConsoleLog, MetricsLog, Progress, log, matmul_peak_flops
 
 
 def _z_score(mean: float, se: float) -> float:
@@ -237,9 +237,11 @@ def train(cfg: mlc.ConfigDict, workdir: pathlib.Path, *, allow_config_change: bo
     workdir that already holds a run is resumed only under the same config, up to the changes
     `turnsight_jax.provenance` calls harmless (`allow_config_change`: any change, recorded)."""
     lock = checkpointing.WorkdirLock(workdir, log=log)
+    console = ConsoleLog()
     try:
-        return _train(cfg, pathlib.Path(workdir), lock, allow_config_change)
+        return _train(cfg, pathlib.Path(workdir), lock, allow_config_change, console)
     finally:
+        console.stop()
         lock.release()
 
 
@@ -270,7 +272,7 @@ def _check_provenance(workdir: pathlib.Path, cfg: mlc.ConfigDict, allow_change: 
 
 
 def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.WorkdirLock,
-           allow_config_change: bool = False) -> dict:
+           allow_config_change: bool = False, console: ConsoleLog | None = None) -> dict:
     step_cfg, method = validate(cfg, jax.device_count())
     log(method.describe())
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
@@ -299,6 +301,8 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
     _check_provenance(workdir, cfg, allow_config_change)  # a changed config never silently continues a run
     write_run_files(workdir, qcfg, tokdir)
     write_run_config(workdir, cfg)  # `python -m turnsight_jax.evaluate --checkpoint` reads it back
+    if console is not None and jax.process_index() == 0:
+        console.start(workdir / "train.log")  # the console's lines from here on, kept with the run
     start_path = cfg.model.hf_path or None
     if (cfg.sft.steps > 0 or cfg.sft.curriculum_steps > 0) and cfg.data.source == "builtin" and not cfg.model.hf_path:
         from turnsight_jax.sft import run_sft
