@@ -595,26 +595,23 @@ EXPORT_RUN_CONFIG = "turnsight_run.json"  # the run's config inside its Hugging 
 def read_export_run_config(folder: str | pathlib.Path):
     """The config of the training run a Hugging Face export came from (its turnsight_run.json),
     or None for any other folder."""
-    import ml_collections as mlc
-
-    path = pathlib.Path(folder) / EXPORT_RUN_CONFIG
-    if not path.is_file():
-        return None
-    try:
-        raw = json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{path}: not a run config ({e})") from None
-    if not isinstance(raw, dict) or any(k not in raw for k in ("data", "rl", "rollout")):
-        raise ValueError(f"{path}: not a run config (no data / rl / rollout section)")
-    return mlc.ConfigDict(raw)
+    return _read_config_file(pathlib.Path(folder) / EXPORT_RUN_CONFIG)
 
 
 def read_run_config(workdir: str | pathlib.Path):
     """The run's ml_collections ConfigDict from `workdir/config.json`, or None when the run has none
     (JSON turns tuples into lists; consumers convert where they need tuples)."""
+    return _read_config_file(pathlib.Path(workdir) / RUN_CONFIG)
+
+
+RUN_CONFIG_SECTIONS = ("data", "model", "rl", "rollout", "train")
+
+
+def _read_config_file(path: pathlib.Path):
+    """A run config's ConfigDict from `path`, None when there is no such file; ValueError naming
+    the file when it is not one (a Hugging Face model's config.json: pointed at --hf)."""
     import ml_collections as mlc
 
-    path = pathlib.Path(workdir) / RUN_CONFIG
     if not path.is_file():
         return None
     try:
@@ -624,7 +621,7 @@ def read_run_config(workdir: str | pathlib.Path):
     if isinstance(raw, dict) and "model_type" in raw and "rl" not in raw:  # an export / HF model folder
         raise ValueError(f"{path.parent} is a Hugging Face model folder (its config.json is a model config), not a "
                          f"training run folder: pass it as --hf {path.parent}")
-    missing = [k for k in ("data", "model", "rl", "rollout", "train") if not isinstance(raw, dict) or k not in raw]
+    missing = [k for k in RUN_CONFIG_SECTIONS if not isinstance(raw, dict) or k not in raw]
     if missing:
         raise ValueError(f"{path}: not a run config (no {', '.join(missing)} section)")
     return mlc.ConfigDict(raw)

@@ -42,15 +42,7 @@ def _rows(path: pathlib.Path) -> Iterable[tuple[str, int, Any]]:
         return
     if path.suffix not in (".jsonl", ".json"):
         raise ValueError(f"{path}: unknown task file type {path.suffix!r} (.jsonl or .parquet)")
-    with open(path, encoding="utf-8") as f:
-        for index, line in enumerate(f):
-            if not line.strip():
-                continue
-            where = f"{path}: line {index + 1}"
-            try:
-                yield where, index, json.loads(line)
-            except json.JSONDecodeError as e:
-                yield where, index, FTRLFormatError(f"{where}: invalid JSON ({e})")
+    yield from _iter_jsonl(path, keep_going=True)
 
 
 def validate(path: str | pathlib.Path, *, require_gold: bool = False) -> tuple[int, list[str]]:

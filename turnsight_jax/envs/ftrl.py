@@ -257,17 +257,22 @@ def row_to_task(row: Mapping[str, Any], *, where: str, default_id: str,
     )
 
 
-def _iter_jsonl(path: pathlib.Path) -> Iterable[tuple[str, int, Any]]:
-    """(where, 0-based row number, decoded row) per non-blank line; where = "path: line N" (1-based)."""
+def _iter_jsonl(path: pathlib.Path, *, keep_going: bool = False) -> Iterable[tuple[str, int, Any]]:
+    """(where, 0-based row number, decoded row) per non-blank line; where = "path: line N" (1-based).
+    A line that is not JSON raises FTRLFormatError, or with `keep_going` is yielded as that error in
+    place of the row (a validator reports the lines after it too)."""
     with open(path, encoding="utf-8") as f:
         for index, line in enumerate(f):
             if not line.strip():
                 continue
             where = f"{path}: line {index + 1}"
             try:
-                yield where, index, json.loads(line)
+                row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise FTRLFormatError(f"{where}: invalid JSON ({e})") from None
+                if not keep_going:
+                    raise FTRLFormatError(f"{where}: invalid JSON ({e})") from None
+                row = FTRLFormatError(f"{where}: invalid JSON ({e})")
+            yield where, index, row
 
 
 def _iter_parquet(path: pathlib.Path) -> Iterable[tuple[str, int, Any]]:
