@@ -203,7 +203,7 @@ TODAY_DEFAULT["rollout"].update(observation_template="project")
 
 # Keys where configs/qwen3_8b.py's experiment departs from base + its model layer: how the run
 # fits 8 x 80 GB devices and how it evaluates. Anything else would be a value from somewhere else.
-PAPER_EXPERIMENT_KEYS = {"name", "data.num_eval", "rollout.decode_slots",
+PAPER_EXPERIMENT_KEYS = {"name", "data.num_eval", "rollout.decode_slots", "rollout.kv_pool_blocks",
                          "train.micro_batches", "train.teacher_micro_batches", "train.logprob_chunk",
                          "train.micro_batch_groups"}
 SMALLER_BATCH_KEYS = {"train.prompts_per_step", "train.group_size", "train.micro_batches",
