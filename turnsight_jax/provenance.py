@@ -70,7 +70,8 @@ def harmless(key: str, new: dict[str, Any]) -> bool:
 
 
 def config_changes(stored: dict, new: dict) -> tuple[dict[str, tuple[Any, Any]], list[str]]:
-    """(changed: key -> (stored, new) for keys in both, added: keys only in `new`), flat keys."""
+    """(changed: key -> (stored, new) for keys in both that differ, and key -> (stored, None) for
+    keys the new config dropped; added: keys only in `new`), flat keys."""
     old, cur = flatten(stored), flatten(new)
     changed = {k: (old[k], cur[k]) for k in sorted(cur) if k in old and old[k] != cur[k]}
     # a key the new config dropped is a change too (its behaviour is now the code's default)

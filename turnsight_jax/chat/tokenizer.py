@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import os
 import re
 from typing import Any, Sequence

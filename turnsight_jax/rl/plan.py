@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from turnsight_jax import model_setup
 from turnsight_jax.config import validate
+from turnsight_jax.errors import ConfigError
 from turnsight_jax.models.qwen3 import Qwen3
 from turnsight_jax.models.sharding import make_mesh, opt_state_shardings, state_shardings
 from turnsight_jax.rl.batch import abstract_batch, worst_case_geometry
@@ -120,7 +121,11 @@ def memory_budget(cfg: mlc.ConfigDict, environ=None) -> tuple[float, str]:
     if env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "") == "platform":
         limit, why = card, "XLA_PYTHON_CLIENT_ALLOCATOR=platform: no allocator limit, the card's memory"
     elif "XLA_PYTHON_CLIENT_MEM_FRACTION" in env:
-        frac = float(env["XLA_PYTHON_CLIENT_MEM_FRACTION"])
+        try:
+            frac = float(env["XLA_PYTHON_CLIENT_MEM_FRACTION"])
+        except ValueError:
+            raise ConfigError(f"XLA_PYTHON_CLIENT_MEM_FRACTION must be a number in (0, 1], got "
+                              f"{env['XLA_PYTHON_CLIENT_MEM_FRACTION']!r}") from None
         limit, why = card * frac, f"XLA_PYTHON_CLIENT_MEM_FRACTION={env['XLA_PYTHON_CLIENT_MEM_FRACTION']} of the card"
     else:
         limit, why = card * JAX_DEFAULT_MEM_FRACTION, (
@@ -136,22 +141,23 @@ def missing_inputs(cfg: mlc.ConfigDict) -> list[str]:
     from turnsight_jax.sources import get_source
 
     problems = []
-    for key, source_key in (("data.path", "data.source"), ("data.eval_path", "data.eval_source")):
-        path = cfg.data[key.split(".")[1]]
-        if get_source(cfg.data[source_key.split(".")[1]]).needs_path:
+    d = cfg.data
+    for key, path, source_key, source in (("data.path", d.path, "data.source", d.source),
+                                          ("data.eval_path", d.eval_path, "data.eval_source", d.eval_source)):
+        if get_source(source).needs_path:
             if not path:
-                problems.append(f"{key}: not set ({source_key}={cfg.data[source_key.split('.')[1]]!r} reads a file)")
+                problems.append(f"{key}: not set ({source_key}={source!r} reads a file)")
             elif not pathlib.Path(path).exists():
                 problems.append(f"{key}={path}: no such file")
     if not cfg.model.hf_path and not cfg.model.allow_random_init:
         problems.append(f"model.hf_path: not set (model.preset={cfg.model.preset!r} would start from random weights)")
-    folders = [("model.hf_path", cfg.model.hf_path), ("tokenizer_path", cfg.tokenizer_path)]
+    folders = [("model.hf_path", cfg.model.hf_path, "config.json"),
+               ("tokenizer_path", cfg.tokenizer_path, "tokenizer.json")]
     if cfg.teacher.weights == "external" and cfg.teacher.checkpoint not in ("", "warm_start"):
-        folders.append(("teacher.checkpoint", cfg.teacher.checkpoint))
-    for key, path in folders:
-        if path and not (pathlib.Path(path) / ("tokenizer.json" if key == "tokenizer_path" else "config.json")).is_file():
-            problems.append(f"{key}={path}: not a Hugging Face folder here (no "
-                            f"{'tokenizer.json' if key == 'tokenizer_path' else 'config.json'})")
+        folders.append(("teacher.checkpoint", cfg.teacher.checkpoint, "config.json"))
+    for key, path, needed in folders:
+        if path and not (pathlib.Path(path) / needed).is_file():
+            problems.append(f"{key}={path}: not a Hugging Face folder here (no {needed})")
     return problems
 
 
