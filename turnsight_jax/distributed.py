@@ -249,8 +249,9 @@ def main(argv=None) -> int:
         prog="python -m turnsight_jax.distributed",
         description="Check a multi-process JAX job: every process contributes its index + 1 from each local device "
                     "to one all-reduce and prints the sum against the expected one (exit 0: all processes joined). "
-                    "Run under a launcher (launch/local_multiprocess.sh N, launch/slurm_multinode.sh), which sets TURNSIGHT_DISTRIBUTED=1, "
-                    "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID; alone it checks one process.",
+                    "Run under a launcher (launch/local_multiprocess.sh N, launch/slurm_multinode.sh), which sets "
+                    "TURNSIGHT_DISTRIBUTED=1, JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID; alone it "
+                    "checks one process.",
     ).parse_args(argv)
     return check()
 

@@ -147,8 +147,13 @@ class ModelSource:
         if kind == "checkpoint":
             model_dir = folder / "model"
             if not (model_dir / "config.json").is_file():
-                hf = (folder / "config.json").is_file() and '"model_type"' in (folder / "config.json").read_text()
-                hint = f": it is a Hugging Face model folder (an export?), evaluate it with --hf {folder}" if hf else ""
+                from turnsight_jax.checkpointing import read_run_config
+
+                try:  # a Hugging Face folder (a run's export): the run-config reader names it, with --hf
+                    read_run_config(folder)
+                    hint = ""
+                except ValueError as e:
+                    hint = f": {e}"
                 raise EvalError(f"{flag} {folder}: not a turnsight_jax run folder (no model/config.json){hint}")
             default_tok = folder / "tokenizer"
         else:
