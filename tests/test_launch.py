@@ -548,3 +548,8 @@ def test_the_warm_start_on_two_processes_writes_one_folder(tmp_path):
     assert (sft / "SFT_DONE").is_file() and (sft / "config.json").is_file() and (sft / "tokenizer.json").is_file()
     assert not (work / "sft.tmp").exists()
     assert "[p0] sft: done in" in proc.stdout + proc.stderr
+    # no RL step ran: the held-out evaluation before RL is reused as the one after it, on both
+    # processes (process 1 taking the other branch would leave process 0's collectives hanging)
+    assert "[p0] held-out after RL: no RL step ran (train.steps=0)" in proc.stdout + proc.stderr
+    summary = json.loads((work / "summary.json").read_text())
+    assert summary["eval_after_rl"] == summary["eval_before_rl"] and summary["improvement"]["mean"] == 0.0

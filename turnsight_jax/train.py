@@ -415,9 +415,10 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
                 else sources.make_env(cfg.data.eval_source, max_output_chars=cap))
     summary: dict = {}
     eval_before_path = workdir / "eval_before_rl.json"
+    before_here = None  # the evaluation before RL, when this run computed it
     if eval_tasks and not eval_before_path.exists():
         t0 = time.perf_counter()
-        before = _evaluate(graphdef, ref_params, tok, eval_tasks, cfg, eval_env)
+        before = before_here = _evaluate(graphdef, ref_params, tok, eval_tasks, cfg, eval_env)
         if jax.process_index() == 0:
             eval_before_path.write_text(json.dumps(before))
         log(f"held-out before RL: {_describe(before)} ({time.perf_counter() - t0:.0f}s)")
@@ -652,7 +653,14 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
         mlog.close()
 
     if eval_tasks:
-        after = _evaluate(graphdef, params, tok, eval_tasks, cfg, eval_env)
+        if n_steps == 0 and latest is None and before_here is not None:
+            # No RL step and nothing restored: the policy is the one just evaluated, and the
+            # evaluation's seeds are fixed (cfg.seed), so a second pass would repeat it exactly.
+            # (Every process takes the same branch: each computed `before_here` itself.)
+            after = before_here
+            log("held-out after RL: no RL step ran (train.steps=0), so it is the evaluation before RL")
+        else:
+            after = _evaluate(graphdef, params, tok, eval_tasks, cfg, eval_env)
         before = json.loads(eval_before_path.read_text()) if eval_before_path.exists() else None
         summary["eval_after_rl"] = after
         if before:
