@@ -1,4 +1,5 @@
-"""turnsight_jax.runlog: the metrics log (JSONL, resume truncation, cut lines), progress lines."""
+"""turnsight_jax.runlog: the metrics log (JSONL, resume truncation, cut lines; TensorBoard and Weights &
+Biases on a trainer run), progress lines."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from turnsight_jax.runlog import MetricsLog, Progress
 
@@ -58,3 +60,104 @@ def test_tensorboard_events_hold_every_numeric_metric(tmp_path):
     scalars = _events(tmp_path / "tensorboard")
     assert sorted(scalars) == sorted([("rollout/reward_mean", s, 0.25 * s) for s in range(3)]
                                      + [("train/loss", s, 1.5 - s) for s in range(3)])
+
+
+def _wandb_records(path):
+    """The records of a W&B offline run file (RUN/wandb/offline-run-*/run-<id>.wandb), read as its
+    format is documented: a 7-byte header (":W&B", a 2-byte magic, a version byte), then LevelDB's
+    log format (32 KiB blocks of chunks, each a CRC, a 2-byte length and a type: full, or first /
+    middle / last of a record split across blocks), each record a W&B `Record` protobuf."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B", data[:7]
+    at, parts, out = 7, [], []
+    while at + 7 <= len(data):
+        room = block - at % block
+        if room < 7:  # a block's tail too short for a chunk header is zero padding
+            at += room
+            continue
+        _, length, kind = struct.unpack("<IHB", data[at:at + 7])
+        if kind == 0 and length == 0:
+            at += room
+            continue
+        chunk, at = data[at + 7:at + 7 + length], at + 7 + length
+        if kind == 1:
+            parts = [chunk]
+        elif kind == 2:
+            parts = [chunk]
+            continue
+        elif kind == 3:
+            parts.append(chunk)
+            continue
+        else:
+            parts.append(chunk)
+        out.append(wandb_internal_pb2.Record.FromString(b"".join(parts)))
+    return out
+
+
+def _wandb_run(run_dir):
+    """-> (run id, config {key: value}, history {step: {key: value}}, summary {key: value}) of every
+    offline W&B run file under run_dir/wandb (a resumed run adds a file with the same id)."""
+    ids, config, history, summary = set(), {}, {}, {}
+    for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+        for rec in _wandb_records(path):
+            kind = rec.WhichOneof("record_type")
+            if kind == "run":
+                ids.add(rec.run.run_id)
+                config.update({i.key: json.loads(i.value_json) for i in rec.run.config.update})
+            elif kind == "history":
+                row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+                history.setdefault(int(row["_step"]), {}).update(row)
+            elif kind == "summary":
+                summary.update({i.key: json.loads(i.value_json) for i in rec.summary.update if i.key})
+    assert len(ids) == 1, ids
+    return ids.pop(), config, history, summary
+
+
+def test_a_run_of_the_embedded_default_logs_to_tensorboard_and_wandb_offline(tmp_path):
+    """`python -m turnsight_jax.train` (the embedded default, shortened) with log.tensorboard and
+    log.wandb in W&B's offline mode: the TensorBoard events and the W&B run both hold every
+    numeric metric of metrics.jsonl at its step; W&B also holds the resolved config and the
+    held-out summary, and a resumed run (one more step) continues the same W&B run."""
+    from _train_runs import run_main
+
+    run = tmp_path / "run"
+    short = ["--config.sft.steps=0", "--config.sft.curriculum_steps=0", "--config.train.prompts_per_step=2",
+             "--config.train.group_size=2", "--config.data.num_eval=2", "--config.eval.temperature=0",
+             "--config.eval.max_turns=2", "--config.rollout.max_turns=2", "--config.rollout.max_turn_tokens=12",
+             "--config.rollout.max_response_tokens=64", "--config.checkpoint.every=1", "--config.log.records_every=0",
+             "--config.checkpoint.export_at_end=False", "--config.log.tensorboard=True", "--config.log.wandb=True",
+             "--config.log.wandb_mode=offline", "--config.log.wandb_project=tests"]
+    for steps in (1, 2):  # the second: a resume (train.steps is harmless under the default schedule)
+        done = run_main("turnsight_jax.train", "--workdir", run, f"--config.train.steps={steps}", *short,
+                        env={"WANDB_CACHE_DIR": str(tmp_path / "wandb-cache"),  # its service's logs: not in ~/.cache
+                             "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config")})
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stderr and "(next step 1)" in done.stderr
+    logged = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(logged) == [0, 1]
+    numbers = {s: {k: v for k, v in r.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+               for s, r in logged.items()}
+    assert all(len(n) > 50 and "perf/checkpoint_s" in n for n in numbers.values())  # amended after the step's line
+
+    tb = {}
+    for tag, step, value in _events(run / "tensorboard"):
+        tb.setdefault(step, {})[tag] = value
+    assert sorted(tb) == [0, 1]
+    for step, want in numbers.items():
+        assert set(tb[step]) == set(want), step
+        assert all(tb[step][k] == pytest.approx(v, rel=1e-6, abs=1e-30) for k, v in want.items())  # float32 events
+
+    run_id, config, history, summary = _wandb_run(run)
+    assert json.loads((run / "wandb_run.json").read_text())["id"] == run_id
+    assert config["rl"]["method"] == "turnsight" and config["train"]["group_size"] == 2
+    assert sorted(history) == [0, 1]
+    for step, want in numbers.items():
+        got = {k: v for k, v in history[step].items() if not k.startswith("_")}
+        assert got == pytest.approx(want, rel=1e-12, abs=0), step
+    held_out = json.loads((run / "summary.json").read_text())
+    assert summary["eval_after_rl/task_mean_solve_f1"] == pytest.approx(held_out["eval_after_rl"]["task_mean_solve_f1"])
+    assert summary["improvement/mean"] == pytest.approx(held_out["improvement"]["mean"])

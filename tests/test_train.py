@@ -63,6 +63,8 @@ def _records(workdir):
     (["--config.model.attn_row_group=-2"], r"model.attn_row_group must be >= 0 .*got -2"),
     (["--config.model.attn_row_group=0", "--config.model.attn_key_block=64"],
      r"model.attn_key_block=64 needs model.attn_row_group > 0"),
+    (["--config.log.wandb=True", "--config.log.wandb_mode=cloud"],
+     r"log.wandb_mode must be 'online' or 'offline', got 'cloud'"),
 ])
 def test_bad_inputs_fail_before_training(tmp_path, capsys, args, message):
     """In-process `train.main`: exit code 2, one `error:` line naming the problem, run folder untouched."""

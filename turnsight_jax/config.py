@@ -345,6 +345,12 @@ def base_config() -> mlc.ConfigDict:
     c.log = mlc.ConfigDict()  # run logs (metrics.jsonl is always written)
     c.log.tensorboard = True  # TensorBoard event files next to metrics.jsonl
     c.log.progress = True  # progress lines on stderr
+    # Weights & Biases (runlog.WandbRun; `pip install -e '.[wandb]'`): the resolved config, every
+    # step's numeric metrics and the held-out summary, its files in WORKDIR/wandb, one W&B run per
+    # run folder (its id in WORKDIR/wandb_run.json, so a resumed run continues it)
+    c.log.wandb = False  # True: log to Weights & Biases too
+    c.log.wandb_project = "turnsight_jax"  # the W&B project (the entity: W&B's own WANDB_ENTITY or login default)
+    c.log.wandb_mode = "online"  # "online" (needs `wandb login`) | "offline" (local; `wandb sync WORKDIR/wandb/offline-run-*`)
     # trajectory records (turnsight_jax.records, docs/records.md; `python -m turnsight_jax.inspect RUN`)
     c.log.records_every = 5  # every N steps, RUN/records/step_<step>.jsonl.gz (0: none)
     c.log.records_max_kib = 8192  # bound per step and process: whole prompt groups while the JSON fits
@@ -741,6 +747,26 @@ def eval_sampling(cfg: mlc.ConfigDict, *, greedy: bool = False) -> SamplingParam
     return SamplingParams(temperature=e.temperature, top_k=int(e.top_k), top_p=float(e.top_p), logprobs=False)
 
 
+def _check_wandb(log_cfg) -> None:
+    """log.wandb*: the switch, the project and mode, and the package when asked for (before any step).
+    .get: a run folder's config.json written before these keys has none."""
+    on = log_cfg.get("wandb", False)
+    if not isinstance(on, bool):
+        raise ConfigError(f"log.wandb must be True or False, got {on!r}")
+    if not on:
+        return
+    mode, project = log_cfg.get("wandb_mode", "online"), log_cfg.get("wandb_project", "turnsight_jax")
+    if mode not in ("online", "offline"):
+        raise ConfigError(f"log.wandb_mode must be 'online' or 'offline', got {mode!r}")
+    if not isinstance(project, str) or not project.strip():
+        raise ConfigError(f"log.wandb_project must be a non-empty string, got {project!r}")
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError("log.wandb=True needs the wandb package, not installed here: "
+                          "pip install -e '.[wandb]' (or --config.log.wandb=False)")
+
+
 def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
              check_data: bool = True) -> tuple[StepConfig, ResolvedMethod]:
     """Check a run config; raise ConfigError with one line naming the problem. Returns the step's
@@ -786,6 +812,7 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
     fault_config(cfg)
     if not isinstance(cfg.log.turn_records, bool):
         raise ConfigError(f"log.turn_records must be True or False, got {cfg.log.turn_records!r}")
+    _check_wandb(cfg.log)
     template = cfg.rollout.get("observation_template", "project")
     if template not in OBSERVATION_TEMPLATES:
         raise ConfigError(f"rollout.observation_template must be one of {', '.join(OBSERVATION_TEMPLATES)} "

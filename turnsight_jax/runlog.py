@@ -1,5 +1,5 @@
-"""Run output: one-line log messages, the metrics log (JSONL + TensorBoard), progress lines, and
-the measured matmul peak that CPU MFU figures divide by. Only process 0 writes."""
+"""Run output: one-line log messages, the metrics log (JSONL + TensorBoard + Weights & Biases),
+progress lines, and the measured matmul peak that CPU MFU figures divide by. Only process 0 writes."""
 
 from __future__ import annotations
 
@@ -62,13 +62,68 @@ class _Tee:
         return getattr(self.stream, name)
 
 
-class MetricsLog:
-    """JSONL (and optionally TensorBoard) metrics, written by process 0 only."""
+def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
+    """The plain numeric scalars of a metrics record (what the trackers plot)."""
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
-    def __init__(self, workdir: pathlib.Path, *, tensorboard: bool, resume_step: int | None):
+
+def _flat_numbers(tree: dict, prefix: str = "") -> dict[str, float]:
+    """summary.json's numbers as flat "a/b/c" keys (lists, such as per-task scores, left out)."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat_numbers(v, f"{prefix}{k}/"))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+class WandbRun:
+    """The Weights & Biases run of a run folder (log.wandb): the resolved config, each step's numeric
+    metrics at its step, and at the end the held-out summary (summary.json's numbers).
+
+    Its files live in WORKDIR/wandb (offline: `wandb sync WORKDIR/wandb/offline-run-*` uploads
+    them later) and its id in WORKDIR/wandb_run.json, so a resumed run continues the same W&B run.
+    W&B keeps the first value logged at a step: the steps a resume redoes (those after the restored
+    checkpoint) repeat the same numbers (a resumed run logs what the uninterrupted one would)."""
+
+    ID_FILE = "wandb_run.json"
+
+    def __init__(self, workdir: pathlib.Path, *, project: str, mode: str, name: str, config: dict):
+        import secrets
+        import string
+
+        import wandb
+
+        id_path = workdir / self.ID_FILE
+        if id_path.exists():
+            run_id = json.loads(id_path.read_text())["id"]
+        else:  # W&B's own alphabet and length
+            run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+        self.run = wandb.init(project=project, name=name, id=run_id, resume="allow", dir=str(workdir), mode=mode,
+                              config=config)
+        id_path.write_text(json.dumps({"id": run_id, "project": project, "mode": mode}) + "\n")
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        self.run.log(_numbers(metrics), step=step)
+
+    def finish(self, summary: dict | None, exit_code: int) -> None:
+        if summary:
+            self.run.summary.update(_flat_numbers(summary))
+        self.run.finish(exit_code=exit_code)
+
+
+class MetricsLog:
+    """JSONL metrics (and optionally TensorBoard and Weights & Biases), written by process 0 only.
+
+    wandb: WandbRun's keyword arguments (project, mode, name, config), or None (off)."""
+
+    def __init__(self, workdir: pathlib.Path, *, tensorboard: bool, resume_step: int | None,
+                 wandb: dict | None = None):
         self.path = workdir / "metrics.jsonl"
         self.enabled = jax.process_index() == 0
         self.tb = None
+        self.wandb = None
         if not self.enabled:
             return
         workdir.mkdir(parents=True, exist_ok=True)
@@ -90,6 +145,8 @@ class MetricsLog:
                 self.tb = SummaryWriter(str(workdir / "tensorboard"))
             except ImportError:
                 log("tensorboardX not installed: TensorBoard logging off")
+        if wandb is not None:
+            self.wandb = WandbRun(workdir, **wandb)
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -102,6 +159,8 @@ class MetricsLog:
                 if isinstance(v, (int, float)) and k != "step":
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(step, {k: v for k, v in rec.items() if k != "step"})
 
     def amend(self, step: int, metrics: dict[str, Any]) -> None:
         """Add `metrics` to the line of `step` already written (the last one holding it): the file
@@ -128,10 +187,17 @@ class MetricsLog:
                 if isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
+        if self.wandb is not None:  # the step just written, W&B's current one: its fields are added
+            self.wandb.log(step, {k: _jsonable(v) for k, v in metrics.items()})
 
-    def close(self):
+    def close(self, summary: dict | None = None, exit_code: int = 0):
+        """summary: numbers for the trackers' run summary (W&B); exit_code: how the run ended."""
         if self.tb is not None:
             self.tb.close()
+            self.tb = None
+        if self.wandb is not None:
+            self.wandb.finish(summary, exit_code)
+            self.wandb = None
 
 
 def _jsonable(v):

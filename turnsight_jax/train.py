@@ -394,7 +394,11 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
         start = int(meta["next_step"])
         resumed_meta = meta
         log(f"resumed from {workdir}/checkpoints/{latest} (next step {start})")
-    mlog = MetricsLog(workdir, tensorboard=cfg.log.tensorboard, resume_step=start - 1 if latest is not None else -1)
+    wandb = None
+    if cfg.log.get("wandb", False):  # .get: a config.json written before the key
+        wandb = dict(project=cfg.log.wandb_project, mode=cfg.log.wandb_mode, name=workdir.name, config=cfg.to_dict())
+    mlog = MetricsLog(workdir, tensorboard=cfg.log.tensorboard, resume_step=start - 1 if latest is not None else -1,
+                      wandb=wandb)
     records.clear_from(workdir, start, jax.process_index())  # the steps this run will redo, like their metrics
     optimizer_probe = cost.OptimizerProbe(optimizer)
     # SLIM (rl.method=slim): the skill library, audited and expanded after steps (rl.slim_runner);
@@ -443,6 +447,7 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
     history = batch_shapes.ShapeHistory.from_meta(resumed_meta, cfg.train.shapes, cfg.train.shape_reuse)
     fault_nan_steps = _fault_nan_steps()
     skipped_in_a_row = 0
+    loop_done = False  # the metrics log stays open for the run's summary unless the loop ends the run
     try:
         for step in range(start, n_steps):
             t_step = time.perf_counter()
@@ -648,32 +653,41 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
                     f"the same command to resume" if jax.process_count() > 1 else
                     f"stopped after step {step + 1}; rerun the same command to resume")
                 return {"preempted_at": step + 1}
+        loop_done = True
+    except BaseException:
+        mlog.close(exit_code=1)
+        raise
     finally:
         preempt.restore()
-        mlog.close()
-
-    if eval_tasks:
-        if n_steps == 0 and latest is None and before_here is not None:
-            # No RL step and nothing restored: the policy is the one just evaluated, and the
-            # evaluation's seeds are fixed (cfg.seed), so a second pass would repeat it exactly.
-            # (Every process takes the same branch: each computed `before_here` itself.)
-            after = before_here
-            log("held-out after RL: no RL step ran (train.steps=0), so it is the evaluation before RL")
-        else:
-            after = _evaluate(graphdef, params, tok, eval_tasks, cfg, eval_env)
-        before = json.loads(eval_before_path.read_text()) if eval_before_path.exists() else None
-        summary["eval_after_rl"] = after
-        if before:
-            summary["eval_before_rl"] = before
-            diff = np.array(after["per_task_solve_f1"]) - np.array(before["per_task_solve_f1"])
-            se = float(diff.std(ddof=1) / math.sqrt(len(diff))) if len(diff) > 1 else float("nan")
-            summary["improvement"] = {"metric": "task_mean_solve_f1", "mean": float(diff.mean()), "paired_se": se,
-                                      "z": _z_score(float(diff.mean()), se)}
-            log(f"held-out: after warm-start {_describe(before)} -> after RL {_describe(after)}")
-            log(f"held-out task-mean Solve-F1: paired difference {diff.mean():+.3f} ± {se:.3f} "
-                f"({_z_score(float(diff.mean()), se):.1f} SE)")
-        if jax.process_index() == 0:
-            (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if not loop_done:
+            mlog.close()  # a preemption's stop (after an error: already closed, a no-op)
+    try:  # the held-out evaluation after RL, against the one before it
+        if eval_tasks:
+            if n_steps == 0 and latest is None and before_here is not None:
+                # No RL step and nothing restored: the policy is the one just evaluated, and the
+                # evaluation's seeds are fixed (cfg.seed), so a second pass would repeat it exactly.
+                # (Every process takes the same branch: each computed `before_here` itself.)
+                after = before_here
+                log("held-out after RL: no RL step ran (train.steps=0), so it is the evaluation before RL")
+            else:
+                after = _evaluate(graphdef, params, tok, eval_tasks, cfg, eval_env)
+            before = json.loads(eval_before_path.read_text()) if eval_before_path.exists() else None
+            summary["eval_after_rl"] = after
+            if before:
+                summary["eval_before_rl"] = before
+                diff = np.array(after["per_task_solve_f1"]) - np.array(before["per_task_solve_f1"])
+                se = float(diff.std(ddof=1) / math.sqrt(len(diff))) if len(diff) > 1 else float("nan")
+                summary["improvement"] = {"metric": "task_mean_solve_f1", "mean": float(diff.mean()), "paired_se": se,
+                                          "z": _z_score(float(diff.mean()), se)}
+                log(f"held-out: after warm-start {_describe(before)} -> after RL {_describe(after)}")
+                log(f"held-out task-mean Solve-F1: paired difference {diff.mean():+.3f} ± {se:.3f} "
+                    f"({_z_score(float(diff.mean()), se):.1f} SE)")
+            if jax.process_index() == 0:
+                (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    except BaseException:
+        mlog.close(exit_code=1)
+        raise
+    mlog.close(summary=summary)
     if cfg.checkpoint.export_at_end:
         export(graphdef, params, workdir / "export", workdir / "tokenizer", cfg)
     ckpt.close()
