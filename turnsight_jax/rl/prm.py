@@ -1,4 +1,4 @@
-"""PiCA's step-PRM (../shared/METHODS.md §B): h(s) = P(not yet solved | the trajectory up to s),
+"""PiCA's step-PRM (docs/ppo.md, "PiCA"): h(s) = P(not yet solved | the trajectory up to s),
 its training loss (labels where they are known, a hinge on increases along solved trajectories),
 and the progress rewards it writes at tool-result boundaries for GAE (rl.critic) to propagate.
 

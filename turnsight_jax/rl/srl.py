@@ -1,4 +1,4 @@
-"""SRL (supervised RL from expert steps; ../shared/METHODS.md §B): a dense reward from the
+"""SRL (supervised RL from expert steps; docs/signal_methods.md): a dense reward from the
 similarity of each of the policy's actions to the expert's action at the same step.
 
 The expert trajectory is the task's gold chain: one step per gold turn (`Task.gold_calls`, the

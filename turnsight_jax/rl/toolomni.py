@@ -1,4 +1,4 @@
-"""ToolOmni (../shared/METHODS.md §B): tool use as two separately normalised stages with a
+"""ToolOmni (docs/signal_methods.md): tool use as two separately normalised stages with a
 multiplicative retrieval reward, for FTRL-format tasks (docs/signal_methods.md).
 
 The paper's retrieval stage and answer stage are, in a multi-turn trajectory, its tool turns and
