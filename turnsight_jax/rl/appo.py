@@ -52,6 +52,7 @@ from turnsight_jax.rl.logprobs import student_logprobs
 from turnsight_jax.rollout.control import ENTROPY, DecodeSignals, EngineController, EpisodeStart
 from turnsight_jax.rollout.driver import RolloutResult
 from turnsight_jax.rollout.engine import PagedEngine, blocks_per_episode, default_pool_blocks
+from turnsight_jax.rollout.sampler import pow2_bucket
 
 OMEGA = "appo_omega"  # the per-token reward / batch array / Trajectory.token_values key: clip(Omega)
 AMPLIFY = "appo_amplify"  # the advantage transform
@@ -131,10 +132,6 @@ def branch_points(omega_clipped: np.ndarray, entropy: np.ndarray, b: int) -> tup
 
 # ---- pi_old's log-probs of the rollouts, teacher-forced ----
 
-def _bucket(n: int, minimum: int) -> int:
-    return max(minimum, 1 << max(0, int(n - 1).bit_length()))
-
-
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("temperature",))
 def _scored(graphdef, params, tokens, valid, pol_pos, pol_valid, *, temperature: float):
     return student_logprobs(nnx.merge(graphdef, params), tokens, valid, pol_pos, chunk=256, temperature=temperature,
@@ -148,8 +145,8 @@ def old_logprobs(graphdef, params, trajs: Sequence[Trajectory], temperature: flo
     pos = [np.flatnonzero(t.policy_mask) for t in trajs]
     if params is None:
         return [t.old_logprobs[p] for t, p in zip(trajs, pos)]
-    rows, width = _bucket(len(trajs), 1), _bucket(max(t.length for t in trajs), 64)
-    n = _bucket(max(len(p) for p in pos), 16)
+    rows, width = pow2_bucket(len(trajs), 1), pow2_bucket(max(t.length for t in trajs), 64)
+    n = pow2_bucket(max(len(p) for p in pos), 16)
     tokens = np.zeros((rows, width), np.int32)
     valid = np.zeros((rows, width), bool)
     pol_pos = np.zeros((rows, n), np.int32)

@@ -237,7 +237,7 @@ def rollout_plan(cfg: mlc.ConfigDict, budget: float | None = None, budget_why: s
     from turnsight_jax.models.paged_cache import (LiveBlocks, PagedKV, bytes_per_token, pool_shape, pool_spec,
                                                   storage_dtype)
     from turnsight_jax.rollout import engine as eng_lib
-    from turnsight_jax.rollout.sampler import SamplingParams
+    from turnsight_jax.rollout.sampler import SamplingParams, pow2_bucket
 
     ecfg, rc = engine_config(cfg), rollout_config(cfg)
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
@@ -267,7 +267,7 @@ def rollout_plan(cfg: mlc.ConfigDict, budget: float | None = None, budget_why: s
     kv = PagedKV(*(jax.ShapeDtypeStruct(shape, storage_dtype(cdtype), sharding=kv_sharding) for _ in range(2)),
                  jnp.dtype(cdtype).name)
     rows = shards * per_shard
-    table_width = eng_lib._pow2(-(-(rc.max_prompt_tokens + context) // ecfg.block_size) + 1)
+    table_width = pow2_bucket(-(-(rc.max_prompt_tokens + context) // ecfg.block_size) + 1)
     listed = per_shard * (-(-(rc.max_prompt_tokens + context) // ecfg.block_size))
     row = lambda shp, dt: jax.ShapeDtypeStruct(shp, dt, sharding=NamedSharding(  # noqa: E731
         mesh, P(("data", "fsdp"), *([None] * (len(shp) - 1)))))

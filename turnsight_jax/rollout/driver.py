@@ -34,7 +34,7 @@ from turnsight_jax.distributed import to_host
 from turnsight_jax.envs.base import Environment, VectorEnv
 from turnsight_jax.models.qwen3 import KVCache
 from turnsight_jax.rollout.control import EpisodeStart, RolloutHooks
-from turnsight_jax.rollout.sampler import SamplingParams, append_tokens, decode_turn, global_rows
+from turnsight_jax.rollout.sampler import SamplingParams, append_tokens, decode_turn, global_rows, pow2_bucket
 
 log = logging.getLogger(__name__)
 
@@ -141,11 +141,6 @@ class TurnPolicy(Protocol):
         them: an observation window; `rollout(window=...)`). Needed only with a window."""
 
 
-def _bucket(n: int, minimum: int = 16) -> int:
-    """Next power of two >= n: bounds how many shapes (compilations) a run can see."""
-    return max(minimum, 1 << max(0, int(n - 1).bit_length()))
-
-
 class ModelPolicy:
     """Decodes with the compiled KV-cached sampler.
 
@@ -189,12 +184,12 @@ class ModelPolicy:
         cfg = self.graphdef_config()
         n_prompts = len(prompts)
         self.rows = n_prompts * group_size
-        self.padded_rows = _bucket(self.rows, 1)
+        self.padded_rows = pow2_bucket(self.rows, 1)
         longest = max(len(p) for p in prompts)
-        width = _bucket(longest, 64)
+        width = pow2_bucket(longest, 64)
         # Cache: the prompt bucket plus the response budget (+ one turn of slack for padded appends).
         max_len = width + self.config.max_response_tokens + self.context_slack + 1
-        prompt_rows = _bucket(n_prompts, 1)
+        prompt_rows = pow2_bucket(n_prompts, 1)
         toks = np.zeros((prompt_rows, width), np.int32)
         lens = np.zeros((prompt_rows,), np.int32)
         for i, p in enumerate(prompts):
@@ -221,7 +216,7 @@ class ModelPolicy:
     def _window(self, needed: int) -> int:
         """Attention window for `needed` filled slots: a power of two (bounded compilations),
         at most the cache size."""
-        return min(self.cache.max_len, _bucket(needed, 64))
+        return min(self.cache.max_len, pow2_bucket(needed, 64))
 
     def graphdef_config(self):
         from flax import nnx
@@ -272,7 +267,7 @@ class ModelPolicy:
         if not any(s for s in suffixes):
             return
         t0 = time.perf_counter()
-        width = _bucket(max(len(s) for s in suffixes if s), 16)
+        width = pow2_bucket(max(len(s) for s in suffixes if s), 16)
         toks = np.zeros((self.padded_rows, width), np.int32)
         lens = np.zeros((self.padded_rows,), np.int32)
         for r, s in enumerate(suffixes):

@@ -51,21 +51,17 @@ from turnsight_jax.distributed import to_host
 from turnsight_jax.models.paged_cache import LiveBlocks, PagedKV, bytes_per_token, empty_pool, live_blocks, paged_extend
 from turnsight_jax.models.sharding import BATCH, fit_spec
 from turnsight_jax.rollout.control import Chunk, DecodeSignals, EngineController
-from turnsight_jax.rollout.sampler import SamplingParams, global_rows, sample_rows, token_signals
+from turnsight_jax.rollout.sampler import SamplingParams, global_rows, pow2_bucket, sample_rows, token_signals
 
 _FREE, _DECODE, _WAIT = 0, 1, 2
 _NO_SIGNALS = DecodeSignals()
-
-
-def _pow2(n: int, minimum: int = 1) -> int:
-    return max(minimum, 1 << max(0, int(n - 1).bit_length()))
 
 
 def _quarter_pow2(n: int, minimum: int = 8) -> int:
     """n rounded up to a multiple of a quarter of its power of two (4 sizes per octave: at most 25%
     padding, a bounded number of compiled shapes)."""
     n = max(n, minimum)
-    step = max(1, _pow2(n) // 8)
+    step = max(1, pow2_bucket(n) // 8)
     return -(-n // step) * step
 
 
@@ -259,7 +255,7 @@ class PagedEngine:
         # the most KV slots an episode's context holds after its prompt
         self.max_context = config.max_response_tokens + int(context_slack)
         self.max_len = config.max_prompt_tokens + self.max_context
-        self.table_width = _pow2(-(-self.max_len // bs) + 1)
+        self.table_width = pow2_bucket(-(-self.max_len // bs) + 1)
         self.pool_blocks = engine.pool_blocks or default_pool_blocks(
             self.slots_per_shard, config.max_prompt_tokens, self.max_context, bs)
         self.kv = empty_pool(self.model_config, self.shards, self.pool_blocks, bs, self.cache_dtype, mesh)
@@ -514,9 +510,9 @@ class PagedEngine:
         if prefills:
             self._prefill(prefills)
         if forks or any(copies):
-            m = _pow2(max(len(c) for c in copies))
+            m = pow2_bucket(max(len(c) for c in copies))
             pairs = np.array([c + [(self.trash, self.trash)] * (m - len(c)) for c in copies], np.int32)
-            h = _pow2(max(len(forks), 1))
+            h = pow2_bucket(max(len(forks), 1))
             hid_dst = [s * self.slots_per_shard + j for s, j, _ in forks] + [len(self.hidden)] * (h - len(forks))
             vals = [self.on_shard[s][self.group_of[row]].hidden for s, _, row in forks]
             vals = vals + [vals[0] if vals else jnp.zeros_like(self.hidden[0])] * (h - len(forks))
@@ -530,7 +526,7 @@ class PagedEngine:
         """Rows per shard (a power of two; fine: a quarter-power-of-two step above 4, for the decode
         whose cost is per row) and the shard-major row list with None padding."""
         most = max(len(x) for x in per_shard)
-        width = _quarter_pow2(most, 1) if fine and most > 4 else _pow2(most)
+        width = _quarter_pow2(most, 1) if fine and most > 4 else pow2_bucket(most)
         rows = []
         for x in per_shard:
             rows.extend(x + [None] * (width - len(x)))
@@ -547,7 +543,7 @@ class PagedEngine:
         for it in items:
             per_shard[per_shard_key(it)[0]].append(it)
         _, rows = self._compact(per_shard)
-        width = _pow2(max(len(per_shard_key(it)[1]) for it in items), 16)
+        width = pow2_bucket(max(len(per_shard_key(it)[1]) for it in items), 16)
         toks = np.zeros((len(rows), width), np.int32)
         num = np.zeros(len(rows), np.int32)
         start = np.zeros(len(rows), np.int32)
@@ -565,7 +561,7 @@ class PagedEngine:
             end = max(end, st + len(ids))
             self.counters[f"{timing}_tokens"] += len(ids)
         self.counters[f"{timing}_tokens_computed"] += toks.size
-        window = min(self.table_width, _pow2(-(-end // self.engine.block_size), 4))
+        window = min(self.table_width, pow2_bucket(-(-end // self.engine.block_size), 4))
         t0 = time.perf_counter()
         self.kv, self.hidden, last = _extend_rows(
             self.graphdef, self.state, self.kv, self.hidden, *self._put_rows(toks, num, start, tables, dst),

@@ -23,6 +23,12 @@ from flax import nnx, struct
 from turnsight_jax.models.qwen3 import KVCache, Qwen3
 
 
+def pow2_bucket(n: int, minimum: int = 1) -> int:
+    """The next power of two >= n (at least `minimum`): the one bucket of the rollout's compiled
+    shapes (rows, widths, windows), so a run meets a bounded number of shapes (compilations)."""
+    return max(minimum, 1 << max(0, int(n - 1).bit_length()))
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """temperature > 0; top_k = 0 disables; top_p = 1.0 disables; greedy ignores the rest.
