@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import time
 
 import pytest
@@ -163,3 +164,20 @@ def test_more_than_20_steps_in_a_turn_force_quits(tasks, env):
         res = ep.step([ToolCall("pwd", {})])
     assert res.done and ep.force_quit
     assert bfcl.check_episode(ep)["error_type"] == "multi_turn:force_terminated"
+
+
+def test_the_bfcl_project_root_is_removed_when_its_process_exits(tmp_path):
+    """bfcl-eval writes under BFCL_PROJECT_ROOT on import; the folder import_bfcl makes for it is the
+    process's to remove at exit (an evaluate run used to leave one in the temporary folder each time)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "BFCL_PROJECT_ROOT"}
+    env["TMPDIR"] = str(tmp_path)
+    code = ("import os; from turnsight_jax.envs.bfcl import import_bfcl; import_bfcl(); "
+            "root = os.environ['BFCL_PROJECT_ROOT']; print(root, os.path.isdir(root))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    root, existed = out.stdout.split()
+    assert existed == "True" and root.startswith(str(tmp_path))
+    assert not os.path.exists(root) and list(tmp_path.iterdir()) == []

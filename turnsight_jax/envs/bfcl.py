@@ -46,6 +46,7 @@ What the environment does, and what it never does
 from __future__ import annotations
 
 import ast
+import atexit
 import copy
 import dataclasses
 import functools
@@ -55,6 +56,7 @@ import json
 import keyword
 import math
 import os
+import shutil
 import tempfile
 import threading
 import uuid
@@ -89,8 +91,12 @@ def import_bfcl() -> dict[str, Any]:
     """
     with _import_lock:
         if not os.environ.get("BFCL_PROJECT_ROOT"):
-            # The package writes result/, score/ and .file_locks/ under this root on import.
-            os.environ["BFCL_PROJECT_ROOT"] = tempfile.mkdtemp(prefix="turnsight_bfcl_")
+            # The package writes result/, score/ and .file_locks/ under this root on import. The
+            # process that made the folder removes it at exit (processes it starts inherit the
+            # variable and reuse the folder).
+            root = tempfile.mkdtemp(prefix="turnsight_bfcl_")
+            os.environ["BFCL_PROJECT_ROOT"] = root
+            atexit.register(shutil.rmtree, root, ignore_errors=True)
         try:
             checker = importlib.import_module(
                 "bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker"
