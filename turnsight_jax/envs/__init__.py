@@ -1,7 +1,9 @@
-"""Tool environments: the episode protocol, the isolated tool executor and the task sources.
+"""Tool environments: the episode protocol, the sandboxed tool executor, and the environments of
+the built-in tasks, FTRL, ToolHop and BFCL (which source loads which is turnsight_jax.sources).
 
 - `base`: `Environment`, `Episode`, `StepResult`, `EpisodeScore`, `VectorEnv` (batched).
-- `executor`: `ToolExecutor`, a pool of isolated worker processes for dataset tool code.
+- `executor`, `_sandbox_host`: `ToolExecutor`, dataset tool code run in a fresh confined process per call.
+- `faults`: noisy, slow and unavailable tools injected by configuration (`faults.*`).
 - `ftrl`: FTRL loader, `answer_verify`, `solve_metrics` (Solve-P/R/F1), `FTRLEnv`.
 - `synthetic`: seeded built-in FTRL-format tasks with gold chains (the training default).
 - `toolhop`: ToolHop loader and `ToolHopEnv` (answer accuracy).

@@ -28,7 +28,7 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 from turnsight_jax.chat.template import escape_tool_response
-from turnsight_jax.chat.types import Call, CallError, Task, ToolCall
+from turnsight_jax.chat.types import Call, CallError, Task
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,11 +114,6 @@ class Environment(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def call_label(call: Call) -> str:
-    """A short description of a call for logs: the tool name or `<malformed>`."""
-    return call.name if isinstance(call, ToolCall) else "<malformed>"
 
 
 def malformed_observation(call: CallError) -> str:

@@ -1,1 +1,2 @@
-"""Rollouts: the KV-cached sampler and the multi-turn driver."""
+"""Rollouts: the KV-cached sampler, the paged engine, the multi-turn driver and the rollout-controller
+interface (control hooks the engine calls)."""
