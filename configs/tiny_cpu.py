@@ -1,5 +1,5 @@
 """The embedded default (what `python -m turnsight_jax.train` runs with no --config): the tiny CPU
-experiment on the tiny-default model, both defined in turnsight_jax/experiments.py."""
+experiment on the tiny-default model, both defined in turnsight_jax/embedded_default.py."""
 
 from turnsight_jax.config import default_config
 

@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 from turnsight_jax import config as C
-from turnsight_jax import experiments
+from turnsight_jax import embedded_default
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.models.config import PRESETS
 
@@ -268,7 +268,7 @@ def test_embedded_default_layers():
     default = flat(C.default_config().to_dict())
     assert set(base) == set(default)  # a layer sets keys, never adds them
     assert C.fixed_keys(C.default_config()) == {"model.preset": "tiny-default"}
-    assert C.model_file(REPO / "configs" / "x.py", "tiny_default").keys == experiments.TINY_DEFAULT_MODEL
+    assert C.model_file(REPO / "configs" / "x.py", "tiny_default").keys == embedded_default.TINY_DEFAULT_MODEL
     assert C.default_config() is not C.default_config()  # fresh each call: no shared state
 
 

@@ -13,7 +13,7 @@ A run config is three layers (`layered`):
 A config file is a Python file defining `get_config()` that returns an `ml_collections`
 ConfigDict (see configs/), normally `layered(model=model_file(__file__, "<model>"),
 experiment=...)`. The embedded default (`default_config()`, what runs without --config) is the
-tiny CPU experiment of turnsight_jax/experiments.py. Overrides use dotted keys:
+tiny CPU experiment of turnsight_jax/embedded_default.py. Overrides use dotted keys:
 `--config.rl.lam=0.3`. Values are parsed as Python literals and must match the type of the key
 they replace; an unknown key is an error that names the closest known keys. Keys under `rl.args`
 (plug-in method knobs) are free-form.
@@ -437,12 +437,12 @@ def model_layer_name(cfg: mlc.ConfigDict) -> str | None:
 
 
 def default_config() -> mlc.ConfigDict:
-    """The embedded default: the tiny CPU experiment (turnsight_jax.experiments) on the
+    """The embedded default: the tiny CPU experiment (turnsight_jax.embedded_default) on the
     tiny-default model: a tiny Qwen3 with the real tokenizer on built-in tasks, CPU, minutes."""
-    from turnsight_jax import experiments
+    from turnsight_jax import embedded_default
 
-    return layered(model=ModelLayer("tiny_default (turnsight_jax.experiments)", experiments.TINY_DEFAULT_MODEL),
-                   experiment=experiments.tiny_cpu)
+    model = ModelLayer("tiny_default (turnsight_jax.embedded_default)", embedded_default.TINY_DEFAULT_MODEL)
+    return layered(model=model, experiment=embedded_default.tiny_cpu)
 
 
 def _get(cfg: mlc.ConfigDict, key: str) -> Any:

@@ -15,7 +15,7 @@ import dataclasses
 import json
 import random
 
-from turnsight_jax import experiments, sources
+from turnsight_jax import embedded_default, sources
 from turnsight_jax.chat.parsing import render_tool_call
 from turnsight_jax.config import ModelLayer, layered
 from turnsight_jax.envs.synthetic import gold_tool_calls
@@ -67,8 +67,8 @@ if "chaos" not in METHODS:
 
 
 def get_config():
-    c = layered(model=ModelLayer("tests/configs/chaos.py", dict(experiments.TINY_DEFAULT_MODEL, preset="tiny")),
-                experiment=experiments.tiny_cpu)
+    c = layered(model=ModelLayer("tests/configs/chaos.py", dict(embedded_default.TINY_DEFAULT_MODEL, preset="tiny")),
+                experiment=embedded_default.tiny_cpu)
     c.name = "chaos"
     c.rl.method = "chaos"
     return c
