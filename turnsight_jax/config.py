@@ -153,7 +153,7 @@ def base_config() -> mlc.ConfigDict:
     c.rl.matchtir_semantics = "clean"  # MatchTIR reward conventions: clean | released (quchangle1/MatchTIR's code; turnsight_jax/rewards.py)
     c.rl.matchtir_singleton = "zero"  # MatchTIR advantage of a group / (group, turn) of one: zero | raw (mean 0, std 1: the released code)
     c.rl.toolrl_format = True  # ToolRL reward R_format + R_correct (docs/spec.md §1.12); False: R_correct only (the released compute_toolrl)
-    # Self-distillation baselines (turnsight_jax.rl.distill, docs/baselines.md); RLSD mixes with rl.lam and rl.eps_w:
+    # Self-distillation baselines (turnsight_jax.rl.self_distillation, docs/baselines.md); RLSD mixes with rl.lam and rl.eps_w:
     c.rl.sdpo_coef = 1.0  # SDPO: coefficient of the top-K KL to the feedback teacher (sdpo_advantage: of its gap in the advantage)
     c.rl.sdpo_tail = True  # SDPO/SOD top-K KL: the rest of the vocabulary as one extra category; False: renormalised over the K
     c.rl.sdar_coef = 1.0  # SDAR: coefficient of the gated auxiliary NLL

@@ -84,7 +84,7 @@ class AlgoConfig:
     ("greedy" | "assignment" | "transport") and matchtir_semantics ("clean" | "released") of the
     turn rewards (turnsight_jax.rewards), matchtir_singleton ("zero" | "raw") of the advantage
     (rl.advantages.matchtir_advantage_parts). toolrl_format: the ToolRL reward adds its format
-    term (rewards.toolrl_reward). Self-distillation baselines (rl.distill; RLSD reuses lam and
+    term (rewards.toolrl_reward). Self-distillation baselines (rl.self_distillation; RLSD reuses lam and
     eps_w): sdpo_coef (SDPO's KL coefficient, or its advantage's with the sdpo_advantage form),
     sdpo_tail (the top-K KL keeps the rest of the vocabulary as one extra category; False:
     both distributions renormalised over the top K), sdar_coef / sdar_beta (SDAR's auxiliary NLL

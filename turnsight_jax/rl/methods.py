@@ -31,7 +31,7 @@ from turnsight_jax.errors import ConfigError
 from turnsight_jax.judge import method as judge  # the model-judged reward's pieces (registers judge_grpo)
 from turnsight_jax.rewards import matchtir_turn_rewards, token_f1, toolrl_reward
 from turnsight_jax.rl import critic as _critic  # noqa: F401  (registers PPO's GAE estimator)
-from turnsight_jax.rl import distill  # noqa: F401  (registers the self-distillation baselines)
+from turnsight_jax.rl import self_distillation  # noqa: F401  (registers the self-distillation baselines)
 from turnsight_jax.rl import orchard as _orchard  # noqa: F401  (registers CA-SFT's loss term)
 from turnsight_jax.rl import akbe, appo, bar, mm_grpo, srl, t2po, toolomni  # akbe registers its CE loss term, appo its transform
 from turnsight_jax.rl.advantages import Estimator, get_estimator, get_transform
@@ -412,7 +412,7 @@ register_method(Method("judge", advantage=judge.ESTIMATOR, rewards=tuple(r[0] fo
                        description="OpenWebRL: a judge model's (rationale, 0/1) label as the reward, group-normalised"))
 register_method(Method("turnsight", advantage="turnsight", rewards=(),
                        description="turn-level hindsight weighting of the base method's advantage"))
-# The self-distillation baselines of Table 1 (rl.distill, docs/baselines.md); their teachers
+# The self-distillation baselines of Table 1 (rl.self_distillation, docs/baselines.md); their teachers
 # score privileged views (rl.privileged_views) with the teacher.* config.
 register_method(Method("rlsd", advantage="rlsd", rewards=(), teacher="privileged",
                        description="RLSD: the base advantage modulated by clip(exp(sign(A) * teacher gap))"))
