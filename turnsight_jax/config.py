@@ -909,7 +909,8 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
         raise ConfigError(f"rl.method={sc.algo.method!r} trains a step-PRM that reads the tool results; "
                           "rl.student_sees_observations=False masks them out of the context it reads")
     # The rewards' inputs must exist for the training tasks (e.g. MatchTIR's gold calls).
-    stages = [(sc, method)] + ([] if (later := second_stage(cfg, sc, method)) is None else [later[1:]])
+    later = second_stage(cfg, sc, method)
+    stages = [(sc, method)] + ([] if later is None else [(later.step_config, later.method)])
     if "judge" in cfg:  # the judge's keys; its folder must exist when a stage judges (not for a dry run's plan)
         from turnsight_jax.judge.settings import judge_settings
 
@@ -939,10 +940,19 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
     return sc, method
 
 
-def second_stage(cfg: mlc.ConfigDict, sc: StepConfig, method: ResolvedMethod):
-    """(switch step, StepConfig, ResolvedMethod) of rl.switch_method, which runs from step
-    rl.switch_step on (every other key as the first stage's), or None when rl.switch_step is 0.
-    ConfigError when the two stages need different state: a critic, or another teacher."""
+@dataclasses.dataclass(frozen=True)
+class SecondStage:
+    """The second stage of a two-stage recipe: rl.switch_method from step `start` (0-based) on."""
+
+    start: int
+    step_config: StepConfig
+    method: ResolvedMethod
+
+
+def second_stage(cfg: mlc.ConfigDict, sc: StepConfig, method: ResolvedMethod) -> SecondStage | None:
+    """The stage rl.switch_method runs from step rl.switch_step on (every other key as the first
+    stage's), or None when rl.switch_step is 0. ConfigError when the two stages need different
+    state: a critic, or another teacher."""
     step, name = cfg.rl.switch_step, cfg.rl.switch_method
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ConfigError(f"rl.switch_step must be an int >= 0 (0: off), got {step!r}")
@@ -967,4 +977,4 @@ def second_stage(cfg: mlc.ConfigDict, sc: StepConfig, method: ResolvedMethod):
     if kept(method) != kept(method2):
         raise ConfigError(f"rl.switch_method={name!r}: one stage needs the {kept(method) or kept(method2)} teacher "
                           f"and the other none; both must score with it, or neither")
-    return step, sc2, method2
+    return SecondStage(step, sc2, method2)

@@ -355,22 +355,22 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
     later = second_stage(cfg, step_cfg, method)
     stage_steps = {0: (step_cfg, method, step_fn)}
     if later is not None:
-        log(f"from step {later[0] + 1}: {later[2].describe()}")
+        log(f"from step {later.start + 1}: {later.method.describe()}")
 
     def stage(at: int):
         """(StepConfig, ResolvedMethod, step function) that step `at` (0-based) runs."""
-        if later is None or at < later[0]:
+        if later is None or at < later.start:
             return stage_steps[0]
         if 1 not in stage_steps:
-            stage_steps[1] = (later[1], later[2], make_train_step(
-                graphdef, later[1], optimizer, later[2], state_shardings=jax.tree.map(lambda x: x.sharding, shardings),
+            stage_steps[1] = (later.step_config, later.method, make_train_step(
+                graphdef, later.step_config, optimizer, later.method, state_shardings=jax.tree.map(lambda x: x.sharding, shardings),
                 teacher_graphdef=teacher_graphdef, aux_optimizers=aux_opts, records=with_records))
         return stage_steps[1]
 
     # A rollout controller that scores with the policy before the last update (APPO's pi_old,
     # rl.methods.RolloutController.old_policy): a copy of the parameters kept before each update,
     # checkpointed, so a resumed run continues with it; None before the first update.
-    old_kinds = {m.rollout.old_policy_kind(cfg) for m in ([method] + ([later[2]] if later is not None else []))}
+    old_kinds = {m.rollout.old_policy_kind(cfg) for m in ([method] + ([later.method] if later is not None else []))}
     previous = None
     latest = checkpointing.resume_step(workdir, log)  # the newest valid step; invalid newer ones moved aside
     ckpt = Checkpointer(workdir, keep=cfg.checkpoint.keep, log=log)
@@ -404,7 +404,7 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
     # SLIM (rl.method=slim): the skill library, audited and expanded after steps (rl.slim_runner);
     # a resumed run continues with the library saved in its checkpoint.
     slim_run = None
-    if uses_slim(method, later[2] if later is not None else None):
+    if uses_slim(method, later.method if later is not None else None):
         slim_run = SlimRunner.start(cfg, slim_config(cfg), tok, train_tasks, workdir, mesh, vocab_size=qcfg.vocab_size,
                                     resume_text=ckpt.read_file(latest, LIBRARY_FILE) if latest is not None else None,
                                     log=log)
@@ -528,7 +528,7 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
                                mesh, rows)
                 records_s = time.perf_counter() - t0
             if later is not None:  # which stage of a two-stage recipe ran (1, then 2)
-                metrics["rl/stage"] = 1.0 + float(step >= later[0])
+                metrics["rl/stage"] = 1.0 + float(step >= later.start)
             for k, v in m.items():
                 # a plug-in method's own diagnostics carry their prefix ("rlsd/...", "teacher/...")
                 metrics[k if "/" in k else ("turnsight/" if k in TURNSIGHT_METRICS else "train/") + k] = v
