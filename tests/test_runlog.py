@@ -161,3 +161,19 @@ def test_a_run_of_the_embedded_default_logs_to_tensorboard_and_wandb_offline(tmp
     held_out = json.loads((run / "summary.json").read_text())
     assert summary["eval_after_rl/task_mean_solve_f1"] == pytest.approx(held_out["eval_after_rl"]["task_mean_solve_f1"])
     assert summary["improvement/mean"] == pytest.approx(held_out["improvement"]["mean"])
+
+
+def test_wandb_online_without_a_login_is_one_config_error(tmp_path, monkeypatch):
+    """log.wandb in online mode on a machine with no W&B login: one ConfigError naming the fixes
+    (`wandb login`, or the offline mode), raised before any step, not W&B's traceback."""
+    from turnsight_jax.errors import ConfigError
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    with pytest.raises(ConfigError, match=r"log\.wandb: Weights & Biases could not start the run \(.*\); run "
+                                          r"`wandb login`, or pass --config\.log\.wandb_mode=offline"):
+        MetricsLog(tmp_path / "run", tensorboard=False, resume_step=None,
+                   wandb=dict(project="tests", mode="online", name="run", config={}))

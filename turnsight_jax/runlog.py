@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from turnsight_jax.errors import ConfigError
+
 
 def log(msg: str) -> None:
     if jax.process_index() == 0:
@@ -100,8 +102,12 @@ class WandbRun:
             run_id = json.loads(id_path.read_text())["id"]
         else:  # W&B's own alphabet and length
             run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
-        self.run = wandb.init(project=project, name=name, id=run_id, resume="allow", dir=str(workdir), mode=mode,
-                              config=config)
+        try:
+            self.run = wandb.init(project=project, name=name, id=run_id, resume="allow", dir=str(workdir), mode=mode,
+                                  config=config)
+        except wandb.errors.Error as e:  # no login, an unreachable server, ...: one line, before any step
+            raise ConfigError(f"log.wandb: Weights & Biases could not start the run ({e}); run `wandb login`, or "
+                              f"pass --config.log.wandb_mode=offline (a local run to `wandb sync` later)") from None
         id_path.write_text(json.dumps({"id": run_id, "project": project, "mode": mode}) + "\n")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
