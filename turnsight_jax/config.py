@@ -748,14 +748,13 @@ def eval_sampling(cfg: mlc.ConfigDict, *, greedy: bool = False) -> SamplingParam
 
 
 def _check_wandb(log_cfg) -> None:
-    """log.wandb*: the switch, the project and mode, and the package when asked for (before any step).
-    .get: a run folder's config.json written before these keys has none."""
-    on = log_cfg.get("wandb", False)
+    """log.wandb*: the switch, the project and mode, and the package when asked for (before any step)."""
+    on = log_cfg.wandb
     if not isinstance(on, bool):
         raise ConfigError(f"log.wandb must be True or False, got {on!r}")
     if not on:
         return
-    mode, project = log_cfg.get("wandb_mode", "online"), log_cfg.get("wandb_project", "turnsight_jax")
+    mode, project = log_cfg.wandb_mode, log_cfg.wandb_project
     if mode not in ("online", "offline"):
         raise ConfigError(f"log.wandb_mode must be 'online' or 'offline', got {mode!r}")
     if not isinstance(project, str) or not project.strip():

@@ -395,7 +395,7 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
         resumed_meta = meta
         log(f"resumed from {workdir}/checkpoints/{latest} (next step {start})")
     wandb = None
-    if cfg.log.get("wandb", False):  # .get: a config.json written before the key
+    if cfg.log.wandb:
         wandb = dict(project=cfg.log.wandb_project, mode=cfg.log.wandb_mode, name=workdir.name, config=cfg.to_dict())
     mlog = MetricsLog(workdir, tensorboard=cfg.log.tensorboard, resume_step=start - 1 if latest is not None else -1,
                       wandb=wandb)
