@@ -363,8 +363,9 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
             return stage_steps[0]
         if 1 not in stage_steps:
             stage_steps[1] = (later.step_config, later.method, make_train_step(
-                graphdef, later.step_config, optimizer, later.method, state_shardings=jax.tree.map(lambda x: x.sharding, shardings),
-                teacher_graphdef=teacher_graphdef, aux_optimizers=aux_opts, records=with_records))
+                graphdef, later.step_config, optimizer, later.method,
+                state_shardings=jax.tree.map(lambda x: x.sharding, shardings), teacher_graphdef=teacher_graphdef,
+                aux_optimizers=aux_opts, records=with_records))
         return stage_steps[1]
 
     # A rollout controller that scores with the policy before the last update (APPO's pi_old,
@@ -394,11 +395,12 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
         start = int(meta["next_step"])
         resumed_meta = meta
         log(f"resumed from {workdir}/checkpoints/{latest} (next step {start})")
-    wandb = None
+    wandb_run = None  # runlog.WandbRun's settings when log.wandb
     if cfg.log.wandb:
-        wandb = dict(project=cfg.log.wandb_project, mode=cfg.log.wandb_mode, name=workdir.name, config=cfg.to_dict())
+        wandb_run = dict(project=cfg.log.wandb_project, mode=cfg.log.wandb_mode, name=workdir.name,
+                         config=cfg.to_dict())
     mlog = MetricsLog(workdir, tensorboard=cfg.log.tensorboard, resume_step=start - 1 if latest is not None else -1,
-                      wandb=wandb)
+                      wandb=wandb_run)
     records.clear_from(workdir, start, jax.process_index())  # the steps this run will redo, like their metrics
     optimizer_probe = cost.OptimizerProbe(optimizer)
     # SLIM (rl.method=slim): the skill library, audited and expanded after steps (rl.slim_runner);
