@@ -16,7 +16,7 @@ update's necessary FLOPs (turnsight_jax.flops, the counter the trainer logs), an
 TurnSight over PPO as its base; PiCA adds its step-PRM, a frozen-trunk forward and a head update),
 and the host seconds of the method's rewards on the batch (SRL's difflib similarities are all
 host-side: its step is GRPO's). Orchard's teacher columns are its retrospective probe rows (the
-trajectory once plus one question per state, rl.orchard)."""
+trajectory once plus one question per state, methods.orchard)."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ def fold_views(views, vocab: int = SMALL_VOCAB):
 
 
 def fold_probes(probes, vocab: int = SMALL_VOCAB):
-    """rl.orchard.RetroProbes with its token ids and answer ids folded."""
+    """methods.orchard.RetroProbes with its token ids and answer ids folded."""
     return None if probes is None else dataclasses.replace(probes, tokens=fold(probes.tokens, vocab),
                                                            answer_ids=fold(probes.answer_ids, vocab))
 

@@ -310,10 +310,10 @@ def test_the_fused_step_with_row_groups_equals_the_step_without(setup, tok, layo
 
 @pytest.mark.parametrize("layout", ["plain", "packed"])
 def test_the_critics_trunk_with_row_groups_equals_the_trunk_without(setup, tok, layout):  # noqa: F811
-    """rl.critic.hidden_at (the critic's values under a gradient, the PRM's features) skips the
+    """methods.critic.hidden_at (the critic's values under a gradient, the PRM's features) skips the
     padding too: the hidden states at the policy positions and the trunk's gradient are the
     same with and without row groups."""
-    from turnsight_jax.rl.critic import hidden_at
+    from turnsight_jax.methods.critic import hidden_at
     from turnsight_jax.rl.logprobs import predictor_positions
     from test_rl_step import _batch, _max_diff, _with_options
 

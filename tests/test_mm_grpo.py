@@ -1,4 +1,4 @@
-"""MM-GRPO's rollout controller (rl.mm_grpo, rl.rollout=mm_grpo): the observation window's elisions
+"""MM-GRPO's rollout controller (methods.mm_grpo, rl.rollout=mm_grpo): the observation window's elisions
 and contexts, dynamic sampling's drops and refills on scripted rollouts (hand-computed), refill
 draws that depend on the refill index only, the window's exactness (the sampler's log-probs equal
 a teacher-forced forward of each turn under its own context, and the trainer's student forward
@@ -25,7 +25,7 @@ from turnsight_jax.rl.context_rows import context_row
 from turnsight_jax.rl.logprobs import policy_logprobs, student_logprobs
 from turnsight_jax.rl.views import pick_bucket
 from turnsight_jax.rl.methods import ROLLOUTS, RolloutContext, resolve_method, sampler_rollout
-from turnsight_jax.rl.mm_grpo import MMGRPOSettings, dynamic_rollout, refill_stream
+from turnsight_jax.methods.mm_grpo import MMGRPOSettings, dynamic_rollout, refill_stream
 from turnsight_jax.rollout import engine as E
 from turnsight_jax.rollout.driver import (ModelPolicy, ObservationWindow, ReplayPolicy, RolloutConfig,
                                           placeholder_suffix, rollout)

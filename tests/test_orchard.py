@@ -1,4 +1,4 @@
-"""Orchard's CA-SFT (rl.orchard): credits, rise segments and the token mask equal hand-computed
+"""Orchard's CA-SFT (methods.orchard): credits, rise segments and the token mask equal hand-computed
 values; the packed probe row gives each state exactly the value of its plain sequence (prefix +
 question); in the fused step the gradient is the base method's plus the CA-SFT loss written out
 per token."""
@@ -19,7 +19,7 @@ from turnsight_jax.errors import ConfigError
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import init_model
-from turnsight_jax.rl import orchard
+from turnsight_jax.methods import orchard
 from turnsight_jax.rl.batch import make_train_batch
 from turnsight_jax.rl.config import AlgoConfig, LossConfig, StepConfig
 from turnsight_jax.rl.losses import aggregation_weights, get_loss_term

@@ -90,3 +90,84 @@ def test_contracts_live_in_leaf_modules():
     for gone in ("runtime", "train_step", "batching", "teacher", "views", "plan", "sharding", "advantages",
                  "logprobs"):
         assert not (PKG / f"{gone}.py").exists(), gone
+
+
+DOC = PKG.parent / "docs" / "architecture.md"
+# The upward imports the code still has (docs/architecture.md, "Layers"): each is a core module
+# reaching into a method, or one of three older shortcuts. The list may only shrink: a new upward
+# import fails the test below, and one removed must be taken off here.
+KNOWN_UPWARD = {
+    ("config", "judge.settings"), ("config", "methods.akbe"), ("config", "methods.appo"),
+    ("config", "methods.bar"), ("config", "methods.mm_grpo"), ("config", "methods.privileged_blocks"),
+    ("config", "methods.slim.library"), ("config", "methods.t2po"),
+    ("rl.batch", "methods.mm_grpo"), ("rl.batch", "methods.orchard"), ("rl.batch", "methods.privileged_blocks"),
+    ("rl.batch", "methods.privileged_views"),
+    ("rl.methods", "judge"), ("rl.methods", "judge.method"), ("rl.methods", "methods"),
+    ("rl.methods", "methods.akbe"), ("rl.methods", "methods.appo"), ("rl.methods", "methods.bar"),
+    ("rl.methods", "methods.critic"), ("rl.methods", "methods.mm_grpo"), ("rl.methods", "methods.orchard"),
+    ("rl.methods", "methods.self_distillation"), ("rl.methods", "methods.slim.library"),
+    ("rl.methods", "methods.slim.text"), ("rl.methods", "methods.srl"), ("rl.methods", "methods.t2po"),
+    ("rl.methods", "methods.toolomni"),
+    ("rl.plan", "methods.appo"), ("rl.plan", "methods.mm_grpo"),
+    ("rl.step", "methods"), ("rl.step", "methods.critic"), ("rl.step", "methods.orchard"), ("rl.step", "methods.prm"),
+    ("envs.bfcl", "eval.web_search"),  # BFCL's web-search backend lives with the evaluation
+    ("judge.distill", "sft"),  # the distilled judge reuses the warm-start's optimizer loop
+    ("envs.toolhop", "rewards"),  # ToolHop's answer check is the outcome reward's token F1
+}
+
+
+def _layers() -> list[tuple[str, list[str]]]:
+    """[(layer name, module prefixes)], lowest first, from docs/architecture.md's table."""
+    text = DOC.read_text()
+    table = text.split("<!-- layers: read by tests/test_package_layout.py -->", 1)[1].split("<!-- end of the layers -->")[0]
+    rows = [r for r in table.strip().splitlines()[2:]]
+    return [(r.split("|")[1].strip(), [c.strip(" `") for c in r.split("|")[2].split(",")]) for r in rows]
+
+
+def _layer_of(module: str, layers) -> tuple[int, str]:
+    """(index, layer name) of a module (`turnsight_jax.` dropped): its longest matching prefix."""
+    name = module.removeprefix("turnsight_jax.")
+    best = None
+    for i, (layer, prefixes) in enumerate(layers):
+        for p in prefixes:
+            hit = name == p.rstrip(".") or (p.endswith(".") and name.startswith(p))
+            if hit and (best is None or len(p) > best[0]):
+                best = (len(p), i, layer)
+    assert best is not None, f"{module} is in no layer of docs/architecture.md's table"
+    return best[1], best[2]
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    layers = _layers()
+    assert [name for name, _ in layers][:2] == ["foundation", "models"] and len(layers) == 9
+    graph = _graph()
+    upward = set()
+    for module, deps in graph.items():
+        if module == "turnsight_jax":
+            continue
+        own = _layer_of(module, layers)[0]
+        for dep in deps:
+            if dep != "turnsight_jax" and _layer_of(dep, layers)[0] > own:
+                upward.add((module.removeprefix("turnsight_jax."), dep.removeprefix("turnsight_jax.")))
+    assert not upward - KNOWN_UPWARD, f"new upward imports: {sorted(upward - KNOWN_UPWARD)}"
+    assert not KNOWN_UPWARD - upward, f"gone, take them off KNOWN_UPWARD: {sorted(KNOWN_UPWARD - upward)}"
+
+
+def test_no_core_module_imports_a_method_outside_the_pinned_list():
+    """The redesign's goal, issue 60: the core imports no method. Today's remaining imports are the
+    pinned ones; no other core module (models, chat, envs, rollout, rl, config) may add one."""
+    layers = _layers()
+    core_layers = {"foundation", "models", "chat", "environments", "rollout", "core", "evaluation"}
+    into_methods = {(m.removeprefix("turnsight_jax."), d.removeprefix("turnsight_jax."))
+                    for m, deps in _graph().items() if m != "turnsight_jax" and _layer_of(m, layers)[1] in core_layers
+                    for d in deps if d != "turnsight_jax" and _layer_of(d, layers)[1] == "methods"}
+    assert into_methods <= KNOWN_UPWARD, sorted(into_methods - KNOWN_UPWARD)
+    assert len(into_methods) == 33  # lower this with each import the redesign removes
+
+
+def test_the_layer_check_catches_an_upward_import():
+    layers = _layers()
+    assert _layer_of("turnsight_jax.rl.step", layers)[1] == "core"
+    assert _layer_of("turnsight_jax.judge.__main__", layers)[1] == "entry points"
+    assert _layer_of("turnsight_jax.judge.method", layers)[1] == "methods"
+    assert _layer_of("turnsight_jax.models.qwen3", layers)[0] < _layer_of("turnsight_jax.rollout.engine", layers)[0]

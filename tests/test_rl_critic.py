@@ -1,4 +1,4 @@
-"""PPO's critic math (rl.critic): GAE equals a loop reference on padded, gapped layouts and has
+"""PPO's critic math (methods.critic): GAE equals a loop reference on padded, gapped layouts and has
 the textbook limits; the reward sits on the last policy token; whitening and the clipped value
 loss equal hand-computed values."""
 
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from turnsight_jax.rl import critic
+from turnsight_jax.methods import critic
 
 
 def _loop_gae(r, v, m, gamma, lam):

@@ -19,7 +19,7 @@ from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import init_model
 from turnsight_jax.models.sharding import make_mesh, state_shardings
-from turnsight_jax.rl import critic as critic_lib
+from turnsight_jax.methods import critic as critic_lib
 from turnsight_jax.rl.advantages import get_estimator
 from turnsight_jax.rl.batch import make_train_batch, shard_batch
 from turnsight_jax.rl.config import AlgoConfig, CriticConfig, LossConfig, PRMConfig, StepConfig

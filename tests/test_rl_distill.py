@@ -1,4 +1,4 @@
-"""The self-distillation baselines' formulas (rl.self_distillation) against hand-computed values: RLSD's
+"""The self-distillation baselines' formulas (methods.self_distillation) against hand-computed values: RLSD's
 modulated advantage, SDPO's top-K KL (and its advantage form), SDAR's gated NLL, SOD's turn
 weights; each with its coefficient 0 (or λ = 0) equal to the base exactly."""
 
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from turnsight_jax.rl import self_distillation as distill
+from turnsight_jax.methods import self_distillation as distill
 from turnsight_jax.rl.config import AlgoConfig, LossConfig
 from turnsight_jax.rl.losses import get_loss_term
 

@@ -15,12 +15,12 @@ import optax
 import pytest
 from flax import nnx
 
-from turnsight_jax.chat.privileged import default_skills_path, load_skills, privileged_blocks
+from turnsight_jax.methods.privileged_blocks import default_skills_path, load_skills, privileged_blocks
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import init_model
 from turnsight_jax.rl import advantages as adv_lib
-from turnsight_jax.rl import self_distillation as distill
+from turnsight_jax.methods import self_distillation as distill
 from turnsight_jax.models.sharding import make_mesh, state_shardings
 from turnsight_jax.rl.batch import make_train_batch, shard_batch
 from turnsight_jax.rl.config import AlgoConfig, LossConfig, StepConfig, TeacherConfig

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from turnsight_jax.chat.privileged import (PrivilegedTemplate, choose_sibling, default_skills_path, load_skills,
+from turnsight_jax.methods.privileged_blocks import (PrivilegedTemplate, choose_sibling, default_skills_path, load_skills,
                                            privileged_blocks, privileged_texts)
 from turnsight_jax.chat.tokenizer import encode
 from turnsight_jax.envs.ftrl import FTRLEnv
@@ -20,7 +20,7 @@ from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import RuntimeOptions, init_model
 from turnsight_jax.rollout.driver import ReplayPolicy, RolloutConfig, rollout
 from turnsight_jax.rl.logprobs import logprobs_at, teacher_logprobs
-from turnsight_jax.rl.privileged_views import build_privileged_views
+from turnsight_jax.methods.privileged_views import build_privileged_views
 
 from _vocab import SMALL_VOCAB, fold, fold_views
 from conftest import OPTIMIZED

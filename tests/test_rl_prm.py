@@ -1,4 +1,4 @@
-"""PiCA's step-PRM (rl.prm): where the states are read, the progress rewards, the hinge (it
+"""PiCA's step-PRM (methods.prm): where the states are read, the progress rewards, the hinge (it
 penalises exactly the increases of h), the loss's labels, and GAE over outcome + process rewards.
 (In the fused step: tests/test_rl_critic_step.py.)"""
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from turnsight_jax.rl import critic, prm
+from turnsight_jax.methods import critic, prm
 
 
 def test_state_positions_hand_values():

@@ -1,5 +1,5 @@
 """Packed hindsight views: the teacher's log-probs on the packed copies equal those of each
-(turn, depth) view built as its own plain sequence, also when an observation window (rl.mm_grpo)
+(turn, depth) view built as its own plain sequence, also when an observation window (methods.mm_grpo)
 elided observations from the turns' contexts."""
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_packed_views_equal_plain_sequences(tok, trajectories, model, options):
 
 
 def test_packed_views_under_an_observation_window_equal_plain_sequences(tok, model):
-    """An observation window of one (rl.mm_grpo): every turn's views and its own-context row are
+    """An observation window of one (methods.mm_grpo): every turn's views and its own-context row are
     built on the context that turn saw (older tool responses replaced by the placeholder)."""
     window = ObservationWindow(1, placeholder_suffix(tok, "[earlier tool output omitted]", enable_thinking=False))
     tasks, trajs = _replayed(tok, window)

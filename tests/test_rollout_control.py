@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from turnsight_jax.rl import appo, t2po
+from turnsight_jax.methods import appo, t2po
 from turnsight_jax.rollout.control import ENTROPY, TOP_J_NLL, Chunk, DecodeSignals, EpisodeStart
 
 from conftest import TINY_POLICY

@@ -1,4 +1,4 @@
-"""BAR and AKBE (rl.bar, rl.akbe; docs/rollout_methods.md) decide what their hand-computed
+"""BAR and AKBE (methods.bar, methods.akbe; docs/rollout_methods.md) decide what their hand-computed
 schedules say on scripted rollouts: the real controllers, the real rollout driver and the built-in
 environment, with a replay policy in place of the model whose turn texts (a gold chain: Solve-F1 1
 and a correct answer; a wrong call; a direct answer) are chosen by each episode's global row, so
@@ -18,8 +18,8 @@ from turnsight_jax.config import apply_overrides, default_config, validate
 from turnsight_jax.envs.ftrl import FTRLEnv
 from turnsight_jax.envs.synthetic import generate_task, gold_turn_texts
 from turnsight_jax.errors import ConfigError
-from turnsight_jax.rl import akbe as akbe_lib
-from turnsight_jax.rl import bar as bar_lib
+from turnsight_jax.methods import akbe as akbe_lib
+from turnsight_jax.methods import bar as bar_lib
 from turnsight_jax.rl.batch import make_train_batch
 from turnsight_jax.rl.config import StepConfig
 from turnsight_jax.rl.methods import RolloutContext, resolve_method

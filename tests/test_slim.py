@@ -1,4 +1,4 @@
-"""SLIM (rl.slim, rl.slim_text, rl.slim_runner): the library's EMA and bands against hand-computed
+"""SLIM (methods.slim.library, methods.slim.text, methods.slim.runner): the library's EMA and bands against hand-computed
 numbers (keep above the upper bound; watch while exposures or consecutive low rounds are short;
 retired exactly when both hold), the expansion counters, the JSON history, the prompt layout, the
 cleaning of the writer's text, the config errors, the method's resolution, and one 3-step run of
@@ -15,8 +15,8 @@ import pytest
 from turnsight_jax.chat import template as tmpl
 from turnsight_jax.chat import tokenizer as tok_lib
 from turnsight_jax.errors import ConfigError
-from turnsight_jax.rl import slim, slim_text
-from turnsight_jax.rl.slim import SkillLibrary, SlimConfig
+from turnsight_jax.methods.slim import library as slim, text as slim_text
+from turnsight_jax.methods.slim.library import SkillLibrary, SlimConfig
 
 from _train_runs import run_main
 
@@ -268,7 +268,7 @@ def test_three_steps_audit_expand_retire_checkpoint_resume_report(tmp_path, tok)
     from turnsight_jax.checkpointing import check_step
     from turnsight_jax.config import slim_config
     from turnsight_jax.report import make_report
-    from turnsight_jax.rl.slim_runner import LIBRARY_FILE, SlimRunner
+    from turnsight_jax.methods.slim.runner import LIBRARY_FILE, SlimRunner
 
     run = tmp_path / "run"
     args = ["--config", str(REPO / "configs" / "methods" / "slim.py"),

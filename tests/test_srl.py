@@ -1,4 +1,4 @@
-"""SRL (rl.srl): the compared action text, the difflib similarity and its step alignment equal
+"""SRL (methods.srl): the compared action text, the difflib similarity and its step alignment equal
 hand-computed values; the registered reward fills the batch's rewards; and a two-stage run (SRL,
 then the outcome) trains from a random model, whose rollouts never succeed, with a non-zero
 advantage in stage 1 only."""
@@ -14,7 +14,7 @@ import pytest
 
 from turnsight_jax.chat.types import CallError, ToolCall
 from turnsight_jax.errors import ConfigError
-from turnsight_jax.rl import srl
+from turnsight_jax.methods import srl
 
 from _train_runs import run_main
 

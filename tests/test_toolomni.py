@@ -1,4 +1,4 @@
-"""ToolOmni (rl.toolomni): InfoRecall, AnswerTran, the format term and the multiplicative
+"""ToolOmni (methods.toolomni): InfoRecall, AnswerTran, the format term and the multiplicative
 retrieval reward equal hand-computed values; the estimator normalises the tool turns and the
 answer turn apart and gates the answer stage on R_ret; the registered rewards on real trajectories
 of the built-in tasks."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from turnsight_jax.chat.types import CallError, ToolCall
-from turnsight_jax.rl import toolomni
+from turnsight_jax.methods import toolomni
 from turnsight_jax.rl.groups import group_normalize
 
 

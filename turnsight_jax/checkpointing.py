@@ -436,7 +436,7 @@ def _alive(holder: dict) -> bool:
 
 
 # The step's learned auxiliaries (rl.step.init_aux), each an optional item of a step's checkpoint.
-AUX_ITEMS = ("critic", "prm", "previous_policy")  # previous_policy: a rollout controller's old policy (rl.appo)
+AUX_ITEMS = ("critic", "prm", "previous_policy")  # previous_policy: a rollout controller's old policy (methods.appo)
 
 
 class Checkpointer:

@@ -153,14 +153,14 @@ def base_config() -> mlc.ConfigDict:
     c.rl.matchtir_semantics = "clean"  # MatchTIR reward conventions: clean | released (quchangle1/MatchTIR's code; turnsight_jax/rewards.py)
     c.rl.matchtir_singleton = "zero"  # MatchTIR advantage of a group / (group, turn) of one: zero | raw (mean 0, std 1: the released code)
     c.rl.toolrl_format = True  # ToolRL reward R_format + R_correct (docs/spec.md §1.12); False: R_correct only (the released compute_toolrl)
-    # Self-distillation baselines (turnsight_jax.rl.self_distillation, docs/baselines.md); RLSD mixes with rl.lam and rl.eps_w:
+    # Self-distillation baselines (turnsight_jax.methods.self_distillation, docs/baselines.md); RLSD mixes with rl.lam and rl.eps_w:
     c.rl.sdpo_coef = 1.0  # SDPO: coefficient of the top-K KL to the feedback teacher (sdpo_advantage: of its gap in the advantage)
     c.rl.sdpo_tail = True  # SDPO/SOD top-K KL: the rest of the vocabulary as one extra category; False: renormalised over the K
     c.rl.sdar_coef = 1.0  # SDAR: coefficient of the gated auxiliary NLL
     c.rl.sdar_beta = 1.0  # SDAR: gate sigmoid(beta * (teacher - student log-prob)) sharpness
     c.rl.sod_coef = 1.0  # SOD: coefficient of the turn-weighted top-K KL to the external teacher
     c.rl.sod_tau = 1.0  # SOD: turn weight exp(-turn divergence / tau) (the SOD paper gives no formula: ours)
-    c.rl.gae_gamma = 1.0  # PPO (methods with a critic, rl.critic): GAE discount per policy token (verl: 1.0)
+    c.rl.gae_gamma = 1.0  # PPO (methods with a critic, methods.critic): GAE discount per policy token (verl: 1.0)
     c.rl.gae_lam = 1.0  # PPO: GAE lambda (verl: 1.0)
     c.rl.gae_whiten = True  # PPO: GAE advantages whitened over the batch's policy tokens (verl's default)
     c.rl.toolomni_gate = 0.95  # ToolOmni: retrieval reward (InfoRecall x AnswerTran + 0.2 format) from which the answer stage trains
@@ -184,7 +184,7 @@ def base_config() -> mlc.ConfigDict:
     c.teacher.block_budget = 0  # every privileged block exactly this many tokens (content cut to its head, or padded); 0: off
     c.teacher.block_filler = DEFAULT_FILLER  # the text that pads a privileged block to the budget
 
-    c.slim = mlc.ConfigDict()  # SLIM's skill library (rl.method=slim; turnsight_jax.rl.slim, docs/signal_methods.md)
+    c.slim = mlc.ConfigDict()  # SLIM's skill library (rl.method=slim; turnsight_jax.methods.slim.library, docs/signal_methods.md)
     c.slim.initial = "builtin"  # the starting skills: builtin (the bundled skills file) | "" (none) | a JSON file {task type or "default": text}
     c.slim.audit_every = 1  # RL steps between leave-one-out audits
     c.slim.audit_tasks = 8  # validation tasks per audit (stratified by task type; a fixed set for the run)
@@ -231,32 +231,32 @@ def base_config() -> mlc.ConfigDict:
     c.optim.weight_decay = 0.01  # AdamW weight decay (paper silent)
     c.optim.max_grad_norm = 1.0  # global gradient-norm clip
 
-    c.critic = mlc.ConfigDict()  # PPO's critic (rl.critic): its own trunk + value head and optimizer, for methods with one
+    c.critic = mlc.ConfigDict()  # PPO's critic (methods.critic): its own trunk + value head and optimizer, for methods with one
     c.critic.lr = 1e-5  # critic AdamW peak learning rate (verl's critic default)
     c.critic.warmup_steps = 0  # linear warm-up steps of the critic's learning rate
     c.critic.weight_decay = 0.01  # critic AdamW weight decay
     c.critic.max_grad_norm = 1.0  # critic global gradient-norm clip
     c.critic.value_clip = 0.5  # value loss 0.5*max((V-R)^2, (clip(V, V_old +- c) - R)^2); None: unclipped (verl: 0.5)
-    c.prm = mlc.ConfigDict()  # PiCA's step-PRM (rl.prm): a logistic head on the frozen reference trunk, trained each step
+    c.prm = mlc.ConfigDict()  # PiCA's step-PRM (methods.prm): a logistic head on the frozen reference trunk, trained each step
     c.prm.lr = 1e-3  # the PRM head's AdamW learning rate (no weight decay)
     c.prm.alpha = 1.0  # progress reward alpha * decay^(k-1) * (h_{k-1} - h_k - baseline) at tool-result boundary k
     c.prm.decay = 0.9  # gamma of the progress reward's decay over boundaries (against call spamming)
     c.prm.baseline = 0.0  # the fixed baseline subtracted from each gain
     c.prm.hinge_coef = 1.0  # weight of the monotonicity hinge (increases of h along solved trajectories)
     c.prm.success_reward = 1.0  # outcome reward from which a trajectory counts as solved (the PRM's label)
-    c.bar = mlc.ConfigDict()  # BAR, adaptive group sampling (rl.rollout=bar; turnsight_jax.rl.bar, docs/rollout_methods.md)
+    c.bar = mlc.ConfigDict()  # BAR, adaptive group sampling (rl.rollout=bar; turnsight_jax.methods.bar, docs/rollout_methods.md)
     c.bar.chunk = 4  # s: rollouts per prompt per round (each round one batched call over the prompts still open)
     c.bar.cap = 0  # the most rollouts per prompt, a multiple of chunk (its batch rows: groups padded to it); 0: train.group_size
     c.bar.low = 0.375  # a prompt stops once its success share is in [low, high] (Orchard: 0.375)
     c.bar.high = 0.625  # ... (Orchard: 0.625)
     c.bar.success = 1.0  # outcome reward from which a rollout is a success (Solve-F1 1.0)
     c.bar.fallback = "keep"  # all-success/all-failure at the cap: keep (the cap's rollouts are the group) | drop (no rows train)
-    c.akbe = mlc.ConfigDict()  # AKBE, when to call a tool (rl.rollout=akbe; turnsight_jax.rl.akbe, docs/rollout_methods.md)
+    c.akbe = mlc.ConfigDict()  # AKBE, when to call a tool (rl.rollout=akbe; turnsight_jax.methods.akbe, docs/rollout_methods.md)
     c.akbe.coef = 0.05  # lambda of the auxiliary CE on each prompt's exemplar (AKBE: 0.05)
     c.akbe.correct = "answer_correct"  # trajectory metric that makes a rollout correct (WT/NT); "reward": the outcome reward
     c.akbe.correct_min = 1.0  # ... from this value on
     c.akbe.no_tool_calls = "refuse"  # a call in a no-tool rollout: refuse (answered with a refusal, the episode goes on) | end (the episode ends)
-    c.t2po = mlc.ConfigDict()  # T2PO's rollout hooks (rl.rollout=t2po; turnsight_jax.rl.t2po, docs/rollout_methods.md); paged engine only
+    c.t2po = mlc.ConfigDict()  # T2PO's rollout hooks (rl.rollout=t2po; turnsight_jax.methods.t2po, docs/rollout_methods.md); paged engine only
     c.t2po.alpha = 0.5  # hesitation M = alpha * entropy~ + (1 - alpha) * top-j NLL~ (each min-max normalised along the trajectory so far)
     c.t2po.top_j = 5  # j: C is the mean negative log-prob of the policy's j most likely tokens (paper silent)
     c.t2po.tti = True  # TTI: force </think> when thinking stalls (once per trajectory; needs rollout.enable_thinking)
@@ -266,7 +266,7 @@ def base_config() -> mlc.ConfigDict:
     c.t2po.tds_threshold = 0.02  # (paper silent)
     c.t2po.tds_max_resamples = 2  # re-samples per trajectory at most (the last sample is kept)
     c.t2po.phi_floor = 1e-3  # M floored at this in Phi's geometric mean (a normalised M is 0 at the running minimum)
-    c.appo = mlc.ConfigDict()  # APPO, branching by future appreciation (rl.rollout=appo; turnsight_jax.rl.appo, docs/rollout_methods.md); paged engine only
+    c.appo = mlc.ConfigDict()  # APPO, branching by future appreciation (rl.rollout=appo; turnsight_jax.methods.appo, docs/rollout_methods.md); paged engine only
     c.appo.branches = 2  # B: branch points per initial rollout; the batch holds train.group_size * (1 + B) rows per prompt
     c.appo.gamma = 0.9  # Omega_i = exp(sum_i'>=i gamma^(i'-i) log rho_i') over the rollout's policy tokens (paper silent)
     c.appo.clip_low = 0.2  # Omega clipped to [1 - clip_low, 1 + clip_high] before BS's z-score and in the amplification (paper silent)
@@ -284,7 +284,7 @@ def base_config() -> mlc.ConfigDict:
     c.judge.verifier_threshold = 1.0  # an environment reward >= this is the verifier's success (judge/agreement)
     c.judge.dtype = "float32"  # the judge's weights: float32 | bfloat16
 
-    c.mm_grpo = mlc.ConfigDict()  # MM-GRPO's rollout controller (rl.rollout=mm_grpo, OpenWebRL; turnsight_jax.rl.mm_grpo, docs/rollout_methods.md)
+    c.mm_grpo = mlc.ConfigDict()  # MM-GRPO's rollout controller (rl.rollout=mm_grpo, OpenWebRL; turnsight_jax.methods.mm_grpo, docs/rollout_methods.md)
     c.mm_grpo.window = 1  # observations a turn's context keeps in full, the most recent (the paper keeps one screenshot); 0: all
     c.mm_grpo.placeholder = "[earlier tool output omitted]"  # the tool response that replaces each older observation in the context
     c.mm_grpo.refill_rounds = 3  # dynamic sampling: rounds of new prompts for groups whose rewards have zero variance; 0: off
@@ -671,36 +671,36 @@ def fault_config(cfg: mlc.ConfigDict):
 
 
 def bar_config(cfg: mlc.ConfigDict):
-    """bar.* -> rl.bar.BarConfig, validated (a ConfigError naming the key; cap 0: train.group_size)."""
-    from turnsight_jax.rl.bar import bar_settings
+    """bar.* -> methods.bar.BarConfig, validated (a ConfigError naming the key; cap 0: train.group_size)."""
+    from turnsight_jax.methods.bar import bar_settings
 
     return bar_settings(cfg.bar, cfg.train.group_size)
 
 
 def t2po_config(cfg: mlc.ConfigDict):
-    """t2po.* -> rl.t2po.T2POConfig, validated (a ConfigError naming the key)."""
-    from turnsight_jax.rl.t2po import t2po_settings
+    """t2po.* -> methods.t2po.T2POConfig, validated (a ConfigError naming the key)."""
+    from turnsight_jax.methods.t2po import t2po_settings
 
     return t2po_settings(cfg.t2po)
 
 
 def appo_config(cfg: mlc.ConfigDict):
-    """appo.* -> rl.appo.APPOConfig, validated (a ConfigError naming the key)."""
-    from turnsight_jax.rl.appo import appo_settings
+    """appo.* -> methods.appo.APPOConfig, validated (a ConfigError naming the key)."""
+    from turnsight_jax.methods.appo import appo_settings
 
     return appo_settings(cfg.appo)
 
 
 def akbe_config(cfg: mlc.ConfigDict):
-    """akbe.* -> rl.akbe.AkbeConfig, validated (a ConfigError naming the key)."""
-    from turnsight_jax.rl.akbe import akbe_settings
+    """akbe.* -> methods.akbe.AkbeConfig, validated (a ConfigError naming the key)."""
+    from turnsight_jax.methods.akbe import akbe_settings
 
     return akbe_settings(cfg.akbe)
 
 
 def slim_config(cfg: mlc.ConfigDict):
-    """slim.* -> rl.slim.SlimConfig, validated (a ConfigError naming the key)."""
-    from turnsight_jax.rl.slim import SlimConfig
+    """slim.* -> methods.slim.library.SlimConfig, validated (a ConfigError naming the key)."""
+    from turnsight_jax.methods.slim.library import SlimConfig
 
     fields = {f.name for f in dataclasses.fields(SlimConfig)}
     unknown = sorted(set(cfg.slim.keys()) - fields)
@@ -898,7 +898,7 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
         except (OSError, ValueError) as e:
             raise ConfigError(str(e)) from None
     if method.needs_views and method.teacher == "privileged" and sc.teacher.source == "skill" and cfg.teacher.skills:
-        from turnsight_jax.chat.privileged import load_skills
+        from turnsight_jax.methods.privileged_blocks import load_skills
 
         try:
             load_skills(cfg.teacher.skills)
@@ -918,7 +918,7 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
         scfg = slim_config(cfg)
         if scfg.writer and check_data:
             from turnsight_jax.models.config import Qwen3Config, get_preset
-            from turnsight_jax.rl.slim import check_writer
+            from turnsight_jax.methods.slim.library import check_writer
 
             try:
                 policy = Qwen3Config.from_pretrained(cfg.model.hf_path) if cfg.model.hf_path else get_preset(cfg.model.preset)
@@ -926,7 +926,7 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
                 raise ConfigError(str(e)) from None
             check_writer(scfg, policy.vocab_size)
     if "mm_grpo" in cfg:  # MM-GRPO's keys; the window needs every turn scored under its own context
-        from turnsight_jax.rl.mm_grpo import check_method, mm_grpo_settings
+        from turnsight_jax.methods.mm_grpo import check_method, mm_grpo_settings
 
         mcfg = mm_grpo_settings(cfg.mm_grpo)
         for _, m in stages:

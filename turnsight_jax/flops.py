@@ -300,11 +300,11 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     With length classes (rl.length_classes) each row runs at its class's width; packed rows
     (rl.packing) each at the packed width. teacher_cfg: the teacher's architecture when it is
     another model (teacher.weights='external'; default `cfg`). critic: the method trains a critic
-    (rl.critic: a trunk of `cfg`'s architecture, no vocabulary head): one no-gradient forward for
+    (methods.critic: a trunk of `cfg`'s architecture, no vocabulary head): one no-gradient forward for
     V_old and a forward+backward per update (part "critic"; the [D] value head's 2·D FLOPs per
-    token are left out). prm: the method's step-PRM (rl.prm) reads the frozen reference trunk: one
+    token are left out). prm: the method's step-PRM (methods.prm) reads the frozen reference trunk: one
     no-gradient trunk forward (part "prm"; its head's FLOPs left out). A batch with probe rows
-    (rl.orchard) adds the teacher's forward over them and its two head columns per state (part
+    (methods.orchard) adds the teacher's forward over them and its two head columns per state (part
     "retrospective"). row_group: model.attn_row_group (the RL step's forwards, the student's,
     the critic's, the PRM's, the teacher's views and probes, skip the query chunks of padding per
     group of rows: their executed pairs count only the chunks run; packed rows under several
@@ -412,7 +412,7 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
         parts["prm"] = (forward_flops(cfg, tokens, pairs, 0.0),
                         trunk * float(row_widths(teacher_micro_batches).sum()) + student_attn(teacher_micro_batches))
     probes = getattr(batch, "probes", None)
-    if probes is not None:  # Orchard's retrospective teacher (rl.orchard): its probe rows, 2 head columns per state
+    if probes is not None:  # Orchard's retrospective teacher (methods.orchard): its probe rows, 2 head columns per state
         lay, tcfg = probes.layout, teacher_cfg or cfg
         seg = np.asarray(lay.segment_ids)
         states = float(np.asarray(probes.exists).sum())

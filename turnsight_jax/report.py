@@ -15,7 +15,7 @@ Writes PNG files of a fixed size (8 x 4.5 in at 100 dpi = 800 x 450 px) and an i
   lengths.png           response tokens and turns per rollout
   optimization.png      pg_loss, kl, clip_frac, grad_norm, step time, tool error rate
   slim.png              SLIM runs only: library size, skills written / retired, Eval(S) and mean Δ of the
-                        audits; index.md then also lists the skill library and its history (rl.slim_report)
+                        audits; index.md then also lists the skill library and its history (methods.slim.report)
   cost.png, cost.md     where the wall-clock went (measured and estimated parts), teacher FLOPs and their
                         share, tokens per view kind, peak memory (turnsight_jax.cost_report); with
                         `--compare OTHER_RUN` both runs side by side (TurnSight and its base)
@@ -44,7 +44,7 @@ from typing import Callable, Sequence
 
 from turnsight_jax import cost_report
 from turnsight_jax.eval import ftrl_metrics
-from turnsight_jax.rl import slim_report
+from turnsight_jax.methods.slim import report as slim_report
 
 FIG_SIZE = (8.0, 4.5)  # inches
 DPI = 100  # -> 800 x 450 pixels
@@ -283,7 +283,7 @@ def plot_optimization(m: Metrics, path: pathlib.Path) -> None:
 
 
 def plot_slim(m: Metrics, path: pathlib.Path) -> None:
-    """SLIM's library counters and its audits (rl.slim_report: drawn only for a SLIM run)."""
+    """SLIM's library counters and its audits (methods.slim.report: drawn only for a SLIM run)."""
     fig, ax = _figure(1, 2)
     for key in slim_report.COUNTER_KEYS:
         _line(ax[0, 0], m, key, key.split("/", 1)[1], marker=".")

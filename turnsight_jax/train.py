@@ -43,7 +43,7 @@ from turnsight_jax.models.weights import save_pretrained
 from turnsight_jax.rl import turn_outcomes
 from turnsight_jax.rl.batch import batch_row_order, make_train_batch, packed_reference, row_axis, shard_batch
 from turnsight_jax.rl.methods import RolloutContext
-from turnsight_jax.rl.slim_runner import LIBRARY_FILE, SlimRunner, uses_slim
+from turnsight_jax.methods.slim.runner import LIBRARY_FILE, SlimRunner, uses_slim
 from turnsight_jax.rl.step import TURNSIGHT_METRICS, init_aux, make_aux_optimizers, make_optimizer, make_train_step
 from turnsight_jax.rollout.progress import ProgressLine
 from turnsight_jax.runlog import ConsoleLog, MetricsLog, Progress, log, matmul_peak_flops
@@ -403,7 +403,7 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
                       wandb=wandb_run)
     records.clear_from(workdir, start, jax.process_index())  # the steps this run will redo, like their metrics
     optimizer_probe = cost.OptimizerProbe(optimizer)
-    # SLIM (rl.method=slim): the skill library, audited and expanded after steps (rl.slim_runner);
+    # SLIM (rl.method=slim): the skill library, audited and expanded after steps (methods.slim.runner);
     # a resumed run continues with the library saved in its checkpoint.
     slim_run = None
     if uses_slim(method, later.method if later is not None else None):

@@ -1,4 +1,4 @@
-"""AKBE, when to call a tool (turnsight_jax.rl.akbe; docs/rollout_methods.md) next to GRPO on the
+"""AKBE, when to call a tool (turnsight_jax.methods.akbe; docs/rollout_methods.md) next to GRPO on the
 tiny CPU experiment: each prompt gets a with-tool group (what GRPO trains on, unchanged) and a
 no-tool group (the tool schemas removed from the prompt; every call refused); the 2-bit label
 (WT, NT) = (a with-tool rollout answered correctly, a no-tool one did) picks an exemplar per

@@ -1,4 +1,4 @@
-"""APPO (turnsight_jax.rl.appo; docs/rollout_methods.md) on the tiny CPU experiment, with GRPO as
+"""APPO (turnsight_jax.methods.appo; docs/rollout_methods.md) on the tiny CPU experiment, with GRPO as
 the method: each prompt's G rollouts, then appo.branches continuations of each from its top
 branch points by BS = Z(clip Omega) * Z(H) (Omega: the discounted future log-ratio of the current
 policy to the one before the last update; H: the decode's entropy), each sharing its prefix's KV

@@ -1,4 +1,4 @@
-"""BAR, Orchard's adaptive group sampling (turnsight_jax.rl.bar; docs/rollout_methods.md) under
+"""BAR, Orchard's adaptive group sampling (turnsight_jax.methods.bar; docs/rollout_methods.md) under
 GRPO on the tiny CPU experiment: each prompt is sampled bar.chunk = 2 rollouts at a time until
 the share of its rollouts that succeed (Solve-F1 >= bar.success) lies in [0.375, 0.625], or it
 holds bar.cap = 8; a group still all-success or all-failure at the cap is kept as it is

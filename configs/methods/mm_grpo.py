@@ -1,4 +1,4 @@
-"""MM-GRPO (OpenWebRL; turnsight_jax.rl.mm_grpo, docs/rollout_methods.md) on the tiny CPU
+"""MM-GRPO (OpenWebRL; turnsight_jax.methods.mm_grpo, docs/rollout_methods.md) on the tiny CPU
 experiment: GRPO's trajectory-broadcast advantage (each trajectory's group-normalised outcome on
 every one of its tokens), the asymmetric clip rho in [1 - clip_eps, 1 + clip_eps_high] with
 clip_eps_high > clip_eps, and the MM-GRPO rollout controller (rl.rollout=mm_grpo): dynamic sampling

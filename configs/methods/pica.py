@@ -1,4 +1,4 @@
-"""PiCA (progress credit from a monotone step-PRM, propagated by GAE; turnsight_jax.rl.prm,
+"""PiCA (progress credit from a monotone step-PRM, propagated by GAE; turnsight_jax.methods.prm,
 docs/ppo.md) on the tiny CPU experiment: PPO with a learned critic (configs/methods/ppo.py) whose
 token rewards add, at every tool-result boundary k, the PRM's gain
 alpha * decay^(k-1) * (h(s_{k-1}) - h(s_k) - baseline) on the last token of the turn that called

@@ -1,4 +1,4 @@
-"""PPO with GAE and a learned critic (turnsight_jax.rl.critic; docs/baselines.md) on the tiny CPU
+"""PPO with GAE and a learned critic (turnsight_jax.methods.critic; docs/baselines.md) on the tiny CPU
 experiment: the outcome reward on each trajectory's last policy token, GAE(gamma, lambda) over
 the policy tokens against a critic (its own trunk, initialised from the warm-started policy, and a
 zero value head), advantages whitened over the batch, the clipped surrogate for the policy and the

@@ -1,4 +1,4 @@
-"""SLIM: the skill library as a training variable (turnsight_jax.rl.slim, rl.slim_runner;
+"""SLIM: the skill library as a training variable (turnsight_jax.methods.slim.library, methods.slim.runner;
 docs/signal_methods.md) on the tiny CPU experiment. The policy's prompts show the library's
 active skills (the bundled skills of the run's task types to start with); after every step a
 leave-one-out audit on 4 validation tasks (greedy) measures each skill's Δ = Eval(S) −

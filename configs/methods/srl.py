@@ -1,4 +1,4 @@
-"""SRL then the sparse outcome (turnsight_jax.rl.srl; docs/signal_methods.md) on the tiny CPU
+"""SRL then the sparse outcome (turnsight_jax.methods.srl; docs/signal_methods.md) on the tiny CPU
 experiment: the first `rl.switch_step` RL steps reward each rollout by the similarity of its
 actions to the task's gold chain, step by step (difflib's Ratcliff-Obershelp ratio of the calls'
 JSON and of the answer), group-normalised like GRPO; from then on GRPO on the outcome (Solve-F1).

@@ -1,4 +1,4 @@
-"""T2PO's rollout hooks (turnsight_jax.rl.t2po; docs/rollout_methods.md) on the tiny CPU experiment,
+"""T2PO's rollout hooks (turnsight_jax.methods.t2po; docs/rollout_methods.md) on the tiny CPU experiment,
 with GRPO as the method: the paged engine computes each token's entropy and top-j negative
 log-probs in its decode; TTI forces </think> when the hesitation signal M stalls inside a turn's
 thinking (once per trajectory), TDS samples a turn again when its Phi barely moved from the

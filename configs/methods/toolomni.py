@@ -1,4 +1,4 @@
-"""ToolOmni (turnsight_jax.rl.toolomni; docs/signal_methods.md) on the tiny CPU experiment: the
+"""ToolOmni (turnsight_jax.methods.toolomni; docs/signal_methods.md) on the tiny CPU experiment: the
 tool turns and the answer turn trained as two separately normalised stages. The tool turns'
 reward is R_ret = InfoRecall x AnswerTran + 0.2 format (the gold sub-answers found in the tool
 results, times the order agreement of the called tools with the gold chain, plus well-formed

@@ -14,7 +14,7 @@ Only ``turn_k`` tokens are policy tokens (``policy_mask``; ``turn_ids`` = k ther
 The training batch built from trajectories is turnsight_jax.rl.batch.
 
 The tokens are what happened, every observation in full. When the policy generated its turns
-under an observation window (rl.mm_grpo: only the most recent observations in full, older ones
+under an observation window (methods.mm_grpo: only the most recent observations in full, older ones
 replaced by a placeholder), ``Trajectory.contexts`` records what each turn saw
 (`ElidedContexts`) and `turn_context` rebuilds it.
 """
@@ -100,7 +100,7 @@ class Trajectory:
     were elided from each turn's context (ElidedContexts; `turn_context`).
     token_values: per-token float32 [L] values recorded with the rollout, 0 off the policy tokens:
     the decode's signals a rollout controller declared ("entropy", "top_j_nll";
-    rollout.control), and values a controller attaches (APPO's "appo_omega", rl.appo).
+    rollout.control), and values a controller attaches (APPO's "appo_omega", methods.appo).
     """
 
     tokens: np.ndarray

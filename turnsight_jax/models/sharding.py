@@ -33,7 +33,7 @@ PARAM_SPECS: dict[str, P] = {
     "gate": P(None, "fsdp", "tensor"),
     "up": P(None, "fsdp", "tensor"),
     "down": P(None, "tensor", "fsdp"),
-    # PPO's value head (rl.critic) and PiCA's PRM head (rl.prm): [D] and a scalar, replicated
+    # PPO's value head (methods.critic) and PiCA's PRM head (methods.prm): [D] and a scalar, replicated
     "value_w": P(None),
     "value_b": P(),
     "prm_w": P(None),

@@ -207,7 +207,7 @@ class Estimator:
     diagnostics) for estimators that report more. `inputs` name batch arrays (see
     `rl.batch.advantage_inputs`: rewards, group_ids, policy_mask, turn_ids, turn_rewards,
     num_turns, delta, base_advantages, values (the critic's V [B, N], for a method with a critic:
-    rl.critic), and any key a registered reward fills); `knobs` name
+    methods.critic), and any key a registered reward fills); `knobs` name
     entries of KNOBS. An estimator that takes "base_advantages" wraps a base estimator; one that
     takes "delta" needs the teacher's views (hindsight or privileged, as the method declares;
     "teacher_covered" [B, N] bool marks the tokens whose view showed a block: a privileged one, or

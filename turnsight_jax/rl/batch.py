@@ -9,7 +9,7 @@ tokens per row, K = max turns):
                                            with rl.student_sees_observations=False only the prompt
                                            and the policy tokens (`student_context`)
   layout: Layout [B, T] or None            when some trajectory's turns saw elided observations (an
-                                           observation window, rl.mm_grpo) and the student sees
+                                           observation window, methods.mm_grpo) and the student sees
                                            observations: each row is its trajectory's
                                            rl.context_rows row (every turn under its own context,
                                            in segments) and this its Layout; None: plain rows
@@ -38,7 +38,7 @@ tokens per row, K = max turns):
                                            [B]; the [B, T] arrays above still describe each
                                            trajectory (targets, predictors); the views are packed
                                            alike (views.packed)
-  probes: RetroProbes or None              the retrospective teacher's probe rows (rl.orchard:
+  probes: RetroProbes or None              the retrospective teacher's probe rows (methods.orchard:
                                            tokens/layout [B, Q], at/exists [B, K+1]), when a loss
                                            term reads "rise_mask"
   turn_uses [B, K, K] bool or None         uses[b, j, i]: turn j's calls use a value turn i's results
@@ -87,10 +87,10 @@ from turnsight_jax.rl.length_classes import LengthClasses
 from turnsight_jax.rl import micro_groups
 from turnsight_jax.rl.methods import ResolvedMethod
 from turnsight_jax.rl.micro_groups import MicroGroups
-from turnsight_jax.rl.mm_grpo import planned_extra
-from turnsight_jax.rl.orchard import PROBE_TOKENS, RetroProbes, build_probes
-from turnsight_jax.chat.privileged import default_skills_path, load_skills, privileged_blocks
-from turnsight_jax.rl.privileged_views import build_privileged_views
+from turnsight_jax.methods.mm_grpo import planned_extra
+from turnsight_jax.methods.orchard import PROBE_TOKENS, RetroProbes, build_probes
+from turnsight_jax.methods.privileged_blocks import default_skills_path, load_skills, privileged_blocks
+from turnsight_jax.methods.privileged_views import build_privileged_views
 from turnsight_jax.rl.packing import PackedRows, RowPacking, assemble, balanced_order, plan_packing, rows_bucket
 from turnsight_jax.rl.views import (DEFAULT_PACKED_BUCKETS, PackedViews, ViewOptions, build_views, pick_bucket,
                                     policy_bucket, policy_positions)
@@ -537,7 +537,7 @@ class Geometry:
     pack_cell: int | None = None  # train.pack_rows: trajectories per cell (rl.packing)
     pack_student: tuple[int, int] = (0, 0)  # with pack_cell: the student's (packed rows per cell, width), at the worst
     pack_teacher: tuple[int, int] = (0, 0)  # with pack_cell: the teacher's (packed rows per cell, width), at the worst
-    probes: int = 0  # Q: the retrospective probe row (rl.orchard; 0: none)
+    probes: int = 0  # Q: the retrospective probe row (methods.orchard; 0: none)
     turn_uses: bool = False  # the [B, K, K] dependency matrix (rl.selection="dependency")
     micro_groups: tuple[int, ...] | None = None  # train.micro_batch_groups: micro-batches per group (each at T / P at the worst)
 

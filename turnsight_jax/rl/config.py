@@ -33,7 +33,7 @@ NORM_POOLS = ("turn_mean", "token_gap", "per_turn")
 # "weighted" like every other turn; "excluded": weight 1, out of the group statistics.
 EMPTY_BLOCK_TURNS = ("weighted", "excluded")
 # The teacher (docs/baselines.md): whose weights score the teacher views, and for the
-# privileged-context methods (RLSD, SDPO, SDAR, SOD) what block is shown where (chat.privileged).
+# privileged-context methods (RLSD, SDPO, SDAR, SOD) what block is shown where (methods.privileged_blocks).
 TEACHER_WEIGHTS = ("reference", "policy", "ema", "external")
 PRIVILEGED_SOURCES = ("gold_answer", "sibling", "feedback", "skill", "none")
 PRIVILEGED_PLACEMENTS = ("prompt", "turn")
@@ -84,21 +84,21 @@ class AlgoConfig:
     ("greedy" | "assignment" | "transport") and matchtir_semantics ("clean" | "released") of the
     turn rewards (turnsight_jax.rewards), matchtir_singleton ("zero" | "raw") of the advantage
     (rl.advantages.matchtir_advantage_parts). toolrl_format: the ToolRL reward adds its format
-    term (rewards.toolrl_reward). Self-distillation baselines (rl.self_distillation; RLSD reuses lam and
+    term (rewards.toolrl_reward). Self-distillation baselines (methods.self_distillation; RLSD reuses lam and
     eps_w): sdpo_coef (SDPO's KL coefficient, or its advantage's with the sdpo_advantage form),
     sdpo_tail (the top-K KL keeps the rest of the vocabulary as one extra category; False:
     both distributions renormalised over the top K), sdar_coef / sdar_beta (SDAR's auxiliary NLL
     and its gate's sharpness), sod_coef / sod_tau (SOD's distillation coefficient and the
-    temperature of its turn weights exp(-divergence / tau)). PPO's GAE (rl.critic; methods with a
+    temperature of its turn weights exp(-divergence / tau)). PPO's GAE (methods.critic; methods with a
     critic): gae_gamma and gae_lam per policy token (verl's defaults 1.0, 1.0), gae_whiten
     (advantages whitened over the batch's policy tokens). toolomni_gate: ToolOmni's retrieval
-    reward from which a trajectory passes to the answer stage (rl.toolomni). Orchard's CA-SFT
-    (rl.orchard): orchard_coef (the NLL's coefficient), orchard_rise (the credit c_k from which a
+    reward from which a trajectory passes to the answer stage (methods.toolomni). Orchard's CA-SFT
+    (methods.orchard): orchard_coef (the NLL's coefficient), orchard_rise (the credit c_k from which a
     turn is in a rise segment, 0.05), orchard_success (the outcome reward from which a trajectory
     counts as solved; CA-SFT trains on the others). akbe_coef: AKBE's λ, the coefficient of its
-    auxiliary CE on the exemplars (the run config's akbe.coef; rl.akbe). appo_amplify: beta of
+    auxiliary CE on the exemplars (the run config's akbe.coef; methods.akbe). appo_amplify: beta of
     APPO's amplification of the final advantage, A * (1 + beta (clip(Omega) - 1)) (the run
-    config's appo.amplify; rl.appo; 0: off). args: free-form knobs of
+    config's appo.amplify; methods.appo; 0: off). args: free-form knobs of
     plug-in methods, as (key, value) pairs.
     """
 
@@ -192,7 +192,7 @@ class TeacherConfig:
     policy at the step's start, no gradient), "ema" (an exponential moving average of the policy,
     `ema_decay` per step, kept by the trainer and checkpointed), "external" (another Hugging Face
     Qwen3 with the same tokenizer, `checkpoint`). source / placement: the privileged block
-    (chat.privileged) and where it goes: once after the prompt, or before every turn.
+    (methods.privileged_blocks) and where it goes: once after the prompt, or before every turn.
     skills: a JSON file {task category: text} for source "skill" ("": the bundled one).
     sibling_min_reward: source "sibling" takes a sibling whose reward is at least this.
     top_k: teacher tokens the top-K KL terms (SDPO, SOD) compare on.
@@ -237,7 +237,7 @@ def check_budget(budget: Any, filler: Any, key: str, filler_key: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class CriticConfig:
-    """PPO's critic (rl.critic), for methods that carry one: its own optimizer (`optim`: lr,
+    """PPO's critic (methods.critic), for methods that carry one: its own optimizer (`optim`: lr,
     schedule, clipping, AdamW; verl's critic default lr 1e-5) and the value clip c of the loss
     0.5 · max((V − R)², (clip(V, V_old ± c) − R)²) (None: unclipped; verl's cliprange_value 0.5)."""
 
@@ -256,7 +256,7 @@ class CriticConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PRMConfig:
-    """PiCA's step-PRM (rl.prm), for methods that carry one: its head's optimizer (`optim`), the
+    """PiCA's step-PRM (methods.prm), for methods that carry one: its head's optimizer (`optim`), the
     progress reward alpha · decay^(k−1) · (h_{k−1} − h_k − baseline) at boundary k, the weight of
     the monotonicity hinge in its loss, and the outcome reward from which a trajectory counts as
     solved (its training label)."""

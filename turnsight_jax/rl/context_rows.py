@@ -1,5 +1,5 @@
 """The row a trajectory is scored on when its turns saw different contexts: an observation window
-(rl.mm_grpo, docs/rollout_methods.md) elided older observations from some turns' contexts.
+(methods.mm_grpo, docs/rollout_methods.md) elided older observations from some turns' contexts.
 
 Turn k of such a trajectory saw the trajectory with its first e_k observations replaced by the
 placeholder (`chat.trajectory.turn_context`; e_k = Trajectory.contexts.counts[k], non-decreasing).

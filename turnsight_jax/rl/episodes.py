@@ -1,7 +1,7 @@
 """Running a rollout controller's episodes: the sampling policy of a RolloutContext
 (`episode_policy`), batched calls with a stable numbering of the episodes (`run_episodes`), and
 the prompt blocks of a controller that forms its own groups (`pad_prompt_rows`;
-rl.methods.RolloutController). A leaf of rl.methods, so a controller module (rl.bar, rl.akbe)
+rl.methods.RolloutController). A leaf of rl.methods, so a controller module (methods.bar, methods.akbe)
 imports these without the registries."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def run_episodes(ctx, tasks: Sequence[Task], seed: int, *, group_size: int | Non
     + j, the fixed layout's. A controller numbering its own episodes (e.g. prompt * cap + k) gets
     the same tokens for an episode whatever call or batch it runs in. env: default ctx.env.
     policy(ctx, seed, rows of one call) -> the backend (`episode_policy`; tests pass a scripted one).
-    window: an observation window (rollout.driver.rollout; rl.mm_grpo). hooks:
+    window: an observation window (rollout.driver.rollout; methods.mm_grpo). hooks:
     rollout.control.RolloutHooks of the rollout (one call: ctx.prompts_per_chunk must not split
     the tasks, the hooks' prompt indices being the call's)."""
     g = ctx.group_size if group_size is None else group_size

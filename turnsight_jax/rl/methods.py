@@ -30,16 +30,16 @@ from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.judge import method as judge  # the model-judged reward's pieces (registers judge_grpo)
 from turnsight_jax.rewards import matchtir_turn_rewards, token_f1, toolrl_reward
-from turnsight_jax.rl import critic as _critic  # noqa: F401  (registers PPO's GAE estimator)
-from turnsight_jax.rl import self_distillation  # noqa: F401  (registers the self-distillation baselines)
-from turnsight_jax.rl import orchard as _orchard  # noqa: F401  (registers CA-SFT's loss term)
-from turnsight_jax.rl import akbe, appo, bar, mm_grpo, srl, t2po, toolomni  # akbe registers its CE loss term, appo its transform
+from turnsight_jax.methods import critic as _critic  # noqa: F401  (registers PPO's GAE estimator)
+from turnsight_jax.methods import self_distillation  # noqa: F401  (registers the self-distillation baselines)
+from turnsight_jax.methods import orchard as _orchard  # noqa: F401  (registers CA-SFT's loss term)
+from turnsight_jax.methods import akbe, appo, bar, mm_grpo, srl, t2po, toolomni  # akbe registers its CE loss term, appo its transform
 from turnsight_jax.rl.advantages import Estimator, get_estimator, get_transform
 from turnsight_jax.rl.config import AlgoConfig, StepConfig
 from turnsight_jax.rl.episodes import run_episodes
 from turnsight_jax.rl.losses import LossTerm, get_loss_term
-from turnsight_jax.rl.slim import SkillLibrary
-from turnsight_jax.rl.slim_text import with_skills
+from turnsight_jax.methods.slim.library import SkillLibrary
+from turnsight_jax.methods.slim.text import with_skills
 from turnsight_jax.rollout.driver import ObservationWindow, RolloutConfig, RolloutResult
 from turnsight_jax.rollout.sampler import SamplingParams
 
@@ -54,7 +54,7 @@ LOSS_ARRAYS = ("logprobs", "old_logprobs", "advantages", "ref_logprobs", "pol_va
 # "topk_logprobs" [B, N, K] (the student's log-probs of those tokens, differentiated).
 TEACHER_ARRAYS = ("teacher_logprobs", "teacher_covered", "teacher_topk_logprobs", "topk_logprobs")
 TEACHER_KINDS = ("hindsight", "privileged")
-# What the retrospective teacher gives a loss term (rl.orchard; computed only when a term reads
+# What the retrospective teacher gives a loss term (methods.orchard; computed only when a term reads
 # it): "rise_mask" [B, N] bool, the policy tokens of rise-segment turns of failed trajectories.
 RETRO_ARRAYS = ("rise_mask",)
 
@@ -79,8 +79,8 @@ class RolloutContext:
     mesh: Any = None  # the device mesh the paged engine splits its rows and KV pool over (None: one shard)
     group_offset: int = 0  # global index of the first prompt (a process rolls out its share of a step's prompts)
     run_config: Any = None  # the run's ConfigDict, for a controller with its own section (the judge: judge.*)
-    state: Any = None  # the trainer's host-side state a controller reads (SLIM: its rl.slim.SkillLibrary)
-    task_pool: Sequence[Task] = ()  # the training tasks a controller may draw more prompts from (rl.mm_grpo's refills)
+    state: Any = None  # the trainer's host-side state a controller reads (SLIM: its methods.slim.library.SkillLibrary)
+    task_pool: Sequence[Task] = ()  # the training tasks a controller may draw more prompts from (methods.mm_grpo's refills)
     # the earlier policy a controller with `old_policy` scores with (same graphdef): the policy before
     # the last update (None at the first step) or the frozen reference (APPO's pi_old)
     old_params: Any = None
@@ -163,17 +163,17 @@ def sampler_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int, *,
     paged engine or the lockstep `ModelPolicy` (`rl.episodes.run_episodes`). Every episode's draws
     depend on (seed, its global row) only: chunking and the split of a step over processes
     (`ctx.group_offset`) change no token. `window`: the policy's context keeps only the most recent
-    observations (rollout.driver.rollout; rl.mm_grpo)."""
+    observations (rollout.driver.rollout; methods.mm_grpo)."""
     return run_episodes(ctx, tasks, seed, window=window)
 
 
 @register_rollout("slim")
 def slim_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
-    """SLIM (rl.slim): the default sampler on the tasks with the library's active skills in their
-    prompts (rl.slim_text.with_skills; the library is the trainer's, `ctx.state`)."""
+    """SLIM (methods.slim.library): the default sampler on the tasks with the library's active skills in their
+    prompts (methods.slim.text.with_skills; the library is the trainer's, `ctx.state`)."""
     if not isinstance(ctx.state, SkillLibrary):
         raise ValueError("the 'slim' rollout controller needs the trainer's skill library as ctx.state "
-                         f"(rl.slim.SkillLibrary), got {type(ctx.state).__name__}")
+                         f"(methods.slim.library.SkillLibrary), got {type(ctx.state).__name__}")
     return sampler_rollout(ctx, [with_skills(t, ctx.state) for t in tasks], seed)
 
 
@@ -193,7 +193,7 @@ def _section(ctx: RolloutContext, name: str):
 
 @register_rollout("t2po", engine_only=True)
 def t2po_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
-    """T2PO (rl.t2po): G rollouts per prompt from the paged engine with T2PO's hooks in the decode:
+    """T2PO (methods.t2po): G rollouts per prompt from the paged engine with T2PO's hooks in the decode:
     TTI forces </think> when the hesitation signal stalls, TDS samples a turn again when its
     hesitation barely moved from the previous turn's (t2po.*)."""
     return t2po.t2po_rollout(ctx, tasks, seed, t2po.t2po_settings(_section(ctx, "t2po")))
@@ -203,7 +203,7 @@ def t2po_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> Ro
                   rows_per_prompt=lambda cfg: cfg.train.group_size * (1 + appo.appo_settings(cfg.appo).branches),
                   old_policy=lambda cfg: appo.appo_settings(cfg.appo).ratio_to)
 def appo_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
-    """APPO (rl.appo): G rollouts per prompt, then appo.branches continuations of each from its
+    """APPO (methods.appo): G rollouts per prompt, then appo.branches continuations of each from its
     top branch points by Z(clip Ω) Z(H), sharing the prefix's KV; initial rollouts and branches
     form two groups per prompt, and the step amplifies the final advantage by Ω."""
     return appo.appo_rollout(ctx, tasks, seed, appo.appo_settings(_section(ctx, "appo")))
@@ -211,7 +211,7 @@ def appo_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> Ro
 
 @register_rollout("bar", rows_per_prompt=lambda cfg: bar.bar_settings(cfg.bar, cfg.train.group_size).cap)
 def bar_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
-    """BAR (rl.bar): each prompt sampled bar.chunk rollouts at a time until its success share
+    """BAR (methods.bar): each prompt sampled bar.chunk rollouts at a time until its success share
     lies in [bar.low, bar.high], or bar.cap rollouts; groups of unequal size, padded to the cap."""
     return bar.bar_rollout(ctx, tasks, seed, bar.bar_settings(_section(ctx, "bar"), ctx.group_size))
 
@@ -219,14 +219,14 @@ def bar_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> Rol
 @register_rollout("akbe", rewards=("akbe_exemplar",), loss_terms=("akbe_ce",),
                   rows_per_prompt=lambda cfg: cfg.train.group_size + 1)
 def akbe_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
-    """AKBE (rl.akbe): a with-tool and a no-tool group per prompt, the 2-bit label, one exemplar
+    """AKBE (methods.akbe): a with-tool and a no-tool group per prompt, the 2-bit label, one exemplar
     per prompt for the auxiliary CE (akbe.coef) next to the method's unchanged update."""
     return akbe.akbe_rollout(ctx, tasks, seed, akbe.akbe_settings(_section(ctx, "akbe")))
 
 
 @register_rollout("mm_grpo")
 def mm_grpo_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
-    """MM-GRPO (rl.mm_grpo): the default sampler under an observation window (mm_grpo.window),
+    """MM-GRPO (methods.mm_grpo): the default sampler under an observation window (mm_grpo.window),
     with dynamic sampling (zero-variance groups refilled with new prompts, mm_grpo.refill_rounds)."""
     return mm_grpo.dynamic_rollout(ctx, tasks, seed,
                                    sample=lambda c, t, s, w: sampler_rollout(c, t, s, window=w))
@@ -303,7 +303,7 @@ def toolrl_trajectory_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> 
 
 @register_reward("srl", "rewards", needs=("gold_calls",))
 def srl_trajectory_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> float:
-    """SRL's dense reward (rl.srl): the mean over steps of the difflib similarity between each of
+    """SRL's dense reward (methods.srl): the mean over steps of the difflib similarity between each of
     the policy's actions (its calls, or its answer) and the expert's at that step (the task's gold
     chain, then its answer); in [0, 1]."""
     return srl.srl_reward([(t.calls, t.answer) for t in traj.turns], task.gold_calls, task.answer)
@@ -317,7 +317,7 @@ def _toolomni_parts(traj: Trajectory, task: Task) -> dict[str, float]:
 
 @register_reward("toolomni_retrieval", "retrieval_rewards", needs=("gold_calls",))
 def toolomni_retrieval_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> float:
-    """ToolOmni's R_ret = InfoRecall x AnswerTran + 0.2 format (rl.toolomni)."""
+    """ToolOmni's R_ret = InfoRecall x AnswerTran + 0.2 format (methods.toolomni)."""
     return _toolomni_parts(traj, task)["retrieval"]
 
 
@@ -362,10 +362,10 @@ class Method:
     rollout: str = "sampler"
     description: str = ""
     teacher: str = "hindsight"  # the views the teacher scores, when anything reads them (TEACHER_KINDS)
-    # A critic (rl.critic: its own trunk + value head, trained on the clipped value loss next to
+    # A critic (methods.critic: its own trunk + value head, trained on the clipped value loss next to
     # the policy); its values [B, N] reach the advantage as "values".
     critic: bool = False
-    # A step-PRM (rl.prm: a head on the frozen reference trunk, trained each step); its progress
+    # A step-PRM (methods.prm: a head on the frozen reference trunk, trained each step); its progress
     # rewards [B, N] reach the advantage as "process_rewards".
     prm: bool = False
 
@@ -400,7 +400,7 @@ register_method(Method("srl", advantage="grpo", rewards=("srl",),
 register_method(Method("orchard", advantage="base", rewards=(), loss_terms=("clipped_surrogate", "ca_sft"),
                        description="Orchard CA-SFT: the base method + SFT on rise segments of failed trajectories, "
                                    "valued by a teacher that knows the outcome"))
-# SLIM (rl.slim, rl.slim_runner): the skill library in the prompt; the base method's rewards and
+# SLIM (methods.slim.library, methods.slim.runner): the skill library in the prompt; the base method's rewards and
 # advantage (rl.base, GRPO by default) train on those rollouts.
 register_method(Method("slim", advantage="base", rewards=(), rollout="slim",
                        description="SLIM: a skill library in the prompt, audited by leave-one-out, retired and expanded"))
@@ -412,8 +412,8 @@ register_method(Method("judge", advantage=judge.ESTIMATOR, rewards=tuple(r[0] fo
                        description="OpenWebRL: a judge model's (rationale, 0/1) label as the reward, group-normalised"))
 register_method(Method("turnsight", advantage="turnsight", rewards=(),
                        description="turn-level hindsight weighting of the base method's advantage"))
-# The self-distillation baselines of Table 1 (rl.self_distillation, docs/baselines.md); their teachers
-# score privileged views (rl.privileged_views) with the teacher.* config.
+# The self-distillation baselines of Table 1 (methods.self_distillation, docs/baselines.md); their teachers
+# score privileged views (methods.privileged_views) with the teacher.* config.
 register_method(Method("rlsd", advantage="rlsd", rewards=(), teacher="privileged",
                        description="RLSD: the base advantage modulated by clip(exp(sign(A) * teacher gap))"))
 register_method(Method("sdpo", advantage="base", rewards=(), loss_terms=("clipped_surrogate", "sdpo_kl"), teacher="privileged",
@@ -437,8 +437,8 @@ class ResolvedMethod:
     base: Estimator | None
     loss_terms: tuple[LossTerm, ...]
     teacher: str = "hindsight"
-    critic: bool = False  # the method (or its base) trains a critic (rl.critic)
-    prm: bool = False  # ... a step-PRM (rl.prm)
+    critic: bool = False  # the method (or its base) trains a critic (methods.critic)
+    prm: bool = False  # ... a step-PRM (methods.prm)
     transform: Estimator | None = None  # the rollout controller's advantage transform (rl.advantages.TRANSFORMS)
 
     @property
@@ -462,7 +462,7 @@ class ResolvedMethod:
 
     @property
     def retrospective(self) -> bool:
-        """Whether the teacher's retrospective values (rl.orchard: probe rows, `batch.probes`) are computed."""
+        """Whether the teacher's retrospective values (methods.orchard: probe rows, `batch.probes`) are computed."""
         return any(self.reads(k) for k in RETRO_ARRAYS)
 
     @property

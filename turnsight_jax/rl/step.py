@@ -18,14 +18,14 @@ One call of the compiled step, for a rollout batch of B trajectories (B / G prom
    over micro-batches (normalised by the *mini-batch* token/trajectory counts, so accumulation
    equals one full pass exactly), global-norm clipping and an optax AdamW update.
 
-A method with a critic (rl.critic; PPO) adds: before 2, the critic's values V_old [B, N] at the
+A method with a critic (methods.critic; PPO) adds: before 2, the critic's values V_old [B, N] at the
 step's start (no gradient), which the advantage reads as "values" (GAE) and which give its
 "returns"; in 3, the clipped value loss of the same micro-batches, accumulated the same way, and
 the critic's own optimizer update. The critic's loss never reaches the policy's gradient. A
-method with a step-PRM (rl.prm; PiCA) adds before 2: the PRM's h at every state (the frozen
+method with a step-PRM (methods.prm; PiCA) adds before 2: the PRM's h at every state (the frozen
 reference trunk), its progress rewards (the advantage reads them as "process_rewards"), and one
 update of the PRM's head on the batch. The critic and the PRM are the step's learned auxiliaries
-(`aux`, `init_aux`). A method whose loss reads "rise_mask" (Orchard's CA-SFT, rl.orchard) adds
+(`aux`, `init_aux`). A method whose loss reads "rise_mask" (Orchard's CA-SFT, methods.orchard) adds
 before 3: the teacher's retrospective values on the probe rows, once, and the mask of
 rise-segment tokens of failed trajectories.
 
@@ -44,10 +44,10 @@ from flax import nnx
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.models.qwen3 import Qwen3
 from turnsight_jax.rl.advantages import make_advantage_fn
-from turnsight_jax.rl import critic as critic_lib
+from turnsight_jax.methods import critic as critic_lib
 from turnsight_jax.rl import micro_groups
-from turnsight_jax.rl import orchard as orchard_lib
-from turnsight_jax.rl import prm as prm_lib
+from turnsight_jax.methods import orchard as orchard_lib
+from turnsight_jax.methods import prm as prm_lib
 from turnsight_jax.rl import turn_records
 from turnsight_jax.rl.batch import TrainBatch, packed_reference, row_axis
 from turnsight_jax.rl.config import OptimConfig, StepConfig
@@ -292,7 +292,7 @@ def teacher_arrays(batch: TrainBatch, teacher_lp, topk, method: ResolvedMethod) 
 
 
 def retrospective_stage(teacher_model: Qwen3, batch: TrainBatch, cfg: StepConfig):
-    """Orchard's retrospective values on the probe rows (rl.orchard; teacher micro-batches, no
+    """Orchard's retrospective values on the probe rows (methods.orchard; teacher micro-batches, no
     gradient) -> (the CA-SFT token mask "rise_mask" [B, N] bool, metrics)."""
     def one(p):
         return orchard_lib.retrospective_values(teacher_model, p)
@@ -305,7 +305,7 @@ def retrospective_stage(teacher_model: Qwen3, batch: TrainBatch, cfg: StepConfig
 
 def critic_values(graphdef, critic, batch: TrainBatch, cfg: StepConfig):
     """The critic's values V [B, N] at the step's start, no gradient, micro-batched like the
-    gradient passes. `critic`: {"trunk": nnx.State of `graphdef`, "head": rl.critic.init_head}."""
+    gradient passes. `critic`: {"trunk": nnx.State of `graphdef`, "head": methods.critic.init_head}."""
     trunk = nnx.merge(graphdef, critic["trunk"])
 
     def one(rows):
@@ -331,7 +331,7 @@ def make_aux_optimizers(cfg: StepConfig, method: ResolvedMethod) -> dict:
 
 def init_aux(method: ResolvedMethod, params, hidden_size: int, optimizers: dict) -> dict:
     """The step's `aux` at the start of a run: {"critic": init_critic(...)} and/or {"prm":
-    {"params": rl.prm.init_head, "opt_state"}}, for the auxiliaries the method has ({} none)."""
+    {"params": methods.prm.init_head, "opt_state"}}, for the auxiliaries the method has ({} none)."""
     out = {}
     if "critic" in method.aux:
         out["critic"] = init_critic(params, hidden_size, optimizers["critic"])
@@ -342,7 +342,7 @@ def init_aux(method: ResolvedMethod, params, hidden_size: int, optimizers: dict)
 
 
 def prm_stage(ref_model, prm, batch: TrainBatch, cfg: StepConfig, optimizer):
-    """PiCA's PRM in the step (rl.prm): its step-start h at every state (the frozen reference
+    """PiCA's PRM in the step (methods.prm): its step-start h at every state (the frozen reference
     trunk, micro-batched like the teacher), the progress rewards [B, N] from them, and one update
     of its head on this batch (skipped, the head kept, when not finite). Returns (process rewards,
     updated prm state, metrics)."""

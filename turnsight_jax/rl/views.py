@@ -20,7 +20,7 @@ positions (N = a bucket of the longest row's count), and `view_pred [D, B, N]` g
 d, the packed index whose hidden state predicts that token. The trainer works on these compact
 [B, N] arrays (turn means, group statistics and the loss only involve policy tokens).
 
-A trajectory whose turns saw elided observations (an observation window, rl.mm_grpo) has the
+A trajectory whose turns saw elided observations (an observation window, methods.mm_grpo) has the
 segments of its rl.context_rows row in place of the original: each turn's own context is
 segment 0 up to a point, then the rest of its context (`TurnPrefix`), and the trunk of a turn
 scored outside segment 0 starts with that rest, so its views read exactly that turn's context.
@@ -90,7 +90,7 @@ class PackedViews:
       tokens and layout are then None (the packed rows replace them; pred and view_pred stay in
       each row's own coordinates).
     covered [B, N] bool or None: True where the token's view 0 showed a block (privileged views,
-      rl.privileged_views) or its hindsight views did (False: no block, the student's own context:
+      methods.privileged_views) or its hindsight views did (False: no block, the student's own context:
       a turn outside rl.turns or with an empty hindsight block; rl.empty_block_turns reads it).
     """
 

@@ -547,7 +547,7 @@ def rollout(
     the global row of each episode, which seeds its environment (default: group_offset *
     group_size + r; give the policy the same rows, `row_offset`, so its draws match).
 
-    `window` (rl.mm_grpo): each turn sees only the most recent `window.size` observations in full.
+    `window` (methods.mm_grpo): each turn sees only the most recent `window.size` observations in full.
     When an observation leaves the window the backend rewinds to it and re-prefills the placeholder
     and everything after it (`stats["reprefill_tokens"]`, beyond the new observation itself); the
     trajectory keeps every observation in full and records what each turn saw

@@ -1,8 +1,8 @@
 """SLIM: the skill library as a training variable (docs/signal_methods.md, "SLIM").
 
 Pure host-side state and rules; no model, no JAX. The trainer's side (the audits, the writer,
-checkpoint files) is turnsight_jax/rl/slim_runner.py, the prompt and writer texts
-turnsight_jax/rl/slim_text.py.
+checkpoint files) is turnsight_jax/methods/slim/runner.py, the prompt and writer texts
+turnsight_jax/methods/slim/text.py.
 
 The library S = {s_1..s_K} holds short natural-language skills; the active ones (status keep or
 watch) are shown to the policy in its system prompt, each to the tasks of its task type (a task's

@@ -2,9 +2,9 @@
 (docs/baselines.md), as small pure functions registered by name (advantage estimators and loss
 terms), so they run in the same fused step as TurnSight.
 
-Their teachers score *privileged views* (rl.privileged_views): each policy token y_t under the
+Their teachers score *privileged views* (methods.privileged_views): each policy token y_t under the
 student's context plus a privileged block (the gold answer, a successful sibling rollout, the
-environment's feedback or a skill text; chat.privileged), or, for SOD, under another model on the
+environment's feedback or a skill text; methods.privileged_blocks), or, for SOD, under another model on the
 student's own context. All arrays are in the compact policy layout of rl.batch ([B, N] per policy
 token); `covered` [B, N] bool marks the tokens whose view had a block (a missing block, e.g. no
 successful sibling, leaves the token to the base method: no modulation, no distillation).

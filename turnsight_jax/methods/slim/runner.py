@@ -40,11 +40,11 @@ import numpy as np
 
 from turnsight_jax.chat import template as tmpl
 from turnsight_jax.chat import tokenizer as tok_lib
-from turnsight_jax.chat.privileged import default_skills_path, load_skills
+from turnsight_jax.methods.privileged_blocks import default_skills_path, load_skills
 from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
-from turnsight_jax.rl import slim, slim_text
-from turnsight_jax.rl.slim import SkillLibrary, SlimConfig, check_writer
+from turnsight_jax.methods.slim import library as slim, text as slim_text
+from turnsight_jax.methods.slim.library import SkillLibrary, SlimConfig, check_writer
 
 LIBRARY_FILE = "slim_library.json"  # in each checkpoint step folder, and the latest in the run folder
 VALIDATION_SEED_OFFSET = 2  # built-in validation tasks: seed 2*seed + 2 (training 2*seed, held-out 2*seed + 1)

@@ -161,7 +161,7 @@ def gae_advantages(rewards: Array, values: Array, policy_mask: Array, *, gae_gam
 def gae_process_advantages(rewards: Array, values: Array, policy_mask: Array, process_rewards: Array, *,
                            gae_gamma, gae_lam, gae_whiten: bool):
     """The registered "gae_process" estimator (PiCA): GAE over the outcome reward on the last
-    policy token plus per-token process rewards [B, N] (rl.prm's progress rewards); otherwise as
+    policy token plus per-token process rewards [B, N] (methods.prm's progress rewards); otherwise as
     gae_advantages."""
     r = token_rewards(rewards, policy_mask) + jnp.where(policy_mask, process_rewards, 0.0)
     adv, returns = gae(r, values, policy_mask, gamma=gae_gamma, lam=gae_lam)

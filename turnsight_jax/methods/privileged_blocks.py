@@ -3,7 +3,7 @@ shown that the student is not, as one user message of token ids.
 
 The block is inserted into the student's context either once right after the prompt (placement
 "prompt": the teacher reads prompt + block + the whole trajectory) or before each turn's assistant
-header (placement "turn", as TurnSight's hindsight block); rl.privileged_views packs those views.
+header (placement "turn", as TurnSight's hindsight block); methods.privileged_views packs those views.
 Sources (`teacher.source`):
 
 * "gold_answer": ``The correct final answer is: {answer}`` (the task's answer);

@@ -13,7 +13,7 @@ original[hs:] (rotary positions continue from hs), and the prompt is never copie
 (or turn) without a block keeps the student's own context (its predictors stay in segment 0) and
 is marked uncovered (`PackedViews.covered`).
 
-Trajectories whose turns saw elided observations (an observation window, rl.mm_grpo) are
+Trajectories whose turns saw elided observations (an observation window, methods.mm_grpo) are
 refused: the blocks are placed on the trajectory itself, not on each turn's context.
 """
 
@@ -42,7 +42,7 @@ def build_privileged_views(
     buckets: Sequence[int] = DEFAULT_PACKED_BUCKETS,
     min_widths: tuple[int, int] = (0, 0),
 ) -> tuple[PackedViews, dict[str, float]]:
-    """Packed rows of the privileged views (numpy). blocks: chat.privileged.privileged_blocks'
+    """Packed rows of the privileged views (numpy). blocks: methods.privileged_blocks.privileged_blocks'
     output (per trajectory ids or None for "prompt"; per turn for "turn"), or None for no
     privileged context by design (teacher.source='none': another model reads the student's own
     context, every policy token covered, nothing counted as skipped). Returns (views, stats):
@@ -62,7 +62,7 @@ def build_privileged_views(
     windowed = [b for b, t in enumerate(trajs) if has_elisions(t)]
     if windowed:
         raise ValueError(f"privileged views: trajectory {windowed[0]}'s turns saw elided observations (an observation "
-                         f"window, rl.mm_grpo); privileged blocks are placed on the whole trajectory only")
+                         f"window, methods.mm_grpo); privileged blocks are placed on the whole trajectory only")
     pol_pos, pol_valid = positions if positions is not None else policy_positions(trajs, policy_width)
     n_views = 1 + int(with_reference)
     view_pred = np.zeros((n_views, len(trajs), pol_pos.shape[1]), np.int32)

@@ -1,6 +1,6 @@
 """PiCA's step-PRM (docs/ppo.md, "PiCA"): h(s) = P(not yet solved | the trajectory up to s),
 its training loss (labels where they are known, a hinge on increases along solved trajectories),
-and the progress rewards it writes at tool-result boundaries for GAE (rl.critic) to propagate.
+and the progress rewards it writes at tool-result boundaries for GAE (methods.critic) to propagate.
 
 Which PRM: a logistic head (`prm_w` [D], `prm_b`) on the *frozen reference trunk* (the initial
 policy, already resident for the KL and the teachers: no extra model). It is trained online, a
@@ -30,7 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from turnsight_jax.rl.critic import hidden_at
+from turnsight_jax.methods.critic import hidden_at
 from turnsight_jax.rl.logprobs import predictor_positions
 
 Array = jax.Array

@@ -1,5 +1,5 @@
 """The report's SLIM section (`python -m turnsight_jax.report RUN_DIR`): for a run folder holding
-`slim_library.json` (rl.slim_runner writes it after every audit) a markdown section (the report
+`slim_library.json` (methods.slim.runner writes it after every audit) a markdown section (the report
 adds a plot of the library's counters, PLOT): every skill with its status, task type, EMA of Δ, exposures
 and text, then the history of adds, retirements and failed expansions, and the audits' Eval(S).
 Runs of other methods get nothing (no file, no note)."""
@@ -7,7 +7,7 @@ Runs of other methods get nothing (no file, no note)."""
 from __future__ import annotations
 
 import pathlib
-from turnsight_jax.rl import slim
+from turnsight_jax.methods.slim import library as slim
 
 PLOT = "slim.png"
 COUNTER_KEYS = ("slim/library_size", "slim/expanded_total", "slim/retired_total", "slim/expand_failed_total")

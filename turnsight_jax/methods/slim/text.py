@@ -30,7 +30,7 @@ from turnsight_jax.chat import tokenizer as tok_lib
 from turnsight_jax.chat.template import generation_prompt
 from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.chat.types import Task
-from turnsight_jax.rl.slim import SkillLibrary
+from turnsight_jax.methods.slim.library import SkillLibrary
 
 SKILLS_HEADER = "# Skills\n\nUse these skills when they apply to the task:"
 SKILL_ITEM = "\n<skill>\n{text}\n</skill>"

@@ -96,7 +96,7 @@ def build_probes(trajs: Sequence[Trajectory], tasks: Sequence[Task], tokenizer, 
     windowed = [b for b, t in enumerate(trajs) if has_elisions(t)]
     if windowed:
         raise ValueError(f"retrospective probes: trajectory {windowed[0]}'s turns saw elided observations (an "
-                         f"observation window, rl.mm_grpo); the probes read the whole trajectory only")
+                         f"observation window, methods.mm_grpo); the probes read the whole trajectory only")
     open_ids = tok_lib.encode(tokenizer, template.message_open)
     close_ids = tok_lib.encode(tokenizer, template.message_close)
     answer_ids = []
