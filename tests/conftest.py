@@ -82,6 +82,13 @@ def shared_path(*parts: str) -> pathlib.Path:
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def builtin_methods():
+    """The built-in methods registered, as every entry point does (`import turnsight_jax.methods`):
+    the core's registries hold only GRPO, MatchTIR, ToolRL and TurnSight until then."""
+    import turnsight_jax.methods  # noqa: F401
+
+
 @pytest.fixture(scope="session")
 def qwen3_tokenizer_dir() -> pathlib.Path:
     """The bundled Qwen3 tokenizer folder (tokenizer.json + tokenizer_config.json)."""

@@ -238,10 +238,11 @@ def test_method_resolves_over_its_base():
 
 
 def test_slim_controller_puts_the_library_in_the_sampled_prompts(monkeypatch):
+    from turnsight_jax.methods.slim import method as slim_method
     from turnsight_jax.rl import methods
 
     seen = {}
-    monkeypatch.setattr(methods, "sampler_rollout", lambda ctx, tasks, seed: seen.setdefault("tasks", tasks))
+    monkeypatch.setattr(slim_method, "sampler_rollout", lambda ctx, tasks, seed: seen.setdefault("tasks", tasks))
     ctx = methods.RolloutContext(None, None, None, None, None, None, 2, state=_lib(None))
     methods.ROLLOUTS["slim"].fn(ctx, [_task("single_hop"), _task("multi_hop")], 0)
     assert all(t.messages[0]["content"].endswith("<skill>\nskill text number 0\n</skill>") for t in seen["tasks"])

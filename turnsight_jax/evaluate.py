@@ -38,6 +38,7 @@ import sys
 import time
 from typing import Sequence
 
+import turnsight_jax.methods  # noqa: F401  (the composition root: the built-in methods register themselves)
 from turnsight_jax.eval import suites as suite_lib
 from turnsight_jax.eval.errors import EvalError
 

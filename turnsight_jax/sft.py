@@ -40,6 +40,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+import turnsight_jax.methods  # noqa: F401  (the composition root: the built-in methods register themselves)
 from turnsight_jax import model_setup, sources
 from turnsight_jax.chat.types import Task
 from turnsight_jax.config import load_run_config, rollout_config

@@ -251,6 +251,7 @@ STUDIES = {
 
 def arm_config(study: Study, arm: str, seed: int, steps: int):
     """The run config of one arm (validated)."""
+    import turnsight_jax.methods  # noqa: F401  (the built-in methods register themselves)
     from turnsight_jax.config import load_run_config, validate
 
     cfg = load_run_config(None, [*FAMILIES[study.family], *SIZES, *study.arms[arm], f"--config.seed={seed}",

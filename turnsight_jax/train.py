@@ -29,6 +29,7 @@ import ml_collections as mlc
 import numpy as np
 from flax import nnx
 
+import turnsight_jax.methods  # noqa: F401  (the composition root: the built-in methods register themselves)
 from turnsight_jax import (batch_shapes, checkpointing, cost, distributed, errors, flops, model_setup, provenance,
                            records, sources)
 from turnsight_jax.checkpointing import Checkpointer, write_run_config, write_run_files

@@ -24,6 +24,7 @@ import sys
 
 import numpy as np
 
+import turnsight_jax.methods  # noqa: F401  (the composition root: the built-in methods register themselves)
 from turnsight_jax.errors import ConfigError
 
 

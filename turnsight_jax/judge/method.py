@@ -1,5 +1,5 @@
 """The model-judged reward's pieces (OpenWebRL; docs/signal_methods.md), registered as
-`rl.method=judge` by turnsight_jax.rl.methods (this module imports nothing of it):
+`rl.method=judge` at the end of this module:
 
 * `judge_rollout`, behind the rollout controller `judged`: the default sampler's rollouts, then
   the judge (`judge.*`) labels every trajectory; each trajectory's `metrics` records the label,
@@ -93,7 +93,7 @@ def judged(traj: Trajectory, task: Task, algo) -> float:
     return float(LABEL in traj.metrics)
 
 
-# (reward name, the batch array it fills, fn), registered in this order by rl.methods.
+# (reward name, the batch array it fills, fn), registered in this order at the end of this module.
 REWARDS = (("judge", "rewards", judge_reward), ("judge_verifier", "judge_verifier", verifier_success),
            ("judge_malformed", "judge_malformed", malformed), ("judge_tokens", "judge_tokens", generated_tokens),
            ("judge_judged", "judge_judged", judged))
@@ -119,3 +119,21 @@ def judge_advantages(rewards, verifier, malformed_, tokens, judged_, group_ids, 
 
 register_advantage(ESTIMATOR, tuple(out for _, out, _ in REWARDS) + ("group_ids", "policy_mask"),
                    ("eps", "num_groups"))(judge_advantages)
+
+
+# ---- registration ----
+from turnsight_jax.rl.methods import Method, RolloutContext, register_method, register_reward, register_rollout, sampler_rollout  # noqa: E402
+
+for _name, _output, _fn in REWARDS:
+    register_reward(_name, _output)(_fn)
+
+
+@register_rollout("judged")
+def judged_rollout(ctx: RolloutContext, tasks, seed: int):
+    """The default sampler's rollouts, each labelled by the judge model of the run config's judge.*
+    section (ctx.run_config)."""
+    return judge_rollout(ctx, sampler_rollout(ctx, tasks, seed), tasks)
+
+
+register_method(Method("judge", advantage=ESTIMATOR, rewards=tuple(r[0] for r in REWARDS), rollout="judged",
+                       description="OpenWebRL: a judge model's (rationale, 0/1) label as the reward, group-normalised"))

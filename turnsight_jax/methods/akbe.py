@@ -232,3 +232,16 @@ def _akbe_ce_term(x, cfg: LossConfig, algo: AlgoConfig):
     mask = x["pol_valid"] & (x[EXEMPLAR] > 0)[:, None]
     nll = jnp.where(mask, -x["logprobs"], 0.0)
     return algo.akbe_coef * nll, {"akbe_ce": nll}
+
+
+# ---- registration ----
+from turnsight_jax.rl.methods import RolloutContext, register_reward, register_rollout, run_section  # noqa: E402
+
+register_reward(EXEMPLAR, EXEMPLAR)(exemplar_flag)
+
+
+@register_rollout("akbe", rewards=(EXEMPLAR,), loss_terms=("akbe_ce",), rows_per_prompt=lambda cfg: cfg.train.group_size + 1)
+def akbe_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
+    """AKBE: a with-tool and a no-tool group per prompt, the 2-bit label, one exemplar per prompt for
+    the auxiliary CE (akbe.coef) next to the method's unchanged update."""
+    return akbe_rollout(ctx, tasks, seed, akbe_settings(run_section(ctx, "akbe")))

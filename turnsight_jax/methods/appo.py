@@ -334,3 +334,19 @@ def omega_reward(traj: Trajectory, task: Task, algo) -> np.ndarray:
         raise ValueError(f"trajectory {traj.task_id!r} has no {OMEGA}: the appo_omega reward needs the 'appo' rollout "
                          f"controller (rl.rollout=appo)")
     return traj.token_values[OMEGA]
+
+
+# ---- registration ----
+from turnsight_jax.rl.methods import RolloutContext, register_reward, register_rollout, run_section  # noqa: E402
+
+register_reward(OMEGA, OMEGA, per="token")(omega_reward)
+
+
+@register_rollout("appo", rewards=(OMEGA,), engine_only=True, advantage_transform=AMPLIFY,
+                  rows_per_prompt=lambda cfg: cfg.train.group_size * (1 + appo_settings(cfg.appo).branches),
+                  old_policy=lambda cfg: appo_settings(cfg.appo).ratio_to)
+def appo_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
+    """APPO: G rollouts per prompt, then appo.branches continuations of each from its top branch
+    points by Z(clip Ω) Z(H), sharing the prefix's KV; initial rollouts and branches form two groups
+    per prompt, and the step amplifies the final advantage by Ω."""
+    return appo_rollout(ctx, tasks, seed, appo_settings(run_section(ctx, "appo")))

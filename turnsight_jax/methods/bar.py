@@ -144,3 +144,14 @@ def bar_rollout(ctx, tasks: Sequence[Task], seed: int, cfg: BarConfig, *, policy
     groups = metrics["bar/prompts"] - metrics["bar/dropped"]
     metrics["bar/group_size_mean"] = metrics["bar/rows_in_groups"] / groups if groups else 0.0
     return RolloutResult(pad_prompt_rows(blocks, cap), stats, metrics=metrics)
+
+
+# ---- registration ----
+from turnsight_jax.rl.methods import RolloutContext, register_rollout, run_section  # noqa: E402
+
+
+@register_rollout("bar", rows_per_prompt=lambda cfg: bar_settings(cfg.bar, cfg.train.group_size).cap)
+def bar_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
+    """BAR: each prompt sampled bar.chunk rollouts at a time until its success share lies in
+    [bar.low, bar.high], or bar.cap rollouts; groups of unequal size, padded to the cap."""
+    return bar_rollout(ctx, tasks, seed, bar_settings(run_section(ctx, "bar"), ctx.group_size))

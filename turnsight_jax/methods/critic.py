@@ -180,3 +180,10 @@ def _register() -> None:
 
 
 _register()
+
+
+# ---- registration ----
+from turnsight_jax.rl.methods import Method, register_method  # noqa: E402
+
+register_method(Method("ppo", advantage="gae", critic=True,
+                       description="PPO: outcome reward on the last token, GAE(gamma, lambda) against a learned critic"))

@@ -193,3 +193,14 @@ def dynamic_rollout(ctx, tasks: Sequence[Task], seed: int, *, sample: SampleFn,
                "mm_grpo/elided_observations": elided, "mm_grpo/reprefill_tokens": reprefill}
     trajs = [t for grp in slots for t in grp]
     return RolloutResult(trajs, stats, tasks=slot_tasks, metrics=metrics)
+
+
+# ---- registration ----
+from turnsight_jax.rl.methods import RolloutContext, register_rollout, sampler_rollout  # noqa: E402
+
+
+@register_rollout("mm_grpo")
+def mm_grpo_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
+    """MM-GRPO: the default sampler under an observation window (mm_grpo.window), with dynamic
+    sampling (zero-variance groups refilled with new prompts, mm_grpo.refill_rounds)."""
+    return dynamic_rollout(ctx, tasks, seed, sample=lambda c, t, s, w: sampler_rollout(c, t, s, window=w))

@@ -199,3 +199,11 @@ def _ca_sft_term(x, cfg: LossConfig, algo: AlgoConfig):
     mask = x["pol_valid"] & x["rise_mask"]
     nll = jnp.where(mask, -x["logprobs"], 0.0)
     return algo.orchard_coef * nll, {"ca_sft_nll": nll}
+
+
+# ---- registration ----
+from turnsight_jax.rl.methods import Method, register_method  # noqa: E402
+
+register_method(Method("orchard", advantage="base", rewards=(), loss_terms=("clipped_surrogate", "ca_sft"),
+                       description="Orchard CA-SFT: the base method + SFT on rise segments of failed trajectories, "
+                                   "valued by a teacher that knows the outcome"))

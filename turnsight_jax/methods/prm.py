@@ -122,3 +122,10 @@ def prm_states(trunk, batch, max_turns: int):
     pred = predictor_positions(batch.valid, batch.pol_pos)
     pos, exists = state_positions(batch.turn_ids, batch.pol_valid, pred, batch.valid, batch.num_turns, max_turns)
     return jax.lax.stop_gradient(hidden_at(trunk, batch, pos).astype(jnp.float32)), exists
+
+
+# ---- registration ----
+from turnsight_jax.rl.methods import Method, register_method  # noqa: E402
+
+register_method(Method("pica", advantage="gae_process", critic=True, prm=True,
+                       description="PiCA: a monotone step-PRM's progress rewards at tool results, GAE against a critic"))

@@ -167,3 +167,19 @@ def _sod_term(x, cfg: LossConfig, algo: AlgoConfig):
     kl = jnp.where(mask, topk_kl(x["topk_logprobs"], x["teacher_topk_logprobs"], tail=algo.sdpo_tail), 0.0)
     w = sod_turn_weights(kl, x["turn_ids"], mask, algo.sod_tau)
     return algo.sod_coef * w * kl, {"sod_kl": kl, "sod_weight": w}
+
+
+# ---- registration ----
+# Their teachers score privileged views (methods.privileged_views) with the teacher.* config.
+from turnsight_jax.rl.methods import Method, register_method  # noqa: E402
+
+register_method(Method("rlsd", advantage="rlsd", rewards=(), teacher="privileged",
+                       description="RLSD: the base advantage modulated by clip(exp(sign(A) * teacher gap))"))
+register_method(Method("sdpo", advantage="base", rewards=(), loss_terms=("clipped_surrogate", "sdpo_kl"), teacher="privileged",
+                       description="SDPO: the base method + top-K KL to the feedback-conditioned teacher"))
+register_method(Method("sdpo_advantage", advantage="sdpo_advantage", rewards=(), teacher="privileged",
+                       description="SDPO, sampled-token form: base advantage + coef * teacher gap"))
+register_method(Method("sdar", advantage="base", rewards=(), loss_terms=("clipped_surrogate", "sdar"), teacher="privileged",
+                       description="SDAR: the base method + the sigmoid-gated NLL toward a skill-text teacher"))
+register_method(Method("sod", advantage="base", rewards=(), loss_terms=("clipped_surrogate", "sod"), teacher="privileged",
+                       description="SOD: the base method + turn-weighted top-K KL to an external teacher"))

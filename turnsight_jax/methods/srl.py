@@ -74,3 +74,19 @@ def srl_reward(pred_turns: Sequence[tuple[Sequence[Call], str | None]], gold_cal
     pred_turns: each policy turn's (calls, parsed answer)."""
     rewards = step_rewards([action_text(c, a) for c, a in pred_turns], expert_actions(gold_calls, gold_answer))
     return float(sum(rewards) / len(rewards)) if rewards else 0.0
+
+
+# ---- registration ----
+from turnsight_jax.rl.methods import Method, register_method, register_reward  # noqa: E402
+
+
+@register_reward("srl", "rewards", needs=("gold_calls",))
+def srl_trajectory_reward(traj, task, algo) -> float:
+    """SRL's dense reward: the mean over steps of the difflib similarity between each of the
+    policy's actions (its calls, or its answer) and the expert's at that step (the task's gold
+    chain, then its answer); in [0, 1]."""
+    return srl_reward([(t.calls, t.answer) for t in traj.turns], task.gold_calls, task.answer)
+
+
+register_method(Method("srl", advantage="grpo", rewards=("srl",),
+                       description="SRL: similarity of each action to the expert's step, group-normalised"))

@@ -250,3 +250,15 @@ def t2po_rollout(ctx, tasks: Sequence[Task], seed: int, cfg: T2POConfig) -> Roll
     metrics["t2po/gamma_mean"] = metrics.pop("t2po/gamma_sum") / max(metrics["t2po/tds_checked"], 1.0)
     metrics["t2po/phi_mean"] = metrics.pop("t2po/phi_sum") / max(metrics.pop("t2po/phi_n"), 1.0)
     return dataclasses.replace(res, metrics=metrics)
+
+
+# ---- registration ----
+from turnsight_jax.rl.methods import RolloutContext, register_rollout, run_section  # noqa: E402  (the registry, after the mechanism)
+
+
+@register_rollout("t2po", engine_only=True)
+def t2po_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
+    """T2PO: G rollouts per prompt from the paged engine with T2PO's hooks in the decode: TTI forces
+    </think> when the hesitation signal stalls, TDS samples a turn again when its hesitation barely
+    moved from the previous turn's (t2po.*)."""
+    return t2po_rollout(ctx, tasks, seed, t2po_settings(run_section(ctx, "t2po")))

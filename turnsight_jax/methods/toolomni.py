@@ -114,3 +114,56 @@ def _register() -> None:
 
 
 _register()
+
+
+# ---- registration ----
+import numpy as np  # noqa: E402
+
+from turnsight_jax.rewards import token_f1  # noqa: E402
+from turnsight_jax.rl.methods import Method, register_method, register_reward  # noqa: E402
+
+
+def _parts(traj, task) -> dict[str, float]:
+    turns = traj.turns
+    return retrieval_parts([t.calls for t in turns], [r for t in turns for r in t.results],
+                           turns[-1].answer if turns else None, task.unsolved_set, task.gold_calls)
+
+
+@register_reward("toolomni_retrieval", "retrieval_rewards", needs=("gold_calls",))
+def toolomni_retrieval_reward(traj, task, algo) -> float:
+    """ToolOmni's R_ret = InfoRecall x AnswerTran + 0.2 format."""
+    return _parts(traj, task)["retrieval"]
+
+
+@register_reward("toolomni_info_recall", "info_recall", needs=("gold_calls",))
+def toolomni_info_recall(traj, task, algo) -> float:
+    """R_ret's InfoRecall factor (reported, not optimised on its own)."""
+    return _parts(traj, task)["info_recall"]
+
+
+@register_reward("toolomni_answer_tran", "answer_tran", needs=("gold_calls",))
+def toolomni_answer_tran(traj, task, algo) -> float:
+    """R_ret's AnswerTran factor (reported, not optimised on its own)."""
+    return _parts(traj, task)["answer_tran"]
+
+
+@register_reward("toolomni_answer", "answer_rewards")
+def toolomni_answer_reward(traj, task, algo) -> float:
+    """ToolOmni's answer-stage reward: the token F1 of the parsed answer (0 without an answer turn)."""
+    last = traj.turns[-1] if traj.turns else None
+    return token_f1(last.answer, task.answer) if last is not None and not last.calls and last.answer is not None else 0.0
+
+
+@register_reward("toolomni_answer_turn", "answer_turn", per="turn")
+def toolomni_answer_turn(traj, task, algo) -> np.ndarray:
+    """1.0 on the answer turn (the last turn, when it has no calls), 0 on the tool turns."""
+    out = np.zeros(len(traj.turns), np.float32)
+    if traj.turns and not traj.turns[-1].calls:
+        out[-1] = 1.0
+    return out
+
+
+register_method(Method("toolomni", advantage="toolomni",
+                       rewards=("toolomni_retrieval", "toolomni_answer", "toolomni_answer_turn", "toolomni_info_recall",
+                                "toolomni_answer_tran"),
+                       description="ToolOmni: tool turns and the answer turn normalised apart; R_ret gates the answer"))

@@ -28,18 +28,11 @@ import numpy as np
 from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
-from turnsight_jax.judge import method as judge  # the model-judged reward's pieces (registers judge_grpo)
-from turnsight_jax.rewards import matchtir_turn_rewards, token_f1, toolrl_reward
-from turnsight_jax.methods import critic as _critic  # noqa: F401  (registers PPO's GAE estimator)
-from turnsight_jax.methods import self_distillation  # noqa: F401  (registers the self-distillation baselines)
-from turnsight_jax.methods import orchard as _orchard  # noqa: F401  (registers CA-SFT's loss term)
-from turnsight_jax.methods import akbe, appo, bar, mm_grpo, srl, t2po, toolomni  # akbe registers its CE loss term, appo its transform
+from turnsight_jax.rewards import matchtir_turn_rewards, toolrl_reward
 from turnsight_jax.rl.advantages import Estimator, get_estimator, get_transform
 from turnsight_jax.rl.config import AlgoConfig, StepConfig
 from turnsight_jax.rl.episodes import run_episodes
 from turnsight_jax.rl.losses import LossTerm, get_loss_term
-from turnsight_jax.methods.slim.library import SkillLibrary
-from turnsight_jax.methods.slim.text import with_skills
 from turnsight_jax.rollout.driver import ObservationWindow, RolloutConfig, RolloutResult
 from turnsight_jax.rollout.sampler import SamplingParams
 
@@ -167,69 +160,12 @@ def sampler_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int, *,
     return run_episodes(ctx, tasks, seed, window=window)
 
 
-@register_rollout("slim")
-def slim_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
-    """SLIM (methods.slim.library): the default sampler on the tasks with the library's active skills in their
-    prompts (methods.slim.text.with_skills; the library is the trainer's, `ctx.state`)."""
-    if not isinstance(ctx.state, SkillLibrary):
-        raise ValueError("the 'slim' rollout controller needs the trainer's skill library as ctx.state "
-                         f"(methods.slim.library.SkillLibrary), got {type(ctx.state).__name__}")
-    return sampler_rollout(ctx, [with_skills(t, ctx.state) for t in tasks], seed)
-
-
-@register_rollout("judged")
-def judged_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
-    """The model-judged reward (judge.method, OpenWebRL): the default sampler's rollouts, each
-    labelled by the judge model of the run config's judge.* section (ctx.run_config)."""
-    return judge.judge_rollout(ctx, sampler_rollout(ctx, tasks, seed), tasks)
-
-
-def _section(ctx: RolloutContext, name: str):
+def run_section(ctx: RolloutContext, name: str):
+    """The run config's `name.*` section, for a controller with its own settings."""
     if ctx.run_config is None or name not in ctx.run_config:
         raise ValueError(f"the {name!r} rollout controller reads the run config's {name}.* section: "
                          f"RolloutContext.run_config must hold it")
     return ctx.run_config[name]
-
-
-@register_rollout("t2po", engine_only=True)
-def t2po_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
-    """T2PO (methods.t2po): G rollouts per prompt from the paged engine with T2PO's hooks in the decode:
-    TTI forces </think> when the hesitation signal stalls, TDS samples a turn again when its
-    hesitation barely moved from the previous turn's (t2po.*)."""
-    return t2po.t2po_rollout(ctx, tasks, seed, t2po.t2po_settings(_section(ctx, "t2po")))
-
-
-@register_rollout("appo", rewards=(appo.OMEGA,), engine_only=True, advantage_transform=appo.AMPLIFY,
-                  rows_per_prompt=lambda cfg: cfg.train.group_size * (1 + appo.appo_settings(cfg.appo).branches),
-                  old_policy=lambda cfg: appo.appo_settings(cfg.appo).ratio_to)
-def appo_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
-    """APPO (methods.appo): G rollouts per prompt, then appo.branches continuations of each from its
-    top branch points by Z(clip Ω) Z(H), sharing the prefix's KV; initial rollouts and branches
-    form two groups per prompt, and the step amplifies the final advantage by Ω."""
-    return appo.appo_rollout(ctx, tasks, seed, appo.appo_settings(_section(ctx, "appo")))
-
-
-@register_rollout("bar", rows_per_prompt=lambda cfg: bar.bar_settings(cfg.bar, cfg.train.group_size).cap)
-def bar_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
-    """BAR (methods.bar): each prompt sampled bar.chunk rollouts at a time until its success share
-    lies in [bar.low, bar.high], or bar.cap rollouts; groups of unequal size, padded to the cap."""
-    return bar.bar_rollout(ctx, tasks, seed, bar.bar_settings(_section(ctx, "bar"), ctx.group_size))
-
-
-@register_rollout("akbe", rewards=("akbe_exemplar",), loss_terms=("akbe_ce",),
-                  rows_per_prompt=lambda cfg: cfg.train.group_size + 1)
-def akbe_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
-    """AKBE (methods.akbe): a with-tool and a no-tool group per prompt, the 2-bit label, one exemplar
-    per prompt for the auxiliary CE (akbe.coef) next to the method's unchanged update."""
-    return akbe.akbe_rollout(ctx, tasks, seed, akbe.akbe_settings(_section(ctx, "akbe")))
-
-
-@register_rollout("mm_grpo")
-def mm_grpo_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
-    """MM-GRPO (methods.mm_grpo): the default sampler under an observation window (mm_grpo.window),
-    with dynamic sampling (zero-variance groups refilled with new prompts, mm_grpo.refill_rounds)."""
-    return mm_grpo.dynamic_rollout(ctx, tasks, seed,
-                                   sample=lambda c, t, s, w: sampler_rollout(c, t, s, window=w))
 
 
 # ---- rewards ----
@@ -274,10 +210,6 @@ def outcome_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> float:
     return float(traj.reward)
 
 
-register_reward(akbe.EXEMPLAR, akbe.EXEMPLAR)(akbe.exemplar_flag)
-register_reward(appo.OMEGA, appo.OMEGA, per="token")(appo.omega_reward)
-
-
 @register_reward("matchtir_turns", "turn_rewards", per="turn", needs=("gold_calls",))
 def matchtir_turn_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> np.ndarray:
     """MatchTIR turn rewards (docs/spec.md §1.11): each tool turn's calls matched to the gold calls
@@ -299,54 +231,6 @@ def toolrl_trajectory_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> 
     alone when rl.toolrl_format is False)."""
     last_text = traj.turns[-1].text if traj.turns else None
     return toolrl_reward([t.calls for t in traj.turns], last_text, task.gold_calls, with_format=algo.toolrl_format)
-
-
-@register_reward("srl", "rewards", needs=("gold_calls",))
-def srl_trajectory_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> float:
-    """SRL's dense reward (methods.srl): the mean over steps of the difflib similarity between each of
-    the policy's actions (its calls, or its answer) and the expert's at that step (the task's gold
-    chain, then its answer); in [0, 1]."""
-    return srl.srl_reward([(t.calls, t.answer) for t in traj.turns], task.gold_calls, task.answer)
-
-
-def _toolomni_parts(traj: Trajectory, task: Task) -> dict[str, float]:
-    turns = traj.turns
-    return toolomni.retrieval_parts([t.calls for t in turns], [r for t in turns for r in t.results],
-                                    turns[-1].answer if turns else None, task.unsolved_set, task.gold_calls)
-
-
-@register_reward("toolomni_retrieval", "retrieval_rewards", needs=("gold_calls",))
-def toolomni_retrieval_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> float:
-    """ToolOmni's R_ret = InfoRecall x AnswerTran + 0.2 format (methods.toolomni)."""
-    return _toolomni_parts(traj, task)["retrieval"]
-
-
-@register_reward("toolomni_info_recall", "info_recall", needs=("gold_calls",))
-def toolomni_info_recall(traj: Trajectory, task: Task, algo: AlgoConfig) -> float:
-    """R_ret's InfoRecall factor (reported, not optimised on its own)."""
-    return _toolomni_parts(traj, task)["info_recall"]
-
-
-@register_reward("toolomni_answer_tran", "answer_tran", needs=("gold_calls",))
-def toolomni_answer_tran(traj: Trajectory, task: Task, algo: AlgoConfig) -> float:
-    """R_ret's AnswerTran factor (reported, not optimised on its own)."""
-    return _toolomni_parts(traj, task)["answer_tran"]
-
-
-@register_reward("toolomni_answer", "answer_rewards")
-def toolomni_answer_reward(traj: Trajectory, task: Task, algo: AlgoConfig) -> float:
-    """ToolOmni's answer-stage reward: the token F1 of the parsed answer (0 without an answer turn)."""
-    last = traj.turns[-1] if traj.turns else None
-    return token_f1(last.answer, task.answer) if last is not None and not last.calls and last.answer is not None else 0.0
-
-
-@register_reward("toolomni_answer_turn", "answer_turn", per="turn")
-def toolomni_answer_turn(traj: Trajectory, task: Task, algo: AlgoConfig) -> np.ndarray:
-    """1.0 on the answer turn (the last turn, when it has no calls), 0 on the tool turns."""
-    out = np.zeros(len(traj.turns), np.float32)
-    if traj.turns and not traj.turns[-1].calls:
-        out[-1] = 1.0
-    return out
 
 
 # ---- methods ----
@@ -387,43 +271,10 @@ register_method(Method("matchtir", advantage="matchtir", rewards=("outcome", "ma
                        description="turn rewards from matched gold calls, dual-level advantage"))
 register_method(Method("toolrl", advantage="grpo", rewards=("toolrl",),
                        description="ToolRL's format + call-match reward, group-normalised"))
-register_method(Method("ppo", advantage="gae", critic=True,
-                       description="PPO: outcome reward on the last token, GAE(gamma, lambda) against a learned critic"))
-register_method(Method("pica", advantage="gae_process", critic=True, prm=True,
-                       description="PiCA: a monotone step-PRM's progress rewards at tool results, GAE against a critic"))
-register_method(Method("toolomni", advantage="toolomni",
-                       rewards=("toolomni_retrieval", "toolomni_answer", "toolomni_answer_turn", "toolomni_info_recall",
-                                "toolomni_answer_tran"),
-                       description="ToolOmni: tool turns and the answer turn normalised apart; R_ret gates the answer"))
-register_method(Method("srl", advantage="grpo", rewards=("srl",),
-                       description="SRL: similarity of each action to the expert's step, group-normalised"))
-register_method(Method("orchard", advantage="base", rewards=(), loss_terms=("clipped_surrogate", "ca_sft"),
-                       description="Orchard CA-SFT: the base method + SFT on rise segments of failed trajectories, "
-                                   "valued by a teacher that knows the outcome"))
-# SLIM (methods.slim.library, methods.slim.runner): the skill library in the prompt; the base method's rewards and
-# advantage (rl.base, GRPO by default) train on those rollouts.
-register_method(Method("slim", advantage="base", rewards=(), rollout="slim",
-                       description="SLIM: a skill library in the prompt, audited by leave-one-out, retired and expanded"))
-# The model-judged reward (judge.method): the judge's label as GRPO's reward, agreement with the verifier reported.
-for _name, _output, _fn in judge.REWARDS:
-    register_reward(_name, _output)(_fn)
-register_method(Method("judge", advantage=judge.ESTIMATOR, rewards=tuple(r[0] for r in judge.REWARDS),
-                       rollout="judged",
-                       description="OpenWebRL: a judge model's (rationale, 0/1) label as the reward, group-normalised"))
 register_method(Method("turnsight", advantage="turnsight", rewards=(),
                        description="turn-level hindsight weighting of the base method's advantage"))
-# The self-distillation baselines of Table 1 (methods.self_distillation, docs/baselines.md); their teachers
-# score privileged views (methods.privileged_views) with the teacher.* config.
-register_method(Method("rlsd", advantage="rlsd", rewards=(), teacher="privileged",
-                       description="RLSD: the base advantage modulated by clip(exp(sign(A) * teacher gap))"))
-register_method(Method("sdpo", advantage="base", rewards=(), loss_terms=("clipped_surrogate", "sdpo_kl"), teacher="privileged",
-                       description="SDPO: the base method + top-K KL to the feedback-conditioned teacher"))
-register_method(Method("sdpo_advantage", advantage="sdpo_advantage", rewards=(), teacher="privileged",
-                       description="SDPO, sampled-token form: base advantage + coef * teacher gap"))
-register_method(Method("sdar", advantage="base", rewards=(), loss_terms=("clipped_surrogate", "sdar"), teacher="privileged",
-                       description="SDAR: the base method + the sigmoid-gated NLL toward a skill-text teacher"))
-register_method(Method("sod", advantage="base", rewards=(), loss_terms=("clipped_surrogate", "sod"), teacher="privileged",
-                       description="SOD: the base method + turn-weighted top-K KL to an external teacher"))
+# The sibling methods register themselves (turnsight_jax/methods/: each module ends with its
+# registration; turnsight_jax.methods imports the built-ins).
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,27 @@
+"""SLIM's registration: the skill library in the sampled prompts (the "slim" rollout controller,
+the trainer's library in `RolloutContext.state`) and the method, whose rewards and advantage are the
+base method's (rl.base, GRPO by default)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from turnsight_jax.chat.types import Task
+from turnsight_jax.methods.slim.library import SkillLibrary
+from turnsight_jax.methods.slim.text import with_skills
+from turnsight_jax.rl.methods import Method, RolloutContext, register_method, register_rollout, sampler_rollout
+from turnsight_jax.rollout.driver import RolloutResult
+
+
+@register_rollout("slim")
+def slim_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
+    """The default sampler on the tasks with the library's active skills in their prompts
+    (methods.slim.text.with_skills; the library is the trainer's, `ctx.state`)."""
+    if not isinstance(ctx.state, SkillLibrary):
+        raise ValueError("the 'slim' rollout controller needs the trainer's skill library as ctx.state "
+                         f"(methods.slim.library.SkillLibrary), got {type(ctx.state).__name__}")
+    return sampler_rollout(ctx, [with_skills(t, ctx.state) for t in tasks], seed)
+
+
+register_method(Method("slim", advantage="base", rewards=(), rollout="slim",
+                       description="SLIM: a skill library in the prompt, audited by leave-one-out, retired and expanded"))
