@@ -267,7 +267,7 @@ RUN = ["--config.model.allow_random_init=True", "--config.sft.steps=0", "--confi
 def test_three_steps_audit_expand_retire_checkpoint_resume_report(tmp_path, tok):
     from turnsight_jax import sources
     from turnsight_jax.checkpointing import check_step
-    from turnsight_jax.config import slim_config
+    from turnsight_jax.methods.slim.library import slim_settings
     from turnsight_jax.report import make_report
     from turnsight_jax.methods.slim.runner import LIBRARY_FILE, SlimRunner
 
@@ -301,7 +301,7 @@ def test_three_steps_audit_expand_retire_checkpoint_resume_report(tmp_path, tok)
 
     # a resumed run's runner continues with the checkpoint's library (train.py passes the file)
     cfg = _cfg(*RUN)
-    runner = SlimRunner.start(cfg, slim_config(cfg), tok, sources.load_tasks(cfg, "train"), run, None,
+    runner = SlimRunner.start(cfg, slim_settings(cfg.slim), tok, sources.load_tasks(cfg, "train"), run, None,
                               vocab_size=151_936, resume_text=saved, log=lambda s: None)
     assert runner.library == library
 

@@ -35,7 +35,7 @@ from turnsight_jax.chat.hindsight_template import HindsightTemplate
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.rl.config import (AlgoConfig, CriticConfig, LossConfig, OptimConfig, PRMConfig, StepConfig,
                                      TeacherConfig)
-from turnsight_jax.rl.methods import ResolvedMethod, resolve_method
+from turnsight_jax.rl.methods import CONFIG_SECTIONS, ResolvedMethod, resolve_method
 from turnsight_jax.rollout.driver import RolloutConfig
 from turnsight_jax.chat.template import OBSERVATION_TEMPLATES
 from turnsight_jax.rollout.engine import EngineConfig
@@ -184,27 +184,6 @@ def base_config() -> mlc.ConfigDict:
     c.teacher.block_budget = 0  # every privileged block exactly this many tokens (content cut to its head, or padded); 0: off
     c.teacher.block_filler = DEFAULT_FILLER  # the text that pads a privileged block to the budget
 
-    c.slim = mlc.ConfigDict()  # SLIM's skill library (rl.method=slim; turnsight_jax.methods.slim.library, docs/signal_methods.md)
-    c.slim.initial = "builtin"  # the starting skills: builtin (the bundled skills file) | "" (none) | a JSON file {task type or "default": text}
-    c.slim.audit_every = 1  # RL steps between leave-one-out audits
-    c.slim.audit_tasks = 8  # validation tasks per audit (stratified by task type; a fixed set for the run)
-    c.slim.audit_temperature = 0.0  # audits: 0 = greedy; > 0 = audit_samples samples per task, one fixed seed per audit
-    c.slim.audit_samples = 1  # rollouts per audit task when audit_temperature > 0
-    c.slim.ema_decay = 0.5  # ema <- decay * ema + (1 - decay) * delta (the first audit sets ema = delta)
-    c.slim.keep_above = 0.05  # band keep: ema >= keep_above
-    c.slim.retire_below = 0.0  # band retire: ema < retire_below, after min_exposures and min_low_rounds (else watch)
-    c.slim.min_exposures = 4  # audit tasks a skill must have been measured on before it can retire
-    c.slim.min_low_rounds = 2  # consecutive audits with ema < retire_below before it can retire
-    c.slim.solved_reward = 1.0  # an audit rollout with a reward below this failed (expansion's failure rate)
-    c.slim.expand_fail_rate = 0.5  # a task type fails an audit when this share of its rollouts failed
-    c.slim.expand_patience = 2  # consecutive failing audits before the writer writes a skill for the type
-    c.slim.writer = ""  # the model that writes new skills: "" = the current policy; or a Hugging Face Qwen3 folder (the policy's tokenizer)
-    c.slim.writer_temperature = 0.0  # the writer's sampling: 0 = greedy
-    c.slim.writer_trajectories = 3  # failed trajectories of the type quoted in the writer's prompt
-    c.slim.transcript_chars = 1200  # each quoted trajectory cut to this many characters
-    c.slim.max_skill_tokens = 96  # the writer's decode cap; a cleaned skill is cut to this many tokens
-    c.slim.min_skill_chars = 16  # a cleaned text with fewer non-space characters is a failed expansion
-    c.slim.max_skills = 12  # active skills at most (expansion waits while the library is full)
 
     c.loss = mlc.ConfigDict()  # the clipped surrogate (turnsight_jax.rl.losses)
     c.loss.clip_eps = 0.2  # ratio clipped below at 1 - clip_eps (paper silent)
@@ -244,50 +223,7 @@ def base_config() -> mlc.ConfigDict:
     c.prm.baseline = 0.0  # the fixed baseline subtracted from each gain
     c.prm.hinge_coef = 1.0  # weight of the monotonicity hinge (increases of h along solved trajectories)
     c.prm.success_reward = 1.0  # outcome reward from which a trajectory counts as solved (the PRM's label)
-    c.bar = mlc.ConfigDict()  # BAR, adaptive group sampling (rl.rollout=bar; turnsight_jax.methods.bar, docs/rollout_methods.md)
-    c.bar.chunk = 4  # s: rollouts per prompt per round (each round one batched call over the prompts still open)
-    c.bar.cap = 0  # the most rollouts per prompt, a multiple of chunk (its batch rows: groups padded to it); 0: train.group_size
-    c.bar.low = 0.375  # a prompt stops once its success share is in [low, high] (Orchard: 0.375)
-    c.bar.high = 0.625  # ... (Orchard: 0.625)
-    c.bar.success = 1.0  # outcome reward from which a rollout is a success (Solve-F1 1.0)
-    c.bar.fallback = "keep"  # all-success/all-failure at the cap: keep (the cap's rollouts are the group) | drop (no rows train)
-    c.akbe = mlc.ConfigDict()  # AKBE, when to call a tool (rl.rollout=akbe; turnsight_jax.methods.akbe, docs/rollout_methods.md)
-    c.akbe.coef = 0.05  # lambda of the auxiliary CE on each prompt's exemplar (AKBE: 0.05)
-    c.akbe.correct = "answer_correct"  # trajectory metric that makes a rollout correct (WT/NT); "reward": the outcome reward
-    c.akbe.correct_min = 1.0  # ... from this value on
-    c.akbe.no_tool_calls = "refuse"  # a call in a no-tool rollout: refuse (answered with a refusal, the episode goes on) | end (the episode ends)
-    c.t2po = mlc.ConfigDict()  # T2PO's rollout hooks (rl.rollout=t2po; turnsight_jax.methods.t2po, docs/rollout_methods.md); paged engine only
-    c.t2po.alpha = 0.5  # hesitation M = alpha * entropy~ + (1 - alpha) * top-j NLL~ (each min-max normalised along the trajectory so far)
-    c.t2po.top_j = 5  # j: C is the mean negative log-prob of the policy's j most likely tokens (paper silent)
-    c.t2po.tti = True  # TTI: force </think> when thinking stalls (once per trajectory; needs rollout.enable_thinking)
-    c.t2po.tti_window = 8  # N: TTI looks at the mean of the last N |M_t - M_t-1| of the turn's thinking (paper silent)
-    c.t2po.tti_threshold = 0.05  # ... and fires when it is below this (paper silent)
-    c.t2po.tds = True  # TDS: sample turn k again when |Phi^k - Phi^k-1| is below tds_threshold (Phi: geometric mean of M over the turn)
-    c.t2po.tds_threshold = 0.02  # (paper silent)
-    c.t2po.tds_max_resamples = 2  # re-samples per trajectory at most (the last sample is kept)
-    c.t2po.phi_floor = 1e-3  # M floored at this in Phi's geometric mean (a normalised M is 0 at the running minimum)
-    c.appo = mlc.ConfigDict()  # APPO, branching by future appreciation (rl.rollout=appo; turnsight_jax.methods.appo, docs/rollout_methods.md); paged engine only
-    c.appo.branches = 2  # B: branch points per initial rollout; the batch holds train.group_size * (1 + B) rows per prompt
-    c.appo.gamma = 0.9  # Omega_i = exp(sum_i'>=i gamma^(i'-i) log rho_i') over the rollout's policy tokens (paper silent)
-    c.appo.clip_low = 0.2  # Omega clipped to [1 - clip_low, 1 + clip_high] before BS's z-score and in the amplification (paper silent)
-    c.appo.clip_high = 0.28  # (see clip_low)
-    c.appo.amplify = 0.5  # beta: the final advantage times 1 + beta * (clip(Omega) - 1) per token; 0: no amplification (paper silent)
-    c.appo.ratio_to = "previous"  # rho = pi_current / pi_old with pi_old: previous (the policy before the last update; kept, checkpointed) | reference
-    c.judge = mlc.ConfigDict()  # the model judge (rl.method=judge, OpenWebRL; turnsight_jax.judge, docs/signal_methods.md)
-    c.judge.checkpoint = ""  # the judge: a Hugging Face Qwen3 folder (e.g. one `python -m turnsight_jax.judge distill` wrote)
-    c.judge.rationale = True  # the judge writes <rationale>...</rationale> before <verdict>0|1</verdict>; False: the verdict only (ablation)
-    c.judge.reference = False  # the judge also sees the task's reference answer (False: question, calls, results, final answer only)
-    c.judge.max_new_tokens = 256  # the judge's decode cap per trajectory (greedy)
-    c.judge.max_prompt_tokens = 4096  # judge prompts over this lose the middle of their transcript
-    c.judge.batch_size = 32  # trajectories judged per decode
-    c.judge.default_label = 0  # the label of a malformed judgment (counted in judge/malformed_rate)
-    c.judge.verifier_threshold = 1.0  # an environment reward >= this is the verifier's success (judge/agreement)
-    c.judge.dtype = "float32"  # the judge's weights: float32 | bfloat16
 
-    c.mm_grpo = mlc.ConfigDict()  # MM-GRPO's rollout controller (rl.rollout=mm_grpo, OpenWebRL; turnsight_jax.methods.mm_grpo, docs/rollout_methods.md)
-    c.mm_grpo.window = 1  # observations a turn's context keeps in full, the most recent (the paper keeps one screenshot); 0: all
-    c.mm_grpo.placeholder = "[earlier tool output omitted]"  # the tool response that replaces each older observation in the context
-    c.mm_grpo.refill_rounds = 3  # dynamic sampling: rounds of new prompts for groups whose rewards have zero variance; 0: off
 
     c.train = mlc.ConfigDict()  # the RL loop and the split of a step's batch
     # The released verl trainer drops each epoch's last partial batch (drop_last=True) and runs len(loader) x epochs steps:
@@ -370,6 +306,12 @@ def base_config() -> mlc.ConfigDict:
     c.faults.delay_rate = 0.0  # a call takes faults.delay_s longer (a batch waits for its slowest once)
     c.faults.delay_s = 0.0  # seconds a delayed call adds
     c.faults.seed = 0  # salt of the fault draws (with each episode's seed and each call's index)
+    # each method's own section, generated from its registered dataclass (rl.methods.CONFIG_SECTIONS):
+    # the keys and defaults of slim.*, bar.*, akbe.*, t2po.*, appo.*, judge.*, mm_grpo.* are the
+    # fields of methods.slim.library.SlimConfig, methods.bar.BarConfig, ... (registered when
+    # turnsight_jax.methods is imported, as every entry point does)
+    for section in CONFIG_SECTIONS.values():
+        c[section.name] = mlc.ConfigDict(dataclasses.asdict(section.schema()))
     return c
 
 
@@ -670,45 +612,6 @@ def fault_config(cfg: mlc.ConfigDict):
         raise ConfigError(str(e)) from None
 
 
-def bar_config(cfg: mlc.ConfigDict):
-    """bar.* -> methods.bar.BarConfig, validated (a ConfigError naming the key; cap 0: train.group_size)."""
-    from turnsight_jax.methods.bar import bar_settings
-
-    return bar_settings(cfg.bar, cfg.train.group_size)
-
-
-def t2po_config(cfg: mlc.ConfigDict):
-    """t2po.* -> methods.t2po.T2POConfig, validated (a ConfigError naming the key)."""
-    from turnsight_jax.methods.t2po import t2po_settings
-
-    return t2po_settings(cfg.t2po)
-
-
-def appo_config(cfg: mlc.ConfigDict):
-    """appo.* -> methods.appo.APPOConfig, validated (a ConfigError naming the key)."""
-    from turnsight_jax.methods.appo import appo_settings
-
-    return appo_settings(cfg.appo)
-
-
-def akbe_config(cfg: mlc.ConfigDict):
-    """akbe.* -> methods.akbe.AkbeConfig, validated (a ConfigError naming the key)."""
-    from turnsight_jax.methods.akbe import akbe_settings
-
-    return akbe_settings(cfg.akbe)
-
-
-def slim_config(cfg: mlc.ConfigDict):
-    """slim.* -> methods.slim.library.SlimConfig, validated (a ConfigError naming the key)."""
-    from turnsight_jax.methods.slim.library import SlimConfig
-
-    fields = {f.name for f in dataclasses.fields(SlimConfig)}
-    unknown = sorted(set(cfg.slim.keys()) - fields)
-    if unknown:
-        raise ConfigError(f"slim.{unknown[0]} is not a SLIM key; keys: {', '.join(sorted(fields))}")
-    return SlimConfig(**cfg.slim.to_dict()).validate()
-
-
 def rollout_config(cfg: mlc.ConfigDict, *, max_turns: int | None = None) -> RolloutConfig:
     r = cfg.rollout
     return RolloutConfig(max_turns=max_turns or r.max_turns, max_prompt_tokens=r.max_prompt_tokens,
@@ -850,21 +753,13 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
     sc = step_config(cfg)
     sc.validate()
     method = resolve_method(sc)
-    # the sections of the controllers that run (BAR's bar.cap 0 follows train.group_size)
-    episodes_per_prompt = cfg.train.group_size  # one rollout call's siblings of a prompt
-    if method.rollout.name == "bar":
-        episodes_per_prompt = bar_config(cfg).chunk
-    if method.rollout.name == "akbe":
-        akbe_config(cfg)
-    if method.rollout.name == "appo":
-        appo_config(cfg)
+    # one rollout call's siblings of a prompt (BAR: bar.chunk)
+    episodes_per_prompt = (cfg.train.group_size if method.rollout.episodes_per_call is None
+                           else method.rollout.episodes_per_call(cfg))
     engine = engine_config(cfg)
     if method.rollout.engine_only and engine is None:
         raise ConfigError(f"rl.rollout={method.rollout.name!r} acts inside the paged engine's decode (rollout.control): "
                           f"set rollout.engine=paged (the lockstep sampler has no controller hooks)")
-    if method.rollout.name == "t2po" and t2po_config(cfg).tti and not cfg.rollout.enable_thinking:
-        raise ConfigError("t2po.tti forces </think>: it needs rollout.enable_thinking=True (with thinking off the "
-                          "prompt closes the think block itself); or set t2po.tti=False")
     if engine is not None and num_devices is not None:  # refuse before anything runs, with the numbers
         from turnsight_jax.rollout.engine import check_pool
 
@@ -910,28 +805,9 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
     # The rewards' inputs must exist for the training tasks (e.g. MatchTIR's gold calls).
     later = second_stage(cfg, sc, method)
     stages = [(sc, method)] + ([] if later is None else [(later.step_config, later.method)])
-    if "judge" in cfg:  # the judge's keys; its folder must exist when a stage judges (not for a dry run's plan)
-        from turnsight_jax.judge.settings import judge_settings
-
-        judge_settings(cfg.judge, need_checkpoint=check_data and any(m.rollout.name == "judged" for _, m in stages))
-    if any(m.rollout.name == "slim" for _, m in stages):  # SLIM's keys, and its writer's vocabulary
-        scfg = slim_config(cfg)
-        if scfg.writer and check_data:
-            from turnsight_jax.models.config import Qwen3Config, get_preset
-            from turnsight_jax.methods.slim.library import check_writer
-
-            try:
-                policy = Qwen3Config.from_pretrained(cfg.model.hf_path) if cfg.model.hf_path else get_preset(cfg.model.preset)
-            except (OSError, ValueError) as e:
-                raise ConfigError(str(e)) from None
-            check_writer(scfg, policy.vocab_size)
-    if "mm_grpo" in cfg:  # MM-GRPO's keys; the window needs every turn scored under its own context
-        from turnsight_jax.methods.mm_grpo import check_method, mm_grpo_settings
-
-        mcfg = mm_grpo_settings(cfg.mm_grpo)
-        for _, m in stages:
-            if m.rollout.name == "mm_grpo":
-                check_method(mcfg, m)
+    for section in CONFIG_SECTIONS.values():  # each method's own section (its keys; what its run needs)
+        if section.check is not None and section.name in cfg:
+            section.check(cfg, stages, check_data)
     for sc_i, method_i in stages:
         who = f"rl.method={sc_i.algo.method!r}" + (f" over rl.base={sc_i.algo.base!r}" if method_i.base else "")
         for field in method_i.task_needs:

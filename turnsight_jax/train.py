@@ -34,7 +34,7 @@ from turnsight_jax import (batch_shapes, checkpointing, cost, distributed, error
                            records, sources)
 from turnsight_jax.checkpointing import Checkpointer, write_run_config, write_run_files
 from turnsight_jax.config import (engine_config, fault_config, load_run_config, model_layer_name, rollout_config,
-                                  sampling_params, second_stage, slim_config, validate)
+                                  sampling_params, second_stage, validate)
 from turnsight_jax.envs import faults as faults_lib
 from turnsight_jax.distributed import maybe_initialize_distributed
 from turnsight_jax.errors import ConfigError, NonFiniteTraining
@@ -45,6 +45,7 @@ from turnsight_jax.rl import turn_outcomes
 from turnsight_jax.rl.batch import batch_row_order, make_train_batch, packed_reference, row_axis, shard_batch
 from turnsight_jax.rl.methods import RolloutContext
 from turnsight_jax.methods.slim.runner import LIBRARY_FILE, SlimRunner, uses_slim
+from turnsight_jax.methods.slim.library import slim_settings
 from turnsight_jax.rl.step import TURNSIGHT_METRICS, init_aux, make_aux_optimizers, make_optimizer, make_train_step
 from turnsight_jax.rollout.progress import ProgressLine
 from turnsight_jax.runlog import ConsoleLog, MetricsLog, Progress, log, matmul_peak_flops
@@ -408,7 +409,7 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
     # a resumed run continues with the library saved in its checkpoint.
     slim_run = None
     if uses_slim(method, later.method if later is not None else None):
-        slim_run = SlimRunner.start(cfg, slim_config(cfg), tok, train_tasks, workdir, mesh, vocab_size=qcfg.vocab_size,
+        slim_run = SlimRunner.start(cfg, slim_settings(cfg.slim), tok, train_tasks, workdir, mesh, vocab_size=qcfg.vocab_size,
                                     resume_text=ckpt.read_file(latest, LIBRARY_FILE) if latest is not None else None,
                                     log=log)
 

@@ -122,7 +122,13 @@ register_advantage(ESTIMATOR, tuple(out for _, out, _ in REWARDS) + ("group_ids"
 
 
 # ---- registration ----
-from turnsight_jax.rl.methods import Method, RolloutContext, register_method, register_reward, register_rollout, sampler_rollout  # noqa: E402
+from turnsight_jax.rl.methods import (Method, RolloutContext, register_config_section, register_method,  # noqa: E402
+                                     register_reward, register_rollout, runs_controller, sampler_rollout)
+from turnsight_jax.judge.settings import JudgeSettings  # noqa: E402
+
+# the judge's keys; its folder must exist when a stage judges (not for a dry run's plan)
+register_config_section("judge", JudgeSettings, lambda cfg, stages, check_data: judge_settings(
+    cfg.judge, need_checkpoint=check_data and runs_controller(stages, "judged")))
 
 for _name, _output, _fn in REWARDS:
     register_reward(_name, _output)(_fn)

@@ -235,8 +235,10 @@ def _akbe_ce_term(x, cfg: LossConfig, algo: AlgoConfig):
 
 
 # ---- registration ----
-from turnsight_jax.rl.methods import RolloutContext, register_reward, register_rollout, run_section  # noqa: E402
+from turnsight_jax.rl.methods import (RolloutContext, register_config_section, register_reward, register_rollout,  # noqa: E402
+                                     run_section, runs_controller)
 
+register_config_section("akbe", AkbeConfig, lambda cfg, stages, check_data: runs_controller(stages, "akbe") and akbe_settings(cfg.akbe))
 register_reward(EXEMPLAR, EXEMPLAR)(exemplar_flag)
 
 

@@ -62,14 +62,14 @@ BRANCH_KEY_BASE = 1 << 30  # branches' global rows (sampling keys) lie above eve
 
 @dataclasses.dataclass(frozen=True)
 class APPOConfig:
-    """The run config's appo.* keys (turnsight_jax.config.base_config documents each)."""
+    """The run config's appo.* keys (each documented below; the section `config.base_config` generates from these fields)."""
 
-    branches: int = 2
-    gamma: float = 0.9
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    amplify: float = 0.5
-    ratio_to: str = "previous"
+    branches: int = 2  # B: branch points per initial rollout; the batch holds train.group_size * (1 + B) rows per prompt
+    gamma: float = 0.9  # Omega_i = exp(sum_i'>=i gamma^(i'-i) log rho_i') over the rollout's policy tokens (paper silent)
+    clip_low: float = 0.2  # Omega clipped to [1 - clip_low, 1 + clip_high] before BS's z-score and in the amplification (paper silent)
+    clip_high: float = 0.28  # (see clip_low)
+    amplify: float = 0.5  # beta: the final advantage times 1 + beta * (clip(Omega) - 1) per token; 0: no amplification (paper silent)
+    ratio_to: str = "previous"  # rho = pi_current / pi_old with pi_old: previous (the policy before the last update; kept, checkpointed) | reference
 
     def validate(self) -> "APPOConfig":
         if isinstance(self.branches, bool) or not isinstance(self.branches, int) or self.branches < 1:
@@ -337,8 +337,10 @@ def omega_reward(traj: Trajectory, task: Task, algo) -> np.ndarray:
 
 
 # ---- registration ----
-from turnsight_jax.rl.methods import RolloutContext, register_reward, register_rollout, run_section  # noqa: E402
+from turnsight_jax.rl.methods import (RolloutContext, register_config_section, register_reward, register_rollout,  # noqa: E402
+                                     run_section, runs_controller)
 
+register_config_section("appo", APPOConfig, lambda cfg, stages, check_data: runs_controller(stages, "appo") and appo_settings(cfg.appo))
 register_reward(OMEGA, OMEGA, per="token")(omega_reward)
 
 

@@ -37,13 +37,13 @@ CONTINUE, IN_BAND, CAP_MIXED, FALLBACK = "continue", "in_band", "cap_mixed", "fa
 @dataclasses.dataclass(frozen=True)
 class BarConfig:
     """The run config's bar.* section (docs/rollout_methods.md, "BAR"). chunk: s, rollouts per
-    prompt per round. cap: the most rollouts of a prompt, a multiple of chunk (0 in the section:
-    train.group_size). low / high: the band of the success share that stops a prompt. success:
+    prompt per round. cap: the most rollouts of a prompt, a multiple of chunk (0, the default:
+    train.group_size, which `bar_settings` puts in its place; `validate` needs it resolved). low / high: the band of the success share that stops a prompt. success:
     the outcome reward from which a rollout is a success. fallback: a group still all-success or
     all-failure at the cap is kept ("keep") or left out of the batch ("drop")."""
 
     chunk: int = 4
-    cap: int = 16
+    cap: int = 0
     low: float = 0.375
     high: float = 0.625
     success: float = 1.0
@@ -147,10 +147,19 @@ def bar_rollout(ctx, tasks: Sequence[Task], seed: int, cfg: BarConfig, *, policy
 
 
 # ---- registration ----
-from turnsight_jax.rl.methods import RolloutContext, register_rollout, run_section  # noqa: E402
+from turnsight_jax.rl.methods import RolloutContext, register_config_section, register_rollout, run_section, runs_controller  # noqa: E402
 
 
-@register_rollout("bar", rows_per_prompt=lambda cfg: bar_settings(cfg.bar, cfg.train.group_size).cap)
+def _check_section(cfg, stages, check_data: bool) -> None:
+    if runs_controller(stages, "bar"):
+        bar_settings(cfg.bar, cfg.train.group_size)
+
+
+register_config_section("bar", BarConfig, _check_section)
+
+
+@register_rollout("bar", rows_per_prompt=lambda cfg: bar_settings(cfg.bar, cfg.train.group_size).cap,
+                  episodes_per_call=lambda cfg: bar_settings(cfg.bar, cfg.train.group_size).chunk)
 def bar_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
     """BAR: each prompt sampled bar.chunk rollouts at a time until its success share lies in
     [bar.low, bar.high], or bar.cap rollouts; groups of unequal size, padded to the cap."""

@@ -196,7 +196,18 @@ def dynamic_rollout(ctx, tasks: Sequence[Task], seed: int, *, sample: SampleFn,
 
 
 # ---- registration ----
-from turnsight_jax.rl.methods import RolloutContext, register_rollout, sampler_rollout  # noqa: E402
+from turnsight_jax.rl.methods import RolloutContext, register_config_section, register_rollout, sampler_rollout  # noqa: E402
+
+
+def _check_section(cfg, stages, check_data: bool) -> None:
+    """MM-GRPO's keys; the window needs every turn scored under its own context."""
+    settings = mm_grpo_settings(cfg.mm_grpo)
+    for _, method in stages:
+        if method.rollout.name == "mm_grpo":
+            check_method(settings, method)
+
+
+register_config_section("mm_grpo", MMGRPOSettings, _check_section)
 
 
 @register_rollout("mm_grpo")

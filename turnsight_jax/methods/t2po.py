@@ -47,17 +47,17 @@ from turnsight_jax.rollout.engine import PagedEngine
 
 @dataclasses.dataclass(frozen=True)
 class T2POConfig:
-    """The run config's t2po.* keys (turnsight_jax.config.base_config documents each)."""
+    """The run config's t2po.* keys (each documented below; the section `config.base_config` generates from these fields)."""
 
-    alpha: float = 0.5
-    top_j: int = 5
-    tti: bool = True
-    tti_window: int = 8
-    tti_threshold: float = 0.05
-    tds: bool = True
-    tds_threshold: float = 0.02
-    tds_max_resamples: int = 2
-    phi_floor: float = 1e-3
+    alpha: float = 0.5  # hesitation M = alpha * entropy~ + (1 - alpha) * top-j NLL~ (each min-max normalised along the trajectory so far)
+    top_j: int = 5  # j: C is the mean negative log-prob of the policy's j most likely tokens (paper silent)
+    tti: bool = True  # TTI: force </think> when thinking stalls (once per trajectory; needs rollout.enable_thinking)
+    tti_window: int = 8  # N: TTI looks at the mean of the last N |M_t - M_t-1| of the turn's thinking (paper silent)
+    tti_threshold: float = 0.05  # ... and fires when it is below this (paper silent)
+    tds: bool = True  # TDS: sample turn k again when |Phi^k - Phi^k-1| is below tds_threshold (Phi: geometric mean of M over the turn)
+    tds_threshold: float = 0.02  # (paper silent)
+    tds_max_resamples: int = 2  # re-samples per trajectory at most (the last sample is kept)
+    phi_floor: float = 1e-3  # M floored at this in Phi's geometric mean (a normalised M is 0 at the running minimum)
 
     def validate(self) -> "T2POConfig":
         for name in ("tti", "tds"):
@@ -253,7 +253,16 @@ def t2po_rollout(ctx, tasks: Sequence[Task], seed: int, cfg: T2POConfig) -> Roll
 
 
 # ---- registration ----
-from turnsight_jax.rl.methods import RolloutContext, register_rollout, run_section  # noqa: E402  (the registry, after the mechanism)
+from turnsight_jax.rl.methods import RolloutContext, register_config_section, register_rollout, run_section, runs_controller  # noqa: E402
+
+
+def _check_section(cfg, stages, check_data: bool) -> None:
+    if runs_controller(stages, "t2po") and t2po_settings(cfg.t2po).tti and not cfg.rollout.enable_thinking:
+        raise ConfigError("t2po.tti forces </think>: it needs rollout.enable_thinking=True (with thinking off the "
+                          "prompt closes the think block itself); or set t2po.tti=False")
+
+
+register_config_section("t2po", T2POConfig, _check_section)
 
 
 @register_rollout("t2po", engine_only=True)

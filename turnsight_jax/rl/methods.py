@@ -118,6 +118,9 @@ class RolloutController:
     engine_only: bool = False
     advantage_transform: str = ""
     old_policy: Callable[[Any], str] | None = None
+    # episodes one rollout call samples per prompt, when not train.group_size (BAR's bar.chunk): the
+    # paged engine's KV pool is checked against it before anything runs
+    episodes_per_call: Callable[[Any], int] | None = None
 
     def old_policy_kind(self, run_config: Any) -> str:
         """"previous", "reference" or "" (none): what `RolloutContext.old_params` must hold."""
@@ -133,7 +136,8 @@ ROLLOUTS: dict[str, RolloutController] = {}
 
 def register_rollout(name: str, *, rewards: Sequence[str] = (), loss_terms: Sequence[str] = (),
                      rows_per_prompt: Callable[[Any], int] | None = None, engine_only: bool = False,
-                     advantage_transform: str = "", old_policy: Callable[[Any], str] | None = None):
+                     advantage_transform: str = "", old_policy: Callable[[Any], str] | None = None,
+                     episodes_per_call: Callable[[Any], int] | None = None):
     """Decorator: register `fn(ctx: RolloutContext, tasks, seed) -> RolloutResult`, with the rewards
     and loss terms the controller's mechanism adds to any method it runs under, for a controller
     that forms its own groups `rows_per_prompt(run_config) -> R`, and for one acting in the decode
@@ -143,7 +147,7 @@ def register_rollout(name: str, *, rewards: Sequence[str] = (), loss_terms: Sequ
         if name in ROLLOUTS:
             raise ValueError(f"rollout controller {name!r} already registered")
         ROLLOUTS[name] = RolloutController(name, fn, tuple(rewards), tuple(loss_terms), rows_per_prompt, engine_only,
-                                           advantage_transform, old_policy)
+                                           advantage_transform, old_policy, episodes_per_call)
         return fn
 
     return deco
@@ -166,6 +170,40 @@ def run_section(ctx: RolloutContext, name: str):
         raise ValueError(f"the {name!r} rollout controller reads the run config's {name}.* section: "
                          f"RolloutContext.run_config must hold it")
     return ctx.run_config[name]
+
+
+# ---- config sections ----
+
+@dataclasses.dataclass(frozen=True)
+class ConfigSection:
+    """A method's own config section `<name>.*` (docs/configuration.md). Its keys and defaults are
+    the fields of `schema`, a dataclass: the one source of truth (`config.base_config` generates
+    the section from it, so `--config.<name>.<key>=...` works as for any key). `check(cfg, stages,
+    check_data)` validates the section for a run, raising ConfigError: `config.validate` calls it
+    with the run config, the run's [(StepConfig, ResolvedMethod)] stages, and whether data and
+    folders are checked too (False for a dry run's plan)."""
+
+    name: str
+    schema: type
+    check: Callable[[Any, Sequence[tuple[StepConfig, Any]], bool], None] | None = None
+
+
+CONFIG_SECTIONS: dict[str, ConfigSection] = {}
+
+
+def register_config_section(name: str, schema: type, check: Callable | None = None) -> ConfigSection:
+    """Register a method's config section `name`, whose keys and defaults are dataclass `schema`'s."""
+    if not dataclasses.is_dataclass(schema):
+        raise ValueError(f"config section {name!r}: its schema must be a dataclass, got {schema!r}")
+    if name in CONFIG_SECTIONS:
+        raise ValueError(f"config section {name!r} already registered")
+    CONFIG_SECTIONS[name] = ConfigSection(name, schema, check)
+    return CONFIG_SECTIONS[name]
+
+
+def runs_controller(stages, name: str) -> bool:
+    """Whether a stage of the run samples with rollout controller `name`."""
+    return any(m.rollout.name == name for _, m in stages)
 
 
 # ---- rewards ----

@@ -47,29 +47,29 @@ FORMAT = 1  # the JSON layout's version
 
 @dataclasses.dataclass(frozen=True)
 class SlimConfig:
-    """The `slim.*` keys (turnsight_jax.config.base_config documents each); `validate` raises a
+    """The `slim.*` keys (each documented below; the section `config.base_config` generates from these fields); `validate` raises a
     ConfigError naming the key."""
 
-    initial: str = "builtin"
-    audit_every: int = 1
-    audit_tasks: int = 8
-    audit_temperature: float = 0.0
-    audit_samples: int = 1
-    ema_decay: float = 0.5
-    keep_above: float = 0.05
-    retire_below: float = 0.0
-    min_exposures: int = 4
-    min_low_rounds: int = 2
-    solved_reward: float = 1.0
-    expand_fail_rate: float = 0.5
-    expand_patience: int = 2
-    writer: str = ""
-    writer_temperature: float = 0.0
-    writer_trajectories: int = 3
-    transcript_chars: int = 1200
-    max_skill_tokens: int = 96
-    min_skill_chars: int = 16
-    max_skills: int = 12
+    initial: str = "builtin"  # the starting skills: builtin (the bundled skills file) | "" (none) | a JSON file {task type or "default": text}
+    audit_every: int = 1  # RL steps between leave-one-out audits
+    audit_tasks: int = 8  # validation tasks per audit (stratified by task type; a fixed set for the run)
+    audit_temperature: float = 0.0  # audits: 0 = greedy; > 0 = audit_samples samples per task, one fixed seed per audit
+    audit_samples: int = 1  # rollouts per audit task when audit_temperature > 0
+    ema_decay: float = 0.5  # ema <- decay * ema + (1 - decay) * delta (the first audit sets ema = delta)
+    keep_above: float = 0.05  # band keep: ema >= keep_above
+    retire_below: float = 0.0  # band retire: ema < retire_below, after min_exposures and min_low_rounds (else watch)
+    min_exposures: int = 4  # audit tasks a skill must have been measured on before it can retire
+    min_low_rounds: int = 2  # consecutive audits with ema < retire_below before it can retire
+    solved_reward: float = 1.0  # an audit rollout with a reward below this failed (expansion's failure rate)
+    expand_fail_rate: float = 0.5  # a task type fails an audit when this share of its rollouts failed
+    expand_patience: int = 2  # consecutive failing audits before the writer writes a skill for the type
+    writer: str = ""  # the model that writes new skills: "" = the current policy; or a Hugging Face Qwen3 folder (the policy's tokenizer)
+    writer_temperature: float = 0.0  # the writer's sampling: 0 = greedy
+    writer_trajectories: int = 3  # failed trajectories of the type quoted in the writer's prompt
+    transcript_chars: int = 1200  # each quoted trajectory cut to this many characters
+    max_skill_tokens: int = 96  # the writer's decode cap; a cleaned skill is cut to this many tokens
+    min_skill_chars: int = 16  # a cleaned text with fewer non-space characters is a failed expansion
+    max_skills: int = 12  # active skills at most (expansion waits while the library is full)
 
     def validate(self) -> "SlimConfig":
         def need(ok: bool, key: str, what: str):
@@ -280,6 +280,16 @@ def from_json(text: str, *, where: str = "skill library") -> SkillLibrary:
                             int(raw["next_id"]))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{where}: not a SLIM skill library ({e})") from None
+
+
+def slim_settings(section) -> SlimConfig:
+    """The run config's `slim` ConfigDict (or any mapping of its keys) -> a checked SlimConfig (a
+    ConfigError naming the key)."""
+    fields = {f.name for f in dataclasses.fields(SlimConfig)}
+    unknown = sorted(set(section.keys()) - fields)
+    if unknown:
+        raise ConfigError(f"slim.{unknown[0]} is not a SLIM key; keys: {', '.join(sorted(fields))}")
+    return SlimConfig(**dict(section.items())).validate()
 
 
 def check_writer(scfg: SlimConfig, vocab_size: int) -> None:

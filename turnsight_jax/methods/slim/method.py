@@ -7,10 +7,30 @@ from __future__ import annotations
 from typing import Sequence
 
 from turnsight_jax.chat.types import Task
-from turnsight_jax.methods.slim.library import SkillLibrary
+from turnsight_jax.errors import ConfigError
+from turnsight_jax.methods.slim.library import SkillLibrary, SlimConfig, check_writer, slim_settings
 from turnsight_jax.methods.slim.text import with_skills
-from turnsight_jax.rl.methods import Method, RolloutContext, register_method, register_rollout, sampler_rollout
+from turnsight_jax.rl.methods import (Method, RolloutContext, register_config_section, register_method, register_rollout,
+                                     runs_controller, sampler_rollout)
 from turnsight_jax.rollout.driver import RolloutResult
+
+
+def _check_section(cfg, stages, check_data: bool) -> None:
+    """SLIM's keys, and its writer's vocabulary (a writer folder is read only when data is checked)."""
+    if not runs_controller(stages, "slim"):
+        return
+    settings = slim_settings(cfg.slim)
+    if settings.writer and check_data:
+        from turnsight_jax.models.config import Qwen3Config, get_preset
+
+        try:
+            policy = Qwen3Config.from_pretrained(cfg.model.hf_path) if cfg.model.hf_path else get_preset(cfg.model.preset)
+        except (OSError, ValueError) as e:
+            raise ConfigError(str(e)) from None
+        check_writer(settings, policy.vocab_size)
+
+
+register_config_section("slim", SlimConfig, _check_section)
 
 
 @register_rollout("slim")
