@@ -346,7 +346,10 @@ register_reward(OMEGA, OMEGA, per="token")(omega_reward)
 
 @register_rollout("appo", rewards=(OMEGA,), engine_only=True, advantage_transform=AMPLIFY,
                   rows_per_prompt=lambda cfg: cfg.train.group_size * (1 + appo_settings(cfg.appo).branches),
-                  old_policy=lambda cfg: appo_settings(cfg.appo).ratio_to)
+                  old_policy=lambda cfg: appo_settings(cfg.appo).ratio_to,
+                  plan_pool_blocks=lambda engine, rollout, cfg, shards: appo_pool_blocks(
+                      engine, rollout, cfg.rollout.prompts_per_chunk or cfg.train.prompts_per_step,
+                      cfg.train.group_size, shards))
 def appo_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
     """APPO: G rollouts per prompt, then appo.branches continuations of each from its top branch
     points by Z(clip Ω) Z(H), sharing the prefix's KV; initial rollouts and branches form two groups

@@ -106,13 +106,12 @@ def placeholder_tokens_bound(settings: MMGRPOSettings, *, enable_thinking: bool,
                                        template=template).encode())
 
 
-def planned_extra(cfg, method) -> tuple[int, int]:
-    """For the dry-run plan: (KV slots per episode, tokens per training row) that MM-GRPO's window
-    may need beyond prompt + max_response_tokens; (0, 0) without it. A context holds at most
-    max_turns - 1 - n placeholders more than its trajectory; a row (rl.context_rows) holds each
-    response token at most n + 1 times, plus segment 0's placeholders."""
-    if method.rollout.name != "mm_grpo" or "mm_grpo" not in cfg:
-        return 0, 0
+def planned_extra(cfg) -> tuple[int, int]:
+    """For the dry-run plan (the controller's `plan_extra`): (KV slots per episode, tokens per
+    training row) that MM-GRPO's window may need beyond prompt + max_response_tokens; (0, 0)
+    without a window. A context holds at most max_turns - 1 - n placeholders more than its
+    trajectory; a row (rl.context_rows) holds each response token at most n + 1 times, plus
+    segment 0's placeholders."""
     settings = mm_grpo_settings(cfg.mm_grpo)
     n = settings.window
     if n == 0:
@@ -210,7 +209,7 @@ def _check_section(cfg, stages, check_data: bool) -> None:
 register_config_section("mm_grpo", MMGRPOSettings, _check_section)
 
 
-@register_rollout("mm_grpo")
+@register_rollout("mm_grpo", plan_extra=planned_extra)
 def mm_grpo_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
     """MM-GRPO: the default sampler under an observation window (mm_grpo.window), with dynamic
     sampling (zero-variance groups refilled with new prompts, mm_grpo.refill_rounds)."""

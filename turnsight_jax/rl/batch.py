@@ -87,7 +87,6 @@ from turnsight_jax.rl.length_classes import LengthClasses
 from turnsight_jax.rl import micro_groups
 from turnsight_jax.rl.methods import ResolvedMethod
 from turnsight_jax.rl.micro_groups import MicroGroups
-from turnsight_jax.methods.mm_grpo import planned_extra
 from turnsight_jax.methods.orchard import PROBE_TOKENS, RetroProbes, build_probes
 from turnsight_jax.methods.privileged_blocks import default_skills_path, load_skills, privileged_blocks
 from turnsight_jax.methods.privileged_views import build_privileged_views
@@ -546,7 +545,7 @@ def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod, step_cfg: S
                         row_shards: int) -> Geometry:
     """The config's widest batch for a mesh of `row_shards` (data x fsdp) row shards."""
     r, t = cfg.rollout, cfg.train
-    _, window_extra = planned_extra(cfg, method)  # MM-GRPO's rows of several contexts (rl.context_rows)
+    _, window_extra = method.rollout.planned_extra(cfg)  # e.g. MM-GRPO's rows of several contexts (rl.context_rows)
     length = pick_bucket(r.max_prompt_tokens + r.max_response_tokens + window_extra, DEFAULT_BUCKETS,
                          "plan: trajectory")
     policy = policy_bucket(r.max_response_tokens)

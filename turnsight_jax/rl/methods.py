@@ -121,6 +121,17 @@ class RolloutController:
     # episodes one rollout call samples per prompt, when not train.group_size (BAR's bar.chunk): the
     # paged engine's KV pool is checked against it before anything runs
     episodes_per_call: Callable[[Any], int] | None = None
+    # For the dry-run plan (rl.plan; rl.batch.worst_case_geometry): `plan_extra(run_config) ->
+    # (KV slots per episode, tokens per training row)` the controller's episodes may need beyond
+    # prompt + max_response_tokens (MM-GRPO's window), and `plan_pool_blocks(engine_config,
+    # rollout_config, run_config, shards) -> blocks per shard` when its paged engine needs more than
+    # the default pool (APPO keeps a call's initial rollouts for their branches).
+    plan_extra: Callable[[Any], tuple[int, int]] | None = None
+    plan_pool_blocks: Callable[[Any, Any, Any, int], int] | None = None
+
+    def planned_extra(self, run_config: Any) -> tuple[int, int]:
+        """(KV slots per episode, tokens per training row) beyond prompt + max_response_tokens."""
+        return (0, 0) if self.plan_extra is None else tuple(self.plan_extra(run_config))
 
     def old_policy_kind(self, run_config: Any) -> str:
         """"previous", "reference" or "" (none): what `RolloutContext.old_params` must hold."""
@@ -137,7 +148,9 @@ ROLLOUTS: dict[str, RolloutController] = {}
 def register_rollout(name: str, *, rewards: Sequence[str] = (), loss_terms: Sequence[str] = (),
                      rows_per_prompt: Callable[[Any], int] | None = None, engine_only: bool = False,
                      advantage_transform: str = "", old_policy: Callable[[Any], str] | None = None,
-                     episodes_per_call: Callable[[Any], int] | None = None):
+                     episodes_per_call: Callable[[Any], int] | None = None,
+                     plan_extra: Callable[[Any], tuple[int, int]] | None = None,
+                     plan_pool_blocks: Callable[[Any, Any, Any, int], int] | None = None):
     """Decorator: register `fn(ctx: RolloutContext, tasks, seed) -> RolloutResult`, with the rewards
     and loss terms the controller's mechanism adds to any method it runs under, for a controller
     that forms its own groups `rows_per_prompt(run_config) -> R`, and for one acting in the decode
@@ -147,7 +160,8 @@ def register_rollout(name: str, *, rewards: Sequence[str] = (), loss_terms: Sequ
         if name in ROLLOUTS:
             raise ValueError(f"rollout controller {name!r} already registered")
         ROLLOUTS[name] = RolloutController(name, fn, tuple(rewards), tuple(loss_terms), rows_per_prompt, engine_only,
-                                           advantage_transform, old_policy, episodes_per_call)
+                                           advantage_transform, old_policy, episodes_per_call, plan_extra,
+                                           plan_pool_blocks)
         return fn
 
     return deco

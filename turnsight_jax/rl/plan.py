@@ -29,7 +29,6 @@ from turnsight_jax.errors import ConfigError
 from turnsight_jax.models.qwen3 import Qwen3
 from turnsight_jax.models.sharding import make_mesh, opt_state_shardings, state_shardings
 from turnsight_jax.rl.batch import abstract_batch, worst_case_geometry
-from turnsight_jax.methods.mm_grpo import planned_extra
 from turnsight_jax.rl.step import init_aux, make_aux_optimizers, make_optimizer, make_train_step
 from turnsight_jax.runlog import log
 
@@ -255,13 +254,10 @@ def rollout_plan(cfg: mlc.ConfigDict, budget: float | None = None, budget_why: s
     decode = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cdtype, sharding=x.sharding), params)
     shards = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
     per_shard = -(-ecfg.slots // shards)
-    context = rc.max_response_tokens + planned_extra(cfg, method)[0]  # an episode's slots after its prompt
+    context = rc.max_response_tokens + method.rollout.planned_extra(cfg)[0]  # an episode's slots after its prompt
     blocks = ecfg.pool_blocks or eng_lib.default_pool_blocks(per_shard, rc.max_prompt_tokens, context, ecfg.block_size)
-    if method.rollout.name == "appo":  # APPO keeps a call's initial rollouts for their branches (methods.appo)
-        from turnsight_jax.methods.appo import appo_pool_blocks
-
-        blocks = appo_pool_blocks(ecfg, rc, cfg.rollout.prompts_per_chunk or cfg.train.prompts_per_step,
-                                  cfg.train.group_size, shards)
+    if method.rollout.plan_pool_blocks is not None:  # a controller whose engine needs more (APPO's kept rollouts)
+        blocks = method.rollout.plan_pool_blocks(ecfg, rc, cfg, shards)
     shape = pool_shape(qcfg, shards, blocks, ecfg.block_size)
     kv_sharding = NamedSharding(mesh, pool_spec(shape, mesh))
     kv = PagedKV(*(jax.ShapeDtypeStruct(shape, storage_dtype(cdtype), sharding=kv_sharding) for _ in range(2)),
