@@ -111,7 +111,8 @@ KNOWN_UPWARD = {
 def _layers() -> list[tuple[str, list[str]]]:
     """[(layer name, module prefixes)], lowest first, from docs/architecture.md's table."""
     text = DOC.read_text()
-    table = text.split("<!-- layers: read by tests/test_package_layout.py -->", 1)[1].split("<!-- end of the layers -->")[0]
+    table = text.split("<!-- layers: read by tests/test_package_layout.py -->", 1)[1]
+    table = table.split("<!-- end of the layers -->")[0]
     rows = [r for r in table.strip().splitlines()[2:]]
     return [(r.split("|")[1].strip(), [c.strip(" `") for c in r.split("|")[2].split(",")]) for r in rows]
 

@@ -43,7 +43,7 @@ from turnsight_jax.models.sharding import make_mesh, opt_state_shardings
 from turnsight_jax.models.weights import save_pretrained
 from turnsight_jax.rl import turn_outcomes
 from turnsight_jax.rl.batch import batch_row_order, make_train_batch, packed_reference, row_axis, shard_batch
-from turnsight_jax.rl.methods import RolloutContext
+from turnsight_jax.rl.methods import PROGRESS_METRICS, RolloutContext
 from turnsight_jax.methods.slim.runner import LIBRARY_FILE, SlimRunner, uses_slim
 from turnsight_jax.methods.slim.library import slim_settings
 from turnsight_jax.rl.step import TURNSIGHT_METRICS, init_aux, make_aux_optimizers, make_optimizer, make_train_step
@@ -151,16 +151,6 @@ def _write_records(workdir, step, trajs, row_tasks, batch, host, step_cfg, metho
         order=batch_row_order(trajs, step_cfg, local_row_shards(mesh)), text_chars=cfg.log.records_text_chars,
         max_bytes=cfg.log.records_max_kib * 1024, process=jax.process_index())
     records.write_records(records.records_path(workdir, step, jax.process_index()), lines)
-
-
-# The progress line's view of the method's own mechanism: the metric that shows it acting.
-MECHANISM_METRICS = {"turnsight/weight_max": "w_max", "rlsd/weight_max": "w_max", "train/sdpo_kl": "sdpo_kl",
-                     "sdpo/gap_mean": "sdpo_gap", "train/sdar_gate": "gate", "train/sod_weight": "sod_w",
-                     "critic/value_loss": "v_loss", "prm/gain_abs_mean": "prm_gain", "slim/library_size": "skills",
-                     "judge/agreement": "judge_agree", "mm_grpo/dropped_groups": "dropped",
-                     "mm_grpo/elided_observations": "elided", "bar/group_size_mean": "group",
-                     "akbe/exemplars": "exemplars", "t2po/tti_triggers": "tti", "t2po/tds_resamples": "tds",
-                     "appo/branches": "branches"}
 
 
 def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_cfg=None) -> flops.UpdateFlops:
@@ -628,7 +618,7 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
             mlog.write(step, metrics)
             progress.update(step, {"reward": metrics["rollout/reward_mean"],
                                    "solve_f1": metrics.get("rollout/solve_f1", float("nan")),
-                                   **{label: float(metrics[key]) for key, label in MECHANISM_METRICS.items()
+                                   **{label: float(metrics[key]) for key, label in PROGRESS_METRICS.items()
                                       if key in metrics}})
             if skipped_in_a_row >= cfg.train.max_skipped_steps:
                 raise NonFiniteTraining(

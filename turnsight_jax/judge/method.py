@@ -123,7 +123,7 @@ register_advantage(ESTIMATOR, tuple(out for _, out, _ in REWARDS) + ("group_ids"
 
 # ---- registration ----
 from turnsight_jax.rl.methods import (Method, RolloutContext, register_config_section, register_method,  # noqa: E402
-                                     register_reward, register_rollout, runs_controller, sampler_rollout)
+                                     register_reward, register_rollout, runs_controller, sampler_rollout, register_progress_metrics)
 from turnsight_jax.judge.settings import JudgeSettings  # noqa: E402
 
 # the judge's keys; its folder must exist when a stage judges (not for a dry run's plan)
@@ -143,3 +143,5 @@ def judged_rollout(ctx: RolloutContext, tasks, seed: int):
 
 register_method(Method("judge", advantage=ESTIMATOR, rewards=tuple(r[0] for r in REWARDS), rollout="judged",
                        description="OpenWebRL: a judge model's (rationale, 0/1) label as the reward, group-normalised"))
+
+register_progress_metrics({"judge/agreement": "judge_agree"})

@@ -235,15 +235,20 @@ def _akbe_ce_term(x, cfg: LossConfig, algo: AlgoConfig):
 
 
 # ---- registration ----
-from turnsight_jax.rl.methods import (RolloutContext, register_config_section, register_reward, register_rollout,  # noqa: E402
-                                     run_section, runs_controller)
+from turnsight_jax.rl.methods import (  # noqa: E402
+    RolloutContext, register_config_section, register_progress_metrics, register_reward, register_rollout, run_section,
+    runs_controller)
 
-register_config_section("akbe", AkbeConfig, lambda cfg, stages, check_data: runs_controller(stages, "akbe") and akbe_settings(cfg.akbe))
+register_config_section("akbe", AkbeConfig,
+                        lambda cfg, stages, check_data: runs_controller(stages, "akbe") and akbe_settings(cfg.akbe))
 register_reward(EXEMPLAR, EXEMPLAR)(exemplar_flag)
 
 
-@register_rollout("akbe", rewards=(EXEMPLAR,), loss_terms=("akbe_ce",), rows_per_prompt=lambda cfg: cfg.train.group_size + 1)
+@register_rollout("akbe", rewards=(EXEMPLAR,), loss_terms=("akbe_ce",),
+                  rows_per_prompt=lambda cfg: cfg.train.group_size + 1)
 def akbe_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
     """AKBE: a with-tool and a no-tool group per prompt, the 2-bit label, one exemplar per prompt for
     the auxiliary CE (akbe.coef) next to the method's unchanged update."""
     return akbe_rollout(ctx, tasks, seed, akbe_settings(run_section(ctx, "akbe")))
+
+register_progress_metrics({"akbe/exemplars": "exemplars"})

@@ -337,10 +337,12 @@ def omega_reward(traj: Trajectory, task: Task, algo) -> np.ndarray:
 
 
 # ---- registration ----
-from turnsight_jax.rl.methods import (RolloutContext, register_config_section, register_reward, register_rollout,  # noqa: E402
-                                     run_section, runs_controller)
+from turnsight_jax.rl.methods import (  # noqa: E402
+    RolloutContext, register_config_section, register_progress_metrics, register_reward, register_rollout, run_section,
+    runs_controller)
 
-register_config_section("appo", APPOConfig, lambda cfg, stages, check_data: runs_controller(stages, "appo") and appo_settings(cfg.appo))
+register_config_section("appo", APPOConfig,
+                        lambda cfg, stages, check_data: runs_controller(stages, "appo") and appo_settings(cfg.appo))
 register_reward(OMEGA, OMEGA, per="token")(omega_reward)
 
 
@@ -355,3 +357,5 @@ def appo_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> Ro
     points by Z(clip Ω) Z(H), sharing the prefix's KV; initial rollouts and branches form two groups
     per prompt, and the step amplifies the final advantage by Ω."""
     return appo_rollout(ctx, tasks, seed, appo_settings(run_section(ctx, "appo")))
+
+register_progress_metrics({"appo/branches": "branches"})

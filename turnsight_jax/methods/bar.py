@@ -147,7 +147,8 @@ def bar_rollout(ctx, tasks: Sequence[Task], seed: int, cfg: BarConfig, *, policy
 
 
 # ---- registration ----
-from turnsight_jax.rl.methods import RolloutContext, register_config_section, register_rollout, run_section, runs_controller  # noqa: E402
+from turnsight_jax.rl.methods import (  # noqa: E402
+    RolloutContext, register_config_section, register_progress_metrics, register_rollout, run_section, runs_controller)
 
 
 def _check_section(cfg, stages, check_data: bool) -> None:
@@ -164,3 +165,5 @@ def bar_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> Rol
     """BAR: each prompt sampled bar.chunk rollouts at a time until its success share lies in
     [bar.low, bar.high], or bar.cap rollouts; groups of unequal size, padded to the cap."""
     return bar_rollout(ctx, tasks, seed, bar_settings(run_section(ctx, "bar"), ctx.group_size))
+
+register_progress_metrics({"bar/group_size_mean": "group"})

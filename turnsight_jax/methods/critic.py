@@ -183,7 +183,9 @@ _register()
 
 
 # ---- registration ----
-from turnsight_jax.rl.methods import Method, register_method  # noqa: E402
+from turnsight_jax.rl.methods import Method, register_method, register_progress_metrics  # noqa: E402
 
 register_method(Method("ppo", advantage="gae", critic=True,
                        description="PPO: outcome reward on the last token, GAE(gamma, lambda) against a learned critic"))
+
+register_progress_metrics({"critic/value_loss": "v_loss"})

@@ -195,7 +195,8 @@ def dynamic_rollout(ctx, tasks: Sequence[Task], seed: int, *, sample: SampleFn,
 
 
 # ---- registration ----
-from turnsight_jax.rl.methods import RolloutContext, register_config_section, register_rollout, sampler_rollout  # noqa: E402
+from turnsight_jax.rl.methods import (  # noqa: E402
+    RolloutContext, register_config_section, register_progress_metrics, register_rollout, sampler_rollout)
 
 
 def _check_section(cfg, stages, check_data: bool) -> None:
@@ -214,3 +215,5 @@ def mm_grpo_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> Ro
     """MM-GRPO: the default sampler under an observation window (mm_grpo.window), with dynamic
     sampling (zero-variance groups refilled with new prompts, mm_grpo.refill_rounds)."""
     return dynamic_rollout(ctx, tasks, seed, sample=lambda c, t, s, w: sampler_rollout(c, t, s, window=w))
+
+register_progress_metrics({"mm_grpo/dropped_groups": "dropped", "mm_grpo/elided_observations": "elided"})

@@ -125,7 +125,9 @@ def prm_states(trunk, batch, max_turns: int):
 
 
 # ---- registration ----
-from turnsight_jax.rl.methods import Method, register_method  # noqa: E402
+from turnsight_jax.rl.methods import Method, register_method, register_progress_metrics  # noqa: E402
 
 register_method(Method("pica", advantage="gae_process", critic=True, prm=True,
                        description="PiCA: a monotone step-PRM's progress rewards at tool results, GAE against a critic"))
+
+register_progress_metrics({"prm/gain_abs_mean": "prm_gain"})

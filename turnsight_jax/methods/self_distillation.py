@@ -171,7 +171,7 @@ def _sod_term(x, cfg: LossConfig, algo: AlgoConfig):
 
 # ---- registration ----
 # Their teachers score privileged views (methods.privileged_views) with the teacher.* config.
-from turnsight_jax.rl.methods import Method, register_method  # noqa: E402
+from turnsight_jax.rl.methods import Method, register_method, register_progress_metrics  # noqa: E402
 
 register_method(Method("rlsd", advantage="rlsd", rewards=(), teacher="privileged",
                        description="RLSD: the base advantage modulated by clip(exp(sign(A) * teacher gap))"))
@@ -183,3 +183,6 @@ register_method(Method("sdar", advantage="base", rewards=(), loss_terms=("clippe
                        description="SDAR: the base method + the sigmoid-gated NLL toward a skill-text teacher"))
 register_method(Method("sod", advantage="base", rewards=(), loss_terms=("clipped_surrogate", "sod"), teacher="privileged",
                        description="SOD: the base method + turn-weighted top-K KL to an external teacher"))
+
+register_progress_metrics({"rlsd/weight_max": "w_max", "train/sdpo_kl": "sdpo_kl", "sdpo/gap_mean": "sdpo_gap",
+                           "train/sdar_gate": "gate", "train/sod_weight": "sod_w"})

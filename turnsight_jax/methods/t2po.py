@@ -253,7 +253,8 @@ def t2po_rollout(ctx, tasks: Sequence[Task], seed: int, cfg: T2POConfig) -> Roll
 
 
 # ---- registration ----
-from turnsight_jax.rl.methods import RolloutContext, register_config_section, register_rollout, run_section, runs_controller  # noqa: E402
+from turnsight_jax.rl.methods import (  # noqa: E402
+    RolloutContext, register_config_section, register_progress_metrics, register_rollout, run_section, runs_controller)
 
 
 def _check_section(cfg, stages, check_data: bool) -> None:
@@ -271,3 +272,5 @@ def t2po_controller(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> Ro
     </think> when the hesitation signal stalls, TDS samples a turn again when its hesitation barely
     moved from the previous turn's (t2po.*)."""
     return t2po_rollout(ctx, tasks, seed, t2po_settings(run_section(ctx, "t2po")))
+
+register_progress_metrics({"t2po/tti_triggers": "tti", "t2po/tds_resamples": "tds"})

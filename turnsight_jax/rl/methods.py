@@ -220,6 +220,24 @@ def runs_controller(stages, name: str) -> bool:
     return any(m.rollout.name == name for _, m in stages)
 
 
+# ---- the progress line ----
+
+# metric key -> its label on the training progress line: the metric that shows a method's own
+# mechanism acting (shown when a step's metrics hold it; a run shows its method's and TurnSight's)
+PROGRESS_METRICS: dict[str, str] = {}
+
+
+def register_progress_metrics(labels: dict[str, str]) -> None:
+    """Show each metric key of `labels` on the progress line under its label."""
+    for key, label in labels.items():
+        if PROGRESS_METRICS.get(key, label) != label:
+            raise ValueError(f"progress metric {key!r} already shown as {PROGRESS_METRICS[key]!r}")
+        PROGRESS_METRICS[key] = label
+
+
+register_progress_metrics({"turnsight/weight_max": "w_max"})
+
+
 # ---- rewards ----
 
 @dataclasses.dataclass(frozen=True)

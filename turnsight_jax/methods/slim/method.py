@@ -11,7 +11,7 @@ from turnsight_jax.errors import ConfigError
 from turnsight_jax.methods.slim.library import SkillLibrary, SlimConfig, check_writer, slim_settings
 from turnsight_jax.methods.slim.text import with_skills
 from turnsight_jax.rl.methods import (Method, RolloutContext, register_config_section, register_method, register_rollout,
-                                     runs_controller, sampler_rollout)
+                                     runs_controller, sampler_rollout, register_progress_metrics)
 from turnsight_jax.rollout.driver import RolloutResult
 
 
@@ -45,3 +45,5 @@ def slim_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> Rollo
 
 register_method(Method("slim", advantage="base", rewards=(), rollout="slim",
                        description="SLIM: a skill library in the prompt, audited by leave-one-out, retired and expanded"))
+
+register_progress_metrics({"slim/library_size": "skills"})
