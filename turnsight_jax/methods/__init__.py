@@ -1,8 +1,9 @@
 """The sibling methods, one module (or package) each, and the one list of the built-ins: importing
 this package registers every one of them (its rewards, estimators, loss terms, rollout controller
 and method declaration) with the core's registries (`rl.methods`, `rl.advantages`, `rl.losses`).
-The entry points import it; the core does not (docs/architecture.md, "Layers"; the imports the
-core still has into single method modules are pinned by tests/test_package_layout.py).
+The entry points import it; the core is not meant to (docs/architecture.md, "Layers"). The
+imports the core still has into single method modules (pinned by tests/test_package_layout.py)
+load this package, and so this list, too, until they are gone.
 
 TurnSight, MatchTIR, ToolRL and GRPO stay in the core (`rl/turnsight.py`, `rl/methods.py`,
 `rewards.py`): their keys live under `rl.*`, which the paper configs set.
