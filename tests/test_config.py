@@ -648,3 +648,20 @@ def test_turn_coverage_accepts_ascii_counts_only():
     for bad in ("first:²", "last:٣", "first:0", "first:", "middle:2", "last:-1"):
         with pytest.raises(ConfigError, match="turns must be 'all', 'first:N' or 'last:N'"):
             parse_turn_coverage(bad)
+
+
+def test_a_privileged_teachers_skills_file_is_checked_when_it_is_read(tmp_path):
+    """teacher.skills is read at validation when a stage's privileged teacher shows skills (SDAR:
+    teacher.source=skill), and a missing or malformed file is one ConfigError naming the key; a
+    run whose teacher shows no skills never reads it (the check belongs to the self-distillation
+    methods, registered with rl.methods.register_config_check)."""
+    sdar = [str(REPO / "configs" / "methods" / "sdar.py")]
+    bad = tmp_path / "skills.json"
+    bad.write_text("{not json")
+    for path, message in ((tmp_path / "absent.json", "teacher.skills: "), (bad, "teacher.skills: ")):
+        with pytest.raises(ConfigError, match=message):
+            C.validate(C.load_run_config(sdar[0], [f"--config.teacher.skills={path}"]), 1)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"default": "Check every hop before answering."}))
+    C.validate(C.load_run_config(sdar[0], [f"--config.teacher.skills={good}"]), 1)
+    C.validate(C.load_run_config(None, [f"--config.teacher.skills={tmp_path / 'absent.json'}"]), 1)  # not read

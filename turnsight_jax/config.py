@@ -35,7 +35,7 @@ from turnsight_jax.chat.hindsight_template import HindsightTemplate
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.rl.config import (AlgoConfig, CriticConfig, LossConfig, OptimConfig, PRMConfig, StepConfig,
                                      TeacherConfig)
-from turnsight_jax.rl.methods import CONFIG_SECTIONS, ResolvedMethod, resolve_method
+from turnsight_jax.rl.methods import CONFIG_CHECKS, CONFIG_SECTIONS, ResolvedMethod, resolve_method
 from turnsight_jax.rollout.driver import RolloutConfig
 from turnsight_jax.chat.template import OBSERVATION_TEMPLATES
 from turnsight_jax.rollout.engine import EngineConfig
@@ -792,13 +792,6 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
             teacher_architecture(cfg.teacher.checkpoint, cfg.teacher.preset, policy)
         except (OSError, ValueError) as e:
             raise ConfigError(str(e)) from None
-    if method.needs_views and method.teacher == "privileged" and sc.teacher.source == "skill" and cfg.teacher.skills:
-        from turnsight_jax.methods.privileged_blocks import load_skills
-
-        try:
-            load_skills(cfg.teacher.skills)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"teacher.skills: {e}") from None
     if method.prm and not sc.algo.student_sees_observations:
         raise ConfigError(f"rl.method={sc.algo.method!r} trains a step-PRM that reads the tool results; "
                           "rl.student_sees_observations=False masks them out of the context it reads")
@@ -808,6 +801,8 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
     for section in CONFIG_SECTIONS.values():  # each method's own section (its keys; what its run needs)
         if section.check is not None and section.name in cfg:
             section.check(cfg, stages, check_data)
+    for check in CONFIG_CHECKS:  # the methods' other checks (e.g. the privileged teacher's skills file)
+        check(cfg, stages, check_data)
     for sc_i, method_i in stages:
         who = f"rl.method={sc_i.algo.method!r}" + (f" over rl.base={sc_i.algo.base!r}" if method_i.base else "")
         for field in method_i.task_needs:

@@ -171,7 +171,25 @@ def _sod_term(x, cfg: LossConfig, algo: AlgoConfig):
 
 # ---- registration ----
 # Their teachers score privileged views (methods.privileged_views) with the teacher.* config.
-from turnsight_jax.rl.methods import Method, register_method, register_progress_metrics  # noqa: E402
+from turnsight_jax.errors import ConfigError  # noqa: E402
+from turnsight_jax.methods.privileged_blocks import load_skills  # noqa: E402
+from turnsight_jax.rl.methods import Method, register_config_check, register_method, register_progress_metrics  # noqa: E402
+
+
+@register_config_check
+def _check_skills_file(cfg, stages, check_data: bool) -> None:
+    """teacher.skills (a JSON file of skill texts) is read before anything runs, when a stage's
+    privileged teacher shows skills (teacher.source=skill)."""
+    if not cfg.teacher.skills:
+        return
+    for sc, method in stages:
+        if method.needs_views and method.teacher == "privileged" and sc.teacher.source == "skill":
+            try:
+                load_skills(cfg.teacher.skills)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"teacher.skills: {e}") from None
+            return
+
 
 register_method(Method("rlsd", advantage="rlsd", rewards=(), teacher="privileged",
                        description="RLSD: the base advantage modulated by clip(exp(sign(A) * teacher gap))"))

@@ -215,6 +215,18 @@ def register_config_section(name: str, schema: type, check: Callable | None = No
     return CONFIG_SECTIONS[name]
 
 
+# checks of a run config a method adds that belong to no section of its own (e.g. a file a core key
+# names, read only when the method runs): `check(cfg, stages, check_data)`, run by config.validate
+CONFIG_CHECKS: list[Callable[[Any, Sequence[tuple[StepConfig, Any]], bool], None]] = []
+
+
+def register_config_check(check: Callable[[Any, Sequence[tuple[StepConfig, Any]], bool], None]):
+    """Run `check(cfg, stages, check_data)` (raising ConfigError) when a run config is validated."""
+    if check not in CONFIG_CHECKS:
+        CONFIG_CHECKS.append(check)
+    return check
+
+
 def runs_controller(stages, name: str) -> bool:
     """Whether a stage of the run samples with rollout controller `name`."""
     return any(m.rollout.name == name for _, m in stages)
