@@ -39,6 +39,7 @@ import pathlib
 from typing import Any, Mapping, Sequence
 
 from turnsight_jax.errors import ConfigError
+from turnsight_jax.rl.config import section_settings
 
 STATUSES = ("keep", "watch", "retired")
 ACTIVE = ("keep", "watch")
@@ -285,11 +286,7 @@ def from_json(text: str, *, where: str = "skill library") -> SkillLibrary:
 def slim_settings(section) -> SlimConfig:
     """The run config's `slim` ConfigDict (or any mapping of its keys) -> a checked SlimConfig (a
     ConfigError naming the key)."""
-    fields = {f.name for f in dataclasses.fields(SlimConfig)}
-    unknown = sorted(set(section.keys()) - fields)
-    if unknown:
-        raise ConfigError(f"slim.{unknown[0]} is not a SLIM key; keys: {', '.join(sorted(fields))}")
-    return SlimConfig(**dict(section.items())).validate()
+    return section_settings(SlimConfig, section, "slim", "a SLIM")
 
 
 def check_writer(scfg: SlimConfig, vocab_size: int) -> None:
