@@ -229,7 +229,10 @@ def test_rows_within_one_chunk_skip_whole_groups_of_padding():
     (want, want_g), (got, got_g) = grad(q, k, v, 0), grad(q, k, v, 2)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     for a, b in zip(got_g, want_g):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        # a query that sees one key has dq = 0 exactly (a softmax over one score); both kernels
+        # give float noise there, ~1e-6 against gradients up to ~20 (an AMD EPYC box gave 1.5e-6
+        # and 3.0e-6): the absolute tolerance scales with the gradient's magnitude
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max()))
     live = flops.reads_any(jax.tree.map(np.asarray, lay))
     assert flops.skipping_pairs(live, 16, 2) == 4 * 8 * 8  # rows 2-3 (a group of padding) are skipped
 
