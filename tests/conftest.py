@@ -18,6 +18,16 @@ import sys
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 
+# glibc's malloc asks for transparent huge pages on the memory it maps (glibc >= 2.35; a no-op
+# where the kernel's THP mode is `never` or glibc is older). XLA's CPU buffers of the tiny model's
+# 151,936-row embedding (39 MB, and its gradient and moments) are mapped afresh at every step, each
+# 4 kB page faulted and zeroed on first touch: the warm-start's first stage took 7.2 M page faults
+# and 21.9 s of system time, with huge pages 0.26 M and 6.4 s (BENCHMARKS.md "Test suite"). It
+# must be in the environment when a process starts (glibc reads it once): it reaches the xdist
+# workers, the trainer processes and every subprocess, not this controller process itself.
+if "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
+    os.environ["GLIBC_TUNABLES"] = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), "glibc.malloc.hugetlb=1"]))
+
 # The suite compiles far more than it computes (tiny models, hundreds of distinct programs), so
 # XLA's CPU backend runs at optimisation level 0 in tests, with the fusion emitters off (XLA's
 # older loop emitters): a fused train step compiles in 5.7 CPU-s instead of 15.2 (level 0 alone)
