@@ -43,9 +43,7 @@ from turnsight_jax.models.sharding import make_mesh, opt_state_shardings
 from turnsight_jax.models.weights import save_pretrained
 from turnsight_jax.rl import turn_outcomes
 from turnsight_jax.rl.batch import batch_row_order, make_train_batch, packed_reference, row_axis, shard_batch
-from turnsight_jax.rl.methods import PROGRESS_METRICS, RolloutContext
-from turnsight_jax.methods.slim.runner import LIBRARY_FILE, SlimRunner, uses_slim
-from turnsight_jax.methods.slim.library import slim_settings
+from turnsight_jax.rl.methods import PROGRESS_METRICS, RolloutContext, TrainerHookStart, start_trainer_hooks
 from turnsight_jax.rl.step import TURNSIGHT_METRICS, init_aux, make_aux_optimizers, make_optimizer, make_train_step
 from turnsight_jax.rollout.progress import ProgressLine
 from turnsight_jax.runlog import ConsoleLog, MetricsLog, Progress, log, matmul_peak_flops
@@ -395,13 +393,12 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
                       wandb=wandb_run)
     records.clear_from(workdir, start, jax.process_index())  # the steps this run will redo, like their metrics
     optimizer_probe = cost.OptimizerProbe(optimizer)
-    # SLIM (rl.method=slim): the skill library, audited and expanded after steps (methods.slim.runner);
-    # a resumed run continues with the library saved in its checkpoint.
-    slim_run = None
-    if uses_slim(method, later.method if later is not None else None):
-        slim_run = SlimRunner.start(cfg, slim_settings(cfg.slim), tok, train_tasks, workdir, mesh, vocab_size=qcfg.vocab_size,
-                                    resume_text=ckpt.read_file(latest, LIBRARY_FILE) if latest is not None else None,
-                                    log=log)
+    # Controllers with state across steps (rl.methods.TrainerHook; SLIM's skill library, audited
+    # and expanded after steps): a resumed run continues with the files saved in its checkpoint.
+    hooks = start_trainer_hooks(
+        [method, later.method if later is not None else None],
+        TrainerHookStart(cfg, tok, train_tasks, workdir, mesh, qcfg.vocab_size, log=log,
+                         checkpoint_file=lambda name: ckpt.read_file(latest, name) if latest is not None else None))
 
     # The training rollouts' environment, with faults injected when faults.* asks (envs.faults);
     # the held-out evaluation runs on the clean one.
@@ -458,8 +455,9 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
                                  rc, cfg.train.group_size, cfg.rollout.prompts_per_chunk,
                                  model_setup.DTYPES[cfg.model.compute_dtype], line, engine=engine_cfg,
                                  mesh=rollout_mesh, group_offset=first, run_config=cfg, task_pool=train_tasks)
-            if slim_run is not None:  # the skills the slim controller puts in the prompts
-                ctx = dataclasses.replace(ctx, state=slim_run.library)
+            hook = hooks.get(method.rollout.name)
+            if hook is not None:  # what the controller reads (SLIM: the skills it puts in the prompts)
+                ctx = dataclasses.replace(ctx, state=hook.rollout_state())
             old_kind = method.rollout.old_policy_kind(cfg)
             if old_kind:
                 old = previous if old_kind == "previous" else ref_params
@@ -607,8 +605,8 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
                 metrics["rollout/prefill_tokens"] = st.get("engine/prefill_tokens", 0.0)
             if peak:
                 metrics["perf/mfu_vs_measured_matmul"] = necessary / t_total / peak
-            if slim_run is not None and method.rollout.name == "slim":  # audits, retirements, expansions
-                metrics.update(slim_run.after_step(step, graphdef, params, env))
+            if hook is not None:  # e.g. SLIM's audits, retirements, expansions
+                metrics.update(hook.after_step(step, graphdef, params, env))
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < n_steps and eval_tasks:
                 t0 = time.perf_counter()
                 ev = evaluate_policy(graphdef, params, tok, eval_tasks, cfg, eval_env,
@@ -638,7 +636,7 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
                           teacher=teacher_params if tw == "ema" else None,
                           aux={**(aux_state or {}), **({"previous_policy": previous} if previous is not None else {})}
                           or None,
-                          files=slim_run.checkpoint_files() if slim_run is not None else None)
+                          files={k: v for h in hooks.values() for k, v in h.checkpoint_files().items()} or None)
                 # the step's line is written before its checkpoint (a resume keeps every line up to
                 # it): the save's time is added to that line afterwards
                 mlog.amend(step, {"perf/checkpoint_s": time.perf_counter() - t0})

@@ -128,6 +128,9 @@ class RolloutController:
     # the default pool (APPO keeps a call's initial rollouts for their branches).
     plan_extra: Callable[[Any], tuple[int, int]] | None = None
     plan_pool_blocks: Callable[[Any, Any, Any, int], int] | None = None
+    # host-side state the controller keeps across steps beside the policy (SLIM's skill library):
+    # `trainer_hook(TrainerHookStart) -> TrainerHook`, started once per run by the trainer
+    trainer_hook: Callable[["TrainerHookStart"], "TrainerHook"] | None = None
 
     def planned_extra(self, run_config: Any) -> tuple[int, int]:
         """(KV slots per episode, tokens per training row) beyond prompt + max_response_tokens."""
@@ -150,21 +153,70 @@ def register_rollout(name: str, *, rewards: Sequence[str] = (), loss_terms: Sequ
                      advantage_transform: str = "", old_policy: Callable[[Any], str] | None = None,
                      episodes_per_call: Callable[[Any], int] | None = None,
                      plan_extra: Callable[[Any], tuple[int, int]] | None = None,
-                     plan_pool_blocks: Callable[[Any, Any, Any, int], int] | None = None):
+                     plan_pool_blocks: Callable[[Any, Any, Any, int], int] | None = None,
+                     trainer_hook: Callable[["TrainerHookStart"], "TrainerHook"] | None = None):
     """Decorator: register `fn(ctx: RolloutContext, tasks, seed) -> RolloutResult`, with the rewards
     and loss terms the controller's mechanism adds to any method it runs under, for a controller
-    that forms its own groups `rows_per_prompt(run_config) -> R`, and for one acting in the decode
-    `engine_only`, `advantage_transform` and `old_policy` (RolloutController)."""
+    that forms its own groups `rows_per_prompt(run_config) -> R`, for one acting in the decode
+    `engine_only`, `advantage_transform` and `old_policy`, and for one keeping state across steps
+    `trainer_hook` (RolloutController)."""
 
     def deco(fn):
         if name in ROLLOUTS:
             raise ValueError(f"rollout controller {name!r} already registered")
         ROLLOUTS[name] = RolloutController(name, fn, tuple(rewards), tuple(loss_terms), rows_per_prompt, engine_only,
                                            advantage_transform, old_policy, episodes_per_call, plan_extra,
-                                           plan_pool_blocks)
+                                           plan_pool_blocks, trainer_hook)
         return fn
 
     return deco
+
+
+# ---- trainer hooks ----
+
+@dataclasses.dataclass(frozen=True)
+class TrainerHookStart:
+    """What the trainer starts a controller's hook with, once per run: the run config, the
+    tokenizer, the training tasks, the run folder, the device mesh, the policy's vocabulary size,
+    `checkpoint_file(name) -> text | None` (a file the hook saved in the checkpoint the run resumes
+    from; None on a fresh run or when absent) and the run's log function."""
+
+    run_config: Any
+    tokenizer: Any
+    train_tasks: Sequence[Task]
+    workdir: Any
+    mesh: Any
+    vocab_size: int
+    checkpoint_file: Callable[[str], str | None]
+    log: Callable[[str], None]
+
+
+class TrainerHook:
+    """A controller's state across the steps of a run (SLIM's skill library, audited after steps).
+    The trainer calls, for the steps whose stage runs the controller: `rollout_state()` before the
+    rollout (what the controller reads as `RolloutContext.state`) and `after_step(step, graphdef,
+    params, env) -> metrics` after the update (0-based `step`; the metrics join the step's line);
+    at every checkpoint `checkpoint_files() -> {file name: text}`, saved in the step folder and
+    handed back on resume through `TrainerHookStart.checkpoint_file`."""
+
+    def rollout_state(self) -> Any:
+        return None
+
+    def after_step(self, step: int, graphdef: Any, params: Any, env: Any) -> dict[str, float]:
+        return {}
+
+    def checkpoint_files(self) -> dict[str, str]:
+        return {}
+
+
+def start_trainer_hooks(methods: Sequence[Any], start: TrainerHookStart) -> dict[str, TrainerHook]:
+    """{controller name: its started hook} for the controllers of a run's stages (`methods`: the
+    resolved methods, None for an absent stage) that have one."""
+    out: dict[str, TrainerHook] = {}
+    for m in methods:
+        if m is not None and m.rollout.trainer_hook is not None and m.rollout.name not in out:
+            out[m.rollout.name] = m.rollout.trainer_hook(start)
+    return out
 
 
 @register_rollout("sampler")

@@ -9,9 +9,10 @@ from typing import Sequence
 from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.methods.slim.library import SkillLibrary, SlimConfig, check_writer, slim_settings
+from turnsight_jax.methods.slim.runner import LIBRARY_FILE, SlimRunner
 from turnsight_jax.methods.slim.text import with_skills
-from turnsight_jax.rl.methods import (Method, RolloutContext, register_config_section, register_method, register_rollout,
-                                     runs_controller, sampler_rollout, register_progress_metrics)
+from turnsight_jax.rl.methods import (Method, RolloutContext, TrainerHookStart, register_config_section, register_method,
+                                     register_rollout, runs_controller, sampler_rollout, register_progress_metrics)
 from turnsight_jax.rollout.driver import RolloutResult
 
 
@@ -33,7 +34,15 @@ def _check_section(cfg, stages, check_data: bool) -> None:
 register_config_section("slim", SlimConfig, _check_section)
 
 
-@register_rollout("slim")
+def _start_library(start: TrainerHookStart) -> SlimRunner:
+    """The run's skill library (methods.slim.runner): the one saved with the checkpoint the run
+    resumes from, else `slim.initial`; audited and expanded after the slim stage's steps."""
+    cfg = start.run_config
+    return SlimRunner.start(cfg, slim_settings(cfg.slim), start.tokenizer, start.train_tasks, start.workdir, start.mesh,
+                            vocab_size=start.vocab_size, resume_text=start.checkpoint_file(LIBRARY_FILE), log=start.log)
+
+
+@register_rollout("slim", trainer_hook=_start_library)
 def slim_rollout(ctx: RolloutContext, tasks: Sequence[Task], seed: int) -> RolloutResult:
     """The default sampler on the tasks with the library's active skills in their prompts
     (methods.slim.text.with_skills; the library is the trainer's, `ctx.state`)."""

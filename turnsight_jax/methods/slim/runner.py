@@ -45,14 +45,10 @@ from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.methods.slim import library as slim, text as slim_text
 from turnsight_jax.methods.slim.library import SkillLibrary, SlimConfig, check_writer
+from turnsight_jax.rl.methods import TrainerHook
 
 LIBRARY_FILE = "slim_library.json"  # in each checkpoint step folder, and the latest in the run folder
 VALIDATION_SEED_OFFSET = 2  # built-in validation tasks: seed 2*seed + 2 (training 2*seed, held-out 2*seed + 1)
-
-
-def uses_slim(*methods) -> bool:
-    """Whether any of these resolved methods runs the "slim" rollout controller."""
-    return any(m is not None and m.rollout.name == "slim" for m in methods)
 
 
 def validation_tasks(cfg: mlc.ConfigDict, scfg: SlimConfig, train_tasks: Sequence[Task]) -> list[Task]:
@@ -99,8 +95,9 @@ class AuditResult:
     seconds: float
 
 
-class SlimRunner:
-    """The skill library of a run and what acts on it (module docstring)."""
+class SlimRunner(TrainerHook):
+    """The skill library of a run and what acts on it (module docstring): the "slim" controller's
+    trainer hook (rl.methods.TrainerHook; registered in methods.slim.method)."""
 
     def __init__(self, cfg: mlc.ConfigDict, scfg: SlimConfig, tok, tasks: Sequence[Task], library: SkillLibrary,
                  workdir: pathlib.Path, mesh, log: Callable[[str], None], base_lengths: dict[str, int]):
@@ -160,6 +157,10 @@ class SlimRunner:
                                            f"rollout.max_prompt_tokens={limit}")
 
     # ---- the step hook ----
+
+    def rollout_state(self) -> SkillLibrary:
+        """The library the "slim" controller puts in the prompts (`RolloutContext.state`)."""
+        return self.library
 
     def after_step(self, step: int, graphdef, params, env) -> dict[str, float]:
         """Audit (and expand) after 0-based step `step` when it is due; the slim/* metrics."""
