@@ -295,7 +295,7 @@ def test_base_documents_every_key():
     keys = {ln.split("=")[0].strip()[2:] for ln in lines}
     # a method's own section is generated from its dataclass: each field documented there (a comment
     # on its line, or its name in the class docstring)
-    from turnsight_jax.rl.methods import CONFIG_SECTIONS
+    from turnsight_jax.rl.config import CONFIG_SECTIONS
 
     for name, section in CONFIG_SECTIONS.items():
         source, doc = inspect.getsource(section.schema), section.schema.__doc__ or ""
@@ -309,7 +309,7 @@ def test_base_documents_every_key():
 def test_every_method_section_is_its_dataclass():
     """Issue 60: a method's defaults are defined once, in its dataclass; the config section is
     generated from it (and --config.<section>.<key> overrides it like any key)."""
-    from turnsight_jax.rl.methods import CONFIG_SECTIONS
+    from turnsight_jax.rl.config import CONFIG_SECTIONS
 
     base = C.base_config()
     assert {"bar", "akbe", "t2po", "appo", "slim", "judge", "mm_grpo"} <= set(CONFIG_SECTIONS)

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from turnsight_jax.methods.akbe import AkbeConfig
 from turnsight_jax.rl.advantages import ESTIMATORS, make_advantage_fn
 from turnsight_jax.rl.config import AlgoConfig, LossConfig, StepConfig
 from turnsight_jax.rl.losses import aggregation_weights, get_loss_term, loss_weights, weighted_losses
@@ -178,7 +179,7 @@ def test_rl_terms_aggregate_over_grouped_rows_and_a_term_with_rows_over_its_own(
          "pol_valid": jnp.asarray(pol), "akbe_exemplar": jnp.asarray([0.0, 0.0, 0.0, 1.0, 0.0])}
     groups = jnp.asarray([0, 0, 1, -1, -1])
     terms = (get_loss_term("clipped_surrogate"), get_loss_term("akbe_ce"))
-    algo = AlgoConfig(akbe_coef=0.05)
+    algo = AlgoConfig(sections=(("akbe", AkbeConfig(coef=0.05)),))
     w = loss_weights(terms, x["pol_valid"], groups, x, how)
     total, sums = weighted_losses(terms, x, w, LossConfig(), algo)
     first = {k: v[:3] for k, v in x.items()}

@@ -353,7 +353,8 @@ def test_appo_amplification_in_the_step(tok):
     row_tasks = [tasks[i // 2] for i in range(len(trajs))]
 
     def setup(method, rollout, amplify, base="grpo"):
-        cfg = StepConfig(algo=AlgoConfig(method=method, base=base, rollout=rollout, appo_amplify=amplify),
+        cfg = StepConfig(algo=AlgoConfig(method=method, base=base, rollout=rollout,
+                                         sections=(("appo", appo.APPOConfig(amplify=amplify)),)),
                          group_size=2, max_turns=5, logprob_chunk=64)
         m = resolve_method(cfg)
         return cfg, m, fold_batch(make_train_batch(trajs, row_tasks, tok, cfg, m)[0])

@@ -286,7 +286,7 @@ def test_config_keys_give_the_rows_per_prompt_and_refuse_bad_values():
     sc, _ = check("rl.method=grpo", "rl.rollout=bar", "bar.chunk=2", "train.group_size=4")  # cap 0: G
     assert sc.prompt_rows == 4
     sc, method = check("rl.method=turnsight", "rl.base=grpo", "rl.rollout=akbe", "akbe.coef=0.1")
-    assert sc.prompt_rows == 4 + 1 and sc.algo.akbe_coef == 0.1 and "akbe_ce" in [t.name for t in method.loss_terms]
+    assert sc.prompt_rows == 4 + 1 and sc.algo.section("akbe").coef == 0.1 and "akbe_ce" in [t.name for t in method.loss_terms]
     sc, _ = check("rl.method=grpo")
     assert sc.prompt_rows == 0 and sc.rows_per_prompt == 4
     for bad, msg in [("bar.cap=6", "bar.cap=6 must be a multiple of bar.chunk=4"),

@@ -35,7 +35,8 @@ from turnsight_jax.chat.hindsight_template import HindsightTemplate
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.rl.config import (AlgoConfig, CriticConfig, LossConfig, OptimConfig, PRMConfig, StepConfig,
                                      TeacherConfig)
-from turnsight_jax.rl.methods import CONFIG_CHECKS, CONFIG_SECTIONS, ResolvedMethod, resolve_method
+from turnsight_jax.rl.config import CONFIG_SECTIONS
+from turnsight_jax.rl.methods import CONFIG_CHECKS, ResolvedMethod, resolve_method
 from turnsight_jax.rollout.driver import RolloutConfig
 from turnsight_jax.chat.template import OBSERVATION_TEMPLATES
 from turnsight_jax.rollout.engine import EngineConfig
@@ -306,7 +307,7 @@ def base_config() -> mlc.ConfigDict:
     c.faults.delay_rate = 0.0  # a call takes faults.delay_s longer (a batch waits for its slowest once)
     c.faults.delay_s = 0.0  # seconds a delayed call adds
     c.faults.seed = 0  # salt of the fault draws (with each episode's seed and each call's index)
-    # each method's own section, generated from its registered dataclass (rl.methods.CONFIG_SECTIONS):
+    # each method's own section, generated from its registered dataclass (rl.config.CONFIG_SECTIONS):
     # the keys and defaults of slim.*, bar.*, akbe.*, t2po.*, appo.*, judge.*, mm_grpo.* are the
     # fields of methods.slim.library.SlimConfig, methods.bar.BarConfig, ... (registered when
     # turnsight_jax.methods is imported, as every entry point does)
@@ -553,6 +554,22 @@ def hindsight_template(node: mlc.ConfigDict) -> HindsightTemplate:
     return HindsightTemplate(**pieces)
 
 
+def method_sections(cfg: mlc.ConfigDict) -> tuple[tuple[str, Any], ...]:
+    """The run config's method sections as (name, settings dataclass) pairs (rl.config.AlgoConfig.
+    sections); a section the config lacks is left out (its dataclass's defaults then apply). Only
+    the keys are checked here: a section's values are checked by its method's registered check
+    when a stage runs the method (`validate`; e.g. bar.cap 0 means the group size there)."""
+    out = []
+    for s in CONFIG_SECTIONS.values():
+        if s.name in cfg:
+            fields = {f.name for f in dataclasses.fields(s.schema)}
+            unknown = sorted(set(cfg[s.name].keys()) - fields)
+            if unknown:
+                raise ConfigError(f"{s.name}.{unknown[0]} is not a {s.name} key; keys: {', '.join(sorted(fields))}")
+            out.append((s.name, s.schema(**dict(cfg[s.name].items()))))
+    return tuple(out)
+
+
 def step_config(cfg: mlc.ConfigDict) -> StepConfig:
     """The train step's typed config from a run config."""
     r, l, o, t, te = cfg.rl, cfg.loss, cfg.optim, cfg.train, cfg.teacher
@@ -571,8 +588,8 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
                         sdpo_coef=r.sdpo_coef, sdpo_tail=r.sdpo_tail, sdar_coef=r.sdar_coef, sdar_beta=r.sdar_beta,
                         sod_coef=r.sod_coef, sod_tau=r.sod_tau, gae_gamma=r.gae_gamma, gae_lam=r.gae_lam,
                         gae_whiten=r.gae_whiten, toolomni_gate=r.toolomni_gate, orchard_coef=r.orchard_coef,
-                        orchard_rise=r.orchard_rise, orchard_success=r.orchard_success, akbe_coef=cfg.akbe.coef, appo_amplify=cfg.appo.amplify,
-                        args=args),
+                        orchard_rise=r.orchard_rise, orchard_success=r.orchard_success,
+                        sections=method_sections(cfg), args=args),
         teacher=TeacherConfig(weights=te.weights, ema_decay=te.ema_decay, checkpoint=te.checkpoint,
                               source=te.source, placement=te.placement, skills=te.skills,
                               sibling_min_reward=te.sibling_min_reward, top_k=te.top_k,

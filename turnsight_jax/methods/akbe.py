@@ -231,7 +231,7 @@ def _akbe_ce_term(x, cfg: LossConfig, algo: AlgoConfig):
     flagged akbe_exemplar, aggregated over them alone: rl.losses.loss_weights)."""
     mask = x["pol_valid"] & (x[EXEMPLAR] > 0)[:, None]
     nll = jnp.where(mask, -x["logprobs"], 0.0)
-    return algo.akbe_coef * nll, {"akbe_ce": nll}
+    return algo.section("akbe").coef * nll, {"akbe_ce": nll}
 
 
 # ---- registration ----

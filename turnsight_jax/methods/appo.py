@@ -311,7 +311,7 @@ def appo_rollout(ctx, tasks: Sequence[Task], seed: int, cfg: APPOConfig) -> Roll
     return RolloutResult(trajs, stats, metrics=metrics)
 
 
-@register_advantage_transform(AMPLIFY, ("advantages", OMEGA, "policy_mask"), ("appo_amplify",))
+@register_advantage_transform(AMPLIFY, ("advantages", OMEGA, "policy_mask"), ("appo.amplify",))
 def amplify_advantages(advantages, omega, policy_mask, *, appo_amplify):
     """APPO's amplification: advantages [B, N] * (1 + appo_amplify * (omega - 1)), omega [B, N] =
     clip(Omega) per policy token (the `appo_omega` reward); 0 off policy_mask. Diagnostics

@@ -196,7 +196,13 @@ def _matchtir_estimator(turn_rewards, num_turns, turn_ids, policy_mask, group_id
 # or the step geometry (num_groups = B / G, max_turns = the rollout's turn budget).
 KNOBS = ("eps", "gamma", "num_groups", "max_turns", "lam", "eps_w", "selection", "aggregation",
          "group_norm", "turns", "norm_pool", "uncovered_in_stats", "empty_block_turns", "matchtir_singleton", "sdpo_coef",
-         "gae_gamma", "gae_lam", "gae_whiten", "toolomni_gate", "depths", "horizon_tol", "appo_amplify")
+         "gae_gamma", "gae_lam", "gae_whiten", "toolomni_gate", "depths", "horizon_tol")
+# ... and "<section>.<key>": a key of a method's own config section (rl.config.AlgoConfig.section_knobs),
+# passed as the keyword argument "<section>_<key>" (APPO's transform: "appo.amplify" -> appo_amplify).
+
+
+def _kwarg(knob: str) -> str:
+    return knob.replace(".", "_")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +242,7 @@ ESTIMATORS: dict[str, Estimator] = {}
 
 def _registrar(table: dict[str, Estimator], kind: str, name: str, inputs: tuple[str, ...], knobs: tuple[str, ...],
                optional: tuple[str, ...] = ()):
-    unknown = [k for k in knobs if k not in KNOBS]
+    unknown = [k for k in knobs if k not in KNOBS and "." not in k]
     if unknown:
         raise ValueError(f"{kind} {name!r}: unknown knobs {unknown}; known: {KNOBS}")
 
@@ -300,7 +306,7 @@ def _call(est: Estimator, arrays: Mapping[str, Array], knobs: Mapping[str, Any])
     missing = [k for k in est.inputs if k not in arrays]
     if missing:
         raise KeyError(f"advantage estimator {est.name!r} needs batch arrays {missing}")
-    out = est.fn(*(arrays[k] for k in est.inputs), **{k: knobs[k] for k in est.knobs},
+    out = est.fn(*(arrays[k] for k in est.inputs), **{_kwarg(k): knobs[k] for k in est.knobs},
                  **{k: arrays[k] for k in est.optional if arrays.get(k) is not None})
     return dict(out) if isinstance(out, Mapping) else {"advantages": out}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from turnsight_jax.chat.hindsight_template import DEFAULT_FILLER
 from turnsight_jax.chat.hindsight_template import HindsightTemplate, check_template
@@ -60,6 +60,36 @@ def parse_turn_coverage(turns: str) -> tuple[str, int]:
     raise ConfigError(f"turns must be 'all', 'first:N' or 'last:N' with N >= 1, got {turns!r}")
 
 
+# ---- method config sections ----
+
+@dataclasses.dataclass(frozen=True)
+class ConfigSection:
+    """A method's own config section `<name>.*` (docs/configuration.md). Its keys and defaults are
+    the fields of `schema`, a dataclass: the one source of truth (`config.base_config` generates
+    the section from it, so `--config.<name>.<key>=...` works as for any key). `check(cfg, stages,
+    check_data)` validates the section for a run, raising ConfigError: `config.validate` calls it
+    with the run config, the run's [(StepConfig, ResolvedMethod)] stages, and whether data and
+    folders are checked too (False for a dry run's plan)."""
+
+    name: str
+    schema: type
+    check: Callable[[Any, Sequence[tuple[Any, Any]], bool], None] | None = None
+
+
+CONFIG_SECTIONS: dict[str, ConfigSection] = {}
+
+
+def register_config_section(name: str, schema: type, check: Callable | None = None) -> ConfigSection:
+    """Register a method's config section `name`, whose keys and defaults are dataclass `schema`'s."""
+    if not dataclasses.is_dataclass(schema):
+        raise ValueError(f"config section {name!r}: its schema must be a dataclass, got {schema!r}")
+    if name in CONFIG_SECTIONS:
+        raise ValueError(f"config section {name!r} already registered")
+    CONFIG_SECTIONS[name] = ConfigSection(name, schema, check)
+    return CONFIG_SECTIONS[name]
+
+
+
 @dataclasses.dataclass(frozen=True)
 class AlgoConfig:
     """The method (turnsight_jax.rl.methods) and its knobs.
@@ -95,11 +125,10 @@ class AlgoConfig:
     reward from which a trajectory passes to the answer stage (methods.toolomni). Orchard's CA-SFT
     (methods.orchard): orchard_coef (the NLL's coefficient), orchard_rise (the credit c_k from which a
     turn is in a rise segment, 0.05), orchard_success (the outcome reward from which a trajectory
-    counts as solved; CA-SFT trains on the others). akbe_coef: AKBE's λ, the coefficient of its
-    auxiliary CE on the exemplars (the run config's akbe.coef; methods.akbe). appo_amplify: beta of
-    APPO's amplification of the final advantage, A * (1 + beta (clip(Omega) - 1)) (the run
-    config's appo.amplify; methods.appo; 0: off). args: free-form knobs of
-    plug-in methods, as (key, value) pairs.
+    counts as solved; CA-SFT trains on the others). sections: the run config's method sections
+    (register_config_section: `akbe.*`, `appo.*`, ...), as (name, settings dataclass)
+    pairs; a method's loss term or transform reads its own with `section(name)`. args: free-form
+    knobs of plug-in methods, as (key, value) pairs.
     """
 
     method: str = "turnsight"
@@ -140,12 +169,27 @@ class AlgoConfig:
     orchard_coef: float = 1.0
     orchard_rise: float = 0.05
     orchard_success: float = 1.0
-    akbe_coef: float = 0.05
-    appo_amplify: float = 0.5
+    sections: tuple[tuple[str, Any], ...] = ()
     args: tuple[tuple[str, Any], ...] = ()
 
     def arg(self, key: str, default: Any = None) -> Any:
         return dict(self.args).get(key, default)
+
+    def section(self, name: str) -> Any:
+        """The run's `name.*` settings (the dataclass its method registered): the run config's,
+        or the dataclass's defaults when this config carries none (a StepConfig built by hand)."""
+        for key, settings in self.sections:
+            if key == name:
+                return settings
+        if name not in CONFIG_SECTIONS:
+            raise KeyError(f"no method registered the config section {name!r}; registered: {sorted(CONFIG_SECTIONS)}")
+        return CONFIG_SECTIONS[name].schema()
+
+    def section_knobs(self) -> dict[str, Any]:
+        """{"<section>.<key>": value} over every registered section: the knobs an estimator or
+        transform may name (rl.advantages; its keyword argument is "<section>_<key>")."""
+        return {f"{name}.{f.name}": getattr(self.section(name), f.name)
+                for name in CONFIG_SECTIONS for f in dataclasses.fields(self.section(name))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,8 +424,6 @@ class StepConfig:
             if not math.isfinite(v) or (name == "orchard_coef" and v < 0):
                 raise ConfigError(f"rl.{name} must be finite" + (" and >= 0" if name == "orchard_coef" else "")
                                   + f", got {v}")
-        if isinstance(algo.appo_amplify, bool) or not (math.isfinite(algo.appo_amplify) and algo.appo_amplify >= 0):
-            raise ConfigError(f"appo.amplify must be finite and >= 0, got {algo.appo_amplify}")
         if not math.isfinite(algo.toolomni_gate):
             raise ConfigError(f"rl.toolomni_gate must be finite, got {algo.toolomni_gate}")
         if not isinstance(algo.gae_whiten, bool):

@@ -30,7 +30,7 @@ from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.rewards import matchtir_turn_rewards, toolrl_reward
 from turnsight_jax.rl.advantages import Estimator, get_estimator, get_transform
-from turnsight_jax.rl.config import AlgoConfig, StepConfig
+from turnsight_jax.rl.config import CONFIG_SECTIONS, AlgoConfig, ConfigSection, StepConfig, register_config_section  # noqa: F401
 from turnsight_jax.rl.episodes import run_episodes
 from turnsight_jax.rl.losses import LossTerm, get_loss_term
 from turnsight_jax.rollout.driver import ObservationWindow, RolloutConfig, RolloutResult
@@ -240,32 +240,9 @@ def run_section(ctx: RolloutContext, name: str):
 
 # ---- config sections ----
 
-@dataclasses.dataclass(frozen=True)
-class ConfigSection:
-    """A method's own config section `<name>.*` (docs/configuration.md). Its keys and defaults are
-    the fields of `schema`, a dataclass: the one source of truth (`config.base_config` generates
-    the section from it, so `--config.<name>.<key>=...` works as for any key). `check(cfg, stages,
-    check_data)` validates the section for a run, raising ConfigError: `config.validate` calls it
-    with the run config, the run's [(StepConfig, ResolvedMethod)] stages, and whether data and
-    folders are checked too (False for a dry run's plan)."""
-
-    name: str
-    schema: type
-    check: Callable[[Any, Sequence[tuple[StepConfig, Any]], bool], None] | None = None
-
-
-CONFIG_SECTIONS: dict[str, ConfigSection] = {}
-
-
-def register_config_section(name: str, schema: type, check: Callable | None = None) -> ConfigSection:
-    """Register a method's config section `name`, whose keys and defaults are dataclass `schema`'s."""
-    if not dataclasses.is_dataclass(schema):
-        raise ValueError(f"config section {name!r}: its schema must be a dataclass, got {schema!r}")
-    if name in CONFIG_SECTIONS:
-        raise ValueError(f"config section {name!r} already registered")
-    CONFIG_SECTIONS[name] = ConfigSection(name, schema, check)
-    return CONFIG_SECTIONS[name]
-
+# The sections themselves (ConfigSection, CONFIG_SECTIONS, register_config_section) live in
+# rl.config, beside the configs that read them; imported here so a method registers everything
+# from this one module.
 
 # checks of a run config a method adds that belong to no section of its own (e.g. a file a core key
 # names, read only when the method runs): `check(cfg, stages, check_data)`, run by config.validate
