@@ -14,8 +14,9 @@ Writes PNG files of a fixed size (8 x 4.5 in at 100 dpi = 800 x 450 px) and an i
   agreement.png         depth agreement rate, share of turns amplified / damped
   lengths.png           response tokens and turns per rollout
   optimization.png      pg_loss, kl, clip_frac, grad_norm, step time, tool error rate
-  slim.png              SLIM runs only: library size, skills written / retired, Eval(S) and mean Δ of the
-                        audits; index.md then also lists the skill library and its history (methods.slim.report)
+  <method>.png          a method's own figure and index.md section, for a run of it (rl.methods.ReportSection;
+                        SLIM: slim.png, the library's size, skills written / retired, Eval(S) and mean Δ of
+                        the audits, and the skill library with its history: methods.slim.report)
   cost.png, cost.md     where the wall-clock went (measured and estimated parts), teacher FLOPs and their
                         share, tokens per view kind, peak memory (turnsight_jax.cost_report); with
                         `--compare OTHER_RUN` both runs side by side (TurnSight and its base)
@@ -42,9 +43,10 @@ import pathlib
 import sys
 from typing import Callable, Sequence
 
+import turnsight_jax.methods  # noqa: F401  (the composition root: the built-in methods register their report sections)
 from turnsight_jax import cost_report
 from turnsight_jax.eval import ftrl_metrics
-from turnsight_jax.methods.slim import report as slim_report
+from turnsight_jax.rl.methods import REPORT_SECTIONS
 
 FIG_SIZE = (8.0, 4.5)  # inches
 DPI = 100  # -> 800 x 450 pixels
@@ -282,18 +284,6 @@ def plot_optimization(m: Metrics, path: pathlib.Path) -> None:
     _save(fig, path)
 
 
-def plot_slim(m: Metrics, path: pathlib.Path) -> None:
-    """SLIM's library counters and its audits (methods.slim.report: drawn only for a SLIM run)."""
-    fig, ax = _figure(1, 2)
-    for key in slim_report.COUNTER_KEYS:
-        _line(ax[0, 0], m, key, key.split("/", 1)[1], marker=".")
-    _finish(ax[0, 0], "Skill library", "skills")
-    _line(ax[0, 1], m, "slim/audit_eval", "Eval(S)", marker=".")
-    _line(ax[0, 1], m, "slim/delta_mean", "mean Δ", marker=".")
-    _finish(ax[0, 1], "Audits", "reward")
-    _save(fig, path)
-
-
 def plot_cost(names: Sequence[str], summaries: Sequence[cost_report.CostSummary], path: pathlib.Path) -> None:
     """Each run's wall-clock total, stacked by part (negative parts, tools overlapping decoding, as 0)."""
     fig, ax = _figure()
@@ -312,6 +302,9 @@ def plot_cost(names: Sequence[str], summaries: Sequence[cost_report.CostSummary]
     a.grid(alpha=0.3, axis="x")
     _save(fig, path)
 
+
+# The drawing helpers a method's report section draws with (rl.methods.ReportSection.plot's `kit`).
+PLOT_KIT = argparse.Namespace(figure=_figure, line=_line, finish=_finish, save=_save)
 
 PLOTS: tuple[tuple[str, Sequence[str], Callable], ...] = (
     ("reward.png", ("rollout/reward_mean",), plot_reward),
@@ -359,11 +352,16 @@ def make_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None 
             plot(metrics, out / name)
         files.append(out / name)
         log(f"wrote {out / name}")
-    slim_lines = slim_report.slim_section(run_dir) or []  # a SLIM run's skill library (slim_library.json)
-    if slim_lines and any(metrics.has(k) for k in slim_report.COUNTER_KEYS):
-        plot_slim(metrics, out / slim_report.PLOT)
-        files.append(out / slim_report.PLOT)
-        log(f"wrote {out / slim_report.PLOT}")
+    method_lines = []  # the methods' own sections (rl.methods.ReportSection; SLIM's skill library)
+    for section in REPORT_SECTIONS.values():
+        lines = section.lines(run_dir)
+        if not lines:
+            continue
+        method_lines += lines
+        if section.plot is not None and any(metrics.has(k) for k in section.plot_keys):
+            section.plot(metrics, out / section.plot_name, PLOT_KIT)
+            files.append(out / section.plot_name)
+            log(f"wrote {out / section.plot_name}")
     cost_lines = _cost_section(run_dir, metrics, compare, out, files, notes, log)
     heldout_lines = heldout_section(run_dir, notes)
     if heldout_lines:
@@ -374,7 +372,7 @@ def make_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None 
     index = [f"# Training report: {run_dir.name}", ""] + result_lines + [
              f"{len(metrics.steps)} steps ({metrics.steps[0]}..{metrics.steps[-1]}).", ""]
     index += [f"![{f.stem}]({f.name})" for f in files]
-    index += heldout_lines + slim_lines + cost_lines
+    index += heldout_lines + method_lines + cost_lines
     if notes:
         index += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     (out / "index.md").write_text("\n".join(index) + "\n")

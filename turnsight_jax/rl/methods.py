@@ -256,6 +256,35 @@ def register_config_check(check: Callable[[Any, Sequence[tuple[StepConfig, Any]]
     return check
 
 
+# ---- report sections ----
+
+@dataclasses.dataclass(frozen=True)
+class ReportSection:
+    """A method's part of `python -m turnsight_jax.report RUN_DIR`: `lines(run_dir) -> markdown
+    lines | None` appended to index.md (None: the folder is not a run of the method, nothing
+    added), and, when `lines` gave some and metrics.jsonl holds one of `plot_keys`, the figure
+    `plot_name` drawn by `plot(metrics, path, kit)`; `kit` holds the report's drawing helpers
+    (`kit.figure(nrows, ncols)`, `kit.line(ax, metrics, key, label, **kw)`, `kit.finish(ax, title,
+    ylabel)`, `kit.save(fig, path)`), so the method's module imports nothing of the report."""
+
+    name: str
+    lines: Callable[[Any], list[str] | None]
+    plot_name: str = ""
+    plot_keys: tuple[str, ...] = ()
+    plot: Callable[[Any, Any, Any], None] | None = None
+
+
+REPORT_SECTIONS: dict[str, ReportSection] = {}
+
+
+def register_report_section(section: ReportSection) -> ReportSection:
+    """Add a method's section to every training report (ReportSection)."""
+    if section.name in REPORT_SECTIONS:
+        raise ValueError(f"report section {section.name!r} already registered")
+    REPORT_SECTIONS[section.name] = section
+    return section
+
+
 def runs_controller(stages, name: str) -> bool:
     """Whether a stage of the run samples with rollout controller `name`."""
     return any(m.rollout.name == name for _, m in stages)

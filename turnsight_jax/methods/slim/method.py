@@ -9,10 +9,12 @@ from typing import Sequence
 from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.methods.slim.library import SkillLibrary, SlimConfig, check_writer, slim_settings
+from turnsight_jax.methods.slim import report as slim_report
 from turnsight_jax.methods.slim.runner import LIBRARY_FILE, SlimRunner
 from turnsight_jax.methods.slim.text import with_skills
-from turnsight_jax.rl.methods import (Method, RolloutContext, TrainerHookStart, register_config_section, register_method,
-                                     register_rollout, runs_controller, sampler_rollout, register_progress_metrics)
+from turnsight_jax.rl.methods import (Method, ReportSection, RolloutContext, TrainerHookStart, register_config_section,
+                                     register_method, register_progress_metrics, register_report_section, register_rollout,
+                                     runs_controller, sampler_rollout)
 from turnsight_jax.rollout.driver import RolloutResult
 
 
@@ -56,3 +58,6 @@ register_method(Method("slim", advantage="base", rewards=(), rollout="slim",
                        description="SLIM: a skill library in the prompt, audited by leave-one-out, retired and expanded"))
 
 register_progress_metrics({"slim/library_size": "skills"})
+
+register_report_section(ReportSection("slim", slim_report.slim_section, plot_name=slim_report.PLOT,
+                                      plot_keys=slim_report.COUNTER_KEYS, plot=slim_report.plot))

@@ -55,7 +55,7 @@ def markdown(library: slim.SkillLibrary) -> list[str]:
 
 def slim_section(run_dir: pathlib.Path) -> list[str] | None:
     """The markdown lines of a SLIM run's library section; None for any other run (no
-    slim_library.json). The report (turnsight_jax.report) draws the counters' plot itself."""
+    slim_library.json). The report (turnsight_jax.report) then draws `plot`."""
     path = pathlib.Path(run_dir) / "slim_library.json"
     if not path.is_file():
         return None
@@ -64,3 +64,15 @@ def slim_section(run_dir: pathlib.Path) -> list[str] | None:
     except ValueError as e:
         return ["", "## Skill library (SLIM)", "", f"unreadable: {e}"]
     return [""] + markdown(library)
+
+
+def plot(m, path: pathlib.Path, kit) -> None:
+    """The library's counters and its audits (`kit`: the report's drawing helpers)."""
+    fig, ax = kit.figure(1, 2)
+    for key in COUNTER_KEYS:
+        kit.line(ax[0, 0], m, key, key.split("/", 1)[1], marker=".")
+    kit.finish(ax[0, 0], "Skill library", "skills")
+    kit.line(ax[0, 1], m, "slim/audit_eval", "Eval(S)", marker=".")
+    kit.line(ax[0, 1], m, "slim/delta_mean", "mean Δ", marker=".")
+    kit.finish(ax[0, 1], "Audits", "reward")
+    kit.save(fig, path)
