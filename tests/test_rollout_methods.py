@@ -300,3 +300,60 @@ def test_config_keys_give_the_rows_per_prompt_and_refuse_bad_values():
         with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(".", r"\.")):
             check(f"rl.rollout={controller}", bad)
         check(bad)  # a section of a controller that does not run is not read (bar.cap 0 follows G)
+
+
+# ---- BAR from outside the package (issue 60) ----
+
+@pytest.fixture
+def bar_copy(tmp_path, monkeypatch):
+    """methods/bar.py copied into a folder outside the package as module `bar_copy`, its registered
+    names renamed (the built-in BAR holds "bar"): controller and config section "bar_copy", the
+    run config read as cfg.bar_copy. Nothing else changes, and no file of the package is edited.
+    Its registrations are taken off the registries afterwards."""
+    import importlib
+    import pathlib
+    import sys
+
+    from turnsight_jax.rl import methods as registry
+
+    src = (pathlib.Path(bar_lib.__file__)).read_text()
+    code = src.replace('"bar"', '"bar_copy"').replace("cfg.bar,", "cfg.bar_copy,")
+    assert code.count('"bar_copy"') == 4 and code.count("cfg.bar_copy,") == 3  # the registration block's names
+    (tmp_path / "bar_copy.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("bar_copy")
+    try:
+        assert pathlib.Path(module.__file__).parent == tmp_path
+        yield module
+    finally:
+        registry.ROLLOUTS.pop("bar_copy", None)
+        registry.CONFIG_SECTIONS.pop("bar_copy", None)
+        sys.modules.pop("bar_copy", None)
+
+
+def test_bar_works_from_a_copy_outside_the_package(tok, env, bar_copy):
+    """BAR is self-contained: the copy's config section is generated from its dataclass and checked
+    by its own check, its controller resolves and gives the rows per prompt, and it rolls out
+    exactly as the built-in controller does (the same scripted episodes, decisions and metrics)."""
+    cfg = default_config()
+    assert dict(cfg.bar_copy) == dataclasses.asdict(bar_copy.BarConfig())
+    sc, method = validate(apply_overrides(cfg, ["rl.method=grpo", "rl.rollout=bar_copy", "bar_copy.chunk=2",
+                                                "bar_copy.cap=6"]), 1)
+    assert method.rollout.name == "bar_copy" and sc.prompt_rows == 6 and sc.rows_per_prompt == 6
+    with pytest.raises(ConfigError, match=r"bar\.cap=6 must be a multiple of bar\.chunk=4"):
+        validate(apply_overrides(default_config(), ["rl.method=grpo", "rl.rollout=bar_copy", "bar_copy.cap=6",
+                                                    "bar_copy.chunk=4"]), 1)
+    tasks = [generate_task("single_hop", s) for s in range(len(PATTERNS))]
+
+    def rollout(lib):
+        def script(row):
+            p, k = divmod(row, BAR.cap)
+            return gold_turn_texts(tasks[p]) if PATTERNS[p][k] else WRONG_CALL
+
+        cfg = lib.BarConfig(**dataclasses.asdict(BAR))
+        return lib.bar_rollout(_ctx(tok, env, 4), tasks, 0, cfg, policy=Scripted(tok, script))
+
+    mine, theirs = rollout(bar_copy), rollout(bar_lib)
+    assert mine.metrics == theirs.metrics and mine.metrics["bar/rows_in_groups"] == 30
+    assert [(t.group_id, t.reward, t.tokens.tolist()) for t in mine.trajectories] == [
+        (t.group_id, t.reward, t.tokens.tolist()) for t in theirs.trajectories]
