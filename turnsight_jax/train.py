@@ -321,8 +321,8 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
         decay = step_cfg.teacher.ema_decay
         ema_fn = jax.jit(lambda t, p: jax.tree.map(lambda a, b: (decay * a + (1.0 - decay) * b).astype(a.dtype), t, p),
                          donate_argnums=0)
-    # The learned auxiliaries (rl.step.init_aux): PPO's critic (its own trunk, from the policy's
-    # starting weights, a value head), PiCA's step-PRM (a head on the frozen reference trunk); each
+    # The learned auxiliaries (rl.step.init_aux): a critic (its own trunk, from the policy's
+    # starting weights, a value head) and/or a step-PRM (a head on the frozen reference trunk); each
     # with its own optimizer, checkpointed as its own item next to the policy.
     aux_opts = make_aux_optimizers(step_cfg, method)
     aux_state = _new_aux(method, params, qcfg, aux_opts, mesh) if method.aux else None
@@ -340,7 +340,7 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
                               state_shardings=jax.tree.map(lambda x: x.sharding, shardings),
                               teacher_graphdef=teacher_graphdef, aux_optimizers=aux_opts, records=with_records)
 
-    # A two-stage recipe (rl.switch_step / rl.switch_method, e.g. SRL then the outcome): the
+    # A two-stage recipe (rl.switch_step / rl.switch_method: one method, then another): the
     # second stage's step compiles when it starts (same state; config.second_stage checks it).
     later = second_stage(cfg, step_cfg, method)
     stage_steps = {0: (step_cfg, method, step_fn)}
@@ -358,7 +358,7 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
                 aux_optimizers=aux_opts, records=with_records))
         return stage_steps[1]
 
-    # A rollout controller that scores with the policy before the last update (APPO's pi_old,
+    # A rollout controller that scores with the policy before the last update (its pi_old,
     # rl.methods.RolloutController.old_policy): a copy of the parameters kept before each update,
     # checkpointed, so a resumed run continues with it; None before the first update.
     old_kinds = {m.rollout.old_policy_kind(cfg) for m in ([method] + ([later.method] if later is not None else []))}
@@ -393,8 +393,8 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
                       wandb=wandb_run)
     records.clear_from(workdir, start, jax.process_index())  # the steps this run will redo, like their metrics
     optimizer_probe = cost.OptimizerProbe(optimizer)
-    # Controllers with state across steps (rl.methods.TrainerHook; SLIM's skill library, audited
-    # and expanded after steps): a resumed run continues with the files saved in its checkpoint.
+    # Controllers with state across steps (rl.methods.TrainerHook, e.g. a library of skills audited
+    # after steps): a resumed run continues with the files saved in its checkpoint.
     hooks = start_trainer_hooks(
         [method, later.method if later is not None else None],
         TrainerHookStart(cfg, tok, train_tasks, workdir, mesh, qcfg.vocab_size, log=log,
@@ -456,7 +456,7 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
                                  model_setup.DTYPES[cfg.model.compute_dtype], line, engine=engine_cfg,
                                  mesh=rollout_mesh, group_offset=first, run_config=cfg, task_pool=train_tasks)
             hook = hooks.get(method.rollout.name)
-            if hook is not None:  # what the controller reads (SLIM: the skills it puts in the prompts)
+            if hook is not None:  # what the controller reads (e.g. the skills it puts in the prompts)
                 ctx = dataclasses.replace(ctx, state=hook.rollout_state())
             old_kind = method.rollout.old_policy_kind(cfg)
             if old_kind:
@@ -522,7 +522,7 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
             if later is not None:  # which stage of a two-stage recipe ran (1, then 2)
                 metrics["rl/stage"] = 1.0 + float(step >= later.start)
             for k, v in m.items():
-                # a plug-in method's own diagnostics carry their prefix ("rlsd/...", "teacher/...")
+                # a plug-in method's own diagnostics carry their prefix ("<method>/...", "teacher/...")
                 metrics[k if "/" in k else ("turnsight/" if k in TURNSIGHT_METRICS else "train/") + k] = v
             # what each turn was (faults, tool outcome, dependency) and, when the step returned its
             # per-turn arrays, what it received (rl.turn_outcomes): the studies' metrics, and with
@@ -588,7 +588,7 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
                             "perf/rollout_tokens_per_s": counts["r.tokens"] / max(t_roll, 1e-9),
                             # episodes an environment error ended (a raising step or scorer), a count
                             "rollout/env_errors": counts["r.env_errors"],
-                            # what the controller sampled (BAR's rounds, AKBE's no-tool group included):
+                            # what the controller sampled (every round and extra group included):
                             # episodes, their tokens after the prompt, the policy tokens decoded
                             "rollout/episodes": counts["r.episodes"],
                             "rollout/episode_tokens": counts["r.tokens"],
@@ -605,7 +605,7 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
                 metrics["rollout/prefill_tokens"] = st.get("engine/prefill_tokens", 0.0)
             if peak:
                 metrics["perf/mfu_vs_measured_matmul"] = necessary / t_total / peak
-            if hook is not None:  # e.g. SLIM's audits, retirements, expansions
+            if hook is not None:  # the hook's own work after the step (e.g. audits)
                 metrics.update(hook.after_step(step, graphdef, params, env))
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < n_steps and eval_tasks:
                 t0 = time.perf_counter()
