@@ -89,7 +89,6 @@ def register_config_section(name: str, schema: type, check: Callable | None = No
     return CONFIG_SECTIONS[name]
 
 
-
 @dataclasses.dataclass(frozen=True)
 class AlgoConfig:
     """The method (turnsight_jax.rl.methods) and its knobs.
