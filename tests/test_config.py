@@ -159,7 +159,7 @@ TODAY_DEFAULT["teacher"] = {"weights": "reference", "ema_decay": 0.99, "checkpoi
                             "sibling_min_reward": 1.0, "top_k": 20}
 # The issue-25 methods (PPO's GAE and critic, PiCA's PRM, ToolOmni's gate) and two-stage recipes:
 # no effect on the default method (TurnSight over GRPO trains no critic or PRM and never switches).
-TODAY_DEFAULT["rl"].update(gae_gamma=1.0, gae_lam=1.0, gae_whiten=True, toolomni_gate=0.95, switch_step=0,
+TODAY_DEFAULT["rl"].update(gae_gamma=1.0, gae_lam=1.0, gae_whiten=True, switch_step=0,
                            switch_method="")
 # A rollout controller in place of the method's own (issue 24's rollout methods), off.
 TODAY_DEFAULT["rl"].update(rollout="")
@@ -180,6 +180,8 @@ TODAY_DEFAULT["judge"] = {"checkpoint": "", "rationale": True, "reference": Fals
                           "max_prompt_tokens": 4096, "batch_size": 32, "default_label": 0, "verifier_threshold": 1.0,
                           "dtype": "float32"}
 # BAR and AKBE (rl.rollout=bar / akbe): no effect on the default method (its controller is the sampler).
+# ToolOmni's gate (rl.method=toolomni), its own section since issue 60 (was rl.toolomni_gate).
+TODAY_DEFAULT["toolomni"] = {"gate": 0.95}
 TODAY_DEFAULT["bar"] = {"chunk": 4, "cap": 0, "low": 0.375, "high": 0.625, "success": 1.0, "fallback": "keep"}
 TODAY_DEFAULT["akbe"] = {"coef": 0.05, "correct": "answer_correct", "correct_min": 1.0, "no_tool_calls": "refuse"}
 # MM-GRPO's rollout controller (rl.rollout=mm_grpo): no effect on the default method (its sampler).
@@ -312,7 +314,7 @@ def test_every_method_section_is_its_dataclass():
     from turnsight_jax.rl.config import CONFIG_SECTIONS
 
     base = C.base_config()
-    assert {"bar", "akbe", "t2po", "appo", "slim", "judge", "mm_grpo"} <= set(CONFIG_SECTIONS)
+    assert {"bar", "akbe", "t2po", "appo", "slim", "judge", "mm_grpo", "toolomni"} <= set(CONFIG_SECTIONS)
     for name, section in CONFIG_SECTIONS.items():
         assert base[name].to_dict() == dataclasses.asdict(section.schema()), name
     assert base.bar.cap == 0  # 0: train.group_size (bar_settings resolves it)
@@ -610,6 +612,25 @@ def test_a_config_file_missing_sections_or_keys_is_one_line(tmp_path):
     msg = str(e.value)
     assert "\n" not in msg and "lacks key 'loss.kl_coef', section 'train'" in msg, msg
     assert C.load_config_file(C.pathlib.Path(C.__file__).parents[1] / "configs" / "qwen3_8b.py").train.steps > 0
+
+
+def test_a_config_file_setting_a_key_that_is_none_is_one_line(tmp_path):
+    """A key the base config lacks (a typo, or a key that moved to a method's own section) would
+    be read by nothing: named at load time, with the key it most likely meant; free-form rl.args
+    keys stay free."""
+    path = tmp_path / "moved.py"
+    path.write_text("from turnsight_jax.config import default_config\n\n"
+                    "def get_config():\n    c = default_config()\n    c.rl.toolomni_gate = 0.9\n"
+                    "    c.train.stepz = 3\n    c.rl.args.my_knob = 2\n    return c\n")
+    with pytest.raises(ConfigError) as e:
+        C.load_config_file(path)
+    msg = str(e.value)
+    assert "\n" not in msg and "sets 'rl.toolomni_gate', which is no config key; did you mean toolomni.gate" in msg, msg
+    assert "(and 1 more: train.stepz)" in msg and "my_knob" not in msg, msg
+    path.write_text("from turnsight_jax.config import default_config\n\n"
+                    "def get_config():\n    c = default_config()\n    c.toolomni.gate = 0.9\n"
+                    "    c.rl.args.my_knob = 2\n    return c\n")
+    assert C.load_config_file(path).toolomni.gate == 0.9
 
 
 @pytest.mark.parametrize("override,message", [

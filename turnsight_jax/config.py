@@ -164,7 +164,6 @@ def base_config() -> mlc.ConfigDict:
     c.rl.gae_gamma = 1.0  # PPO (methods with a critic, methods.critic): GAE discount per policy token (verl: 1.0)
     c.rl.gae_lam = 1.0  # PPO: GAE lambda (verl: 1.0)
     c.rl.gae_whiten = True  # PPO: GAE advantages whitened over the batch's policy tokens (verl's default)
-    c.rl.toolomni_gate = 0.95  # ToolOmni: retrieval reward (InfoRecall x AnswerTran + 0.2 format) from which the answer stage trains
     c.rl.orchard_coef = 1.0  # Orchard CA-SFT: coefficient of the NLL on rise segments of failed trajectories
     c.rl.orchard_rise = 0.05  # Orchard: a turn whose credit V(s_k+1) - V(s_k) reaches this is in a rise segment (the paper's 0.05)
     c.rl.orchard_success = 1.0  # Orchard: outcome reward from which a trajectory is solved (CA-SFT trains on the others)
@@ -308,7 +307,7 @@ def base_config() -> mlc.ConfigDict:
     c.faults.delay_s = 0.0  # seconds a delayed call adds
     c.faults.seed = 0  # salt of the fault draws (with each episode's seed and each call's index)
     # each method's own section, generated from its registered dataclass (rl.config.CONFIG_SECTIONS):
-    # the keys and defaults of slim.*, bar.*, akbe.*, t2po.*, appo.*, judge.*, mm_grpo.* are the
+    # the keys and defaults of slim.*, bar.*, akbe.*, t2po.*, appo.*, judge.*, mm_grpo.*, toolomni.* are the
     # fields of methods.slim.library.SlimConfig, methods.bar.BarConfig, ... (registered when
     # turnsight_jax.methods is imported, as every entry point does)
     for section in CONFIG_SECTIONS.values():
@@ -439,6 +438,15 @@ def load_config_file(path: str | pathlib.Path) -> mlc.ConfigDict:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ConfigError(f"config file {path}: get_config() lacks {', '.join(missing[:3])}{more}; "
                           f"start from turnsight_jax.config.base_config() or default_config()")
+    # A key the base config does not have (a typo, or a key that moved: rl.toolomni_gate is
+    # toolomni.gate) would be read by nothing, so the run would silently ignore it.
+    unknown = [k.split(" ", 1)[1].strip("'") for k in _missing_keys(base_config(), cfg)]
+    if unknown:
+        flat = sorted(_flat_keys(base_config()))
+        close = difflib.get_close_matches(unknown[0], flat, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        more = f" (and {len(unknown) - 1} more: {', '.join(unknown[1:4])})" if len(unknown) > 1 else ""
+        raise ConfigError(f"config file {path}: get_config() sets {unknown[0]!r}, which is no config key{hint}{more}")
     return cfg
 
 
@@ -587,7 +595,7 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
                         matchtir_singleton=r.matchtir_singleton, toolrl_format=r.toolrl_format,
                         sdpo_coef=r.sdpo_coef, sdpo_tail=r.sdpo_tail, sdar_coef=r.sdar_coef, sdar_beta=r.sdar_beta,
                         sod_coef=r.sod_coef, sod_tau=r.sod_tau, gae_gamma=r.gae_gamma, gae_lam=r.gae_lam,
-                        gae_whiten=r.gae_whiten, toolomni_gate=r.toolomni_gate, orchard_coef=r.orchard_coef,
+                        gae_whiten=r.gae_whiten, orchard_coef=r.orchard_coef,
                         orchard_rise=r.orchard_rise, orchard_success=r.orchard_success,
                         sections=method_sections(cfg), args=args),
         teacher=TeacherConfig(weights=te.weights, ema_decay=te.ema_decay, checkpoint=te.checkpoint,

@@ -3,7 +3,7 @@ tool turns and the answer turn trained as two separately normalised stages. The 
 reward is R_ret = InfoRecall x AnswerTran + 0.2 format (the gold sub-answers found in the tool
 results, times the order agreement of the called tools with the gold chain, plus well-formed
 output); the answer turn's is the answer's token F1, normalised among the siblings whose R_ret
-passed rl.toolomni_gate.
+passed toolomni.gate.
 
     python -m turnsight_jax.train --config configs/methods/toolomni.py --workdir /tmp/toolomni_run
 
@@ -18,7 +18,7 @@ def get_config():
     c = default_config()
     c.name = "toolomni_tiny"
     c.rl.method = "toolomni"
-    c.rl.toolomni_gate = 0.95
+    c.toolomni.gate = 0.95
     c.train.steps = 8
     c.data.num_eval = 32
     return c

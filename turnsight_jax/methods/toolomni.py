@@ -17,7 +17,7 @@ normalisation:
   - format: 1 when every call parsed and the last turn gives an answer, else 0.
 * **Answer reward**: the token F1 of the parsed answer against the gold answer (the paper's
   reward model is FTRL's verifier here).
-* **The gate**: only trajectories with R_ret >= `rl.toolomni_gate` (0.95) pass to the answer
+* **The gate**: only trajectories with R_ret >= `toolomni.gate` (0.95) pass to the answer
   stage: the answer stage's group statistics pool the passing siblings only, and a trajectory
   that did not pass gets no answer-stage advantage.
 
@@ -108,9 +108,10 @@ def toolomni_advantages(retrieval_rewards, answer_rewards, answer_turn, info_rec
 def _register() -> None:
     from turnsight_jax.rl.advantages import register_advantage
 
+    # the knob "toolomni.gate" (the config section below) arrives as the keyword toolomni_gate
     register_advantage("toolomni", ("retrieval_rewards", "answer_rewards", "answer_turn", "info_recall",
                                     "answer_tran", "group_ids", "policy_mask", "turn_ids"),
-                       ("eps", "num_groups", "toolomni_gate"))(toolomni_advantages)
+                       ("eps", "num_groups", "toolomni.gate"))(toolomni_advantages)
 
 
 _register()
@@ -120,7 +121,32 @@ _register()
 import numpy as np  # noqa: E402
 
 from turnsight_jax.rewards import token_f1  # noqa: E402
-from turnsight_jax.rl.methods import Method, register_method, register_reward  # noqa: E402
+import dataclasses  # noqa: E402
+import math  # noqa: E402
+
+from turnsight_jax.errors import ConfigError  # noqa: E402
+from turnsight_jax.rl.methods import (Method, register_config_section, register_method,  # noqa: E402
+                                     register_reward)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolOmniConfig:
+    """The run config's `toolomni.*` section."""
+
+    gate: float = 0.95  # the retrieval reward R_ret from which a trajectory's answer turn trains (paper: 0.95)
+
+    def validate(self) -> "ToolOmniConfig":
+        if isinstance(self.gate, bool) or not isinstance(self.gate, (int, float)) or not math.isfinite(self.gate):
+            raise ConfigError(f"toolomni.gate must be a finite number, got {self.gate!r}")
+        return self
+
+
+def _check_section(cfg, stages, check_data: bool) -> None:
+    if any(m.name == "toolomni" for _, m in stages):
+        ToolOmniConfig(**dict(cfg.toolomni.items())).validate()
+
+
+register_config_section("toolomni", ToolOmniConfig, _check_section)
 
 
 def _parts(traj, task) -> dict[str, float]:

@@ -120,8 +120,7 @@ class AlgoConfig:
     and its gate's sharpness), sod_coef / sod_tau (SOD's distillation coefficient and the
     temperature of its turn weights exp(-divergence / tau)). PPO's GAE (methods.critic; methods with a
     critic): gae_gamma and gae_lam per policy token (verl's defaults 1.0, 1.0), gae_whiten
-    (advantages whitened over the batch's policy tokens). toolomni_gate: ToolOmni's retrieval
-    reward from which a trajectory passes to the answer stage (methods.toolomni). Orchard's CA-SFT
+    (advantages whitened over the batch's policy tokens). Orchard's CA-SFT
     (methods.orchard): orchard_coef (the NLL's coefficient), orchard_rise (the credit c_k from which a
     turn is in a rise segment, 0.05), orchard_success (the outcome reward from which a trajectory
     counts as solved; CA-SFT trains on the others). sections: the run config's method sections
@@ -164,7 +163,6 @@ class AlgoConfig:
     gae_gamma: float = 1.0
     gae_lam: float = 1.0
     gae_whiten: bool = True
-    toolomni_gate: float = 0.95
     orchard_coef: float = 1.0
     orchard_rise: float = 0.05
     orchard_success: float = 1.0
@@ -423,8 +421,6 @@ class StepConfig:
             if not math.isfinite(v) or (name == "orchard_coef" and v < 0):
                 raise ConfigError(f"rl.{name} must be finite" + (" and >= 0" if name == "orchard_coef" else "")
                                   + f", got {v}")
-        if not math.isfinite(algo.toolomni_gate):
-            raise ConfigError(f"rl.toolomni_gate must be finite, got {algo.toolomni_gate}")
         if not isinstance(algo.gae_whiten, bool):
             raise ConfigError(f"rl.gae_whiten must be True or False, got {algo.gae_whiten!r}")
         self.critic.validate()

@@ -92,7 +92,7 @@ def advantage_knobs(cfg: StepConfig, batch_size: int) -> dict:
             "norm_pool": a.norm_pool, "uncovered_in_stats": a.uncovered_in_stats,
             "empty_block_turns": a.empty_block_turns, "sdpo_coef": a.sdpo_coef,
             "depths": tuple(a.depths), "horizon_tol": a.horizon_tol,
-            "gae_gamma": a.gae_gamma, "gae_lam": a.gae_lam, "gae_whiten": a.gae_whiten, "toolomni_gate": a.toolomni_gate,
+            "gae_gamma": a.gae_gamma, "gae_lam": a.gae_lam, "gae_whiten": a.gae_whiten,
             **a.section_knobs()}
 
 
