@@ -438,8 +438,8 @@ def load_config_file(path: str | pathlib.Path) -> mlc.ConfigDict:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ConfigError(f"config file {path}: get_config() lacks {', '.join(missing[:3])}{more}; "
                           f"start from turnsight_jax.config.base_config() or default_config()")
-    # A key the base config does not have (a typo, or a key that moved: rl.toolomni_gate is
-    # toolomni.gate) would be read by nothing, so the run would silently ignore it.
+    # A key the base config does not have (a typo, or a key that moved into a method's own
+    # section) would be read by nothing, so the run would silently ignore it.
     unknown = [k.split(" ", 1)[1].strip("'") for k in _missing_keys(base_config(), cfg)]
     if unknown:
         flat = sorted(_flat_keys(base_config()))
