@@ -185,8 +185,6 @@ CORE_WORDS = ("ppo_epochs",)
 
 def _method_names() -> list[str]:
     """The built-in methods' names (methods, rollout controllers, config sections), less the core's."""
-    import re  # noqa: F401
-
     import turnsight_jax.methods  # noqa: F401
     from turnsight_jax.rl import methods as registry
     from turnsight_jax.rl.config import CONFIG_SECTIONS

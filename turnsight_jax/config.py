@@ -35,7 +35,7 @@ from turnsight_jax.chat.hindsight_template import HindsightTemplate
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.rl.config import (AlgoConfig, CriticConfig, LossConfig, OptimConfig, PRMConfig, StepConfig,
                                      TeacherConfig)
-from turnsight_jax.rl.config import CONFIG_SECTIONS
+from turnsight_jax.rl.config import CONFIG_SECTIONS, section_settings
 from turnsight_jax.rl.methods import CONFIG_CHECKS, ResolvedMethod, resolve_method
 from turnsight_jax.rollout.driver import RolloutConfig
 from turnsight_jax.chat.template import OBSERVATION_TEMPLATES
@@ -567,15 +567,8 @@ def method_sections(cfg: mlc.ConfigDict) -> tuple[tuple[str, Any], ...]:
     sections); a section the config lacks is left out (its dataclass's defaults then apply). Only
     the keys are checked here: a section's values are checked by its method's registered check
     when a stage runs the method (`validate`; e.g. bar.cap 0 means the group size there)."""
-    out = []
-    for s in CONFIG_SECTIONS.values():
-        if s.name in cfg:
-            fields = {f.name for f in dataclasses.fields(s.schema)}
-            unknown = sorted(set(cfg[s.name].keys()) - fields)
-            if unknown:
-                raise ConfigError(f"{s.name}.{unknown[0]} is not a {s.name} key; keys: {', '.join(sorted(fields))}")
-            out.append((s.name, s.schema(**dict(cfg[s.name].items()))))
-    return tuple(out)
+    return tuple((s.name, section_settings(s.schema, cfg[s.name], s.name, f"a {s.name}", validate=False))
+                 for s in CONFIG_SECTIONS.values() if s.name in cfg)
 
 
 def step_config(cfg: mlc.ConfigDict) -> StepConfig:

@@ -28,11 +28,14 @@ normalised within the group's passing members; 0 elsewhere.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Mapping, Sequence
 
 import jax.numpy as jnp
 
 from turnsight_jax.chat.types import Call, CallError, ToolCall
+from turnsight_jax.errors import ConfigError
 from turnsight_jax.rewards import flatten_gold, normalize_answer
 from turnsight_jax.rl.groups import group_normalize
 
@@ -121,10 +124,7 @@ _register()
 import numpy as np  # noqa: E402
 
 from turnsight_jax.rewards import token_f1  # noqa: E402
-import dataclasses  # noqa: E402
-import math  # noqa: E402
-
-from turnsight_jax.errors import ConfigError  # noqa: E402
+from turnsight_jax.rl.config import section_settings  # noqa: E402
 from turnsight_jax.rl.methods import (Method, register_config_section, register_method,  # noqa: E402
                                      register_reward)
 
@@ -143,7 +143,7 @@ class ToolOmniConfig:
 
 def _check_section(cfg, stages, check_data: bool) -> None:
     if any(m.name == "toolomni" for _, m in stages):
-        ToolOmniConfig(**dict(cfg.toolomni.items())).validate()
+        section_settings(ToolOmniConfig, cfg.toolomni, "toolomni", "a ToolOmni")
 
 
 register_config_section("toolomni", ToolOmniConfig, _check_section)

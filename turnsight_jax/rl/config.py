@@ -39,15 +39,16 @@ PRIVILEGED_SOURCES = ("gold_answer", "sibling", "feedback", "skill", "none")
 PRIVILEGED_PLACEMENTS = ("prompt", "turn")
 
 
-def section_settings(cls, section, key: str, what: str):
+def section_settings(cls, section, key: str, what: str, *, validate: bool = True):
     """A run config's `key.*` section (a ConfigDict or any mapping of its keys) -> cls(**keys)
-    checked by its `validate()`; a ConfigError naming an unknown key (`what`: the method, for the
-    message)."""
+    checked by its `validate()` (unless `validate=False`: the keys only); a ConfigError naming an
+    unknown key (`what`: the method, for the message)."""
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(section.keys()) - fields)
     if unknown:
         raise ConfigError(f"{key}.{unknown[0]} is not {what} key; keys: {', '.join(sorted(fields))}")
-    return cls(**dict(section.items())).validate()
+    settings = cls(**dict(section.items()))
+    return settings.validate() if validate else settings
 
 
 def parse_turn_coverage(turns: str) -> tuple[str, int]:
