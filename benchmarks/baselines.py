@@ -119,12 +119,12 @@ def main():
                                   logprob_chunk=sc.logprob_chunk, score_chunk=sc.scoring_chunk,
                                   micro_batches=sc.micro_batches, mini_batches=sc.mini_batches,
                                   teacher_micro_batches=sc.teacher_micro_batches,
-                                  teacher_cfg=qcfg if external else None, critic=method.critic, prm=method.prm,
+                                  teacher_cfg=qcfg if external else None, critic=method.uses("critic"), prm=method.uses("prm"),
                                   row_group=cfg.model.attn_row_group, key_block=cfg.model.attn_key_block)
         teacher = work.parts.get("teacher", (0.0, 0.0))[0] + work.parts.get("retrospective", (0.0, 0.0))[0]
         critic = work.parts.get("critic", (0.0, 0.0))[0] + work.parts.get("prm", (0.0, 0.0))[0]
         teacher_tokens = int(stats.get("view_tokens", 0))
-        if method.retrospective:
+        if method.uses("retrospective"):
             teacher_tokens += int((batch.probes.layout.segment_ids >= 0).sum())
         rows.append([name, sc.teacher.weights if method.uses_teacher else "-",
                      sc.teacher.source if method.teacher == "privileged" and method.needs_views else "-",

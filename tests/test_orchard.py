@@ -197,9 +197,10 @@ def test_fused_step_equals_base_plus_the_written_out_ca_sft(setup, tok):
 
 
 def test_orchard_needs_the_outcome_reward():
-    with pytest.raises(ConfigError, match="failed trajectories"):
+    # the retrospective teacher's CA-SFT trains on failed trajectories: the outcome reward tells them
+    with pytest.raises(ConfigError, match=r"step auxiliary 'retrospective' .* reads \['rewards'\], .*'outcome'"):
         resolve_method(StepConfig(algo=AlgoConfig(method="orchard", base="toolomni")))
-    assert resolve_method(StepConfig(algo=AlgoConfig(method="orchard", base="matchtir"))).retrospective
+    assert resolve_method(StepConfig(algo=AlgoConfig(method="orchard", base="matchtir"))).uses("retrospective")
 
 
 def test_trains_three_steps_from_its_config_on_failures_alone(tmp_path):

@@ -111,12 +111,12 @@ def _run(cfg, policy, critic, batch, *, method=None, lr=1.0, critic_opt=None, st
     params = jax.tree.map(jnp.copy, params)
     opt_state = opt.init(params)
     state = None
-    if method.critic:
+    if method.uses("critic"):
         state = {"critic": {"params": jax.tree.map(jnp.copy, critic), "opt_state": c_opt.init(critic)}}
     history = []
     for _ in range(steps):
         out = step(params, opt_state, ref, jax.tree.map(jnp.asarray, batch), None, state)
-        if method.critic:
+        if method.uses("critic"):
             params, opt_state, metrics, state = out
         else:
             params, opt_state, metrics = out
@@ -244,7 +244,7 @@ def test_turnsight_over_ppo(setup, tok):
     trajs, row_tasks, policy, critic = setup
     cfg = _cfg("turnsight", algo=dict(base="ppo"))
     method = resolve_method(cfg)
-    assert method.critic and method.base.name == "gae"
+    assert method.uses("critic") and method.base.name == "gae"
     _, hist, state = _run(cfg, policy, critic, _batch(cfg, trajs, row_tasks, tok))
     m = hist[0]
     assert m["critic/value_loss"] > 0 and _max_diff(state["params"], critic) > 1e-4

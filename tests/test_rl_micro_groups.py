@@ -72,7 +72,7 @@ def test_the_batch_holds_each_groups_width(setup, tok):  # noqa: F811
 
 
 def test_each_group_of_micro_batches_runs_at_its_own_width(setup, tok):  # noqa: F811
-    from turnsight_jax.rl.step import _in_micro_batches
+    from turnsight_jax.rl.micro_batches import in_micro_batches as _in_micro_batches
 
     trajs, row_tasks, _, _ = setup
     _, batch, _ = _grouped(trajs, row_tasks, tok, 2)

@@ -810,7 +810,7 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
             teacher_architecture(cfg.teacher.checkpoint, cfg.teacher.preset, policy)
         except (OSError, ValueError) as e:
             raise ConfigError(str(e)) from None
-    if method.prm and not sc.algo.student_sees_observations:
+    if method.uses("prm") and not sc.algo.student_sees_observations:
         raise ConfigError(f"rl.method={sc.algo.method!r} trains a step-PRM that reads the tool results; "
                           "rl.student_sees_observations=False masks them out of the context it reads")
     # The rewards' inputs must exist for the training tasks (e.g. MatchTIR's gold calls).

@@ -161,7 +161,7 @@ def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_cfg=
         remat=cfg.model.remat, teacher_distinct_rows=bstats.get("teacher_distinct_rows"),
         logprob_chunk=step_cfg.logprob_chunk, score_chunk=step_cfg.scoring_chunk, micro_batches=step_cfg.micro_batches,
         mini_batches=step_cfg.mini_batches, teacher_micro_batches=step_cfg.teacher_micro_batches,
-        row_shards=local_row_shards(mesh), teacher_cfg=teacher_cfg, critic=method.critic, prm=method.prm,
+        row_shards=local_row_shards(mesh), teacher_cfg=teacher_cfg, critic=method.uses("critic"), prm=method.uses("prm"),
         row_group=cfg.model.attn_row_group, key_block=cfg.model.attn_key_block,
         fused_block=cfg.model.attn_block if cfg.model.attn_impl != "xla" else 0)
 
@@ -326,10 +326,10 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
     # with its own optimizer, checkpointed as its own item next to the policy.
     aux_opts = make_aux_optimizers(step_cfg, method)
     aux_state = _new_aux(method, params, qcfg, aux_opts, mesh) if method.aux else None
-    if method.critic:
+    if method.uses("critic"):
         log(f"critic: a {qcfg.num_layers}-layer trunk + value head, lr {step_cfg.critic.optim.lr:g}, "
             f"value clip {step_cfg.critic.value_clip}")
-    if method.prm:
+    if method.uses("prm"):
         log(f"step-PRM: a logistic head on the frozen reference trunk, lr {step_cfg.prm.optim.lr:g}, "
             f"reward {step_cfg.prm.alpha:g} * {step_cfg.prm.decay:g}^(k-1) * (h_(k-1) - h_k - {step_cfg.prm.baseline:g})")
     shardings = (params, opt_state) + ((aux_state,) if aux_state is not None else ())

@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from turnsight_jax.rl.auxiliaries import StageOut, StepAuxiliary, register_auxiliary
 from turnsight_jax.rl.logprobs import gather_rows, layout_fields, predictor_positions, row_layout
 from turnsight_jax.rl.packing import packed_index
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.rl.length_classes import run_by_class
+from turnsight_jax.rl.methods import Method, register_method, register_progress_metrics
 
 Array = jax.Array
 
@@ -182,10 +185,55 @@ def _register() -> None:
 _register()
 
 
-# ---- registration ----
-from turnsight_jax.rl.methods import Method, register_method, register_progress_metrics  # noqa: E402
+# ---- the step auxiliary (rl.auxiliaries) ----
 
-register_method(Method("ppo", advantage="gae", critic=True,
+def init_state(params, hidden_size: int, optimizer) -> dict:
+    """The critic at the start of a run: the trunk a copy of the policy's parameters `params`
+    (verl initialises its critic from the actor's model), the value head zero, and its optimizer's
+    state: {"params": {"trunk", "head"}, "opt_state"} (the step's aux["critic"], the checkpoint's
+    "critic" item)."""
+    cp = {"trunk": jax.tree.map(jnp.copy, params), "head": init_head(hidden_size)}
+    return {"params": cp, "opt_state": optimizer.init(cp)}
+
+
+def _stage_values(inputs, state, optimizer):
+    """V_old [B, N] at the step's start, no gradient, micro-batched like the gradient passes: the
+    advantage's "values" and the value loss's clipping centre."""
+    cp = state["params"]
+    trunk = nnx.merge(inputs.graphdef, cp["trunk"])
+    values = jax.lax.stop_gradient(inputs.student_pass(lambda rows: policy_values(trunk, cp["head"], rows)))
+    return StageOut({"values": values}, {}, carry=values)
+
+
+def _stage_returns(inputs, state, old_values, estimator_out):
+    """The value loss's targets: the estimator's "returns" (GAE's), or, for an advantage without
+    them (e.g. GRPO's over a critic-carrying method), GAE's returns against V_old."""
+    batch, algo = inputs.batch, inputs.cfg.algo
+    returns = estimator_out.get("returns")
+    if returns is None:
+        _, returns = gae(token_rewards(batch.signals["rewards"], batch.pol_valid), old_values, batch.pol_valid,
+                         gamma=algo.gae_gamma, lam=algo.gae_lam)
+    metrics = {"critic/explained_variance": explained_variance(old_values, returns, batch.pol_valid),
+               "critic/returns_mean": jnp.sum(jnp.where(batch.pol_valid, returns, 0.0))
+               / jnp.maximum(batch.pol_valid.sum(), 1)}
+    return {"returns": jax.lax.stop_gradient(returns), "old_values": old_values}, metrics
+
+
+def _value_loss(graphdef, cfg, params, rows, x):
+    """The clipped value loss [B, N] of a micro-batch's rows; its gradient reaches the critic only."""
+    values = policy_values(nnx.merge(graphdef, params["trunk"]), params["head"], rows)
+    vl, vclip = value_loss(values, x["old_values"], x["returns"], cfg.critic.value_clip)
+    return vl, {"value_loss": vl, "value_clip_frac": vclip, "values_mean": values}
+
+
+# ---- registration ----
+
+register_auxiliary(StepAuxiliary(
+    "critic", provides=("values",), needs_outputs=("rewards",), init=init_state, optim=lambda cfg: cfg.critic.optim,
+    before_advantage=_stage_values, after_advantage=_stage_returns, loss=_value_loss,
+    loss_metrics=("value_loss", "value_clip_frac", "values_mean"), describe="critic (value head, clipped value loss)"))
+
+register_method(Method("ppo", advantage="gae", auxiliaries=("critic",),
                        description="PPO: outcome reward on the last token, GAE(gamma, lambda) against a learned critic"))
 
 register_progress_metrics({"critic/value_loss": "v_loss"})

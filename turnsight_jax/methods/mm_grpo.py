@@ -91,8 +91,8 @@ def check_method(settings: MMGRPOSettings, method) -> None:
     if settings.window == 0:
         return
     why = ("its privileged teacher views" if method.needs_views and method.teacher == "privileged" else
-           "its retrospective probe rows" if method.retrospective else
-           "its step-PRM's states" if method.prm else None)
+           "its retrospective probe rows" if method.uses("retrospective") else
+           "its step-PRM's states" if method.uses("prm") else None)
     if why:
         raise ConfigError(f"rl.rollout=mm_grpo with mm_grpo.window={settings.window}: rl.method={method.name!r} reads "
                           f"{why} on the whole trajectory, not on each turn's windowed context; set "

@@ -33,6 +33,7 @@ from turnsight_jax.chat import tokenizer as tok_lib
 from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.chat.types import Task
 from turnsight_jax.models.attention import Layout
+from turnsight_jax.rl.auxiliaries import StageOut, StepAuxiliary, register_auxiliary
 from turnsight_jax.rl.config import AlgoConfig, LossConfig
 from turnsight_jax.rl.context_rows import context_row, has_elisions
 from turnsight_jax.rl.logprobs import gather_rows
@@ -201,8 +202,22 @@ def _ca_sft_term(x, cfg: LossConfig, algo: AlgoConfig):
     return algo.orchard_coef * nll, {"ca_sft_nll": nll}
 
 
+def _stage(inputs, state, optimizer) -> StageOut:
+    """The step auxiliary: the teacher's retrospective values on the probe rows (`batch.probes`,
+    teacher micro-batches, no gradient), once per step -> the CA-SFT mask "rise_mask" [B, N] bool."""
+    batch, cfg = inputs.batch, inputs.cfg
+    values = inputs.teacher_pass(lambda p: retrospective_values(inputs.teacher_model, p), batch.probes)
+    mask, metrics = rise_mask(values, batch.probes.exists, batch.turn_ids, batch.pol_valid, batch.signals["rewards"],
+                              cfg.algo)
+    return StageOut({"rise_mask": mask}, metrics)
+
+
 # ---- registration ----
 from turnsight_jax.rl.methods import Method, register_method  # noqa: E402
+
+# runs whenever a loss term reads "rise_mask" (CA-SFT trains on failed trajectories: the outcome tells)
+register_auxiliary(StepAuxiliary("retrospective", provides=("rise_mask",), needs_outputs=("rewards",),
+                                 before_advantage=_stage, describe="retrospective teacher on probe rows"))
 
 register_method(Method("orchard", advantage="base", rewards=(), loss_terms=("clipped_surrogate", "ca_sft"),
                        description="Orchard CA-SFT: the base method + SFT on rise segments of failed trajectories, "

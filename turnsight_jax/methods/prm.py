@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from turnsight_jax.methods.critic import hidden_at
+from turnsight_jax.rl.auxiliaries import StageOut, StepAuxiliary, register_auxiliary
 from turnsight_jax.rl.logprobs import predictor_positions
+from turnsight_jax.rl.methods import Method, register_method, register_progress_metrics
 
 Array = jax.Array
 
@@ -124,10 +127,57 @@ def prm_states(trunk, batch, max_turns: int):
     return jax.lax.stop_gradient(hidden_at(trunk, batch, pos).astype(jnp.float32)), exists
 
 
-# ---- registration ----
-from turnsight_jax.rl.methods import Method, register_method, register_progress_metrics  # noqa: E402
+# ---- the step auxiliary (rl.auxiliaries) ----
 
-register_method(Method("pica", advantage="gae_process", critic=True, prm=True,
+def init_state(params, hidden_size: int, optimizer) -> dict:
+    """The PRM at the start of a run: {"params": init_head, "opt_state"} (the step's aux["prm"])."""
+    head = init_head(hidden_size)
+    return {"params": head, "opt_state": optimizer.init(head)}
+
+
+def _stage(inputs, state, optimizer) -> StageOut:
+    """The PRM in the step: its step-start h at every state (the frozen reference trunk,
+    micro-batched like the teacher), the progress rewards [B, N] from them (the advantage's
+    "process_rewards"), and one update of its head on this batch (skipped, the head kept, when not
+    finite)."""
+    batch, cfg = inputs.batch, inputs.cfg
+    pc = cfg.prm
+    hidden, exists = inputs.teacher_pass(lambda rows: prm_states(inputs.ref_model, rows, cfg.max_turns))
+    head = state["params"]
+    h = jax.nn.sigmoid(head_logits(hidden, head))
+    proc, gains = progress_rewards(h, exists, batch.turn_ids, batch.pol_valid, batch.num_turns,
+                                   alpha=pc.alpha, decay=pc.decay, baseline=pc.baseline)
+    solved = batch.signals["rewards"] >= pc.success_reward
+    (loss, parts), grads = jax.value_and_grad(prm_loss, has_aux=True)(
+        head, hidden, exists, batch.num_turns, solved, pc.hinge_coef)
+    updates, new_opt = optimizer.update(grads, state["opt_state"], head)
+    finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    new = jax.tree.map(keep, {"params": optax.apply_updates(head, updates), "opt_state": new_opt}, state)
+    k = jnp.arange(h.shape[1])
+    n = batch.num_turns[:, None]
+    boundary = (k[None] >= 1) & (k[None] <= n - 1) & exists
+    final = (k[None] == n) & exists
+    nb = jnp.maximum(boundary.sum(), 1)
+    mean = lambda x, mask: jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(mask.sum(), 1)  # noqa: E731
+    metrics = {"prm/loss": loss, "prm/bce": parts["bce"], "prm/hinge": parts["hinge"],
+               "prm/h_start": mean(h, (k[None] == 0) & exists),
+               "prm/h_final_solved": mean(h, final & solved[:, None]),
+               "prm/h_final_failed": mean(h, final & ~solved[:, None]),
+               "prm/boundaries": boundary.sum().astype(jnp.float32),
+               "prm/gain_mean": jnp.sum(gains) / nb, "prm/gain_abs_mean": jnp.sum(jnp.abs(gains)) / nb,
+               "prm/solved_frac": jnp.mean(solved.astype(jnp.float32)),
+               "prm/skipped_updates": 1.0 - finite.astype(jnp.float32)}
+    return StageOut({"process_rewards": jax.lax.stop_gradient(proc)}, metrics, state=new)
+
+
+# ---- registration ----
+
+register_auxiliary(StepAuxiliary("prm", provides=("process_rewards",), needs_outputs=("rewards",), init=init_state,
+                                 optim=lambda cfg: cfg.prm.optim, before_advantage=_stage,
+                                 describe="step-PRM (head on the frozen reference trunk)"))
+
+register_method(Method("pica", advantage="gae_process", auxiliaries=("critic", "prm"),
                        description="PiCA: a monotone step-PRM's progress rewards at tool results, GAE against a critic"))
 
 register_progress_metrics({"prm/gain_abs_mean": "prm_gain"})

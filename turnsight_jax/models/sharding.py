@@ -112,7 +112,7 @@ def state_shardings(state, mesh: Mesh):
 
 def opt_state_shardings(tree, mesh: Mesh):
     """NamedShardings of a tree whose leaves are named like parameters (an optimizer state, whose
-    moments shard like their parameters; PPO's critic state, rl.step.init_critic): by the leaf's
+    moments shard like their parameters; PPO's critic state, methods.critic.init_state): by the leaf's
     name (PARAM_SPECS); scalars (step counts, the value head's bias) replicated."""
     def leaf(path, x):
         if x.ndim == 0:

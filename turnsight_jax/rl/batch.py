@@ -400,7 +400,7 @@ def make_train_batch(
                                 floor.get("RP", 0), row_shards, processes, modulus, pad_id)
             stats["RP"] = float(views.packed.plan.rows)
     probes = None
-    if method.retrospective:
+    if method.uses("retrospective"):
         probes, pstats = build_probes(trajs, tasks, tokenizer, max_turns=cfg.max_turns,
                                       success_threshold=cfg.algo.orchard_success, buckets=packed_buckets,
                                       min_width=floor.get("Q", 0))
@@ -564,7 +564,7 @@ def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod, step_cfg: S
         width = _packed_width(packed, step_cfg.teacher_pack_width or step_cfg.pack_width, DEFAULT_PACKED_BUCKETS)
         pack_teacher = (_worst_rows(pack_cell, packed, width), width)
     probes = 0
-    if method.retrospective:  # the trajectory, then one probe per state
+    if method.uses("retrospective"):  # the trajectory, then one probe per state
         probes = pick_bucket(length + (r.max_turns + 1) * PROBE_TOKENS, DEFAULT_PACKED_BUCKETS, "plan: probe row")
     return Geometry(batch, length, policy, packed, distinct, views, r.max_turns, class_rows, row_shards, pack_cell,
                     pack_student, pack_teacher, probes, needs_turn_uses(step_cfg, method),

@@ -10,7 +10,10 @@ A method names one entry of each of the four pipeline interfaces:
   `fn(trajectory, task, algo) -> value`; each fills one batch array (`output`), per trajectory
   [B] or per turn [B, K];
 * an **advantage estimator** (turnsight_jax.rl.advantages.register_advantage);
-* **loss terms** (turnsight_jax.rl.losses.register_loss_term), summed inside the jitted step.
+* **loss terms** (turnsight_jax.rl.losses.register_loss_term), summed inside the jitted step;
+
+and may bring **step auxiliaries** (turnsight_jax.rl.auxiliaries: a critic, a step-PRM, a
+retrospective teacher), stages of the step that feed the advantage or the loss terms.
 
 `rl.method` selects a method; a method whose advantage wraps a base estimator (TurnSight) wraps
 the method `rl.base` names, taking its rewards and its advantage as the base. Every input is
@@ -30,6 +33,7 @@ from turnsight_jax.chat.types import Task
 from turnsight_jax.errors import ConfigError
 from turnsight_jax.rewards import matchtir_turn_rewards, toolrl_reward
 from turnsight_jax.rl.advantages import Estimator, get_estimator, get_transform
+from turnsight_jax.rl.auxiliaries import AUXILIARIES, StepAuxiliary
 from turnsight_jax.rl.config import CONFIG_SECTIONS, AlgoConfig, ConfigSection, StepConfig, register_config_section  # noqa: F401
 from turnsight_jax.rl.episodes import run_episodes
 from turnsight_jax.rl.losses import LossTerm, get_loss_term
@@ -47,9 +51,6 @@ LOSS_ARRAYS = ("logprobs", "old_logprobs", "advantages", "ref_logprobs", "pol_va
 # "topk_logprobs" [B, N, K] (the student's log-probs of those tokens, differentiated).
 TEACHER_ARRAYS = ("teacher_logprobs", "teacher_covered", "teacher_topk_logprobs", "topk_logprobs")
 TEACHER_KINDS = ("hindsight", "privileged")
-# What the retrospective teacher gives a loss term (methods.orchard; computed only when a term reads
-# it): "rise_mask" [B, N] bool, the policy tokens of rise-segment turns of failed trajectories.
-RETRO_ARRAYS = ("rise_mask",)
 
 
 # ---- rollout controllers ----
@@ -386,12 +387,10 @@ class Method:
     rollout: str = "sampler"
     description: str = ""
     teacher: str = "hindsight"  # the views the teacher scores, when anything reads them (TEACHER_KINDS)
-    # A critic (methods.critic: its own trunk + value head, trained on the clipped value loss next to
-    # the policy); its values [B, N] reach the advantage as "values".
-    critic: bool = False
-    # A step-PRM (methods.prm: a head on the frozen reference trunk, trained each step); its progress
-    # rewards [B, N] reach the advantage as "process_rewards".
-    prm: bool = False
+    # The learned step auxiliaries it trains next to the policy (rl.auxiliaries, by name: PPO's
+    # "critic", whose values reach the advantage as "values"; PiCA's "prm", "process_rewards").
+    # An auxiliary that only gives loss-term arrays runs whenever a term reads them; not listed.
+    auxiliaries: tuple[str, ...] = ()
 
 
 METHODS: dict[str, Method] = {}
@@ -428,14 +427,19 @@ class ResolvedMethod:
     base: Estimator | None
     loss_terms: tuple[LossTerm, ...]
     teacher: str = "hindsight"
-    critic: bool = False  # the method (or its base) trains a critic (methods.critic)
-    prm: bool = False  # ... a step-PRM (methods.prm)
     transform: Estimator | None = None  # the rollout controller's advantage transform (rl.advantages.TRANSFORMS)
+    # the step auxiliaries that run (rl.auxiliaries): the method's and its base's, then those whose
+    # arrays a loss term reads
+    auxiliaries: tuple[StepAuxiliary, ...] = ()
 
     @property
     def aux(self) -> tuple[str, ...]:
-        """The learned auxiliaries the step trains next to the policy ("critic", "prm")."""
-        return ("critic",) * self.critic + ("prm",) * self.prm
+        """The learned auxiliaries the step trains next to the policy (the step's `aux` keys)."""
+        return tuple(a.name for a in self.auxiliaries if a.learned)
+
+    def uses(self, auxiliary: str) -> bool:
+        """Whether step auxiliary `auxiliary` runs in this method's step."""
+        return any(a.name == auxiliary for a in self.auxiliaries)
 
     def reads(self, name: str) -> bool:
         """Whether a loss term reads array `name`."""
@@ -452,14 +456,10 @@ class ResolvedMethod:
         return len(algo.depths) if self.teacher == "hindsight" else 1
 
     @property
-    def retrospective(self) -> bool:
-        """Whether the teacher's retrospective values (methods.orchard: probe rows, `batch.probes`) are computed."""
-        return any(self.reads(k) for k in RETRO_ARRAYS)
-
-    @property
     def uses_teacher(self) -> bool:
-        """Whether the step runs the teacher teacher.weights names (its views or its probe rows)."""
-        return self.needs_views or self.retrospective
+        """Whether the step runs the teacher teacher.weights names (its views, or an auxiliary's
+        rows scored by it: the retrospective teacher's probes)."""
+        return self.needs_views or self.uses("retrospective")
 
     @property
     def top_k(self) -> bool:
@@ -484,8 +484,7 @@ class ResolvedMethod:
             f" then {self.transform.name}" if self.transform else "")
         return (f"method {self.name}: rollout {self.rollout.name}, rewards [{', '.join(r.name for r in self.rewards)}], "
                 f"advantage {adv}, loss [{', '.join(t.name for t in self.loss_terms)}]"
-                + (", critic (value head, clipped value loss)" if self.critic else "")
-                + (", step-PRM (head on the frozen reference trunk)" if self.prm else ""))
+                + "".join(f", {a.describe or a.name}" for a in self.auxiliaries if a.learned))
 
 
 def task_needs(method: str, base: str) -> tuple[str, ...]:
@@ -511,7 +510,7 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
 
     m = method(algo.method, "rl.method")
     advantage = lookup(get_estimator, m.advantage, "advantage", m.name)
-    base, reward_names, rollout_name, critic, prm = None, list(m.rewards), m.rollout, m.critic, m.prm
+    base, reward_names, rollout_name, aux_names = None, list(m.rewards), m.rollout, list(m.auxiliaries)
     if advantage.wraps_base:
         bm = method(algo.base, "rl.base")
         base = lookup(get_estimator, bm.advantage, "advantage", bm.name)
@@ -521,7 +520,7 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
         reward_names = list(dict.fromkeys([*bm.rewards, *m.rewards]))
         if rollout_name == "sampler":
             rollout_name = bm.rollout
-        critic, prm = critic or bm.critic, prm or bm.prm
+        aux_names = list(dict.fromkeys([*aux_names, *bm.auxiliaries]))
     if algo.rollout:  # rl.rollout: this controller, whatever the method's own
         rollout_name = algo.rollout
     if rollout_name not in ROLLOUTS:
@@ -543,17 +542,34 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
     dup = sorted({o for o in outputs if outputs.count(o) > 1})
     if dup:
         raise ConfigError(f"method {m.name!r}: several rewards fill {dup}")
-    provided = set(CORE_ARRAYS) | set(outputs) | {"delta", "base_advantages", "teacher_covered"} | (
-        {"values"} if critic else set()) | ({"process_rewards"} if prm else set())
+    for name in aux_names:
+        if name not in AUXILIARIES:
+            raise ConfigError(f"method {m.name!r}: unknown step auxiliary {name!r}; registered: {sorted(AUXILIARIES)}")
+    # an auxiliary that gives loss-term arrays runs when a term reads one
+    for aux in AUXILIARIES.values():
+        if aux.name not in aux_names and any(k in t.inputs for t in terms for k in aux.provides):
+            aux_names.append(aux.name)
+    auxiliaries = tuple(AUXILIARIES[n] for n in aux_names)
+    provided = set(CORE_ARRAYS) | set(outputs) | {"delta", "base_advantages", "teacher_covered"} | {
+        k for a in auxiliaries for k in a.provides}
     for est in (advantage, base):
         missing = [k for k in (est.inputs if est else ()) if k not in provided]
         if missing:
+            givers = {k: a.name for a in AUXILIARIES.values() for k in a.provides}
+            hint = "; ".join(f"{k!r}: only a method with step auxiliary {givers[k]!r}" for k in missing if k in givers)
             raise ConfigError(f"method {m.name!r}: advantage {est.name!r} reads {missing}, which no reward of "
-                              f"[{', '.join(reward_names)}] fills" + (" (\"values\": only a method with a critic)"
-                                                                      if "values" in missing else ""))
+                              f"[{', '.join(reward_names)}] fills" + (f" ({hint})" if hint else ""))
+    for aux in auxiliaries:
+        missing = [k for k in aux.needs_outputs if k not in outputs]
+        if missing:
+            fillers = sorted(r.name for r in REWARDS.values() if r.output in missing)
+            raise ConfigError(f"method {m.name!r}: step auxiliary {aux.name!r} ({aux.describe or aux.name}) reads "
+                              f"{missing}, which no reward of [{', '.join(reward_names)}] fills (rewards that do: "
+                              f"{fillers})")
     # The step hands a loss term the core arrays, the rewards' outputs and LOSS_ARRAYS only (not
     # delta / base_advantages, which exist only inside the advantage computation).
-    term_provided = set(CORE_ARRAYS) | set(outputs) | set(LOSS_ARRAYS) | set(TEACHER_ARRAYS) | set(RETRO_ARRAYS)
+    term_provided = set(CORE_ARRAYS) | set(outputs) | set(LOSS_ARRAYS) | set(TEACHER_ARRAYS) | {
+        k for a in auxiliaries for k in a.provides}
     for term in terms:
         missing = [k for k in term.inputs if k not in term_provided]
         if missing:
@@ -562,9 +578,6 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
         if term.rows and term.rows not in per_row:
             raise ConfigError(f"method {m.name!r}: loss term {term.name!r} trains the rows of {term.rows!r}, which no "
                               f"per-trajectory reward of [{', '.join(reward_names)}] fills")
-        if any(k in term.inputs for k in RETRO_ARRAYS) and "rewards" not in outputs:
-            raise ConfigError(f"method {m.name!r}: loss term {term.name!r} trains on failed trajectories, which the "
-                              f"outcome reward (\"rewards\") tells; no reward of [{', '.join(reward_names)}] fills it")
     transform = None
     if controller.advantage_transform:
         transform = lookup(get_transform, controller.advantage_transform, "advantage transform", controller.name)
@@ -572,5 +585,5 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
         if missing:
             raise ConfigError(f"rollout controller {controller.name!r}: advantage transform {transform.name!r} reads "
                               f"{missing}, which no reward of [{', '.join(reward_names)}] fills")
-    return ResolvedMethod(m.name, controller, rewards, advantage, base, tuple(terms), m.teacher, critic,
-                          prm, transform)
+    return ResolvedMethod(m.name, controller, rewards, advantage, base, tuple(terms), m.teacher, transform,
+                          auxiliaries)
