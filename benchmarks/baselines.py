@@ -125,7 +125,7 @@ def main():
         critic = work.parts.get("critic", (0.0, 0.0))[0] + work.parts.get("prm", (0.0, 0.0))[0]
         teacher_tokens = int(stats.get("view_tokens", 0))
         if method.uses("retrospective"):
-            teacher_tokens += int((batch.probes.layout.segment_ids >= 0).sum())
+            teacher_tokens += int((batch.aux_rows["retrospective"].layout.segment_ids >= 0).sum())
         rows.append([name, sc.teacher.weights if method.uses_teacher else "-",
                      sc.teacher.source if method.teacher == "privileged" and method.needs_views else "-",
                      f"{walls[name]:.3f}", None, f"{teacher_tokens:,}",

@@ -44,4 +44,7 @@ def fold_batch(batch, vocab: int = SMALL_VOCAB):
     """TrainBatch with its tokens (and packed rows, views and probes, when present) folded."""
     views = None if batch.views is None else fold_views(batch.views, vocab)
     return dataclasses.replace(batch, tokens=fold(batch.tokens, vocab), views=views,
-                               packed=_fold_packed(batch.packed, vocab), probes=fold_probes(batch.probes, vocab))
+                               packed=_fold_packed(batch.packed, vocab),
+                               aux_rows=None if batch.aux_rows is None else {
+                                   k: fold_probes(v, vocab) if k == "retrospective" else v
+                                   for k, v in batch.aux_rows.items()})

@@ -173,8 +173,9 @@ def test_fused_step_equals_base_plus_the_written_out_ca_sft(setup, tok):
     g_grpo, _ = _step(grpo, policy, ref, fold_batch(make_train_batch(trajs, row_tasks, tok, grpo,
                                                                      resolve_method(grpo))[0]))
 
-    values = _plain_values(ref, batch.probes)  # the default teacher: the frozen reference
-    mask, metrics = orchard.rise_mask(values, batch.probes.exists, batch.turn_ids, batch.pol_valid,
+    probes = batch.aux_rows["retrospective"]
+    values = _plain_values(ref, probes)  # the default teacher: the frozen reference
+    mask, metrics = orchard.rise_mask(values, probes.exists, batch.turn_ids, batch.pol_valid,
                                       batch.signals["rewards"], cfg.algo)
     mask = np.asarray(mask)
     assert 0 < mask.sum() < np.asarray(batch.pol_valid).sum()

@@ -134,7 +134,7 @@ def test_bar_rows_through_the_batch(tok, env, method):
     np.testing.assert_array_equal(np.asarray(batch.signals["rewards"]),
                                   np.concatenate([np.r_[p, np.zeros(8 - len(p))] for p in PATTERNS]))
     assert (batch.views is not None) == (method in ("turnsight", "rlsd"))
-    assert (batch.probes is not None) == (method == "orchard")
+    assert (batch.aux_rows is not None and "retrospective" in batch.aux_rows) == (method == "orchard")
 
 
 # ---- AKBE ----

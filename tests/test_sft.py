@@ -14,8 +14,9 @@ from turnsight_jax import model_setup, sources
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.config import Qwen3Config
 from turnsight_jax.models.qwen3 import init_model
-from turnsight_jax.sft import (_restricted_step, _sft_step, _sft_update, _state_pinned, demonstration_turn_texts,
-                               drop_system_block, flatten_policy, gold_trajectories, pad_rows, task_vocabulary)
+from turnsight_jax.rl.supervised import flatten_policy, pad_demonstrations, sft_step, sft_update, state_pinned
+from turnsight_jax.sft import (_restricted_step, demonstration_turn_texts, drop_system_block, gold_trajectories,
+                               task_vocabulary)
 from turnsight_jax.rl.logprobs import student_logprobs
 from turnsight_jax.envs.synthetic import generate_tasks, gold_turn_texts
 
@@ -89,7 +90,7 @@ def test_restricted_loss_is_cross_entropy_over_the_classes():
     model = _small_model()
     graphdef, params = nnx.split(model)
     rows = _batch(0)
-    tokens, valid, pol_pos, pol_valid = pad_rows(rows, 12, 8)
+    tokens, valid, pol_pos, pol_valid = pad_demonstrations(rows, 12, 8)
     classes = np.unique(np.concatenate([ids[pm] for ids, pm in rows]) + 0).astype(np.int32)
     classes = np.union1d(classes, [0, 5, 50]).astype(np.int32)  # some classes that are never targets
 
@@ -113,7 +114,7 @@ def test_restricted_loss_is_cross_entropy_over_the_classes():
     everything = jnp.arange(96, dtype=jnp.int32)
     _, _, restricted_all = _restricted_step(graphdef, sgd, jax.tree.map(jnp.copy, params), sgd.init(params),
                                             everything, *args)
-    _, _, full = _sft_step(graphdef, sgd, jax.tree.map(jnp.copy, params), sgd.init(params), *args[:2],
+    _, _, full = sft_step(graphdef, sgd, jax.tree.map(jnp.copy, params), sgd.init(params), *args[:2],
                            *map(jnp.asarray, flatten_policy(pol_pos, pol_valid, multiple=8)))
     np.testing.assert_allclose(float(restricted_all), float(full), rtol=1e-5)
     assert float(got) < float(full)  # fewer classes: a smaller normaliser
@@ -135,7 +136,7 @@ def test_packed_sft_step_equals_the_padded_per_row_loss_and_gradient():
     model = _small_model()
     graphdef, params = nnx.split(model)
     rows = _batch(2, b=4)
-    tokens, valid, pol_pos, pol_valid = pad_rows(rows, 12, 8)
+    tokens, valid, pol_pos, pol_valid = pad_demonstrations(rows, 12, 8)
 
     def padded(p):
         lp = student_logprobs(nnx.merge(graphdef, p), jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(pol_pos))
@@ -143,7 +144,7 @@ def test_packed_sft_step_equals_the_padded_per_row_loss_and_gradient():
 
     want_loss, want_grads = jax.jit(jax.value_and_grad(padded))(params)
     sgd = optax.sgd(1.0)  # lr 1: the update is minus the gradient
-    new, _, loss = _sft_step(graphdef, sgd, jax.tree.map(jnp.copy, params), sgd.init(params), jnp.asarray(tokens),
+    new, _, loss = sft_step(graphdef, sgd, jax.tree.map(jnp.copy, params), sgd.init(params), jnp.asarray(tokens),
                              jnp.asarray(valid), *map(jnp.asarray, flatten_policy(pol_pos, pol_valid, multiple=8)))
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
     got_grads = jax.tree.map(lambda a, b: a - b, params, new)
@@ -152,14 +153,14 @@ def test_packed_sft_step_equals_the_padded_per_row_loss_and_gradient():
 
 
 def test_warm_start_steps_compile_once_on_a_one_device_mesh():
-    """The step's updated state keeps the input shardings (`_state_pinned`), so step 2 reuses
+    """The step's updated state keeps the input shardings (`state_pinned`), so step 2 reuses
     step 1's program; left to the compiler, a one-device mesh hands P(None,) back as P() and the
     same step compiles again."""
     from turnsight_jax.models.sharding import make_mesh, state_shardings
 
     mesh = make_mesh(devices=jax.devices()[:1])
     graphdef, params = nnx.split(_small_model())
-    tokens, valid, pol_pos, pol_valid = pad_rows(_batch(3, b=2), 12, 8)
+    tokens, valid, pol_pos, pol_valid = pad_demonstrations(_batch(3, b=2), 12, 8)
     args = (jnp.asarray(tokens), jnp.asarray(valid), *map(jnp.asarray, flatten_policy(pol_pos, pol_valid, multiple=8)))
     opt = optax.adam(1e-3)
     counts = {}
@@ -167,8 +168,8 @@ def test_warm_start_steps_compile_once_on_a_one_device_mesh():
         p = jax.device_put(jax.tree.map(jnp.copy, params), state_shardings(params, mesh))  # donated below
         with jax.set_mesh(mesh):
             o = jax.jit(opt.init)(p)
-            step = (_state_pinned(_sft_update, p, o) if name == "pinned"
-                    else jax.jit(_sft_update, static_argnums=(0, 1), donate_argnums=(2, 3)))
+            step = (state_pinned(sft_update, p, o) if name == "pinned"
+                    else jax.jit(sft_update, static_argnums=(0, 1), donate_argnums=(2, 3)))
             before = step._cache_size()  # jits of one function may share a cache: count what these calls add
             for _ in range(3):
                 p, o, loss = step(graphdef, opt, p, o, *args)
@@ -209,7 +210,7 @@ def test_restricted_gradient_matches_autodiff_of_the_reference():
     model = _small_model()
     graphdef, params = nnx.split(model)
     rows = _batch(1)
-    tokens, valid, pol_pos, pol_valid = pad_rows(rows, 12, 8)
+    tokens, valid, pol_pos, pol_valid = pad_demonstrations(rows, 12, 8)
     classes = jnp.asarray(np.unique(np.concatenate([ids[pm] for ids, pm in rows])).astype(np.int32))
 
     def reference(p):

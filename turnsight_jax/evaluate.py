@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{', '.join(suite_lib.BFCL_CATEGORY_GROUPS)} (default: all, the paper's six subsets)")
     p.add_argument("--bfcl-search-backend", metavar="SPEC", default=None,
                    help="Web Search backend: corpus:PATH (offline pages, a JSONL of {url, title, text}) or "
-                        "module:attr (your importable backend, see turnsight_jax/eval/web_search.py); default: Web "
+                        "module:attr (your importable backend, see turnsight_jax/envs/web_search.py); default: Web "
                         "Search is not run")
     think = p.add_mutually_exclusive_group()
     think.add_argument("--enable-thinking", action="store_true", default=None,

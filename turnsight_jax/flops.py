@@ -411,8 +411,8 @@ def update_flops(cfg: Qwen3Config, batch, *, updates: int, extra_forwards: int =
     if prm:
         parts["prm"] = (forward_flops(cfg, tokens, pairs, 0.0),
                         trunk * float(row_widths(teacher_micro_batches).sum()) + student_attn(teacher_micro_batches))
-    probes = getattr(batch, "probes", None)
-    if probes is not None:  # Orchard's retrospective teacher (methods.orchard): its probe rows, 2 head columns per state
+    probes = (getattr(batch, "aux_rows", None) or {}).get("retrospective")
+    if probes is not None:  # the retrospective teacher's probe rows (methods.orchard), 2 head columns per state
         lay, tcfg = probes.layout, teacher_cfg or cfg
         seg = np.asarray(lay.segment_ids)
         states = float(np.asarray(probes.exists).sum())

@@ -59,58 +59,19 @@ from __future__ import annotations
 
 import collections
 import math
-import re
 import string
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from turnsight_jax.chat.types import Call, CallError, ToolCall
+from turnsight_jax.envs.answers import ANSWER_RE, THINK_RE, extract_answer, normalize_answer, token_f1  # noqa: F401  (re-exported)
 from turnsight_jax.rl.config import MATCHTIR_MATCHINGS, MATCHTIR_SEMANTICS  # the switches' values
 
 # ---------------------------------------------------------------------------------------------
-# Answers
+# Answers (extraction and token F1: turnsight_jax.envs.answers, which the environments share)
 # ---------------------------------------------------------------------------------------------
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL)
-_ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
-_PUNCT = set(string.punctuation)
 _STOP_SUFFIXES = ("<|endoftext|>", "<|im_end|>")
-
-
-def extract_answer(text: str | None) -> str:
-    """The content of the last `<answer>…</answer>` in `text`; else the text without think blocks."""
-    if not text:
-        return ""
-    found = _ANSWER_RE.findall(text)
-    if found:
-        return found[-1].strip()
-    return _THINK_RE.sub("", text).strip()
-
-
-def normalize_answer(text: str) -> str:
-    """SQuAD-style normalisation: lower case, no punctuation, no articles, single spaces."""
-    text = text.lower()
-    text = "".join(ch for ch in text if ch not in _PUNCT)
-    text = _ARTICLES_RE.sub(" ", text)
-    return " ".join(text.split())
-
-
-def token_f1(prediction: str | None, gold: str | None) -> float:
-    """Token-level F1 between normalised prediction and gold (1.0 when both are empty)."""
-    pred_tokens = normalize_answer(prediction or "").split()
-    gold_tokens = normalize_answer(gold or "").split()
-    if not pred_tokens and not gold_tokens:
-        return 1.0
-    if not pred_tokens or not gold_tokens:
-        return 0.0
-    common = collections.Counter(pred_tokens) & collections.Counter(gold_tokens)
-    same = sum(common.values())
-    if same == 0:
-        return 0.0
-    precision = same / len(pred_tokens)
-    recall = same / len(gold_tokens)
-    return 2 * precision * recall / (precision + recall)
 
 
 def released_answer_text(text: str) -> str:
@@ -133,7 +94,7 @@ def released_answer_f1(turn_text: str | None, gold: str | None) -> float:
     text = (turn_text or "").strip()
     for suffix in _STOP_SUFFIXES:
         text = text.removesuffix(suffix).strip()
-    found = _ANSWER_RE.search(text)
+    found = ANSWER_RE.search(text)
     if found is None:
         return 0.0
     pred = set(released_answer_text(found.group(1).strip()).split())
@@ -477,7 +438,7 @@ def toolrl_format(pred_turns: Sequence[Sequence[Call]], last_text: str | None) -
         return 0.0
     if pred_turns[-1]:
         return 1.0
-    return 1.0 if _ANSWER_RE.search(_THINK_RE.sub("", last_text or "")) else 0.0
+    return 1.0 if ANSWER_RE.search(THINK_RE.sub("", last_text or "")) else 0.0
 
 
 def toolrl_reward(pred_turns: Sequence[Sequence[Call]], last_text: str | None, gold_calls, *,

@@ -50,9 +50,8 @@ from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.sharding import make_mesh
 from turnsight_jax.models.weights import save_pretrained
 from turnsight_jax.rl.batch import pad_tokens
-from turnsight_jax.rl.config import OptimConfig
-from turnsight_jax.rl.logprobs import chunked_logprobs, gather_rows
-from turnsight_jax.rl.step import make_optimizer
+from turnsight_jax.rl.logprobs import gather_rows
+from turnsight_jax.rl.supervised import flatten_policy, pad_demonstrations, sft_optimizer, sft_update, state_pinned
 from turnsight_jax.rl.views import policy_bucket, policy_positions
 from turnsight_jax.rollout.driver import ReplayPolicy, rollout
 from turnsight_jax.runlog import Progress, log
@@ -109,22 +108,6 @@ def task_vocabulary(trajs) -> np.ndarray:
     return np.unique(np.concatenate([t.tokens[t.policy_mask.astype(bool)] for t in trajs])).astype(np.int32)
 
 
-def pad_rows(rows, width: int, pol_width: int):
-    """rows of (tokens [t], policy_mask [t]) -> tokens, valid [B, width]; pol_pos, pol_valid [B, pol_width]."""
-    b = len(rows)
-    tokens = np.zeros((b, width), np.int32)
-    valid = np.zeros((b, width), bool)
-    pol_pos = np.zeros((b, pol_width), np.int32)
-    pol_valid = np.zeros((b, pol_width), bool)
-    for i, (ids, pm) in enumerate(rows):
-        tokens[i, :len(ids)] = ids
-        valid[i, :len(ids)] = True
-        p = np.flatnonzero(pm)
-        pol_pos[i, :p.size] = p
-        pol_valid[i, :p.size] = True
-    return tokens, valid, pol_pos, pol_valid
-
-
 def _restricted_update(graphdef, optimizer, params, opt_state, classes, tokens, valid, pol_pos, pol_valid):
     """One step of cross-entropy over `classes` [C] only; targets are the policy tokens, which
     all lie in `classes`. tokens, valid [B, T]; pol_pos, pol_valid [B, N]."""
@@ -144,56 +127,7 @@ def _restricted_update(graphdef, optimizer, params, opt_state, classes, tokens, 
     return optax.apply_updates(params, updates), opt_state, loss
 
 
-def flatten_policy(pol_pos: np.ndarray, pol_valid: np.ndarray, multiple: int = 256):
-    """pol_pos, pol_valid [B, N] -> row, pos [P] int32, keep [P] bool: the batch's policy tokens
-    back to back, padded to a multiple of `multiple` (few distinct shapes, so few compilations)."""
-    row, col = np.nonzero(pol_valid)
-    p = max(multiple, -(-row.size // multiple) * multiple)
-    flat_row = np.zeros(p, np.int32)
-    flat_pos = np.zeros(p, np.int32)
-    keep = np.zeros(p, bool)
-    flat_row[:row.size] = row
-    flat_pos[:row.size] = pol_pos[row, col]
-    keep[:row.size] = True
-    return flat_row, flat_pos, keep
-
-
-def _sft_update(graphdef, optimizer, params, opt_state, tokens, valid, flat_row, flat_pos, keep):
-    """One step of full-vocabulary cross-entropy on the policy tokens. tokens, valid [B, T];
-    flat_row, flat_pos, keep [P] (`flatten_policy`): the 151,936-wide projection, most of a step's
-    cost, runs on the real policy tokens only, not on every row padded to the longest."""
-    def loss_fn(p):
-        model = nnx.merge(graphdef, p)
-        hidden = model.hidden_states(tokens, Layout.causal(valid))
-        rows = hidden[flat_row, jnp.maximum(flat_pos - 1, 0)]  # [P, D]
-        lp = chunked_logprobs(rows, tokens[flat_row, flat_pos], model.output_weight(), chunk=1024,
-                              vocab_block=model.options.vocab_block)
-        return -jnp.sum(lp * keep) / jnp.maximum(keep.sum(), 1)
-
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-
 _restricted_step = jax.jit(_restricted_update, static_argnums=(0, 1), donate_argnums=(2, 3))
-_sft_step = jax.jit(_sft_update, static_argnums=(0, 1), donate_argnums=(2, 3))
-
-
-def _state_pinned(update, params, opt_state):
-    """`update` jitted with its (params, opt_state) outputs in the inputs' shardings.
-
-    Left to the compiler, a one-device mesh returns P('tensor', 'fsdp') parameters as P(): an
-    equivalent but unequal sharding, so the second step compiled the whole step again (3.5 s of
-    a short warm-start)."""
-    shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
-    return jax.jit(update, static_argnums=(0, 1), donate_argnums=(2, 3), out_shardings=(*shardings, None))
-
-
-def _optimizer(lr: float, steps: int):
-    """The trainer's optimizer with SFT's schedule: a short warm-up, cosine decay to lr / 10."""
-    warmup = min(10, max(steps // 10, 1))
-    return make_optimizer(OptimConfig(lr=lr, schedule="cosine", warmup_steps=warmup, total_steps=steps,
-                                      min_lr_ratio=0.1, weight_decay=0.0, b2=0.999, max_grad_norm=1.0))
 
 
 def run_sft(cfg: mlc.ConfigDict, workdir: pathlib.Path, mesh, tok, tokdir: pathlib.Path) -> pathlib.Path:
@@ -225,15 +159,16 @@ def run_sft(cfg: mlc.ConfigDict, workdir: pathlib.Path, mesh, tok, tokdir: pathl
         short = [drop_system_block(t.tokens, t.policy_mask.astype(bool), user_start) for t in trajs]
         classes = jnp.asarray(task_vocabulary(trajs))
         width = max(len(ids) for ids, _ in short)
-        optimizer = _optimizer(s.curriculum_lr, s.curriculum_steps)
+        optimizer = sft_optimizer(s.curriculum_lr, s.curriculum_steps)
         with jax.set_mesh(mesh):
             opt_state = jax.jit(optimizer.init)(params)
-        restricted_step = _state_pinned(_restricted_update, params, opt_state)
+        restricted_step = state_pinned(_restricted_update, params, opt_state)
         log(f"sft stage 1: {s.curriculum_steps} steps on rows without the system block (<= {width} "
                     f"tokens), softmax over the {classes.size} task-vocabulary tokens")
         progress = Progress(s.curriculum_steps, 0, cfg.log.progress)
         for step in range(s.curriculum_steps):
-            batch = pad_rows([short[i] for i in rng.choice(len(short), size=bs, replace=False)], width, pol_width)
+            batch = pad_demonstrations([short[i] for i in rng.choice(len(short), size=bs, replace=False)], width,
+                                       pol_width)
             with jax.set_mesh(mesh):
                 params, opt_state, loss = restricted_step(graphdef, optimizer, params, opt_state, classes,
                                                            *map(jnp.asarray, batch))
@@ -241,10 +176,10 @@ def run_sft(cfg: mlc.ConfigDict, workdir: pathlib.Path, mesh, tok, tokdir: pathl
                 progress.update(step, {"sft_task_vocab_loss": float(loss)})
         log(f"sft stage 1: done in {time.perf_counter() - t1:.1f}s, loss {float(loss):.3f}")
     if s.steps > 0:
-        optimizer = _optimizer(s.lr, s.steps)
+        optimizer = sft_optimizer(s.lr, s.steps)
         with jax.set_mesh(mesh):
             opt_state = jax.jit(optimizer.init)(params)
-        sft_step = _state_pinned(_sft_update, params, opt_state)
+        sft_step = state_pinned(sft_update, params, opt_state)
         progress = Progress(s.steps, 0, cfg.log.progress)
         # One row width for every step (the longest demonstration); the flattened policy tokens come
         # in multiples of 256, so only a few shapes compile.

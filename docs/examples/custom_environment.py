@@ -23,7 +23,7 @@ from turnsight_jax.chat.parsing import render_tool_call
 from turnsight_jax.chat.types import Call, CallError, Task, ToolCall
 from turnsight_jax.envs.base import Environment, Episode, EpisodeScore, StepResult, malformed_observation
 from turnsight_jax.envs.executor import error_text
-from turnsight_jax.rewards import extract_answer
+from turnsight_jax.envs.answers import extract_answer
 from turnsight_jax.rollout.driver import ReplayPolicy, RolloutConfig, rollout
 from turnsight_jax.rl.config import AlgoConfig, StepConfig
 from turnsight_jax.rl.methods import resolve_method

@@ -32,7 +32,7 @@ What the environment does, and what it never does
   prompt (`first_turn_messages`); they are scored by BFCL's `agentic_checker` on the last
   non-call message (`check_agentic`). Memory methods go through the same whitelist.
 * Web Search (`load_web_search_tasks`): BFCL's `WebSearchAPI` needs SerpAPI and the network, so
-  its two tools run as `eval.web_search.WebSearchTools` on a user-chosen search backend (the
+  its two tools run as `envs.web_search.WebSearchTools` on a user-chosen search backend (the
   episode's `search_backend`; same method names, arguments and return values), dispatched
   through the same whitelist; questions are scored by `check_agentic` like Memory's.
 * Scoring is the package's own `multi_turn_checker`. It needs each executed call as a call
@@ -66,6 +66,7 @@ from turnsight_jax.chat.types import Call, CallError, Task, ToolCall
 from turnsight_jax.envs.base import Environment, Episode, EpisodeScore, StepResult
 from turnsight_jax.envs.base import malformed_observation
 from turnsight_jax.envs.executor import short_name
+from turnsight_jax.envs.web_search import WebSearchTools
 
 BFCL_VERSION = "2026.3.23"
 BFCL_CATEGORIES = (
@@ -205,7 +206,7 @@ def make_instances(entry: Mapping[str, Any], memory_dir=None, search_backend=Non
 
     Memory classes load the snapshot of their scenario under `memory_dir` (a folder per
     evaluation chain: prereq conversations write it, questions read it). `WebSearchAPI` is
-    `eval.web_search.WebSearchTools` on `search_backend` (BFCL's class needs SerpAPI and the
+    `envs.web_search.WebSearchTools` on `search_backend` (BFCL's class needs SerpAPI and the
     network), loaded with the entry's show_snippet setting."""
     bfcl = import_bfcl()
     long_context = "long_context" in entry["id"]
@@ -226,9 +227,6 @@ def make_instances(entry: Mapping[str, Any], memory_dir=None, search_backend=Non
 
 
 def _web_search_instance(entry: Mapping[str, Any], search_backend):
-    # Imported here: the tool class lives with the backend interface it wraps (eval/web_search.py).
-    from turnsight_jax.eval.web_search import WebSearchTools
-
     if search_backend is None:
         raise ValueError(f"{entry['id']}: a Web Search entry needs a search backend")
     instance = WebSearchTools(search_backend)

@@ -36,7 +36,7 @@ from turnsight_jax.chat.types import Task
 from turnsight_jax.envs.base import EpisodeScore
 from turnsight_jax.envs.code_tools import CodeToolEnvironment, CodeToolEpisode
 from turnsight_jax.envs.ftrl import answer_verify
-from turnsight_jax.rewards import extract_answer, token_f1
+from turnsight_jax.envs.answers import extract_answer, token_f1
 
 SCENARIOS = ("direct", "mandatory", "free")
 # The released evaluation's default scenario (Scripts/eval_toolhop.sh: scenario="Direct").

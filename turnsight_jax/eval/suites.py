@@ -103,7 +103,7 @@ class EvalSettings:
     top_p: float = 1.0  # 1.0: off
     samples: int = 1  # rollouts per task when sampling (per-task metrics = their mean)
     bfcl_memory_embedding_model: str | None = None  # local sentence-transformers folder: runs memory_vector
-    bfcl_search_backend: str | None = None  # Web Search backend (eval.web_search.load_backend); None: not run
+    bfcl_search_backend: str | None = None  # Web Search backend (envs.web_search.load_backend); None: not run
     bfcl_categories: tuple[str, ...] = BFCL_SUBSET_CATEGORIES  # bfcl-eval category names to run
     toolhop_scenario: str = "direct"  # envs.toolhop.SCENARIOS; the released evaluation's default
     thinking_rule: str = ""  # why enable_thinking is what it is (the evaluate CLI's header)
@@ -221,7 +221,7 @@ def check_bfcl_options(settings: EvalSettings) -> None:
 
 def load_search_backend(spec: str):
     """The Web Search backend `--bfcl-search-backend spec` names (EvalError on a bad spec)."""
-    from turnsight_jax.eval.web_search import load_backend
+    from turnsight_jax.envs.web_search import load_backend
 
     try:
         return load_backend(spec)

@@ -35,7 +35,7 @@ from turnsight_jax.models.attention import Layout
 from turnsight_jax.models.weights import save_pretrained
 from turnsight_jax.rl.logprobs import chunked_logprobs
 from turnsight_jax.runlog import log
-from turnsight_jax.sft import _optimizer, _sft_update, _state_pinned, flatten_policy, pad_rows
+from turnsight_jax.rl.supervised import flatten_policy, pad_demonstrations, sft_optimizer, sft_update, state_pinned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +94,7 @@ def example(tokenizer, row: LabelRow, settings: JudgeSettings) -> tuple[np.ndarr
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _target_nll(graphdef, params, tokens, valid, flat_row, flat_pos, keep):
-    """Mean NLL of the target tokens (no gradient): the loss of sft._sft_update."""
+    """Mean NLL of the target tokens (no gradient): the loss of rl.supervised.sft_update."""
     model = nnx.merge(graphdef, params)
     hidden = model.hidden_states(tokens, Layout.causal(valid))
     rows = hidden[flat_row, jnp.maximum(flat_pos - 1, 0)]
@@ -106,7 +106,7 @@ def _target_nll(graphdef, params, tokens, valid, flat_row, flat_pos, keep):
 def _batch(examples, width: int):
     """examples of (tokens [t], mask [t]) -> tokens, valid [B, width] and flattened target positions."""
     pol_width = max(int(m.sum()) for _, m in examples)
-    tokens, valid, pol_pos, pol_valid = pad_rows(examples, width, pol_width)
+    tokens, valid, pol_pos, pol_valid = pad_demonstrations(examples, width, pol_width)
     # targets are short (a rationale and a verdict): buckets of 64 flattened tokens, not SFT's 256
     return tokens, valid, flatten_policy(pol_pos, pol_valid, multiple=64)
 
@@ -138,9 +138,9 @@ def distill(graphdef, params, tokenizer, rows: Sequence[LabelRow], settings: Jud
     t0 = time.perf_counter()
     exs = [example(tokenizer, r, settings) for r in train_rows]
     width = max(len(t) for t, _ in exs)  # one width: the step compiles once per flattened-target bucket
-    optimizer = _optimizer(cfg.lr, max(cfg.steps, 1))
+    optimizer = sft_optimizer(cfg.lr, max(cfg.steps, 1))
     opt_state = jax.jit(optimizer.init)(params)
-    step_fn = _state_pinned(_sft_update, params, opt_state)
+    step_fn = state_pinned(sft_update, params, opt_state)
     rng = np.random.default_rng(cfg.seed)
     loss = float("nan")
     for step in range(cfg.steps):

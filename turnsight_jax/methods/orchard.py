@@ -33,12 +33,12 @@ from turnsight_jax.chat import tokenizer as tok_lib
 from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.chat.types import Task
 from turnsight_jax.models.attention import Layout
-from turnsight_jax.rl.auxiliaries import StageOut, StepAuxiliary, register_auxiliary
+from turnsight_jax.rl.auxiliaries import RowsRequest, StageOut, StepAuxiliary, register_auxiliary
 from turnsight_jax.rl.config import AlgoConfig, LossConfig
 from turnsight_jax.rl.context_rows import context_row, has_elisions
 from turnsight_jax.rl.logprobs import gather_rows
 from turnsight_jax.rl.losses import register_loss_term
-from turnsight_jax.rl.views import _Row, pick_bucket
+from turnsight_jax.rl.views import DEFAULT_PACKED_BUCKETS, _Row, pick_bucket
 
 Array = jax.Array
 # Tokens per probe the dry-run's worst case allows (the default template's question is ~60 tokens,
@@ -202,13 +202,34 @@ def _ca_sft_term(x, cfg: LossConfig, algo: AlgoConfig):
     return algo.orchard_coef * nll, {"ca_sft_nll": nll}
 
 
+# ---- the step auxiliary (rl.auxiliaries) ----
+
+def _batch_rows(req: RowsRequest):
+    """The probe rows of a batch (`batch.aux_rows["retrospective"]`) and their stats ("Q")."""
+    return build_probes(req.trajs, req.tasks, req.tokenizer, max_turns=req.cfg.max_turns,
+                        success_threshold=req.cfg.algo.orchard_success, buckets=req.buckets, min_width=req.min_width)
+
+
+def _plan_width(run_config, length: int) -> int:
+    """The dry-run's worst case: the trajectory, then one probe of PROBE_TOKENS per state."""
+    return pick_bucket(length + (run_config.rollout.max_turns + 1) * PROBE_TOKENS, DEFAULT_PACKED_BUCKETS,
+                       "plan: probe row")
+
+
+def _abstract_rows(b: int, width: int, max_turns: int) -> RetroProbes:
+    i32 = np.int32
+    rows = lambda *shape, dtype=i32: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+    return RetroProbes(rows(b, width), Layout(*(rows(b, width) for _ in range(6))), rows(b, max_turns + 1),
+                       rows(b, max_turns + 1, dtype=np.bool_), rows(b, 2))
+
+
 def _stage(inputs, state, optimizer) -> StageOut:
-    """The step auxiliary: the teacher's retrospective values on the probe rows (`batch.probes`,
-    teacher micro-batches, no gradient), once per step -> the CA-SFT mask "rise_mask" [B, N] bool."""
+    """The teacher's retrospective values on the probe rows (teacher micro-batches, no gradient),
+    once per step -> the CA-SFT mask "rise_mask" [B, N] bool."""
     batch, cfg = inputs.batch, inputs.cfg
-    values = inputs.teacher_pass(lambda p: retrospective_values(inputs.teacher_model, p), batch.probes)
-    mask, metrics = rise_mask(values, batch.probes.exists, batch.turn_ids, batch.pol_valid, batch.signals["rewards"],
-                              cfg.algo)
+    probes = batch.aux_rows["retrospective"]
+    values = inputs.teacher_pass(lambda p: retrospective_values(inputs.teacher_model, p), probes)
+    mask, metrics = rise_mask(values, probes.exists, batch.turn_ids, batch.pol_valid, batch.signals["rewards"], cfg.algo)
     return StageOut({"rise_mask": mask}, metrics)
 
 
@@ -217,7 +238,9 @@ from turnsight_jax.rl.methods import Method, register_method  # noqa: E402
 
 # runs whenever a loss term reads "rise_mask" (CA-SFT trains on failed trajectories: the outcome tells)
 register_auxiliary(StepAuxiliary("retrospective", provides=("rise_mask",), needs_outputs=("rewards",),
-                                 before_advantage=_stage, describe="retrospective teacher on probe rows"))
+                                 before_advantage=_stage, batch_rows=_batch_rows, rows_key="Q",
+                                 plan_width=_plan_width, abstract_rows=_abstract_rows,
+                                 describe="retrospective teacher on probe rows"))
 
 register_method(Method("orchard", advantage="base", rewards=(), loss_terms=("clipped_surrogate", "ca_sft"),
                        description="Orchard CA-SFT: the base method + SFT on rise segments of failed trajectories, "

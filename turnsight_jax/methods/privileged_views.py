@@ -19,6 +19,7 @@ refused: the blocks are placed on the trajectory itself, not on each turn's cont
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -26,8 +27,9 @@ import numpy as np
 from turnsight_jax.chat.trajectory import Trajectory
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.rl.context_rows import context_row, has_elisions
-from turnsight_jax.rl.views import (DEFAULT_PACKED_BUCKETS, PackedViews, _distinct_predictors, _Row, pick_bucket,
-                                    policy_positions, view_token_kinds)
+from turnsight_jax.methods.privileged_blocks import default_skills_path, load_skills, privileged_blocks
+from turnsight_jax.rl.views import (DEFAULT_PACKED_BUCKETS, PackedViews, ViewRequest, _distinct_predictors, _Row,
+                                    pick_bucket, policy_positions, register_view_builder, view_token_kinds)
 
 
 def build_privileged_views(
@@ -114,3 +116,27 @@ def build_privileged_views(
 
 def _policy_valid(trajs, positions, policy_width) -> np.ndarray:
     return np.asarray((positions if positions is not None else policy_positions(trajs, policy_width))[1], bool)
+
+
+# ---- the "privileged" teacher kind's view builder (rl.views.register_view_builder) ----
+
+@functools.lru_cache(maxsize=8)
+def _skills(path: str) -> dict[str, str]:
+    """teacher.skills' texts ("": the bundled file), read once per run."""
+    return load_skills(path or default_skills_path())
+
+
+def _privileged_views(req: ViewRequest):
+    """One view: the student's context plus the block teacher.source gives, at teacher.placement."""
+    te, trajs = req.cfg.teacher, req.trajs
+    blocks = None if te.source == "none" else privileged_blocks(
+        trajs, req.tasks, req.tokenizer, source=te.source, placement=te.placement,
+        skills=_skills(te.skills) if te.source == "skill" else None, rewards=[float(t.reward) for t in trajs],
+        group_ids=[t.group_id for t in trajs], min_reward=te.sibling_min_reward, budget=te.block_budget,
+        filler=te.block_filler)
+    return build_privileged_views(trajs, req.tokenizer, blocks, placement=te.placement,
+                                  with_reference=req.with_reference, positions=(req.policy_positions, req.pol_valid),
+                                  buckets=req.buckets, min_widths=req.min_widths)
+
+
+register_view_builder("privileged", _privileged_views)

@@ -172,6 +172,7 @@ def _sod_term(x, cfg: LossConfig, algo: AlgoConfig):
 # ---- registration ----
 # Their teachers score privileged views (methods.privileged_views) with the teacher.* config.
 from turnsight_jax.errors import ConfigError  # noqa: E402
+from turnsight_jax.methods import privileged_views  # noqa: E402, F401  the "privileged" teacher kind's view builder
 from turnsight_jax.methods.privileged_blocks import load_skills  # noqa: E402
 from turnsight_jax.rl.methods import Method, register_config_check, register_method, register_progress_metrics  # noqa: E402
 

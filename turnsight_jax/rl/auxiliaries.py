@@ -13,6 +13,11 @@ step-PRM (methods.prm), Orchard's retrospective teacher (methods.orchard). Each 
   auxiliary's own parameters (the critic's clipped value loss), accumulated over the same
   micro-batches as the policy's and followed by the auxiliary's own optimizer update.
 
+An auxiliary may also bring **rows of its own** to the batch (`batch_rows`, built on the host
+with the batch: Orchard's probe rows), which the step hands its stages as
+`batch.aux_rows[name]`, with what the dry-run's memory plan needs to lay them out at the worst
+case (`plan_width`, `abstract_rows`).
+
 A *learned* auxiliary (`init` set) carries a state {"params", "opt_state"} across steps: the step's
 `aux[name]`, its own checkpoint item, trained by the optimizer `optim(step_cfg)` configures. A
 method lists the learned auxiliaries it trains (`Method.auxiliaries`); an auxiliary that only
@@ -61,6 +66,20 @@ class StageOut(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
+class RowsRequest:
+    """What an auxiliary's `batch_rows` gets from rl.batch.make_train_batch: the trajectories and
+    their tasks (row order), the tokenizer, the StepConfig, the packed-row buckets and the floor
+    of its rows' width (batch_shapes: a width an earlier step compiled for)."""
+
+    trajs: Any
+    tasks: Any
+    tokenizer: Any
+    cfg: Any
+    buckets: Any
+    min_width: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class StepAuxiliary:
     """A registered step auxiliary (module docstring).
 
@@ -77,6 +96,11 @@ class StepAuxiliary:
         `rows` a micro-batch of the batch, `loss_inputs` its rows of after_advantage's arrays; the metrics
         are token-weighted like the loss and reported as "<name>/<metric>", with "<name>/grad_norm".
     loss_metrics: the names of those metrics (the step's accumulators are built before tracing).
+    batch_rows(RowsRequest) -> (rows, stats): its own rows (a pytree of numpy arrays, rows first),
+        and stats holding `rows_key`, their width (a batch shape: the step compiles once per
+        distinct width; `RowsRequest.min_width` is its floor).
+    plan_width(run_config, length) -> int: the worst-case width for trajectories of `length`
+        tokens; abstract_rows(batch, width, max_turns) -> the rows as jax.ShapeDtypeStructs.
     describe: a few words for the method's one-line description."""
 
     name: str
@@ -88,6 +112,10 @@ class StepAuxiliary:
     after_advantage: Callable[[StageInputs, Any, Any, dict], tuple[dict, dict]] | None = None
     loss: Callable[[Any, Any, Any, Any, dict], tuple[Any, dict]] | None = None
     loss_metrics: tuple[str, ...] = ()
+    batch_rows: Callable[["RowsRequest"], tuple[Any, dict]] | None = None
+    rows_key: str = ""
+    plan_width: Callable[[Any, int], int] | None = None
+    abstract_rows: Callable[[int, int, int], Any] | None = None
     describe: str = ""
 
     @property
@@ -104,6 +132,8 @@ def register_auxiliary(aux: StepAuxiliary) -> StepAuxiliary:
         raise ValueError(f"step auxiliary {aux.name!r} already registered")
     if aux.learned != (aux.optim is not None):
         raise ValueError(f"step auxiliary {aux.name!r}: a learned auxiliary has both init and optim, others neither")
+    if aux.batch_rows is not None and not (aux.rows_key and aux.plan_width and aux.abstract_rows):
+        raise ValueError(f"step auxiliary {aux.name!r}: batch_rows needs rows_key, plan_width and abstract_rows")
     if aux.loss is not None and not aux.learned:
         raise ValueError(f"step auxiliary {aux.name!r}: a loss trains parameters; it needs init and optim")
     AUXILIARIES[aux.name] = aux

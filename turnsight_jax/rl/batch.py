@@ -38,9 +38,9 @@ tokens per row, K = max turns):
                                            [B]; the [B, T] arrays above still describe each
                                            trajectory (targets, predictors); the views are packed
                                            alike (views.packed)
-  probes: RetroProbes or None              the retrospective teacher's probe rows (methods.orchard:
-                                           tokens/layout [B, Q], at/exists [B, K+1]), when a loss
-                                           term reads "rise_mask"
+  aux_rows: {name: pytree} or None         the step auxiliaries' own rows (rl.auxiliaries.batch_rows;
+                                           rows first), e.g. the retrospective teacher's probe rows
+                                           "retrospective" (tokens/layout [B, Q], at/exists [B, K+1])
   turn_uses [B, K, K] bool or None         uses[b, j, i]: turn j's calls use a value turn i's results
                                            gave (rl.horizon.turn_dependencies), for TurnSight's
                                            rl.selection="dependency"
@@ -63,7 +63,6 @@ AKBE's CE) trains on it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from typing import Any, Sequence
 
@@ -87,11 +86,9 @@ from turnsight_jax.rl.length_classes import LengthClasses
 from turnsight_jax.rl import micro_groups
 from turnsight_jax.rl.methods import ResolvedMethod
 from turnsight_jax.rl.micro_groups import MicroGroups
-from turnsight_jax.methods.orchard import PROBE_TOKENS, RetroProbes, build_probes
-from turnsight_jax.methods.privileged_blocks import default_skills_path, load_skills, privileged_blocks
-from turnsight_jax.methods.privileged_views import build_privileged_views
+from turnsight_jax.rl.auxiliaries import AUXILIARIES, RowsRequest
 from turnsight_jax.rl.packing import PackedRows, RowPacking, assemble, balanced_order, plan_packing, rows_bucket
-from turnsight_jax.rl.views import (DEFAULT_PACKED_BUCKETS, PackedViews, ViewOptions, build_views, pick_bucket,
+from turnsight_jax.rl.views import (DEFAULT_PACKED_BUCKETS, VIEW_BUILDERS, PackedViews, ViewRequest, pick_bucket,
                                     policy_bucket, policy_positions)
 
 log = logging.getLogger(__name__)
@@ -121,7 +118,7 @@ class TrainBatch:
     length_class: Any = None
     classes: LengthClasses | None = struct.field(pytree_node=False, default=None)
     packed: Any = None
-    probes: Any = None
+    aux_rows: dict[str, Any] | None = None
     layout: Any = None
     turn_uses: Any = None
     micro_groups: MicroGroups | None = struct.field(pytree_node=False, default=None)
@@ -358,29 +355,14 @@ def make_train_batch(
     if groups is not None:
         stats.update({f"T{g}": float(w) for g, w in enumerate(groups.widths)})
     if method.needs_views:
-        a = cfg.algo
         if classes is not None:  # the rows are as wide as their widest class
             floor["P"] = max([floor["P"]] + [floor.get(f"P{i}", 0) for i in range(len(rows))])
-        if method.teacher == "privileged":
-            te = cfg.teacher
-            blocks = None if te.source == "none" else privileged_blocks(
-                trajs, tasks, tokenizer, source=te.source, placement=te.placement,
-                skills=_skills(te.skills) if te.source == "skill" else None, rewards=[float(t.reward) for t in trajs],
-                group_ids=[t.group_id for t in trajs], min_reward=te.sibling_min_reward, budget=te.block_budget,
-                filler=te.block_filler)
-            views, vstats = build_privileged_views(
-                trajs, tokenizer, blocks, placement=te.placement, with_reference=packed_reference(cfg, method),
-                positions=(pol_pos, pol_valid), buckets=packed_buckets, min_widths=(floor["P"], floor["U"]))
-        else:
-            views, vstats = build_views(
-                trajs, tokenizer,
-                options=ViewOptions(depths=tuple(a.depths), source=a.source, turns=a.turns,
-                                    template=a.hindsight_template, budget=a.hindsight_budget,
-                                    filler=a.hindsight_filler),
-                gold_answers=[t.answer for t in tasks], buckets=packed_buckets,
-                with_reference=packed_reference(cfg, method), min_widths=(floor["P"], floor["U"]),
-                positions=(row_pos, pol_valid),
-            )
+        if method.teacher not in VIEW_BUILDERS:
+            raise ConfigError(f"method {method.name!r}: no teacher view builder for teacher kind {method.teacher!r}; "
+                              f"registered: {sorted(VIEW_BUILDERS)}")
+        views, vstats = VIEW_BUILDERS[method.teacher](ViewRequest(
+            trajs, tasks, tokenizer, cfg, packed_reference(cfg, method), row_pos, pol_pos, pol_valid, packed_buckets,
+            (floor["P"], floor["U"])))
         stats.update(vstats)
         if classes is not None:
             vclass, pw = classify((np.asarray(views.layout.segment_ids) >= 0).sum(axis=1), packed_buckets, "P",
@@ -399,12 +381,12 @@ def make_train_batch(
                                                      packed_buckets),
                                 floor.get("RP", 0), row_shards, processes, modulus, pad_id)
             stats["RP"] = float(views.packed.plan.rows)
-    probes = None
-    if method.uses("retrospective"):
-        probes, pstats = build_probes(trajs, tasks, tokenizer, max_turns=cfg.max_turns,
-                                      success_threshold=cfg.algo.orchard_success, buckets=packed_buckets,
-                                      min_width=floor.get("Q", 0))
-        stats.update(pstats)
+    aux_rows = {}
+    for aux in method.auxiliaries:
+        if aux.batch_rows is not None:
+            aux_rows[aux.name], astats = aux.batch_rows(RowsRequest(trajs, tasks, tokenizer, cfg, packed_buckets,
+                                                                    floor.get(aux.rows_key, 0)))
+            stats.update(astats)
     batch = TrainBatch(
         tokens=tokens, valid=valid, pol_pos=pol_pos, pol_valid=pol_valid, turn_ids=turn_ids, old_logprobs=old_lp,
         # a controller's prompt block may hold several groups (APPO: initial rollouts and branches): a
@@ -413,7 +395,7 @@ def make_train_batch(
                                  group_offset * (cfg.prompt_rows or 1)),
         num_turns=np.asarray([t.num_turns for t in trajs], np.int32),
         signals=compute_signals(method, trajs, tasks, cfg, (pol_pos, pol_valid)),
-        views=views, length_class=classes, classes=spec, packed=packed, probes=probes, layout=layout,
+        views=views, length_class=classes, classes=spec, packed=packed, aux_rows=aux_rows or None, layout=layout,
         turn_uses=dependency_batch(trajs, cfg.max_turns) if needs_turn_uses(cfg, method) else None,
         micro_groups=groups,
     )
@@ -470,12 +452,6 @@ def _optional_inputs(method: ResolvedMethod) -> tuple[str, ...]:
     return tuple(x for est in (method.advantage, method.base) if est is not None for x in est.optional)
 
 
-@functools.lru_cache(maxsize=8)
-def _skills(path: str) -> dict[str, str]:
-    """teacher.skills' texts ("": the bundled file), read once per run."""
-    return load_skills(path or default_skills_path())
-
-
 def packing_modulus(b: int, row_shards: int, cfg: StepConfig) -> int:
     """The cell modulus of train.pack_rows (rl.packing: cells as rl.length_classes lays them out);
     ConfigError when `b` rows do not form whole cells on `row_shards` shards."""
@@ -517,7 +493,8 @@ def _bucket(n: int, buckets: Sequence[int], floor: int, what: str) -> int:
 
 def shape_keys(stats: dict[str, float]) -> list[str]:
     """The width keys of make_train_batch's stats (the floors `min_shapes` takes), in order."""
-    return [k for k in stats if k in ("RT", "RP", "Q") or (k[:1] in "TNPU" and (len(k) == 1 or k[1:].isdigit()))]
+    aux_keys = {a.rows_key for a in AUXILIARIES.values() if a.rows_key}
+    return [k for k in stats if k in ("RT", "RP") or k in aux_keys or (k[:1] in "TNPU" and (len(k) == 1 or k[1:].isdigit()))]
 
 
 # ---- the worst-case geometry, for the dry-run memory plan ----
@@ -536,7 +513,7 @@ class Geometry:
     pack_cell: int | None = None  # train.pack_rows: trajectories per cell (rl.packing)
     pack_student: tuple[int, int] = (0, 0)  # with pack_cell: the student's (packed rows per cell, width), at the worst
     pack_teacher: tuple[int, int] = (0, 0)  # with pack_cell: the teacher's (packed rows per cell, width), at the worst
-    probes: int = 0  # Q: the retrospective probe row (methods.orchard; 0: none)
+    aux_rows: tuple[tuple[str, int], ...] = ()  # (step auxiliary, its rows' width) of those with rows
     turn_uses: bool = False  # the [B, K, K] dependency matrix (rl.selection="dependency")
     micro_groups: tuple[int, ...] | None = None  # train.micro_batch_groups: micro-batches per group (each at T / P at the worst)
 
@@ -563,11 +540,9 @@ def worst_case_geometry(cfg: mlc.ConfigDict, method: ResolvedMethod, step_cfg: S
         pack_student = (_worst_rows(pack_cell, length, width), width)
         width = _packed_width(packed, step_cfg.teacher_pack_width or step_cfg.pack_width, DEFAULT_PACKED_BUCKETS)
         pack_teacher = (_worst_rows(pack_cell, packed, width), width)
-    probes = 0
-    if method.uses("retrospective"):  # the trajectory, then one probe per state
-        probes = pick_bucket(length + (r.max_turns + 1) * PROBE_TOKENS, DEFAULT_PACKED_BUCKETS, "plan: probe row")
+    aux_rows = tuple((a.name, a.plan_width(cfg, length)) for a in method.auxiliaries if a.batch_rows is not None)
     return Geometry(batch, length, policy, packed, distinct, views, r.max_turns, class_rows, row_shards, pack_cell,
-                    pack_student, pack_teacher, probes, needs_turn_uses(step_cfg, method),
+                    pack_student, pack_teacher, aux_rows, needs_turn_uses(step_cfg, method),
                     micro_groups.split_counts(step_cfg.micro_batches, step_cfg.micro_batch_groups)
                     if step_cfg.micro_batch_groups > 1 else None)
 
@@ -607,16 +582,14 @@ def abstract_batch(g: Geometry, mesh, method: ResolvedMethod) -> TrainBatch:
             views = views.replace(tokens=None, layout=None, packed=packed_rows(g.pack_teacher))
     signals = {r.output: arr({"trajectory": (b,), "turn": (b, g.turns), "token": (b, g.policy)}[r.per], jnp.float32)
                for r in method.rewards}
-    probes = None
-    if g.probes:
-        probes = RetroProbes(arr((b, g.probes), i32), Layout(*(arr((b, g.probes), i32) for _ in range(6))),
-                             arr((b, g.turns + 1), i32), arr((b, g.turns + 1), bool), arr((b, 2), i32))
+    aux_rows = {name: jax.tree.map(lambda x: arr(x.shape, x.dtype), AUXILIARIES[name].abstract_rows(b, width, g.turns))
+                for name, width in g.aux_rows}
     return TrainBatch(
         tokens=arr((b, g.length), i32), valid=arr((b, g.length), bool), pol_pos=arr((b, g.policy), i32),
         pol_valid=arr((b, g.policy), bool), turn_ids=arr((b, g.policy), i32),
         old_logprobs=arr((b, g.policy), jnp.float32), group_ids=arr((b,), i32), num_turns=arr((b,), i32),
         signals=signals, views=views, length_class=row_class, classes=classes,
-        packed=None if g.pack_cell is None else packed_rows(g.pack_student), probes=probes,
+        packed=None if g.pack_cell is None else packed_rows(g.pack_student), aux_rows=aux_rows or None,
         turn_uses=arr((b, g.turns, g.turns), bool) if g.turn_uses else None,
         micro_groups=None if g.micro_groups is None else MicroGroups(
             g.micro_groups, (g.length,) * len(g.micro_groups), (g.packed,) * len(g.micro_groups)),

@@ -303,3 +303,53 @@ def _distinct_predictors(row_tokens, view_pred, pol_pos, pol_valid, min_width: i
         pred_target[i, : u.size] = tg
         slot[:, i, pol_valid[i]] = inv
     return pred, pred_target, slot
+
+
+# ---- the teacher's view builders, by teacher kind ----
+
+@dataclasses.dataclass(frozen=True)
+class ViewRequest:
+    """What a teacher-view builder gets from rl.batch.make_train_batch: the batch's trajectories
+    and their tasks (row order), the tokenizer, the StepConfig, whether the views carry the
+    reference row (rl.batch.packed_reference), the policy tokens' positions in the trajectories'
+    rl.context_rows coordinates (`row_positions`) and in their own (`policy_positions`), both
+    [B, N] int32 with `pol_valid` [B, N] bool, the packed-row `buckets` and the batch's floor
+    `min_widths` (P, U)."""
+
+    trajs: Sequence[Trajectory]
+    tasks: Sequence[Any]
+    tokenizer: Any
+    cfg: Any
+    with_reference: bool
+    row_positions: np.ndarray
+    policy_positions: np.ndarray
+    pol_valid: np.ndarray
+    buckets: Sequence[int]
+    min_widths: tuple[int, int]
+
+
+# teacher kind (rl.methods.Method.teacher) -> fn(ViewRequest) -> (PackedViews, stats)
+VIEW_BUILDERS: dict[str, Any] = {}
+
+
+def register_view_builder(kind: str, fn) -> None:
+    """Let methods whose `teacher` is `kind` have their views built by `fn(ViewRequest) ->
+    (PackedViews, stats)` (view_pred [R, B, N] with R = the kind's views + the reference row)."""
+    if kind in VIEW_BUILDERS:
+        raise ValueError(f"teacher view builder {kind!r} already registered")
+    VIEW_BUILDERS[kind] = fn
+
+
+def _hindsight_views(req: ViewRequest):
+    """TurnSight's hindsight views: one per depth of rl.depths."""
+    a = req.cfg.algo
+    return build_views(req.trajs, req.tokenizer,
+                       options=ViewOptions(depths=tuple(a.depths), source=a.source, turns=a.turns,
+                                           template=a.hindsight_template, budget=a.hindsight_budget,
+                                           filler=a.hindsight_filler),
+                       gold_answers=[t.answer for t in req.tasks], buckets=req.buckets,
+                       with_reference=req.with_reference, min_widths=req.min_widths,
+                       positions=(req.row_positions, req.pol_valid))
+
+
+register_view_builder("hindsight", _hindsight_views)

@@ -1,4 +1,4 @@
-"""BFCL Web Search on a pluggable backend (eval/web_search.py, envs/bfcl.py, the BFCL harness).
+"""BFCL Web Search on a pluggable backend (envs/web_search.py, envs/bfcl.py, the BFCL harness).
 
 - the offline corpus backend: ranking, snippets, fetch, and its file errors (hand-computed);
 - `WebSearchTools` returns what bfcl-eval's own `WebSearchAPI` code returns, given the same
@@ -19,7 +19,7 @@ import types
 
 import pytest
 
-from turnsight_jax.eval import web_search as W
+from turnsight_jax.envs import web_search as W
 
 PAGES = [
     {"url": "https://example.org/tea", "title": "The most expensive teas",
