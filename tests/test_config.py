@@ -151,41 +151,17 @@ TODAY_DEFAULT["rl"].update(norm_pool="turn_mean", uncovered_in_stats=True, empty
                                                "call": "<tool_call>\n{call}\n</tool_call>\n",
                                                "result": "<tool_response>\n{result}\n</tool_response>\n",
                                                "message_close": "</hindsight><|im_end|>\n"})
-# The self-distillation baselines (issue 23): their coefficients and the teacher section; no effect on
-# the default method (TurnSight reads none of them, and its teacher is the frozen reference).
-TODAY_DEFAULT["rl"].update(sdpo_coef=1.0, sdpo_tail=True, sdar_coef=1.0, sdar_beta=1.0, sod_coef=1.0, sod_tau=1.0)
+# The teacher section (issue 23's self-distillation baselines); no effect on the default method
+# (its teacher is the frozen reference).
 TODAY_DEFAULT["teacher"] = {"weights": "reference", "ema_decay": 0.99, "checkpoint": "", "preset": "",
                             "source": "gold_answer", "placement": "prompt", "skills": "",
                             "sibling_min_reward": 1.0, "top_k": 20}
-# The issue-25 methods (PPO's GAE and critic, PiCA's PRM, ToolOmni's gate) and two-stage recipes:
-# no effect on the default method (TurnSight over GRPO trains no critic or PRM and never switches).
-TODAY_DEFAULT["rl"].update(gae_gamma=1.0, gae_lam=1.0, gae_whiten=True, switch_step=0,
-                           switch_method="")
+# Two-stage recipes: no effect on the default method (it never switches).
+TODAY_DEFAULT["rl"].update(switch_step=0, switch_method="")
 # A rollout controller in place of the method's own (issue 24's rollout methods), off.
 TODAY_DEFAULT["rl"].update(rollout="")
-# Orchard's CA-SFT knobs (rl.method=orchard): no effect on the default method (no loss term reads them).
-TODAY_DEFAULT["rl"].update(orchard_coef=1.0, orchard_rise=0.05, orchard_success=1.0)
-TODAY_DEFAULT["critic"] = {"lr": 1e-5, "warmup_steps": 0, "weight_decay": 0.01, "max_grad_norm": 1.0,
-                           "value_clip": 0.5}
-TODAY_DEFAULT["prm"] = {"lr": 1e-3, "alpha": 1.0, "decay": 0.9, "baseline": 0.0, "hinge_coef": 1.0,
-                        "success_reward": 1.0}
-# SLIM's skill library (rl.method=slim): no effect on the default method (its rollouts show no skills).
-TODAY_DEFAULT["slim"] = {"initial": "builtin", "audit_every": 1, "audit_tasks": 8, "audit_temperature": 0.0,
-                         "audit_samples": 1, "ema_decay": 0.5, "keep_above": 0.05, "retire_below": 0.0,
-                         "min_exposures": 4, "min_low_rounds": 2, "solved_reward": 1.0, "expand_fail_rate": 0.5,
-                         "expand_patience": 2, "writer": "", "writer_temperature": 0.0, "writer_trajectories": 3,
-                         "transcript_chars": 1200, "max_skill_tokens": 96, "min_skill_chars": 16, "max_skills": 12}
-# The model judge (rl.method=judge): no effect on the default method (its rollouts are not judged).
-TODAY_DEFAULT["judge"] = {"checkpoint": "", "rationale": True, "reference": False, "max_new_tokens": 256,
-                          "max_prompt_tokens": 4096, "batch_size": 32, "default_label": 0, "verifier_threshold": 1.0,
-                          "dtype": "float32"}
-# BAR and AKBE (rl.rollout=bar / akbe): no effect on the default method (its controller is the sampler).
-# ToolOmni's gate (rl.method=toolomni), its own section since issue 60 (was rl.toolomni_gate).
-TODAY_DEFAULT["toolomni"] = {"gate": 0.95}
-TODAY_DEFAULT["bar"] = {"chunk": 4, "cap": 0, "low": 0.375, "high": 0.625, "success": 1.0, "fallback": "keep"}
-TODAY_DEFAULT["akbe"] = {"coef": 0.05, "correct": "answer_correct", "correct_min": 1.0, "no_tool_calls": "refuse"}
-# MM-GRPO's rollout controller (rl.rollout=mm_grpo): no effect on the default method (its sampler).
-TODAY_DEFAULT["mm_grpo"] = {"window": 1, "placeholder": "[earlier tool output omitted]", "refill_rounds": 3}
+# The methods' own sections (sdpo.*, gae.*, bar.*, ...) are not pinned here: each is its dataclass,
+# generated into the config (test_every_method_section_is_its_dataclass), their one source of truth.
 # The studies of issue 26 (docs/experiments.md), all off: the default run does not move (the equal-length
 # control, the adaptive horizons' tolerance, long chains, faulty tools, the turn records).
 TODAY_DEFAULT["rl"].update(hindsight_budget=0, hindsight_filler=".\n", horizon_tol=0.05)
@@ -195,11 +171,6 @@ TODAY_DEFAULT["data"].update(min_result_words=0, max_result_words=0)  # long too
 TODAY_DEFAULT["log"].update(turn_records=False)
 TODAY_DEFAULT["faults"] = {"wrong_rate": 0.0, "unavailable_rate": 0.0, "unavailable_attempts": 1, "delay_rate": 0.0,
                            "delay_s": 0.0, "seed": 0}
-# T2PO and APPO (rl.rollout=t2po / appo): no effect on the default method (its controller is the sampler).
-TODAY_DEFAULT["t2po"] = {"alpha": 0.5, "top_j": 5, "tti": True, "tti_window": 8, "tti_threshold": 0.05, "tds": True,
-                         "tds_threshold": 0.02, "tds_max_resamples": 2, "phi_floor": 1e-3}
-TODAY_DEFAULT["appo"] = {"branches": 2, "gamma": 0.9, "clip_low": 0.2, "clip_high": 0.28, "amplify": 0.5,
-                         "ratio_to": "previous"}
 # The tool-output cap (issue 58): the executor's 16,384 characters, now a key; the default run does not move.
 TODAY_DEFAULT["rollout"].update(max_tool_output_chars=16_384)
 # The observation text (issue 58): the official chat template's, as before; the default run does not move.
@@ -235,15 +206,25 @@ def base_plus_model(model: str):
 
 # ---- (a) the embedded default ----
 
+def _without_sections(d: dict) -> dict:
+    from turnsight_jax.rl.config import CONFIG_SECTIONS
+
+    return {k: v for k, v in d.items() if k not in CONFIG_SECTIONS}
+
+
 def test_embedded_default_is_todays_default():
-    assert C.default_config().to_dict() == TODAY_DEFAULT
-    assert C.load_run_config(None, []).to_dict() == TODAY_DEFAULT
-    assert cfg_file("tiny_cpu").to_dict() == TODAY_DEFAULT
+    from turnsight_jax.rl.config import CONFIG_SECTIONS
+
+    for cfg in (C.default_config(), C.load_run_config(None, []), cfg_file("tiny_cpu")):
+        assert _without_sections(cfg.to_dict()) == TODAY_DEFAULT
+        # and every method section at its dataclass's defaults
+        assert {k: cfg[k].to_dict() for k in CONFIG_SECTIONS} == {
+            k: dataclasses.asdict(s.schema()) for k, s in CONFIG_SECTIONS.items()}
 
 
 def test_the_packed_tiny_config_changes_only_the_updates_packing():
     packed = flat(cfg_file("tiny_cpu_packed").to_dict())
-    default = flat(TODAY_DEFAULT)
+    default = flat(cfg_file("tiny_cpu").to_dict())
     assert {k: v for k, v in packed.items() if default[k] != v} == {
         "name": "tiny_cpu_packed", "train.pack_rows": True, "train.pack_width": 2304,
         "train.teacher_pack_width": 3584, "train.shapes": "batch", "train.logprob_chunk": 128,

@@ -63,7 +63,7 @@ def test_rise_mask_covers_rise_turns_of_failed_rows_only():
     turn_ids = np.array([[0, 0, 1, 2, 2, 3, -1], [0, 1, 1, -1, -1, -1, -1]], np.int32)
     pol_valid = turn_ids >= 0
     mask, m = orchard.rise_mask(v, exists, turn_ids, pol_valid, np.array([0.4, 1.0], np.float32),
-                                AlgoConfig(orchard_rise=0.05, orchard_success=1.0))
+                                AlgoConfig().with_section("orchard", rise=0.05, success=1.0))
     np.testing.assert_array_equal(np.asarray(mask), [[1, 1, 0, 1, 1, 0, 0], [0] * 7])
     assert float(m["orchard/rise_token_share"]) == pytest.approx(4 / 9)
     assert float(m["orchard/rise_segments"]) == 2.0  # per failed trajectory
@@ -141,8 +141,9 @@ def test_probe_template_answers_must_be_single_tokens(setup, tok):
                              template=orchard.RetrospectiveTemplate(yes="Absolutely-yes"))
 
 
-def _cfg(method, **algo):
-    return StepConfig(algo=AlgoConfig(method=method, base="grpo", **algo),
+def _cfg(method, **orchard):
+    """`orchard`: orchard.* settings."""
+    return StepConfig(algo=AlgoConfig(method=method, base="grpo").with_section("orchard", **orchard),
                       loss=LossConfig(clip_eps=0.2), group_size=G, max_turns=5, logprob_chunk=64)
 
 
@@ -165,7 +166,7 @@ def test_fused_step_equals_base_plus_the_written_out_ca_sft(setup, tok):
     the plain-sequence values (rise threshold 0: about half of the random teacher's credits pass),
     w the loss aggregation's token weights (linear in coef: with coefficient 0 it is GRPO's step)."""
     trajs, row_tasks, policy, ref = setup
-    cfg = _cfg("orchard", orchard_coef=0.7, orchard_rise=0.0)
+    cfg = _cfg("orchard", coef=0.7, rise=0.0)
     batch, _ = make_train_batch(trajs, row_tasks, tok, cfg, resolve_method(cfg))
     batch = fold_batch(batch)
     g_orchard, m = _step(cfg, policy, ref, batch)
@@ -216,7 +217,7 @@ def test_trains_three_steps_from_its_config_on_failures_alone(tmp_path):
             "--config.train.steps=3", "--config.train.prompts_per_step=2", "--config.train.group_size=4",
             "--config.rollout.max_turns=2", "--config.rollout.max_turn_tokens=24",
             "--config.rollout.max_response_tokens=64", "--config.checkpoint.every=0", "--config.log.tensorboard=False",
-            "--config.checkpoint.export_at_end=False", "--config.rl.orchard_rise=-1.0"]
+            "--config.checkpoint.export_at_end=False", "--config.orchard.rise=-1.0"]
     proc = run_main("turnsight_jax.train", *args, timeout=600)  # in the trainer process (tests/_train_runs.py)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "method orchard:" in proc.stderr and "loss [clipped_surrogate, ca_sft]" in proc.stderr

@@ -22,7 +22,7 @@ from turnsight_jax.models.sharding import make_mesh, state_shardings
 from turnsight_jax.methods import critic as critic_lib
 from turnsight_jax.rl.advantages import get_estimator
 from turnsight_jax.rl.batch import make_train_batch, shard_batch
-from turnsight_jax.rl.config import AlgoConfig, CriticConfig, LossConfig, PRMConfig, StepConfig
+from turnsight_jax.rl.config import AlgoConfig, LossConfig, StepConfig
 from turnsight_jax.rl.losses import aggregation_weights, clipped_surrogate
 from turnsight_jax.rl.methods import resolve_method
 from turnsight_jax.rl.step import make_train_step
@@ -53,10 +53,13 @@ def setup(tok):
 
 
 def _cfg(method="ppo", **kw):
-    algo = dict(method=method, gae_gamma=0.95, gae_lam=0.9, gae_whiten=True)
-    algo.update(kw.pop("algo", {}))
-    return StepConfig(algo=AlgoConfig(**algo), loss=LossConfig(clip_eps=0.2, clip_eps_high=0.28), group_size=G,
-                      max_turns=5, logprob_chunk=64, critic=kw.pop("critic", CriticConfig()), **kw)
+    """`critic` / `prm`: {key: value} of those sections; `algo`: more AlgoConfig fields."""
+    algo = AlgoConfig(method=method, **kw.pop("algo", {})).with_section("gae", gamma=0.95, lam=0.9, whiten=True)
+    for name in ("critic", "prm"):
+        if name in kw:
+            algo = algo.with_section(name, **kw.pop(name))
+    return StepConfig(algo=algo, loss=LossConfig(clip_eps=0.2, clip_eps_high=0.28), group_size=G,
+                      max_turns=5, logprob_chunk=64, **kw)
 
 
 def _batch(cfg, trajs, row_tasks, tok, method=None):
@@ -150,7 +153,8 @@ def _reference_policy_grads(cfg, policy, critic, trajs):
         run, nxt = 0.0, 0.0
         for j in reversed(range(c)):
             r = t.reward if j == c - 1 else 0.0
-            run = r + a.gae_gamma * nxt - values[i, j] + a.gae_gamma * a.gae_lam * run
+            g = a.section("gae")
+            run = r + g.gamma * nxt - values[i, j] + g.gamma * g.lam * run
             adv[i, j], nxt = run, values[i, j]
     flat = adv[mask]
     adv = np.where(mask, (adv - flat.mean()) / np.sqrt(flat.var(ddof=1) + 1e-8), 0.0).astype(np.float32)
@@ -196,7 +200,7 @@ def test_value_loss_falls_on_a_fixed_batch(setup, tok):
     """Six critic updates (Adam, lr 3e-2) on one batch: the value loss falls by more than half
     and the explained variance of the step-start values rises above where it started."""
     trajs, row_tasks, policy, critic = setup
-    cfg = _cfg(critic=CriticConfig(value_clip=None))
+    cfg = _cfg(critic=dict(value_clip=None))
     _, hist, state = _run(cfg, policy, critic, _batch(cfg, trajs, row_tasks, tok), lr=1e-6,
                           critic_opt=optax.adam(3e-2), steps=6)
     losses = [h["critic/value_loss"] for h in hist]
@@ -294,7 +298,7 @@ def test_pica_with_alpha_zero_is_ppo_and_its_prm_learns(setup, tok, ppo_one):
     """With alpha = 0 the progress rewards vanish: PiCA's policy and critic updates are PPO's
     exactly. Its PRM still trains: the head moves, and h sits at 0.5 for a zero head."""
     trajs, row_tasks, policy, critic = setup
-    pica_cfg = dataclasses.replace(_cfg("pica"), prm=PRMConfig(alpha=0.0))
+    pica_cfg = _cfg("pica", prm=dict(alpha=0.0))
     zero = {"prm_w": jnp.zeros(CFG.hidden_size), "prm_b": jnp.zeros(())}
     d_ppo, h_ppo, s_ppo = ppo_one
     d_pica, m, aux = _pica_run(pica_cfg, policy, critic, _batch(pica_cfg, trajs, row_tasks, tok), zero)
@@ -312,7 +316,7 @@ def test_pica_progress_rewards_change_the_advantage(setup, tok, ppo_one):
     trajs, row_tasks, policy, critic = setup
     rng = np.random.default_rng(5)
     head = {"prm_w": jnp.asarray(rng.normal(0, 1.0, CFG.hidden_size), jnp.float32), "prm_b": jnp.zeros(())}
-    cfg = dataclasses.replace(_cfg("pica"), prm=PRMConfig(alpha=1.0, decay=0.9))
+    cfg = _cfg("pica", prm=dict(alpha=1.0, decay=0.9))
     d_pica, m, _ = _pica_run(cfg, policy, critic, _batch(cfg, trajs, row_tasks, tok), head)
     d_ppo, h_ppo, _ = ppo_one
     assert m["prm/gain_abs_mean"] > 1e-3

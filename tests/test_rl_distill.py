@@ -117,8 +117,9 @@ def test_turn_mean_and_sod_weights_by_hand():
                                                                                       math.exp(-2.75), 0]], rtol=1e-6)
 
 
-def _term(name, x, **algo):
-    return get_loss_term(name).fn(x, LossConfig(), AlgoConfig(**algo))
+def _term(name, x, section, **values):
+    """Loss term `name` on `x` with its method's config section `section` set to `values`."""
+    return get_loss_term(name).fn(x, LossConfig(), AlgoConfig().with_section(section, **values))
 
 
 def test_sdar_term_by_hand_and_its_gradient_is_the_gated_nll():
@@ -126,14 +127,14 @@ def test_sdar_term_by_hand_and_its_gradient_is_the_gated_nll():
     teacher = jnp.asarray([[-0.5, -3.0, -0.1]], jnp.float32)
     x = {"logprobs": lp, "teacher_logprobs": teacher, "teacher_covered": jnp.asarray([[True, True, False]]),
          "pol_valid": jnp.asarray([[True, True, True]])}
-    loss, m = _term("sdar", x, sdar_coef=0.3, sdar_beta=2.0)
+    loss, m = _term("sdar", x, "sdar", coef=0.3, beta=2.0)
     g = [1 / (1 + math.exp(-2.0 * 0.5)), 1 / (1 + math.exp(-2.0 * -1.0)), 0.0]
     np.testing.assert_allclose(np.asarray(m["sdar_gate"])[0], g, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(loss)[0], [0.3 * g[0] * 1.0, 0.3 * g[1] * 2.0, 0.0], rtol=1e-6)
     # the gate is detached: d loss / d log p = -coef * gate
-    grad = jax.grad(lambda a: jnp.sum(_term("sdar", {**x, "logprobs": a}, sdar_coef=0.3, sdar_beta=2.0)[0]))(lp)
+    grad = jax.grad(lambda a: jnp.sum(_term("sdar", {**x, "logprobs": a}, "sdar", coef=0.3, beta=2.0)[0]))(lp)
     np.testing.assert_allclose(np.asarray(grad)[0], [-0.3 * g[0], -0.3 * g[1], 0.0], rtol=1e-6)
-    zero, _ = _term("sdar", x, sdar_coef=0.0)
+    zero, _ = _term("sdar", x, "sdar", coef=0.0)
     assert not np.any(np.asarray(zero))
 
 
@@ -143,13 +144,13 @@ def test_sdpo_and_sod_terms_by_hand():
     kl0 = 0.5 * math.log(0.5 / 0.4) + 0.2 * math.log(0.2 / 0.4) + 0.3 * math.log(0.3 / 0.2)
     x = {"topk_logprobs": s, "teacher_topk_logprobs": t, "teacher_covered": jnp.asarray([[True, True]]),
          "pol_valid": jnp.asarray([[True, True]]), "turn_ids": jnp.asarray([[0, 1]], jnp.int32)}
-    loss, m = _term("sdpo_kl", x, sdpo_coef=0.5)
+    loss, m = _term("sdpo_kl", x, "sdpo", coef=0.5)
     np.testing.assert_allclose(np.asarray(m["sdpo_kl"])[0], [kl0, 0.0], atol=1e-6)
     np.testing.assert_allclose(np.asarray(loss)[0], [0.5 * kl0, 0.0], atol=1e-6)
-    loss, m = _term("sod", x, sod_coef=2.0, sod_tau=0.5)
+    loss, m = _term("sod", x, "sod", coef=2.0, tau=0.5)
     w0 = math.exp(-kl0 / 0.5)  # each token alone in its turn
     np.testing.assert_allclose(np.asarray(m["sod_weight"])[0], [w0, 1.0], rtol=1e-5)
     np.testing.assert_allclose(np.asarray(loss)[0], [2.0 * w0 * kl0, 0.0], atol=1e-6)
-    for name, knob in (("sdpo_kl", "sdpo_coef"), ("sod", "sod_coef")):
-        zero, _ = _term(name, x, **{knob: 0.0})
+    for name, section in (("sdpo_kl", "sdpo"), ("sod", "sod")):
+        zero, _ = _term(name, x, section, coef=0.0)
         assert not np.any(np.asarray(zero))

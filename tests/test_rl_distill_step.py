@@ -75,8 +75,12 @@ def _dense(graphdef, params, seqs, preds, width=1024, most=128):
     return [out[r, : len(p)] for r, p in enumerate(preds)]
 
 
-def _cfg(method, *, base="grpo", weights="policy", source="gold_answer", **algo):
-    return StepConfig(algo=AlgoConfig(method=method, base=base, **algo),
+def _cfg(method, *, base="grpo", weights="policy", source="gold_answer", sections=None, **algo):
+    """`sections`: {method section: {key: value}} (sdpo.*, sdar.*, sod.*)."""
+    a = AlgoConfig(method=method, base=base, **algo)
+    for name, values in (sections or {}).items():
+        a = a.with_section(name, **values)
+    return StepConfig(algo=a,
                       teacher=TeacherConfig(weights=weights, source=source, placement="prompt", top_k=K,
                                             checkpoint="x" if weights == "external" else ""),
                       loss=LossConfig(clip_eps=0.2, clip_eps_high=0.28), group_size=G, max_turns=5, logprob_chunk=64)
@@ -147,7 +151,8 @@ def _reference_grads(cfg, policy, teacher, trajs, row_tasks, tok):
     if a.method == "rlsd":
         adv = np.asarray(distill.rlsd_advantages(gap, adv, mask, covered, lam=a.lam, eps_w=a.eps_w)["advantages"])
     elif a.method == "sdpo_advantage":
-        adv = np.asarray(distill.sdpo_advantages(gap, adv, mask, covered, sdpo_coef=a.sdpo_coef)["advantages"])
+        adv = np.asarray(distill.sdpo_advantages(gap, adv, mask, covered,
+                                                 sdpo_coef=a.section("sdpo").coef)["advantages"])
     weights = aggregation_weights(jnp.asarray(mask), cfg.loss.aggregation)
     graphdef, params = nnx.split(policy)
 
@@ -160,15 +165,17 @@ def _reference_grads(cfg, policy, teacher, trajs, row_tasks, tok):
             tl = clipped_surrogate(lp, old[i], adv[i], cfg.loss)[0]
             if a.method in ("sdpo", "sod"):
                 s = jnp.zeros((n, K)).at[:c].set(jnp.take_along_axis(lsm, top_ids[i, :c], axis=1))
-                kl = jnp.where(mask[i] & covered[i], distill.topk_kl(s, top_lp[i], tail=a.sdpo_tail), 0.0)
+                kl = jnp.where(mask[i] & covered[i], distill.topk_kl(s, top_lp[i], tail=a.section(a.method).tail), 0.0)
                 if a.method == "sdpo":
-                    tl = tl + a.sdpo_coef * kl
+                    tl = tl + a.section("sdpo").coef * kl
                 else:
-                    w = distill.sod_turn_weights(kl[None], turn_ids[i][None], mask[i][None], a.sod_tau)[0]
-                    tl = tl + a.sod_coef * w * kl
+                    sod = a.section("sod")
+                    w = distill.sod_turn_weights(kl[None], turn_ids[i][None], mask[i][None], sod.tau)[0]
+                    tl = tl + sod.coef * w * kl
             if a.method == "sdar":
-                gate = jax.nn.sigmoid(a.sdar_beta * (tlp[i] - jax.lax.stop_gradient(lp)))
-                tl = tl - a.sdar_coef * jnp.where(mask[i] & covered[i], gate * lp, 0.0)
+                sdar = a.section("sdar")
+                gate = jax.nn.sigmoid(sdar.beta * (tlp[i] - jax.lax.stop_gradient(lp)))
+                tl = tl - sdar.coef * jnp.where(mask[i] & covered[i], gate * lp, 0.0)
             total = total + jnp.sum(tl * weights[i])
         return total
 
@@ -181,10 +188,10 @@ def _max_diff(a, b):
 
 CASES = {  # method -> step config and which model teaches
     "rlsd": (dict(lam=0.5, eps_w=0.5), dict(source="gold_answer"), "policy"),
-    "sdpo": (dict(sdpo_coef=0.7), dict(source="sibling"), "policy"),
-    "sdpo_advantage": (dict(sdpo_coef=0.7), dict(source="sibling"), "policy"),
-    "sdar": (dict(sdar_coef=0.5, sdar_beta=2.0), dict(source="skill"), "policy"),
-    "sod": (dict(sod_coef=0.5, sod_tau=0.5), dict(source="none", weights="external"), "big"),
+    "sdpo": (dict(sections={"sdpo": dict(coef=0.7)}), dict(source="sibling"), "policy"),
+    "sdpo_advantage": (dict(sections={"sdpo": dict(coef=0.7)}), dict(source="sibling"), "policy"),
+    "sdar": (dict(sections={"sdar": dict(coef=0.5, beta=2.0)}), dict(source="skill"), "policy"),
+    "sod": (dict(sections={"sod": dict(coef=0.5, tau=0.5)}), dict(source="none", weights="external"), "big"),
 }
 
 
@@ -229,9 +236,10 @@ def grpo_step(setup, tok):
     return _step(base, policy, ref, _batch(base, trajs, row_tasks, tok)[0])
 
 
-@pytest.mark.parametrize("method,zero", [("rlsd", dict(lam=0.0)), ("sdpo", dict(sdpo_coef=0.0)),
-                                         ("sdpo_advantage", dict(sdpo_coef=0.0)), ("sdar", dict(sdar_coef=0.0)),
-                                         ("sod", dict(sod_coef=0.0))])
+@pytest.mark.parametrize("method,zero", [("rlsd", dict(lam=0.0)), ("sdpo", dict(sections={"sdpo": dict(coef=0.0)})),
+                                         ("sdpo_advantage", dict(sections={"sdpo": dict(coef=0.0)})),
+                                         ("sdar", dict(sections={"sdar": dict(coef=0.0, beta=2.0)})),
+                                         ("sod", dict(sections={"sod": dict(coef=0.0, tau=0.5)}))])
 def test_coefficient_zero_is_the_base_method(setup, tok, grpo_step, method, zero):
     trajs, row_tasks, policy, ref, big = setup
     algo, teacher_kw, who = CASES[method]

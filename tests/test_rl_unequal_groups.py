@@ -142,7 +142,7 @@ def test_a_group_gets_the_same_values_in_a_batch_of_unequal_groups_as_alone(name
     outside = together["advantages"][groups < 0]
     if name == "sdpo_advantage":
         covered = (arrays["policy_mask"] & arrays["teacher_covered"])[groups < 0]
-        outside = outside - np.where(covered, StepConfig().algo.sdpo_coef * arrays["delta"][0][groups < 0], 0.0)
+        outside = outside - np.where(covered, StepConfig().algo.section("sdpo").coef * arrays["delta"][0][groups < 0], 0.0)
     np.testing.assert_array_equal(outside, 0.0)
 
 

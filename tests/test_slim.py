@@ -232,7 +232,7 @@ def test_method_resolves_over_its_base():
     assert m.describe() == ("method slim: rollout slim, rewards [outcome], advantage base(grpo), "
                             "loss [clipped_surrogate]")
     _, m = validate(_cfg("rl.base='ppo'"))
-    assert m.rollout.name == "slim" and m.base.name == "gae" and m.critic
+    assert m.rollout.name == "slim" and m.base.name == "gae" and m.uses("critic")
     with pytest.raises(ConfigError, match="itself wraps a base"):
         validate(_cfg("rl.base='turnsight'"))
 

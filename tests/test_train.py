@@ -56,7 +56,7 @@ def _records(workdir):
     (["--config.optim.lr=1e999"], "optim.lr must be finite and > 0"),
     (["--config.rl.method=dpo"], "unknown rl.method 'dpo'; registered methods"),
     (["--config.rl.method=ppo", "--config.critic.value_clip=-1"], r"critic.value_clip must be None \(off\) or a number > 0"),
-    (["--config.rl.method=ppo", "--config.rl.gae_lam=1.5"], r"rl.gae_lam must be in \[0, 1\], got 1.5"),
+    (["--config.rl.method=ppo", "--config.gae.lam=1.5"], r"gae.lam must be in \[0, 1\], got 1.5"),
     (["--config.checkpoint.keep=0"], r"checkpoint.keep must be >= 1 \(0 would delete every save\), got 0"),
     (["--config.train.max_skipped_steps=0"], "train.max_skipped_steps must be >= 1, got 0"),
     (["--config.model.vocab_block=-1"], r"model.vocab_block must be >= 0 \(vocab_block 0: the whole vocabulary"),

@@ -33,8 +33,7 @@ import ml_collections as mlc
 from turnsight_jax.chat.hindsight_template import DEFAULT_FILLER
 from turnsight_jax.chat.hindsight_template import HindsightTemplate
 from turnsight_jax.errors import ConfigError
-from turnsight_jax.rl.config import (AlgoConfig, CriticConfig, LossConfig, OptimConfig, PRMConfig, StepConfig,
-                                     TeacherConfig)
+from turnsight_jax.rl.config import AlgoConfig, LossConfig, OptimConfig, StepConfig, TeacherConfig
 from turnsight_jax.rl.config import CONFIG_SECTIONS, section_settings
 from turnsight_jax.rl.methods import CONFIG_CHECKS, ResolvedMethod, resolve_method
 from turnsight_jax.rollout.driver import RolloutConfig
@@ -154,20 +153,7 @@ def base_config() -> mlc.ConfigDict:
     c.rl.matchtir_semantics = "clean"  # MatchTIR reward conventions: clean | released (quchangle1/MatchTIR's code; turnsight_jax/rewards.py)
     c.rl.matchtir_singleton = "zero"  # MatchTIR advantage of a group / (group, turn) of one: zero | raw (mean 0, std 1: the released code)
     c.rl.toolrl_format = True  # ToolRL reward R_format + R_correct (docs/spec.md §1.12); False: R_correct only (the released compute_toolrl)
-    # Self-distillation baselines (turnsight_jax.methods.self_distillation, docs/baselines.md); RLSD mixes with rl.lam and rl.eps_w:
-    c.rl.sdpo_coef = 1.0  # SDPO: coefficient of the top-K KL to the feedback teacher (sdpo_advantage: of its gap in the advantage)
-    c.rl.sdpo_tail = True  # SDPO/SOD top-K KL: the rest of the vocabulary as one extra category; False: renormalised over the K
-    c.rl.sdar_coef = 1.0  # SDAR: coefficient of the gated auxiliary NLL
-    c.rl.sdar_beta = 1.0  # SDAR: gate sigmoid(beta * (teacher - student log-prob)) sharpness
-    c.rl.sod_coef = 1.0  # SOD: coefficient of the turn-weighted top-K KL to the external teacher
-    c.rl.sod_tau = 1.0  # SOD: turn weight exp(-turn divergence / tau) (the SOD paper gives no formula: ours)
-    c.rl.gae_gamma = 1.0  # PPO (methods with a critic, methods.critic): GAE discount per policy token (verl: 1.0)
-    c.rl.gae_lam = 1.0  # PPO: GAE lambda (verl: 1.0)
-    c.rl.gae_whiten = True  # PPO: GAE advantages whitened over the batch's policy tokens (verl's default)
-    c.rl.orchard_coef = 1.0  # Orchard CA-SFT: coefficient of the NLL on rise segments of failed trajectories
-    c.rl.orchard_rise = 0.05  # Orchard: a turn whose credit V(s_k+1) - V(s_k) reaches this is in a rise segment (the paper's 0.05)
-    c.rl.orchard_success = 1.0  # Orchard: outcome reward from which a trajectory is solved (CA-SFT trains on the others)
-    c.rl.switch_step = 0  # two-stage recipes (e.g. SRL then the outcome): the first N steps run rl.method, the rest rl.switch_method; 0: off
+    c.rl.switch_step = 0  # two-stage recipes (e.g. a dense-reward method, then the outcome): the first N steps run rl.method, the rest rl.switch_method; 0: off
     c.rl.switch_method = ""  # the method from step switch_step on (same rl.base and every other key)
     c.rl.args = mlc.ConfigDict()  # free-form knobs of plug-in methods (--config.rl.args.<key>=<value>)
 
@@ -176,11 +162,11 @@ def base_config() -> mlc.ConfigDict:
     c.teacher.ema_decay = 0.99  # weights=ema: teacher <- decay * teacher + (1 - decay) * policy after every step
     c.teacher.checkpoint = ""  # weights=external: a Hugging Face Qwen3 folder with the policy's tokenizer | warm_start
     c.teacher.preset = ""  # weights=external: its architecture (a preset) for --dry-run where the folder is absent
-    c.teacher.source = "gold_answer"  # privileged block: gold_answer | sibling | feedback | skill | none (RLSD/SDPO/SDAR/SOD)
+    c.teacher.source = "gold_answer"  # privileged block: gold_answer | sibling | feedback | skill | none (the methods whose teacher kind is privileged)
     c.teacher.placement = "prompt"  # privileged block: prompt (once, after the prompt) | turn (before every turn)
     c.teacher.skills = ""  # source=skill: JSON file {task category: skill text}; "": the bundled skills
     c.teacher.sibling_min_reward = 1.0  # source=sibling: a sibling rollout counts as successful at this reward or above
-    c.teacher.top_k = 20  # teacher tokens the top-K KL (SDPO, SOD) is computed on
+    c.teacher.top_k = 20  # teacher tokens a top-K KL (a loss term reading the teacher's top K) is computed on
     c.teacher.block_budget = 0  # every privileged block exactly this many tokens (content cut to its head, or padded); 0: off
     c.teacher.block_filler = DEFAULT_FILLER  # the text that pads a privileged block to the budget
 
@@ -210,19 +196,6 @@ def base_config() -> mlc.ConfigDict:
     c.optim.weight_decay = 0.01  # AdamW weight decay (paper silent)
     c.optim.max_grad_norm = 1.0  # global gradient-norm clip
 
-    c.critic = mlc.ConfigDict()  # PPO's critic (methods.critic): its own trunk + value head and optimizer, for methods with one
-    c.critic.lr = 1e-5  # critic AdamW peak learning rate (verl's critic default)
-    c.critic.warmup_steps = 0  # linear warm-up steps of the critic's learning rate
-    c.critic.weight_decay = 0.01  # critic AdamW weight decay
-    c.critic.max_grad_norm = 1.0  # critic global gradient-norm clip
-    c.critic.value_clip = 0.5  # value loss 0.5*max((V-R)^2, (clip(V, V_old +- c) - R)^2); None: unclipped (verl: 0.5)
-    c.prm = mlc.ConfigDict()  # PiCA's step-PRM (methods.prm): a logistic head on the frozen reference trunk, trained each step
-    c.prm.lr = 1e-3  # the PRM head's AdamW learning rate (no weight decay)
-    c.prm.alpha = 1.0  # progress reward alpha * decay^(k-1) * (h_{k-1} - h_k - baseline) at tool-result boundary k
-    c.prm.decay = 0.9  # gamma of the progress reward's decay over boundaries (against call spamming)
-    c.prm.baseline = 0.0  # the fixed baseline subtracted from each gain
-    c.prm.hinge_coef = 1.0  # weight of the monotonicity hinge (increases of h along solved trajectories)
-    c.prm.success_reward = 1.0  # outcome reward from which a trajectory counts as solved (the PRM's label)
 
 
     c.train = mlc.ConfigDict()  # the RL loop and the split of a step's batch
@@ -306,9 +279,8 @@ def base_config() -> mlc.ConfigDict:
     c.faults.delay_rate = 0.0  # a call takes faults.delay_s longer (a batch waits for its slowest once)
     c.faults.delay_s = 0.0  # seconds a delayed call adds
     c.faults.seed = 0  # salt of the fault draws (with each episode's seed and each call's index)
-    # each method's own section, generated from its registered dataclass (rl.config.CONFIG_SECTIONS):
-    # the keys and defaults of slim.*, bar.*, akbe.*, t2po.*, appo.*, judge.*, mm_grpo.*, toolomni.* are the
-    # fields of methods.slim.library.SlimConfig, methods.bar.BarConfig, ... (registered when
+    # each method's own section `<name>.*`, generated from the dataclass it registered
+    # (rl.config.CONFIG_SECTIONS: its fields are the keys and their defaults; registered when
     # turnsight_jax.methods is imported, as every entry point does)
     for section in CONFIG_SECTIONS.values():
         c[section.name] = mlc.ConfigDict(dataclasses.asdict(section.schema()))
@@ -566,7 +538,7 @@ def method_sections(cfg: mlc.ConfigDict) -> tuple[tuple[str, Any], ...]:
     """The run config's method sections as (name, settings dataclass) pairs (rl.config.AlgoConfig.
     sections); a section the config lacks is left out (its dataclass's defaults then apply). Only
     the keys are checked here: a section's values are checked by its method's registered check
-    when a stage runs the method (`validate`; e.g. bar.cap 0 means the group size there)."""
+    when a stage runs the method (`validate`; e.g. a section's 0 that means the group size there)."""
     return tuple((s.name, section_settings(s.schema, cfg[s.name], s.name, f"a {s.name}", validate=False))
                  for s in CONFIG_SECTIONS.values() if s.name in cfg)
 
@@ -586,10 +558,6 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
                         student_sees_observations=r.student_sees_observations,
                         matchtir_matching=r.matchtir_matching, matchtir_semantics=r.matchtir_semantics,
                         matchtir_singleton=r.matchtir_singleton, toolrl_format=r.toolrl_format,
-                        sdpo_coef=r.sdpo_coef, sdpo_tail=r.sdpo_tail, sdar_coef=r.sdar_coef, sdar_beta=r.sdar_beta,
-                        sod_coef=r.sod_coef, sod_tau=r.sod_tau, gae_gamma=r.gae_gamma, gae_lam=r.gae_lam,
-                        gae_whiten=r.gae_whiten, orchard_coef=r.orchard_coef,
-                        orchard_rise=r.orchard_rise, orchard_success=r.orchard_success,
                         sections=method_sections(cfg), args=args),
         teacher=TeacherConfig(weights=te.weights, ema_decay=te.ema_decay, checkpoint=te.checkpoint,
                               source=te.source, placement=te.placement, skills=te.skills,
@@ -602,15 +570,6 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
         optim=OptimConfig(lr=o.lr, schedule=o.schedule, warmup_steps=o.warmup_steps, total_steps=t.steps,
                           min_lr_ratio=o.min_lr_ratio, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay,
                           max_grad_norm=o.max_grad_norm),
-        critic=CriticConfig(optim=OptimConfig(lr=cfg.critic.lr, warmup_steps=cfg.critic.warmup_steps,
-                                              total_steps=t.steps, b1=o.b1, b2=o.b2,
-                                              weight_decay=cfg.critic.weight_decay,
-                                              max_grad_norm=cfg.critic.max_grad_norm),
-                            value_clip=cfg.critic.value_clip),
-        prm=PRMConfig(optim=OptimConfig(lr=cfg.prm.lr, total_steps=t.steps, b1=o.b1, b2=o.b2, weight_decay=0.0,
-                                        max_grad_norm=o.max_grad_norm),
-                      alpha=cfg.prm.alpha, decay=cfg.prm.decay, baseline=cfg.prm.baseline,
-                      hinge_coef=cfg.prm.hinge_coef, success_reward=cfg.prm.success_reward),
         group_size=t.group_size, micro_batches=t.micro_batches, mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
         teacher_micro_batches=t.teacher_micro_batches, logprob_chunk=t.logprob_chunk,
         score_chunk=t.score_chunk, max_turns=cfg.rollout.max_turns,
@@ -771,7 +730,7 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
     sc = step_config(cfg)
     sc.validate()
     method = resolve_method(sc)
-    # one rollout call's siblings of a prompt (BAR: bar.chunk)
+    # one rollout call's siblings of a prompt (a controller may sample fewer per call than the group)
     episodes_per_prompt = (cfg.train.group_size if method.rollout.episodes_per_call is None
                            else method.rollout.episodes_per_call(cfg))
     engine = engine_config(cfg)
@@ -787,7 +746,7 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
                        cfg.rollout.max_response_tokens, episodes_per_prompt)
         except ValueError as e:
             raise ConfigError(f"rollout: {e}") from None
-    # a controller that forms its own groups (BAR, AKBE) gives each prompt its own number of rows
+    # a controller that forms its own groups gives each prompt its own number of rows
     if method.rollout.rows_per_prompt is not None:
         sc = dataclasses.replace(sc, prompt_rows=method.rollout.prompt_rows(cfg, cfg.train.group_size))
     rows = cfg.train.prompts_per_step * sc.rows_per_prompt
@@ -810,9 +769,6 @@ def validate(cfg: mlc.ConfigDict, num_devices: int | None = None, *,
             teacher_architecture(cfg.teacher.checkpoint, cfg.teacher.preset, policy)
         except (OSError, ValueError) as e:
             raise ConfigError(str(e)) from None
-    if method.uses("prm") and not sc.algo.student_sees_observations:
-        raise ConfigError(f"rl.method={sc.algo.method!r} trains a step-PRM that reads the tool results; "
-                          "rl.student_sees_observations=False masks them out of the context it reads")
     # The rewards' inputs must exist for the training tasks (e.g. MatchTIR's gold calls).
     later = second_stage(cfg, sc, method)
     stages = [(sc, method)] + ([] if later is None else [(later.step_config, later.method)])
@@ -840,7 +796,7 @@ class SecondStage:
 def second_stage(cfg: mlc.ConfigDict, sc: StepConfig, method: ResolvedMethod) -> SecondStage | None:
     """The stage rl.switch_method runs from step rl.switch_step on (every other key as the first
     stage's), or None when rl.switch_step is 0. ConfigError when the two stages need different
-    state: a critic, or another teacher."""
+    state: learned auxiliaries, or another teacher."""
     step, name = cfg.rl.switch_step, cfg.rl.switch_method
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ConfigError(f"rl.switch_step must be an int >= 0 (0: off), got {step!r}")
@@ -858,8 +814,7 @@ def second_stage(cfg: mlc.ConfigDict, sc: StepConfig, method: ResolvedMethod) ->
                           f"batch geometry")
     if method2.aux != method.aux:
         raise ConfigError(f"rl.switch_method={name!r}: the two stages must train the same learned auxiliaries "
-                          f"(critic, PRM): both train a critic or neither ({method.name}: {list(method.aux)}, "
-                          f"{method2.name}: {list(method2.aux)})")
+                          f"(rl.auxiliaries; {method.name}: {list(method.aux)}, {method2.name}: {list(method2.aux)})")
     # the teacher state the trainer keeps (an EMA or an external model) must serve both stages
     kept = lambda m: sc.teacher.weights if m.uses_teacher and sc.teacher.weights in ("ema", "external") else None  # noqa: E731
     if kept(method) != kept(method2):

@@ -167,8 +167,8 @@ def _update_flops(qcfg, batch, bstats, step_cfg, method, cfg, mesh, teacher_cfg=
 
 
 def _new_aux(method, params, qcfg, optimizers, mesh) -> dict:
-    """rl.step.init_aux on the mesh: the critic's trunk and its moments sharded like the policy's,
-    the heads (value, PRM) replicated."""
+    """rl.step.init_aux on the mesh: a trunk and its moments sharded like the policy's, heads
+    replicated (models.sharding.opt_state_shardings)."""
     with jax.set_mesh(mesh):
         state = init_aux(method, params, qcfg.hidden_size, optimizers)
     return jax.device_put(state, opt_state_shardings(state, mesh))
@@ -321,17 +321,13 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
         decay = step_cfg.teacher.ema_decay
         ema_fn = jax.jit(lambda t, p: jax.tree.map(lambda a, b: (decay * a + (1.0 - decay) * b).astype(a.dtype), t, p),
                          donate_argnums=0)
-    # The learned auxiliaries (rl.step.init_aux): a critic (its own trunk, from the policy's
-    # starting weights, a value head) and/or a step-PRM (a head on the frozen reference trunk); each
+    # The learned auxiliaries (rl.step.init_aux; rl.auxiliaries), each
     # with its own optimizer, checkpointed as its own item next to the policy.
     aux_opts = make_aux_optimizers(step_cfg, method)
     aux_state = _new_aux(method, params, qcfg, aux_opts, mesh) if method.aux else None
-    if method.uses("critic"):
-        log(f"critic: a {qcfg.num_layers}-layer trunk + value head, lr {step_cfg.critic.optim.lr:g}, "
-            f"value clip {step_cfg.critic.value_clip}")
-    if method.uses("prm"):
-        log(f"step-PRM: a logistic head on the frozen reference trunk, lr {step_cfg.prm.optim.lr:g}, "
-            f"reward {step_cfg.prm.alpha:g} * {step_cfg.prm.decay:g}^(k-1) * (h_(k-1) - h_k - {step_cfg.prm.baseline:g})")
+    for auxiliary in method.auxiliaries:
+        if auxiliary.announce is not None:
+            log(auxiliary.announce(step_cfg, qcfg))
     shardings = (params, opt_state) + ((aux_state,) if aux_state is not None else ())
     # the step then also returns the records' per-turn arrays (and with log.turn_records the
     # teacher's token log-probs: StepConfig.record_teacher)
@@ -373,11 +369,11 @@ def _train(cfg: mlc.ConfigDict, workdir: pathlib.Path, lock: checkpointing.Workd
             saved = ckpt.restore_teacher(latest, teacher_params)
             teacher_params = saved if saved is not None else jax.tree.map(jnp.copy, params)
         if aux_state is not None:
-            fresh = None  # built only for an item the checkpoint lacks (a critic copies the whole trunk)
+            fresh = None  # built only for an item the checkpoint lacks (an auxiliary may copy the whole trunk)
             for name in method.aux:
                 saved = ckpt.restore_item(latest, name, aux_state[name])
                 if saved is None:
-                    log(f"checkpoint {latest} has no {name}: it starts afresh (a critic from the restored policy)")
+                    log(f"checkpoint {latest} has no {name}: it starts afresh (from the restored policy)")
                     fresh = fresh or _new_aux(method, params, qcfg, aux_opts, mesh)
                 aux_state[name] = fresh[name] if saved is None else saved
         if "previous" in old_kinds:

@@ -1,7 +1,7 @@
 """Orchard's credit-assigned SFT next to GRPO (turnsight_jax.methods.orchard; docs/signal_methods.md)
 on the tiny CPU experiment: each step the frozen teacher, told the episode's reward and the gold
 answer, values every state of every trajectory (P(Yes) to "will the assistant go on to solve the
-task?" after the state's prefix); the turns whose value rises by rl.orchard_rise or more are
+task?" after the state's prefix); the turns whose value rises by orchard.rise or more are
 imitated (SFT) on the trajectories that failed, next to GRPO's update.
 
     python -m turnsight_jax.train --config configs/methods/orchard.py --workdir /tmp/orchard_run

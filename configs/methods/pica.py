@@ -19,7 +19,7 @@ def get_config():
     c = default_config()
     c.name = "pica_tiny"
     c.rl.method = "pica"
-    c.rl.gae_gamma, c.rl.gae_lam, c.rl.gae_whiten = 1.0, 0.95, True
+    c.gae.gamma, c.gae.lam, c.gae.whiten = 1.0, 0.95, True
     c.critic.lr = 1e-4  # as configs/methods/ppo.py
     c.prm.lr = 1e-2  # a head on frozen features: a larger step than the trunks'
     c.prm.alpha, c.prm.decay, c.prm.baseline = 0.5, 0.9, 0.0

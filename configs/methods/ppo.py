@@ -19,7 +19,7 @@ def get_config():
     c = default_config()
     c.name = "ppo_tiny"
     c.rl.method = "ppo"
-    c.rl.gae_gamma, c.rl.gae_lam, c.rl.gae_whiten = 1.0, 0.95, True
+    c.gae.gamma, c.gae.lam, c.gae.whiten = 1.0, 0.95, True
     # The tiny model's critic learns fast from a zero head; verl's 1e-5 barely moves it in 8 steps.
     c.critic.lr = 1e-4
     c.critic.value_clip = 0.5

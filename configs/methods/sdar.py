@@ -15,7 +15,7 @@ def get_config():
     c = default_config()
     c.name = "sdar_tiny"
     c.rl.method, c.rl.base = "sdar", "grpo"
-    c.rl.sdar_coef, c.rl.sdar_beta = 0.1, 1.0
+    c.sdar.coef, c.sdar.beta = 0.1, 1.0
     c.teacher.weights = "policy"
     c.teacher.source, c.teacher.placement = "skill", "prompt"
     c.train.steps = 8

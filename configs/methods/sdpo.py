@@ -1,7 +1,7 @@
 """SDPO (Self-Distillation Policy Optimization; docs/baselines.md) on the tiny CPU experiment: GRPO
 plus the KL from the student to the stop-gradient teacher, the current policy shown a successful
 sibling rollout of the same prompt after the prompt, on the teacher's top-K tokens at every
-sampled position (teacher.top_k; the rest of the vocabulary is one more category, rl.sdpo_tail).
+sampled position (teacher.top_k; the rest of the vocabulary is one more category, sdpo.tail).
 A trajectory with no successful sibling (reward >= teacher.sibling_min_reward) gets no
 distillation and is counted (teacher/views_skipped).
 
@@ -18,7 +18,7 @@ def get_config():
     c = default_config()
     c.name = "sdpo_tiny"
     c.rl.method, c.rl.base = "sdpo", "grpo"
-    c.rl.sdpo_coef = 0.1
+    c.sdpo.coef = 0.1
     c.teacher.weights = "policy"
     c.teacher.source, c.teacher.placement = "sibling", "prompt"
     c.teacher.sibling_min_reward = 1.0  # Solve-F1 1: a sibling that solved the task

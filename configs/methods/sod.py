@@ -1,6 +1,6 @@
 """SOD (step-wise on-policy distillation; docs/baselines.md) on the tiny CPU experiment: GRPO plus
 the top-K KL to an external teacher scoring the student's own trajectories, each turn's strength
-multiplied by exp(-turn divergence / rl.sod_tau), so turns where the two diverge most are damped.
+multiplied by exp(-turn divergence / sod.tau), so turns where the two diverge most are damped.
 
 The method's teacher is a second, larger Hugging Face Qwen3 with the same tokenizer: pass it with
 `--config.teacher.checkpoint=/path/to/folder`. So that this file runs anywhere, its default is
@@ -20,7 +20,7 @@ def get_config():
     c = default_config()
     c.name = "sod_tiny"
     c.rl.method, c.rl.base = "sod", "grpo"
-    c.rl.sod_coef, c.rl.sod_tau = 0.1, 1.0
+    c.sod.coef, c.sod.tau = 0.1, 1.0
     c.teacher.weights = "external"
     c.teacher.checkpoint = "warm_start"
     c.teacher.source = "none"  # the teacher reads the student's own context

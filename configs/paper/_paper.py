@@ -24,14 +24,14 @@ CONFIGS = pathlib.Path(__file__).resolve().parents[1]
 MODELS = {"8b": "qwen3_8b", "4b": "qwen3_4b"}
 METHODS = ("vanilla", "grpo", "toolrl", "matchtir", "turnsight", "rlsd", "sdpo", "sdar", "sod")
 # The self-distillation baselines (docs/baselines.md; docs/reproducing.md says what was chosen
-# where their papers are silent): method, base, teacher.* values, method knobs.
+# where their papers are silent): method, base, teacher.* values, method knobs ("<section>.<key>").
 BASELINES = {
     "rlsd": dict(base="matchtir", weights="policy", source="gold_answer", placement="prompt"),
-    "sdpo": dict(base="grpo", weights="policy", source="sibling", placement="prompt", knobs={"sdpo_coef": 0.1}),
+    "sdpo": dict(base="grpo", weights="policy", source="sibling", placement="prompt", knobs={"sdpo.coef": 0.1}),
     "sdar": dict(base="grpo", weights="policy", source="skill", placement="prompt",
-                 knobs={"sdar_coef": 0.1, "sdar_beta": 1.0}),
+                 knobs={"sdar.coef": 0.1, "sdar.beta": 1.0}),
     "sod": dict(base="grpo", weights="external", source="none", placement="prompt",
-                knobs={"sod_coef": 0.1, "sod_tau": 1.0}),
+                knobs={"sod.coef": 0.1, "sod.tau": 1.0}),
 }
 # SOD's external teacher: a larger Qwen3 with the same tokenizer (pass its folder with
 # --config.teacher.checkpoint=/path/to/Qwen3-32B; the preset lets --dry-run plan it without the folder).
@@ -88,8 +88,9 @@ def row(method: str, model: str = "8b"):
         b = BASELINES[method]
         c.rl.method, c.rl.base = method, b["base"]
         c.teacher.weights, c.teacher.source, c.teacher.placement = b["weights"], b["source"], b["placement"]
-        for key, value in b.get("knobs", {}).items():
-            c.rl[key] = value
+        for key, value in b.get("knobs", {}).items():  # "<method section>.<key>"
+            section, name = key.split(".")
+            c[section][name] = value
         if method == "sod":
             c.teacher.checkpoint, c.teacher.preset = SOD_TEACHER["checkpoint"], SOD_TEACHER["preset"]
             if model == "8b":  # the 32B teacher (8 GiB per device) stays resident while rolling out:

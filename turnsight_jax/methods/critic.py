@@ -20,16 +20,21 @@ advantage over them); tests/test_rl_critic.py checks it against a loop over a pa
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from turnsight_jax.errors import ConfigError
 from turnsight_jax.rl.auxiliaries import StageOut, StepAuxiliary, register_auxiliary
 from turnsight_jax.rl.logprobs import gather_rows, layout_fields, predictor_positions, row_layout
 from turnsight_jax.rl.packing import packed_index
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.rl.length_classes import run_by_class
-from turnsight_jax.rl.methods import Method, register_method, register_progress_metrics
+from turnsight_jax.rl.config import OptimConfig, section_settings
+from turnsight_jax.rl.methods import Method, register_config_section, register_method, register_progress_metrics
 
 Array = jax.Array
 
@@ -176,7 +181,7 @@ def gae_process_advantages(rewards: Array, values: Array, policy_mask: Array, pr
 def _register() -> None:
     from turnsight_jax.rl.advantages import register_advantage
 
-    knobs = ("gae_gamma", "gae_lam", "gae_whiten")
+    knobs = ("gae.gamma", "gae.lam", "gae.whiten")  # the run config's gae.* section (GaeConfig)
     register_advantage("gae", ("rewards", "values", "policy_mask"), knobs)(gae_advantages)
     register_advantage("gae_process", ("rewards", "values", "policy_mask", "process_rewards"), knobs)(
         gae_process_advantages)
@@ -208,11 +213,11 @@ def _stage_values(inputs, state, optimizer):
 def _stage_returns(inputs, state, old_values, estimator_out):
     """The value loss's targets: the estimator's "returns" (GAE's), or, for an advantage without
     them (e.g. GRPO's over a critic-carrying method), GAE's returns against V_old."""
-    batch, algo = inputs.batch, inputs.cfg.algo
+    batch, g = inputs.batch, inputs.cfg.algo.section("gae")
     returns = estimator_out.get("returns")
     if returns is None:
         _, returns = gae(token_rewards(batch.signals["rewards"], batch.pol_valid), old_values, batch.pol_valid,
-                         gamma=algo.gae_gamma, lam=algo.gae_lam)
+                         gamma=g.gamma, lam=g.lam)
     metrics = {"critic/explained_variance": explained_variance(old_values, returns, batch.pol_valid),
                "critic/returns_mean": jnp.sum(jnp.where(batch.pol_valid, returns, 0.0))
                / jnp.maximum(batch.pol_valid.sum(), 1)}
@@ -222,16 +227,87 @@ def _stage_returns(inputs, state, old_values, estimator_out):
 def _value_loss(graphdef, cfg, params, rows, x):
     """The clipped value loss [B, N] of a micro-batch's rows; its gradient reaches the critic only."""
     values = policy_values(nnx.merge(graphdef, params["trunk"]), params["head"], rows)
-    vl, vclip = value_loss(values, x["old_values"], x["returns"], cfg.critic.value_clip)
+    vl, vclip = value_loss(values, x["old_values"], x["returns"], cfg.algo.section("critic").value_clip)
     return vl, {"value_loss": vl, "value_clip_frac": vclip, "values_mean": values}
 
 
 # ---- registration ----
 
+@dataclasses.dataclass(frozen=True)
+class GaeConfig:
+    """The run config's `gae.*` section: GAE of the methods with a critic (PPO, PiCA)."""
+
+    gamma: float = 1.0  # discount per policy token (verl: 1.0)
+    lam: float = 1.0  # GAE lambda (verl: 1.0)
+    whiten: bool = True  # advantages whitened over the batch's policy tokens (verl's default)
+
+    def validate(self) -> "GaeConfig":
+        for key in ("gamma", "lam"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0.0 <= v <= 1.0):
+                raise ConfigError(f"gae.{key} must be in [0, 1], got {v!r}")
+        if not isinstance(self.whiten, bool):
+            raise ConfigError(f"gae.whiten must be True or False, got {self.whiten!r}")
+        return self
+
+
+def _check_gae(cfg, stages, check_data: bool) -> None:
+    section_settings(GaeConfig, cfg.gae, "gae", "a GAE")  # checked whatever method runs
+
+
+register_config_section("gae", GaeConfig, _check_gae)
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticConfig:
+    """The run config's `critic.*` section: the critic's own AdamW (its schedule's length, b1 and
+    b2 are the policy's) and the value clip c of the loss 0.5 · max((V − R)², (clip(V, V_old ± c) −
+    R)²)."""
+
+    lr: float = 1e-5  # peak learning rate (verl's critic default)
+    warmup_steps: int = 0  # linear warm-up steps of the critic's learning rate
+    weight_decay: float = 0.01  # the critic's AdamW weight decay
+    max_grad_norm: float = 1.0  # the critic's own global gradient-norm clip
+    value_clip: float | None = 0.5  # None: unclipped (verl's cliprange_value 0.5)
+
+    def validate(self) -> "CriticConfig":
+        c = self.value_clip
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0):
+            raise ConfigError(f"critic.value_clip must be None (off) or a number > 0, got {c!r}")
+        for key in ("lr", "max_grad_norm"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+                raise ConfigError(f"critic.{key} must be finite and > 0, got {v!r}")
+        if isinstance(self.weight_decay, bool) or not self.weight_decay >= 0:
+            raise ConfigError(f"critic.weight_decay must be >= 0, got {self.weight_decay!r}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ConfigError(f"critic.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        return self
+
+
+def _check_critic(cfg, stages, check_data: bool) -> None:
+    section_settings(CriticConfig, cfg.critic, "critic", "a critic")  # checked whatever method runs
+
+
+register_config_section("critic", CriticConfig, _check_critic)
+
+
+def critic_optim(step_cfg) -> OptimConfig:
+    """The critic's optimizer settings: its section's, over the policy's schedule length, b1, b2."""
+    c, o = step_cfg.algo.section("critic"), step_cfg.optim
+    return OptimConfig(lr=c.lr, warmup_steps=c.warmup_steps, total_steps=o.total_steps, b1=o.b1, b2=o.b2,
+                       weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm)
+
+
+def _announce(step_cfg, model_cfg) -> str:
+    c = step_cfg.algo.section("critic")
+    return f"critic: a {model_cfg.num_layers}-layer trunk + value head, lr {c.lr:g}, value clip {c.value_clip}"
+
 register_auxiliary(StepAuxiliary(
-    "critic", provides=("values",), needs_outputs=("rewards",), init=init_state, optim=lambda cfg: cfg.critic.optim,
+    "critic", provides=("values",), needs_outputs=("rewards",), init=init_state, optim=critic_optim,
     before_advantage=_stage_values, after_advantage=_stage_returns, loss=_value_loss,
-    loss_metrics=("value_loss", "value_clip_frac", "values_mean"), describe="critic (value head, clipped value loss)"))
+    loss_metrics=("value_loss", "value_clip_frac", "values_mean"), describe="critic (value head, clipped value loss)",
+    announce=_announce))
 
 register_method(Method("ppo", advantage="gae", auxiliaries=("critic",),
                        description="PPO: outcome reward on the last token, GAE(gamma, lambda) against a learned critic"))

@@ -22,6 +22,7 @@ never copied. Only two columns of the vocabulary projection are computed.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 import jax
@@ -172,10 +173,11 @@ def rise_turns(credits: Array, has: Array, threshold: float) -> tuple[Array, Arr
 
 def rise_mask(values: Array, exists: Array, turn_ids: Array, pol_valid: Array, rewards: Array, algo: AlgoConfig):
     """The CA-SFT token mask [B, N] bool (policy tokens of rise-segment turns of failed
-    trajectories: outcome reward < algo.orchard_success) and its metrics (scalars)."""
+    trajectories: outcome reward < orchard.success) and its metrics (scalars)."""
+    orchard = algo.section("orchard")
     credits, has = turn_credits(values, exists)
-    rise, segments = rise_turns(credits, has, algo.orchard_rise)
-    failed = rewards < algo.orchard_success  # [B]
+    rise, segments = rise_turns(credits, has, orchard.rise)
+    failed = rewards < orchard.success  # [B]
     k = rise.shape[1]
     tok_rise = jnp.take_along_axis(rise, jnp.clip(turn_ids, 0, k - 1), axis=1) & (turn_ids >= 0)
     mask = pol_valid & tok_rise & failed[:, None]
@@ -199,7 +201,7 @@ def _ca_sft_term(x, cfg: LossConfig, algo: AlgoConfig):
     aggregated like the other terms (loss.aggregation)."""
     mask = x["pol_valid"] & x["rise_mask"]
     nll = jnp.where(mask, -x["logprobs"], 0.0)
-    return algo.orchard_coef * nll, {"ca_sft_nll": nll}
+    return algo.section("orchard").coef * nll, {"ca_sft_nll": nll}
 
 
 # ---- the step auxiliary (rl.auxiliaries) ----
@@ -207,7 +209,7 @@ def _ca_sft_term(x, cfg: LossConfig, algo: AlgoConfig):
 def _batch_rows(req: RowsRequest):
     """The probe rows of a batch (`batch.aux_rows["retrospective"]`) and their stats ("Q")."""
     return build_probes(req.trajs, req.tasks, req.tokenizer, max_turns=req.cfg.max_turns,
-                        success_threshold=req.cfg.algo.orchard_success, buckets=req.buckets, min_width=req.min_width)
+                        success_threshold=req.cfg.algo.section("orchard").success, buckets=req.buckets, min_width=req.min_width)
 
 
 def _plan_width(run_config, length: int) -> int:
@@ -234,7 +236,32 @@ def _stage(inputs, state, optimizer) -> StageOut:
 
 
 # ---- registration ----
-from turnsight_jax.rl.methods import Method, register_method  # noqa: E402
+from turnsight_jax.errors import ConfigError  # noqa: E402
+from turnsight_jax.rl.config import section_settings  # noqa: E402
+from turnsight_jax.rl.methods import Method, register_config_section, register_method  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class OrchardConfig:
+    """The run config's `orchard.*` section."""
+
+    coef: float = 1.0  # coefficient of the CA-SFT NLL on rise segments of failed trajectories
+    rise: float = 0.05  # a turn whose credit V(s_k+1) - V(s_k) reaches this is in a rise segment (the paper's 0.05)
+    success: float = 1.0  # outcome reward from which a trajectory is solved (CA-SFT trains on the others)
+
+    def validate(self) -> "OrchardConfig":
+        for key in ("coef", "rise", "success"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (key == "coef" and v < 0):
+                raise ConfigError(f"orchard.{key} must be finite" + (" and >= 0" if key == "coef" else "") + f", got {v!r}")
+        return self
+
+
+def _check_section(cfg, stages, check_data: bool) -> None:
+    section_settings(OrchardConfig, cfg.orchard, "orchard", "an Orchard")  # checked whatever method runs
+
+
+register_config_section("orchard", OrchardConfig, _check_section)
 
 # runs whenever a loss term reads "rise_mask" (CA-SFT trains on failed trajectories: the outcome tells)
 register_auxiliary(StepAuxiliary("retrospective", provides=("rise_mask",), needs_outputs=("rewards",),

@@ -27,14 +27,19 @@ accumulates, so along a solved trajectory h may not rise.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
 
+from turnsight_jax.errors import ConfigError
 from turnsight_jax.methods.critic import hidden_at
 from turnsight_jax.rl.auxiliaries import StageOut, StepAuxiliary, register_auxiliary
+from turnsight_jax.rl.config import OptimConfig, section_settings
 from turnsight_jax.rl.logprobs import predictor_positions
-from turnsight_jax.rl.methods import Method, register_method, register_progress_metrics
+from turnsight_jax.rl.methods import Method, register_config_section, register_method, register_progress_metrics
 
 Array = jax.Array
 
@@ -141,7 +146,7 @@ def _stage(inputs, state, optimizer) -> StageOut:
     "process_rewards"), and one update of its head on this batch (skipped, the head kept, when not
     finite)."""
     batch, cfg = inputs.batch, inputs.cfg
-    pc = cfg.prm
+    pc = cfg.algo.section("prm")
     hidden, exists = inputs.teacher_pass(lambda rows: prm_states(inputs.ref_model, rows, cfg.max_turns))
     head = state["params"]
     h = jax.nn.sigmoid(head_logits(hidden, head))
@@ -173,9 +178,61 @@ def _stage(inputs, state, optimizer) -> StageOut:
 
 # ---- registration ----
 
+@dataclasses.dataclass(frozen=True)
+class PRMConfig:
+    """The run config's `prm.*` section: the head's learning rate (AdamW without weight decay; the
+    schedule's length, b1, b2 and clip are the policy's), the progress reward alpha ·
+    decay^(k−1) · (h_{k−1} − h_k − baseline) at boundary k, the weight of the monotonicity hinge in
+    its loss, and the outcome reward from which a trajectory counts as solved (its label)."""
+
+    lr: float = 1e-3  # the head's AdamW learning rate (no weight decay)
+    alpha: float = 1.0  # progress reward alpha * decay^(k-1) * (h_{k-1} - h_k - baseline) at tool-result boundary k
+    decay: float = 0.9  # against call spamming: later boundaries are worth less
+    baseline: float = 0.0  # the fixed baseline subtracted from each gain
+    hinge_coef: float = 1.0  # weight of the monotonicity hinge (increases of h along solved trajectories)
+    success_reward: float = 1.0  # outcome reward from which a trajectory counts as solved (the PRM's label)
+
+    def validate(self) -> "PRMConfig":
+        for name in ("alpha", "baseline", "hinge_coef", "success_reward", "decay", "lr"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(f"prm.{name} must be a finite number, got {v!r}")
+        if self.alpha < 0 or self.hinge_coef < 0:
+            raise ConfigError(f"prm.alpha and prm.hinge_coef must be >= 0, got {self.alpha} and {self.hinge_coef}")
+        if not 0.0 < self.decay <= 1.0:
+            raise ConfigError(f"prm.decay must be in (0, 1], got {self.decay}")
+        if not self.lr > 0:
+            raise ConfigError(f"prm.lr must be finite and > 0, got {self.lr}")
+        return self
+
+
+def _check_section(cfg, stages, check_data: bool) -> None:
+    section_settings(PRMConfig, cfg.prm, "prm", "a step-PRM")  # checked whatever method runs
+    for sc, method in stages:
+        if method.uses("prm") and not sc.algo.student_sees_observations:
+            raise ConfigError(f"rl.method={sc.algo.method!r} trains a step-PRM that reads the tool results; "
+                              "rl.student_sees_observations=False masks them out of the context it reads")
+
+
+register_config_section("prm", PRMConfig, _check_section)
+
+
+def prm_optim(step_cfg) -> OptimConfig:
+    """The head's optimizer settings: its learning rate, no weight decay, the policy's schedule length, b1, b2, clip."""
+    p, o = step_cfg.algo.section("prm"), step_cfg.optim
+    return OptimConfig(lr=p.lr, total_steps=o.total_steps, b1=o.b1, b2=o.b2, weight_decay=0.0,
+                       max_grad_norm=o.max_grad_norm)
+
+
+def _announce(step_cfg, model_cfg) -> str:
+    p = step_cfg.algo.section("prm")
+    return (f"step-PRM: a logistic head on the frozen reference trunk, lr {p.lr:g}, "
+            f"reward {p.alpha:g} * {p.decay:g}^(k-1) * (h_(k-1) - h_k - {p.baseline:g})")
+
+
 register_auxiliary(StepAuxiliary("prm", provides=("process_rewards",), needs_outputs=("rewards",), init=init_state,
-                                 optim=lambda cfg: cfg.prm.optim, before_advantage=_stage,
-                                 describe="step-PRM (head on the frozen reference trunk)"))
+                                 optim=prm_optim, before_advantage=_stage,
+                                 describe="step-PRM (head on the frozen reference trunk)", announce=_announce))
 
 register_method(Method("pica", advantage="gae_process", auxiliaries=("critic", "prm"),
                        description="PiCA: a monotone step-PRM's progress rewards at tool results, GAE against a critic"))

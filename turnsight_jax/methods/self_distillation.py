@@ -23,6 +23,9 @@ successful sibling, leaves the token to the base method: no modulation, no disti
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -93,7 +96,7 @@ register_advantage("base", ("base_advantages",))(base_passthrough)
 register_advantage("rlsd", ("delta", "base_advantages", "policy_mask", "teacher_covered"),
                    ("lam", "eps_w"))(rlsd_advantages)
 register_advantage("sdpo_advantage", ("delta", "base_advantages", "policy_mask", "teacher_covered"),
-                   ("sdpo_coef",))(sdpo_advantages)
+                   ("sdpo.coef",))(sdpo_advantages)
 
 
 # ---- the top-K KL (SDPO, SOD) ----
@@ -143,8 +146,9 @@ def sod_turn_weights(kl: Array, turn_ids: Array, mask: Array, tau: float) -> Arr
 def _sdpo_term(x, cfg: LossConfig, algo: AlgoConfig):
     """SDPO's distillation: c·KL(student ‖ sg feedback teacher) on the teacher's top-K, per token."""
     mask = x["pol_valid"] & x["teacher_covered"]
-    kl = jnp.where(mask, topk_kl(x["topk_logprobs"], x["teacher_topk_logprobs"], tail=algo.sdpo_tail), 0.0)
-    return algo.sdpo_coef * kl, {"sdpo_kl": kl}
+    sdpo = algo.section("sdpo")
+    kl = jnp.where(mask, topk_kl(x["topk_logprobs"], x["teacher_topk_logprobs"], tail=sdpo.tail), 0.0)
+    return sdpo.coef * kl, {"sdpo_kl": kl}
 
 
 @register_loss_term("sdar", ("logprobs", "teacher_logprobs", "teacher_covered", "pol_valid"),
@@ -154,9 +158,10 @@ def _sdar_term(x, cfg: LossConfig, algo: AlgoConfig):
     mask = x["pol_valid"] & x["teacher_covered"]
     lp = x["logprobs"]
     gap = jax.lax.stop_gradient(x["teacher_logprobs"] - lp)
-    gate = jnp.where(mask, jax.nn.sigmoid(algo.sdar_beta * gap), 0.0)
+    sdar = algo.section("sdar")
+    gate = jnp.where(mask, jax.nn.sigmoid(sdar.beta * gap), 0.0)
     nll = jnp.where(mask, -lp, 0.0)
-    return algo.sdar_coef * gate * nll, {"sdar_gate": gate, "sdar_nll": nll}
+    return sdar.coef * gate * nll, {"sdar_gate": gate, "sdar_nll": nll}
 
 
 @register_loss_term("sod", ("topk_logprobs", "teacher_topk_logprobs", "turn_ids", "pol_valid"),
@@ -164,9 +169,10 @@ def _sdar_term(x, cfg: LossConfig, algo: AlgoConfig):
 def _sod_term(x, cfg: LossConfig, algo: AlgoConfig):
     """SOD: c·ω_k·KL_t, ω_k = exp(−D̄_k / τ) of the token's turn (sod_turn_weights)."""
     mask = x["pol_valid"]
-    kl = jnp.where(mask, topk_kl(x["topk_logprobs"], x["teacher_topk_logprobs"], tail=algo.sdpo_tail), 0.0)
-    w = sod_turn_weights(kl, x["turn_ids"], mask, algo.sod_tau)
-    return algo.sod_coef * w * kl, {"sod_kl": kl, "sod_weight": w}
+    sod = algo.section("sod")
+    kl = jnp.where(mask, topk_kl(x["topk_logprobs"], x["teacher_topk_logprobs"], tail=sod.tail), 0.0)
+    w = sod_turn_weights(kl, x["turn_ids"], mask, sod.tau)
+    return sod.coef * w * kl, {"sod_kl": kl, "sod_weight": w}
 
 
 # ---- registration ----
@@ -174,7 +180,73 @@ def _sod_term(x, cfg: LossConfig, algo: AlgoConfig):
 from turnsight_jax.errors import ConfigError  # noqa: E402
 from turnsight_jax.methods import privileged_views  # noqa: E402, F401  the "privileged" teacher kind's view builder
 from turnsight_jax.methods.privileged_blocks import load_skills  # noqa: E402
-from turnsight_jax.rl.methods import Method, register_config_check, register_method, register_progress_metrics  # noqa: E402
+from turnsight_jax.rl.config import section_settings  # noqa: E402
+from turnsight_jax.rl.methods import (Method, register_config_check, register_config_section,  # noqa: E402
+                                     register_method, register_progress_metrics)
+
+
+def _number(section: str, key: str, value, *, positive: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+            value <= 0 if positive else value < 0):
+        raise ConfigError(f"{section}.{key} must be finite and {'> 0' if positive else '>= 0'}, got {value!r}")
+
+
+def _flag(section: str, key: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{section}.{key} must be True or False, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SdpoConfig:
+    """The run config's `sdpo.*` section (SDPO and its sampled-token form sdpo_advantage)."""
+
+    coef: float = 1.0  # coefficient of the top-K KL to the feedback teacher (sdpo_advantage: of its gap in the advantage)
+    tail: bool = True  # the top-K KL keeps the rest of the vocabulary as one extra category; False: renormalised over the K
+
+    def validate(self) -> "SdpoConfig":
+        _number("sdpo", "coef", self.coef)
+        _flag("sdpo", "tail", self.tail)
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class SdarConfig:
+    """The run config's `sdar.*` section."""
+
+    coef: float = 1.0  # coefficient of the gated auxiliary NLL
+    beta: float = 1.0  # the gate sigmoid(beta * (teacher - student log-prob))'s sharpness
+
+    def validate(self) -> "SdarConfig":
+        _number("sdar", "coef", self.coef)
+        _number("sdar", "beta", self.beta, positive=True)
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class SodConfig:
+    """The run config's `sod.*` section."""
+
+    coef: float = 1.0  # coefficient of the turn-weighted top-K KL to the external teacher
+    tau: float = 1.0  # turn weight exp(-turn divergence / tau) (the SOD paper gives no formula: ours)
+    tail: bool = True  # the top-K KL keeps the rest of the vocabulary as one extra category; False: renormalised over the K
+
+    def validate(self) -> "SodConfig":
+        _number("sod", "coef", self.coef)
+        _number("sod", "tau", self.tau, positive=True)
+        _flag("sod", "tail", self.tail)
+        return self
+
+
+def _section_check(name: str, schema: type, what: str):
+    """A section's values are checked whatever method runs (a bad value never waits unseen)."""
+    def check(cfg, stages, check_data: bool) -> None:
+        section_settings(schema, cfg[name], name, what)
+    return check
+
+
+for _name, _schema, _what in (("sdpo", SdpoConfig, "an SDPO"), ("sdar", SdarConfig, "an SDAR"),
+                              ("sod", SodConfig, "a SOD")):
+    register_config_section(_name, _schema, _section_check(_name, _schema, _what))
 
 
 @register_config_check

@@ -195,8 +195,8 @@ def _matchtir_estimator(turn_rewards, num_turns, turn_ids, policy_mask, group_id
 # Knobs an estimator may ask for, and where they come from: the AlgoConfig field of the same name,
 # or the step geometry (num_groups = B / G, max_turns = the rollout's turn budget).
 KNOBS = ("eps", "gamma", "num_groups", "max_turns", "lam", "eps_w", "selection", "aggregation",
-         "group_norm", "turns", "norm_pool", "uncovered_in_stats", "empty_block_turns", "matchtir_singleton", "sdpo_coef",
-         "gae_gamma", "gae_lam", "gae_whiten", "depths", "horizon_tol")
+         "group_norm", "turns", "norm_pool", "uncovered_in_stats", "empty_block_turns", "matchtir_singleton", "depths",
+         "horizon_tol")
 # ... and "<section>.<key>": a key of a method's own config section (rl.config.AlgoConfig.section_knobs),
 # passed as the keyword argument "<section>_<key>" (APPO's transform: "appo.amplify" -> appo_amplify).
 

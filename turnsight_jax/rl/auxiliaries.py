@@ -101,7 +101,8 @@ class StepAuxiliary:
         distinct width; `RowsRequest.min_width` is its floor).
     plan_width(run_config, length) -> int: the worst-case width for trajectories of `length`
         tokens; abstract_rows(batch, width, max_turns) -> the rows as jax.ShapeDtypeStructs.
-    describe: a few words for the method's one-line description."""
+    describe: a few words for the method's one-line description.
+    announce(step_cfg, model_cfg) -> str: the line the trainer logs about it at the start of a run."""
 
     name: str
     provides: tuple[str, ...] = ()
@@ -117,6 +118,7 @@ class StepAuxiliary:
     plan_width: Callable[[Any, int], int] | None = None
     abstract_rows: Callable[[int, int, int], Any] | None = None
     describe: str = ""
+    announce: Callable[[Any, Any], str] | None = None
 
     @property
     def learned(self) -> bool:

@@ -9,7 +9,7 @@ tokens per row, K = max turns):
                                            with rl.student_sees_observations=False only the prompt
                                            and the policy tokens (`student_context`)
   layout: Layout [B, T] or None            when some trajectory's turns saw elided observations (an
-                                           observation window, methods.mm_grpo) and the student sees
+                                           observation window, rollout.driver) and the student sees
                                            observations: each row is its trajectory's
                                            rl.context_rows row (every turn under its own context,
                                            in segments) and this its Layout; None: plain rows
@@ -24,7 +24,7 @@ tokens per row, K = max turns):
                                            controller that forms its own groups, see below)
   num_turns [B] int32
   signals: {name: [B], [B, K] or [B, N]}    what the method's rewards filled ("rewards",
-                                           "turn_rewards", per token: APPO's "appo_omega", ...;
+                                           "turn_rewards", per token: a controller's recorded values, ...;
                                            float32; turnsight_jax.rl.methods)
   views: PackedViews or None               packed hindsight rows of the frozen teacher
                                            (turnsight_jax.rl.views), when the advantage needs them
@@ -50,14 +50,14 @@ tokens per row, K = max turns):
                                            (rl.micro_groups); widths[g] <= T, view_widths[g] <= P
 
 Rows and groups. In the fixed layout (StepConfig.prompt_rows = 0) every group holds exactly G
-rows, B = prompts x G. A rollout controller that forms its own groups (BAR's early stops, AKBE's
-exemplars; rl.methods.RolloutController.rows_per_prompt) gives R = prompt_rows rows per prompt,
+rows, B = prompts x G. A rollout controller that forms its own groups (e.g. prompts stopped early,
+exemplar rows; rl.methods.RolloutController.rows_per_prompt) gives R = prompt_rows rows per prompt,
 B = prompts x R, static for the compiled step: a prompt's block holds its group (any size 1..R),
 rows in no group (group id -1), and padding rows (chat.trajectory.padding_trajectory: one token,
 no policy token, no reward computed). A row in no group gets advantage 0 from every group
 estimator and carries no policy-gradient, KL, entropy or value loss (rl.losses: the RL terms
 aggregate over the policy tokens of grouped rows); a loss term with its own rows (LossTerm.rows,
-AKBE's CE) trains on it.
+e.g. a CE on exemplars) trains on it.
 """
 
 from __future__ import annotations
@@ -389,7 +389,7 @@ def make_train_batch(
             stats.update(astats)
     batch = TrainBatch(
         tokens=tokens, valid=valid, pol_pos=pol_pos, pol_valid=pol_valid, turn_ids=turn_ids, old_logprobs=old_lp,
-        # a controller's prompt block may hold several groups (APPO: initial rollouts and branches): a
+        # a controller's prompt block may hold several groups (e.g. initial rollouts and branches): a
         # process numbers its groups from first prompt x rows per prompt, which no other process's reach
         group_ids=_offset_groups(group_index(trajs, None if cfg.prompt_rows else cfg.group_size),
                                  group_offset * (cfg.prompt_rows or 1)),

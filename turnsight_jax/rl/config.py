@@ -114,19 +114,10 @@ class AlgoConfig:
     ("greedy" | "assignment" | "transport") and matchtir_semantics ("clean" | "released") of the
     turn rewards (turnsight_jax.rewards), matchtir_singleton ("zero" | "raw") of the advantage
     (rl.advantages.matchtir_advantage_parts). toolrl_format: the ToolRL reward adds its format
-    term (rewards.toolrl_reward). Self-distillation baselines (methods.self_distillation; RLSD reuses lam and
-    eps_w): sdpo_coef (SDPO's KL coefficient, or its advantage's with the sdpo_advantage form),
-    sdpo_tail (the top-K KL keeps the rest of the vocabulary as one extra category; False:
-    both distributions renormalised over the top K), sdar_coef / sdar_beta (SDAR's auxiliary NLL
-    and its gate's sharpness), sod_coef / sod_tau (SOD's distillation coefficient and the
-    temperature of its turn weights exp(-divergence / tau)). PPO's GAE (methods.critic; methods with a
-    critic): gae_gamma and gae_lam per policy token (verl's defaults 1.0, 1.0), gae_whiten
-    (advantages whitened over the batch's policy tokens). Orchard's CA-SFT
-    (methods.orchard): orchard_coef (the NLL's coefficient), orchard_rise (the credit c_k from which a
-    turn is in a rise segment, 0.05), orchard_success (the outcome reward from which a trajectory
-    counts as solved; CA-SFT trains on the others). sections: the run config's method sections
-    (register_config_section: `akbe.*`, `appo.*`, ...), as (name, settings dataclass)
-    pairs; a method's loss term or transform reads its own with `section(name)`. args: free-form
+    term (rewards.toolrl_reward); RLSD (methods.self_distillation) reuses lam and eps_w. sections:
+    the run config's method sections (register_config_section: `sdpo.*`, `gae.*`, `orchard.*`,
+    `appo.*`, ...), as (name, settings dataclass) pairs; a method's loss term, estimator knob
+    ("<section>.<key>") or transform reads its own with `section(name)`. args: free-form
     knobs of plug-in methods, as (key, value) pairs.
     """
 
@@ -155,18 +146,6 @@ class AlgoConfig:
     matchtir_semantics: str = "clean"
     matchtir_singleton: str = "zero"
     toolrl_format: bool = True
-    sdpo_coef: float = 1.0
-    sdpo_tail: bool = True
-    sdar_coef: float = 1.0
-    sdar_beta: float = 1.0
-    sod_coef: float = 1.0
-    sod_tau: float = 1.0
-    gae_gamma: float = 1.0
-    gae_lam: float = 1.0
-    gae_whiten: bool = True
-    orchard_coef: float = 1.0
-    orchard_rise: float = 0.05
-    orchard_success: float = 1.0
     sections: tuple[tuple[str, Any], ...] = ()
     args: tuple[tuple[str, Any], ...] = ()
 
@@ -182,6 +161,14 @@ class AlgoConfig:
         if name not in CONFIG_SECTIONS:
             raise KeyError(f"no method registered the config section {name!r}; registered: {sorted(CONFIG_SECTIONS)}")
         return CONFIG_SECTIONS[name].schema()
+
+    def with_section(self, name: str, **values) -> "AlgoConfig":
+        """This config with section `name`'s settings changed to `values` (the other keys as they
+        were, e.g. `AlgoConfig(method="sdpo").with_section("sdpo", coef=0.1)`); unchecked, like a
+        hand-built config (the run config's values are checked by the section's registered check)."""
+        settings = dataclasses.replace(self.section(name), **values)
+        return dataclasses.replace(self, sections=tuple((k, v) for k, v in self.sections if k != name)
+                                   + ((name, settings),))
 
     def section_knobs(self) -> dict[str, Any]:
         """{"<section>.<key>": value} over every registered section: the knobs an estimator or
@@ -278,59 +265,11 @@ def check_budget(budget: Any, filler: Any, key: str, filler_key: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class CriticConfig:
-    """PPO's critic (methods.critic), for methods that carry one: its own optimizer (`optim`: lr,
-    schedule, clipping, AdamW; verl's critic default lr 1e-5) and the value clip c of the loss
-    0.5 · max((V − R)², (clip(V, V_old ± c) − R)²) (None: unclipped; verl's cliprange_value 0.5)."""
-
-    optim: OptimConfig = OptimConfig(lr=1e-5)
-    value_clip: float | None = 0.5
-
-    def validate(self) -> None:
-        c = self.value_clip
-        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0):
-            raise ConfigError(f"critic.value_clip must be None (off) or a number > 0, got {c!r}")
-        if not (math.isfinite(self.optim.lr) and self.optim.lr > 0):
-            raise ConfigError(f"critic.lr must be finite and > 0, got {self.optim.lr}")
-        if self.optim.schedule not in ("constant", "cosine"):
-            raise ConfigError(f"critic.schedule must be 'constant' or 'cosine', got {self.optim.schedule!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class PRMConfig:
-    """PiCA's step-PRM (methods.prm), for methods that carry one: its head's optimizer (`optim`), the
-    progress reward alpha · decay^(k−1) · (h_{k−1} − h_k − baseline) at boundary k, the weight of
-    the monotonicity hinge in its loss, and the outcome reward from which a trajectory counts as
-    solved (its training label)."""
-
-    optim: OptimConfig = OptimConfig(lr=1e-3, weight_decay=0.0)
-    alpha: float = 1.0
-    decay: float = 0.9
-    baseline: float = 0.0
-    hinge_coef: float = 1.0
-    success_reward: float = 1.0
-
-    def validate(self) -> None:
-        for name in ("alpha", "baseline", "hinge_coef", "success_reward"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ConfigError(f"prm.{name} must be a finite number, got {v!r}")
-        if self.alpha < 0 or self.hinge_coef < 0:
-            raise ConfigError(f"prm.alpha and prm.hinge_coef must be >= 0, got {self.alpha} and {self.hinge_coef}")
-        if not 0.0 < self.decay <= 1.0:
-            raise ConfigError(f"prm.decay must be in (0, 1], got {self.decay}")
-        if not (math.isfinite(self.optim.lr) and self.optim.lr > 0):
-            raise ConfigError(f"prm.lr must be finite and > 0, got {self.optim.lr}")
-
-
-@dataclasses.dataclass(frozen=True)
 class StepConfig:
     algo: AlgoConfig = AlgoConfig()
     teacher: TeacherConfig = TeacherConfig()
     loss: LossConfig = LossConfig()
     optim: OptimConfig = OptimConfig()
-    critic: CriticConfig = CriticConfig()
-    prm: PRMConfig = PRMConfig()
     group_size: int = 16
     micro_batches: int = 1  # gradient accumulation inside one mini-batch
     mini_batches: int = 1  # optimizer updates per epoch
@@ -405,29 +344,6 @@ class StepConfig:
                 raise ConfigError(f"rl.{name} must be True or False, got {getattr(algo, name)!r}")
         check_template(algo.hindsight_template, "rl.hindsight_template")
         check_budget(algo.hindsight_budget, algo.hindsight_filler, "rl.hindsight_budget", "rl.hindsight_filler")
-        for name in ("sdpo_coef", "sdar_coef", "sod_coef"):
-            v = getattr(algo, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise ConfigError(f"rl.{name} must be finite and >= 0, got {v}")
-        for name in ("sdar_beta", "sod_tau"):
-            v = getattr(algo, name)
-            if not (math.isfinite(v) and v > 0):
-                raise ConfigError(f"rl.{name} must be finite and > 0, got {v}")
-        for name in ("gae_gamma", "gae_lam"):
-            v = getattr(algo, name)
-            if not (math.isfinite(v) and 0.0 <= v <= 1.0):
-                raise ConfigError(f"rl.{name} must be in [0, 1], got {v}")
-        for name in ("orchard_coef", "orchard_rise", "orchard_success"):
-            v = getattr(algo, name)
-            if not math.isfinite(v) or (name == "orchard_coef" and v < 0):
-                raise ConfigError(f"rl.{name} must be finite" + (" and >= 0" if name == "orchard_coef" else "")
-                                  + f", got {v}")
-        if not isinstance(algo.gae_whiten, bool):
-            raise ConfigError(f"rl.gae_whiten must be True or False, got {algo.gae_whiten!r}")
-        self.critic.validate()
-        self.prm.validate()
-        if not isinstance(algo.sdpo_tail, bool):
-            raise ConfigError(f"rl.sdpo_tail must be True or False, got {algo.sdpo_tail!r}")
         self.teacher.validate()
         if loss.aggregation not in LOSS_AGGREGATIONS:
             raise ConfigError(f"loss.aggregation {loss.aggregation!r} unknown; expected one of {LOSS_AGGREGATIONS}")

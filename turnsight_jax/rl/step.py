@@ -14,9 +14,10 @@ One call of the compiled step, for a rollout batch of B trajectories (B / G prom
    (`masked_old_logprobs`; docs/spec.md §1.9); with loss.tis_threshold set, π_old for the ratio is
    the trainer's own step-start log-probs too, and the surrogate is re-weighted by the truncated
    sampler -> trainer importance weight (rl.losses.tis_weights; δ keeps the sampler's log-probs);
-3. for each PPO epoch and mini-batch: gradients of the method's loss terms (rl.losses) accumulated
-   over micro-batches (normalised by the *mini-batch* token/trajectory counts, so accumulation
-   equals one full pass exactly), global-norm clipping and an optax AdamW update.
+3. for each epoch over the batch (train.ppo_epochs) and mini-batch: gradients of the method's loss
+   terms (rl.losses) accumulated over micro-batches (normalised by the *mini-batch*
+   token/trajectory counts, so accumulation equals one full pass exactly), global-norm clipping and
+   an optax AdamW update.
 
 A method's step auxiliaries (rl.auxiliaries; `method.auxiliaries`, in order) add: before 2, each
 one's `before_advantage` arrays (no gradient; e.g. a critic's values "values", a step-PRM's
@@ -85,9 +86,7 @@ def advantage_knobs(cfg: StepConfig, batch_size: int) -> dict:
             "lam": a.lam, "eps_w": a.eps_w, "selection": a.selection, "aggregation": a.aggregation,
             "group_norm": a.group_norm, "turns": a.turns, "matchtir_singleton": a.matchtir_singleton,
             "norm_pool": a.norm_pool, "uncovered_in_stats": a.uncovered_in_stats,
-            "empty_block_turns": a.empty_block_turns, "sdpo_coef": a.sdpo_coef,
-            "depths": tuple(a.depths), "horizon_tol": a.horizon_tol,
-            "gae_gamma": a.gae_gamma, "gae_lam": a.gae_lam, "gae_whiten": a.gae_whiten,
+            "empty_block_turns": a.empty_block_turns, "depths": tuple(a.depths), "horizon_tol": a.horizon_tol,
             **a.section_knobs()}
 
 
@@ -116,7 +115,7 @@ def advantage_inputs(batch: TrainBatch, teacher_lp, extra: dict | None = None) -
 def compute_advantages(batch: TrainBatch, teacher_lp, cfg: StepConfig, method: ResolvedMethod,
                        extra: dict | None = None, *, with_outputs: bool = False):
     """Advantages [B, N] of the method over the whole batch, and diagnostics; with_outputs: and
-    the estimator's whole output dict (per-token weights, depths, GAE's "returns", ...:
+    the estimator's whole output dict (per-token weights, depths, a critic's "returns", ...:
     rl.turn_records and the step auxiliaries read it). `extra`: the auxiliaries' arrays."""
     fn = make_advantage_fn(method.advantage.name, base=method.base.name if method.base else None,
                            knobs=advantage_knobs(cfg, batch.pol_valid.shape[0]),
