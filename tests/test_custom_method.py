@@ -1,7 +1,8 @@
 """docs/examples/custom_method.py: the method plug-in API end to end (docs/adding_an_algorithm.md).
 
-The example's reward, advantage and loss term against hand computations; its 2-step run of
-`python -m turnsight_jax.train --config docs/examples/custom_method.py` in-process; TurnSight
+The example's settings, reward, advantage and loss term against hand computations; its 2-step
+run of `python -m turnsight_jax.train --config <a copy of the file outside the repository>` (the
+method changes no file of the package), its trainer hook's tally logged and checkpointed; TurnSight
 composed over it; and the guide's code blocks equal to the file.
 """
 
@@ -38,10 +39,12 @@ def example():
     return module
 
 
-def _step_config(method: str, base: str = "grpo", **algo):
+def _step_config(method: str, base: str = "grpo", **settings):
+    """`settings`: the example's rloo_efficient.* values."""
     from turnsight_jax.rl.config import AlgoConfig, StepConfig
 
-    return StepConfig(algo=AlgoConfig(method=method, base=base, **algo), group_size=2, max_turns=4)
+    algo = AlgoConfig(method=method, base=base).with_section("rloo_efficient", **settings)
+    return StepConfig(algo=algo, group_size=2, max_turns=4)
 
 
 # ---- (a) the pieces, by hand -----------------------------------------------------------------
@@ -122,8 +125,8 @@ def test_call_efficiency_on_replayed_trajectories(example, replayed):
         assert gold.reward == 1.0 and reward.fn(gold, task, algo) == 1.0
         assert reward.fn(one_wasted, task, algo) == pytest.approx(one_wasted.reward - 0.1)
         assert reward.fn(two_wasted, task, algo) == pytest.approx(two_wasted.reward - 0.1 * max(2 - gold_n, 0))
-    # the knob comes from rl.args; a task without gold calls is not penalised
-    strict = dataclasses.replace(algo, args=(("call_penalty", 0.5),))
+    # the knob comes from the rloo_efficient.* section; a task without gold calls is not penalised
+    strict = algo.with_section("rloo_efficient", call_penalty=0.5)
     assert reward.fn(trajs[1], tasks[0], strict) == pytest.approx(trajs[1].reward - 0.5)
     assert reward.fn(trajs[1], dataclasses.replace(tasks[0], gold_calls=None), algo) == trajs[1].reward
 
@@ -133,7 +136,7 @@ def test_batch_signals_and_success_nll(example, replayed):
     from turnsight_jax.rl.methods import resolve_method
 
     tok, tasks, trajs = replayed
-    cfg = dataclasses.replace(_step_config("rloo_efficient", args=(("nll_coef", 0.5),)), group_size=3)
+    cfg = dataclasses.replace(_step_config("rloo_efficient", nll_coef=0.5), group_size=3)
     method = resolve_method(cfg)
     assert [r.name for r in method.rewards] == ["outcome", "call_efficiency"]
     assert [t.name for t in method.loss_terms] == ["clipped_surrogate", "success_nll"]
@@ -173,21 +176,34 @@ def _records(workdir: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _train(workdir: pathlib.Path, *overrides: str) -> None:
+def _train(workdir: pathlib.Path, config: pathlib.Path, *overrides: str) -> subprocess.CompletedProcess:
     """The documented command in its own process on one CPU device, as a user runs it (the test
-    process fakes 8 devices, which on 2 cores only slows a run down); no held-out evaluation."""
+    process fakes 8 devices, which on 2 cores only slows a run down), from the folder holding
+    `config`; no held-out evaluation."""
     env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS)  # one device (tests/conftest.py)
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, "-m", "turnsight_jax.train", "--config", str(EXAMPLE), "--workdir",
+    proc = subprocess.run([sys.executable, "-m", "turnsight_jax.train", "--config", str(config), "--workdir",
                            str(workdir), "--config.log.progress=False", "--config.data.num_eval=0", *overrides],
-                          cwd=EXAMPLE.parents[2], env=env, capture_output=True, text=True, timeout=900)
+                          cwd=config.parent, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, example) -> pathlib.Path:
+def outside(tmp_path_factory) -> pathlib.Path:
+    """A copy of the example in a folder outside the repository: adding the method takes no file of
+    the package."""
+    folder = tmp_path_factory.mktemp("my_method")
+    shutil.copy(EXAMPLE, folder / "my_method.py")
+    assert REPO not in (folder / "my_method.py").resolve().parents
+    return folder / "my_method.py"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, outside, example) -> pathlib.Path:
     workdir = tmp_path_factory.mktemp("rloo_efficient")
-    _train(workdir)
+    proc = _train(workdir, outside, "--config.rloo_efficient.call_penalty=0.2")
+    assert "method rloo_efficient: rollout wasted_calls," in proc.stderr
     return workdir
 
 
@@ -200,6 +216,23 @@ def test_example_trains_two_steps(trained):
         assert r["train/grad_norm"] > 0, r  # call counts differ between siblings: RLOO has a signal
         assert r["train/adv_abs_mean"] > 0, r
     assert (trained / "sft" / "SFT_DONE").is_file() and not (trained / "export").exists()
+    # the section's override reached the run's config
+    assert json.loads((trained / "config.json").read_text())["rloo_efficient"] == {"call_penalty": 0.2,
+                                                                                    "nll_coef": 0.05}
+
+
+def test_the_trainer_hook_tallies_every_step_and_checkpoints_its_state(trained):
+    """The hook's metrics on each step's line: 2 prompts x 2 rollouts a step tallied, the running
+    mean of wasted calls; its file in the final checkpoint (in the verified manifest) holds the tally."""
+    from turnsight_jax.checkpointing import check_step
+
+    recs = _records(trained)
+    assert [r["rloo_efficient/episodes_tallied"] for r in recs] == [4.0, 8.0]
+    assert all(0.0 <= r["rloo_efficient/wasted_calls_per_episode"] < 10 for r in recs)
+    saved = json.loads((trained / "checkpoints" / "2" / "wasted_calls.json").read_text())
+    assert saved["episodes"] == 8
+    assert saved["wasted"] == round(recs[-1]["rloo_efficient/wasted_calls_per_episode"] * 8)
+    assert check_step(trained / "checkpoints" / "2") is None
 
 
 # ---- (c) TurnSight over the new method --------------------------------------------------------
@@ -270,7 +303,8 @@ def test_rl_rollout_brings_a_controllers_rewards_and_loss_terms_to_any_method(ex
 
 def test_turnsight_over_the_new_method_trains_a_step(trained, tmp_path):
     shutil.copytree(trained / "sft", tmp_path / "sft")  # the same warm-start, reused
-    _train(tmp_path, "--config.rl.method=turnsight", "--config.rl.base=rloo_efficient", "--config.train.steps=1")
+    _train(tmp_path, EXAMPLE, "--config.rl.method=turnsight", "--config.rl.base=rloo_efficient",
+           "--config.train.steps=1")
     (rec,) = _records(tmp_path)
     assert math.isfinite(rec["train/pg_loss"]) and rec["train/grad_norm"] > 0, rec
     assert "train/success_nll" not in rec  # TurnSight's loss terms, not the base method's

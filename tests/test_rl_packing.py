@@ -23,7 +23,7 @@ from turnsight_jax.rl.batch import DEFAULT_BUCKETS, make_train_batch, shape_keys
 from turnsight_jax.rl.views import pick_bucket
 from turnsight_jax.rl.config import LossConfig, StepConfig
 from turnsight_jax.rl.methods import resolve_method
-from turnsight_jax.rl.step import _split
+from turnsight_jax.rl.micro_batches import split_rows
 
 from test_rl_step import CFG, _cfg, _max_diff, _reference_grads, _sgd_step, setup  # noqa: F401  (the module fixture)
 from _vocab import fold_batch
@@ -85,9 +85,9 @@ def test_packed_index_finds_every_item_after_a_strided_split(shards, modulus, sp
     cols = np.minimum(np.arange(8)[None], lengths[:, None] - 1)  # [B, 8] columns inside each item
     want = 1000 * np.arange(b)[:, None] + cols
     for part in range(split):
-        sub = pk.PackedRows(_split(packed.tokens, split)[part], None, _split(packed.row, split)[part],
-                            _split(packed.offset, split)[part], plan)
-        c = _split(jnp.asarray(cols), split)[part]
+        sub = pk.PackedRows(split_rows(packed.tokens, split)[part], None, split_rows(packed.row, split)[part],
+                            split_rows(packed.offset, split)[part], plan)
+        c = split_rows(jnp.asarray(cols), split)[part]
         flat = pk.packed_index(sub, c)
         got = jnp.take_along_axis(sub.tokens.reshape(shards, -1), flat, axis=1).reshape(c.shape)
         np.testing.assert_array_equal(got, want[part::split])
