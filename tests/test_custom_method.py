@@ -35,6 +35,7 @@ def example():
     """The example module (executing it registers the method; a second load is a no-op)."""
     spec = importlib.util.spec_from_file_location("custom_method_example", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import does (its dataclass resolves its annotations there)
     spec.loader.exec_module(module)
     return module
 
@@ -43,7 +44,9 @@ def _step_config(method: str, base: str = "grpo", **settings):
     """`settings`: the example's rloo_efficient.* values."""
     from turnsight_jax.rl.config import AlgoConfig, StepConfig
 
-    algo = AlgoConfig(method=method, base=base).with_section("rloo_efficient", **settings)
+    algo = AlgoConfig(method=method, base=base)
+    if settings:
+        algo = algo.with_section("rloo_efficient", **settings)
     return StepConfig(algo=algo, group_size=2, max_turns=4)
 
 

@@ -78,7 +78,7 @@ def test_ca_sft_term_is_the_masked_nll():
     lp = jnp.array([[-1.0, -2.0, -0.5], [-3.0, -1.5, -0.1]])
     x = {"logprobs": lp, "rise_mask": jnp.array([[True, False, True], [True, True, False]]),
          "pol_valid": jnp.array([[True, True, True], [True, False, False]])}
-    loss, parts = get_loss_term("ca_sft").fn(x, LossConfig(), AlgoConfig(orchard_coef=0.5))
+    loss, parts = get_loss_term("ca_sft").fn(x, LossConfig(), AlgoConfig().with_section("orchard", coef=0.5))
     np.testing.assert_allclose(np.asarray(loss), [[0.5, 0.0, 0.25], [1.5, 0.0, 0.0]])
     np.testing.assert_allclose(np.asarray(parts["ca_sft_nll"]), [[1.0, 0.0, 0.5], [3.0, 0.0, 0.0]])
 

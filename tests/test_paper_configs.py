@@ -130,7 +130,8 @@ def test_each_config_differs_in_its_one_stated_thing(stem):
     if change.startswith("the method: "):
         method = re.match(r"the method: `(\w+)`", change).group(1)
         assert row["rl.method"] == method and ref["rl.method"] == "turnsight"
-        assert diff and all(k.startswith(("rl.", "teacher.")) for k in diff), diff
+        # the method's keys: rl.*, teacher.* and its own config section (sdpo.*, sdar.*, sod.*)
+        assert diff and all(k.startswith(("rl.", "teacher.", f"{method}.")) for k in diff), diff
         assert compared == f"table1_turnsight_{stem[-2:]}"  # Table 1: the TurnSight row of the same model
     elif change.startswith("the model: "):
         assert diff and all(k.startswith("model.") for k in diff), diff

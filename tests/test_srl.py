@@ -92,7 +92,7 @@ def test_registered_reward_fills_the_batch_rewards(tok):
 @pytest.mark.parametrize("overrides,message", [
     (["--config.rl.switch_step=2"], "rl.switch_step=2 needs rl.switch_method"),
     (["--config.rl.switch_method=grpo"], r"rl.switch_method='grpo' needs rl.switch_step > 0"),
-    (["--config.rl.switch_step=2", "--config.rl.switch_method=ppo"], "both train a critic or neither"),
+    (["--config.rl.switch_step=2", "--config.rl.switch_method=ppo"], "must train the same learned auxiliaries"),
     (["--config.rl.switch_step=2", "--config.rl.switch_method=nope"], "unknown rl.method 'nope'"),
     (["--config.rl.method=pica", "--config.rl.student_sees_observations=False"], "reads the tool results"),
 ])

@@ -26,6 +26,7 @@ import dataclasses
 import difflib
 import importlib.util
 import pathlib
+import sys
 from typing import Any, Callable, Mapping, Sequence
 
 import ml_collections as mlc
@@ -378,11 +379,16 @@ def _load_module(path: pathlib.Path):
         raise ConfigError(f"config file {path} does not exist")
     spec = importlib.util.spec_from_file_location(f"turnsight_config_{path.parent.name}_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
+    # registered while it runs, as an import does: a dataclass defined in the file (a plug-in
+    # method's config section) resolves its annotations through sys.modules[its __module__]
+    sys.modules[spec.name] = module
     try:
         spec.loader.exec_module(module)  # a config file is the user's own Python, like absl's config_flags
     except ConfigError:
+        sys.modules.pop(spec.name, None)
         raise
     except Exception as e:  # noqa: BLE001 - report any failure of the user's file in one line
+        sys.modules.pop(spec.name, None)
         raise ConfigError(f"config file {path} failed to load: {type(e).__name__}: {e}") from e
     return module
 
