@@ -46,6 +46,7 @@ OPTIMIZED = {"xla_backend_optimization_level": 3}
 # code runs on device 0 as usual.
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {SUBPROCESS_XLA_FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import atexit
 import pathlib
 import shutil
 import tempfile
@@ -66,6 +67,8 @@ RUN_ROOT = pathlib.Path(os.environ["TURNSIGHT_TEST_RUN_ROOT"])
 # pytest run started inside a test (one that inherited the folder) must not clear the outer run's
 # tmp_path folders or delete its files (a CI failure: a doc-test ran tests/file_costs.py).
 _OWNS_RUN_ROOT = os.environ.get("TURNSIGHT_TEST_RUN_OWNER") == str(os.getpid())
+if _OWNS_RUN_ROOT:  # also when a script imports the tests' helpers outside pytest (pytest_sessionfinish first)
+    atexit.register(lambda: os.environ.get("TURNSIGHT_KEEP_TEST_TMP") or shutil.rmtree(RUN_ROOT, ignore_errors=True))
 (RUN_ROOT / "tmp").mkdir(exist_ok=True)
 os.environ["TMPDIR"] = str(RUN_ROOT / "tmp")
 tempfile.tempdir = None  # re-read TMPDIR

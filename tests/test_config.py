@@ -295,7 +295,8 @@ def test_every_method_section_is_its_dataclass():
     from turnsight_jax.rl.config import CONFIG_SECTIONS
 
     base = C.base_config()
-    assert {"bar", "akbe", "t2po", "appo", "slim", "judge", "mm_grpo", "toolomni"} <= set(CONFIG_SECTIONS)
+    assert {"bar", "akbe", "t2po", "appo", "slim", "judge", "mm_grpo", "toolomni", "sdpo", "sdar", "sod", "gae", "orchard",
+            "critic", "prm"} <= set(CONFIG_SECTIONS)
     for name, section in CONFIG_SECTIONS.items():
         assert base[name].to_dict() == dataclasses.asdict(section.schema()), name
     assert base.bar.cap == 0  # 0: train.group_size (bar_settings resolves it)
