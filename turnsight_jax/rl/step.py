@@ -22,10 +22,10 @@ One call of the compiled step, for a rollout batch of B trajectories (B / G prom
 A method's step auxiliaries (rl.auxiliaries; `method.auxiliaries`, in order) add: before 2, each
 one's `before_advantage` arrays (no gradient; e.g. a critic's values "values", a step-PRM's
 "process_rewards" with its head's update, a retrospective teacher's "rise_mask"), which the
-advantage and the loss terms read; after 2, each one's `after_advantage` arrays (e.g. the critic's returns); in 3, each
-one's `loss`, on the same micro-batches, accumulated the same way, whose gradient reaches only its
-own parameters, then its own optimizer update. A learned auxiliary's state is the step's `aux`
-(`init_aux`).
+advantage and the loss terms read; after 2, each one's `after_advantage` arrays (e.g. the
+critic's returns); in 3, each one's `loss`, on the same micro-batches, accumulated the same way,
+whose gradient reaches only its own parameters, then its own optimizer update. A learned
+auxiliary's state is the step's `aux` (`init_aux`).
 
 All arrays are in the compact policy-position layout of turnsight_jax.rl.batch: [B, N] per policy
 token. Rows of a micro-batch are strided (rows m, m+M, ...), so each micro-batch spreads over all
@@ -357,8 +357,8 @@ def make_train_step(graphdef, cfg: StepConfig, optimizer: optax.GradientTransfor
                                                                      sampler_lp, tx, ax)
         else:
             opt_split = lambda a: None if a is None else split_rows(a, m)
-            xs = (split_batch(mb, m), split_rows(adv, m), opt_split(ref_lp), jax.tree.map(lambda a: split_rows(a, m), weights),
-                  opt_split(sampler_lp),
+            xs = (split_batch(mb, m), split_rows(adv, m), opt_split(ref_lp),
+                  jax.tree.map(lambda a: split_rows(a, m), weights), opt_split(sampler_lp),
                   jax.tree.map(lambda a: split_rows(a, m), tx), jax.tree.map(lambda a: split_rows(a, m), ax))
 
             def acc(carry, x):
