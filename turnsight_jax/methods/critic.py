@@ -33,7 +33,7 @@ from turnsight_jax.rl.logprobs import gather_rows, layout_fields, predictor_posi
 from turnsight_jax.rl.packing import packed_index
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.rl.length_classes import run_by_class
-from turnsight_jax.rl.config import OptimConfig, section_settings
+from turnsight_jax.rl.config import OptimConfig, always_checked
 from turnsight_jax.rl.methods import Method, register_config_section, register_method, register_progress_metrics
 
 Array = jax.Array
@@ -251,11 +251,7 @@ class GaeConfig:
         return self
 
 
-def _check_gae(cfg, stages, check_data: bool) -> None:
-    section_settings(GaeConfig, cfg.gae, "gae", "a GAE")  # checked whatever method runs
-
-
-register_config_section("gae", GaeConfig, _check_gae)
+register_config_section("gae", GaeConfig, always_checked("gae", GaeConfig, "a GAE"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,11 +281,7 @@ class CriticConfig:
         return self
 
 
-def _check_critic(cfg, stages, check_data: bool) -> None:
-    section_settings(CriticConfig, cfg.critic, "critic", "a critic")  # checked whatever method runs
-
-
-register_config_section("critic", CriticConfig, _check_critic)
+register_config_section("critic", CriticConfig, always_checked("critic", CriticConfig, "a critic"))
 
 
 def critic_optim(step_cfg) -> OptimConfig:

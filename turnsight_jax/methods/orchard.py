@@ -237,7 +237,7 @@ def _stage(inputs, state, optimizer) -> StageOut:
 
 # ---- registration ----
 from turnsight_jax.errors import ConfigError  # noqa: E402
-from turnsight_jax.rl.config import section_settings  # noqa: E402
+from turnsight_jax.rl.config import always_checked  # noqa: E402
 from turnsight_jax.rl.methods import Method, register_config_section, register_method  # noqa: E402
 
 
@@ -257,11 +257,7 @@ class OrchardConfig:
         return self
 
 
-def _check_section(cfg, stages, check_data: bool) -> None:
-    section_settings(OrchardConfig, cfg.orchard, "orchard", "an Orchard")  # checked whatever method runs
-
-
-register_config_section("orchard", OrchardConfig, _check_section)
+register_config_section("orchard", OrchardConfig, always_checked("orchard", OrchardConfig, "an Orchard"))
 
 # runs whenever a loss term reads "rise_mask" (CA-SFT trains on failed trajectories: the outcome tells)
 register_auxiliary(StepAuxiliary("retrospective", provides=("rise_mask",), needs_outputs=("rewards",),

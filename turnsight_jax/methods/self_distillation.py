@@ -180,7 +180,7 @@ def _sod_term(x, cfg: LossConfig, algo: AlgoConfig):
 from turnsight_jax.errors import ConfigError  # noqa: E402
 from turnsight_jax.methods import privileged_views  # noqa: E402, F401  the "privileged" teacher kind's view builder
 from turnsight_jax.methods.privileged_blocks import load_skills  # noqa: E402
-from turnsight_jax.rl.config import section_settings  # noqa: E402
+from turnsight_jax.rl.config import always_checked  # noqa: E402
 from turnsight_jax.rl.methods import (Method, register_config_check, register_config_section,  # noqa: E402
                                      register_method, register_progress_metrics)
 
@@ -237,16 +237,9 @@ class SodConfig:
         return self
 
 
-def _section_check(name: str, schema: type, what: str):
-    """A section's values are checked whatever method runs (a bad value never waits unseen)."""
-    def check(cfg, stages, check_data: bool) -> None:
-        section_settings(schema, cfg[name], name, what)
-    return check
-
-
 for _name, _schema, _what in (("sdpo", SdpoConfig, "an SDPO"), ("sdar", SdarConfig, "an SDAR"),
                               ("sod", SodConfig, "a SOD")):
-    register_config_section(_name, _schema, _section_check(_name, _schema, _what))
+    register_config_section(_name, _schema, always_checked(_name, _schema, _what))
 
 
 @register_config_check

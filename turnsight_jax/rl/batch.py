@@ -357,9 +357,6 @@ def make_train_batch(
     if method.needs_views:
         if classes is not None:  # the rows are as wide as their widest class
             floor["P"] = max([floor["P"]] + [floor.get(f"P{i}", 0) for i in range(len(rows))])
-        if method.teacher not in VIEW_BUILDERS:
-            raise ConfigError(f"method {method.name!r}: no teacher view builder for teacher kind {method.teacher!r}; "
-                              f"registered: {sorted(VIEW_BUILDERS)}")
         views, vstats = VIEW_BUILDERS[method.teacher](ViewRequest(
             trajs, tasks, tokenizer, cfg, packed_reference(cfg, method), row_pos, pol_pos, pol_valid, packed_buckets,
             (floor["P"], floor["U"])))
@@ -493,8 +490,8 @@ def _bucket(n: int, buckets: Sequence[int], floor: int, what: str) -> int:
 
 def shape_keys(stats: dict[str, float]) -> list[str]:
     """The width keys of make_train_batch's stats (the floors `min_shapes` takes), in order."""
-    aux_keys = {a.rows_key for a in AUXILIARIES.values() if a.rows_key}
-    return [k for k in stats if k in ("RT", "RP") or k in aux_keys or (k[:1] in "TNPU" and (len(k) == 1 or k[1:].isdigit()))]
+    fixed = {"RT", "RP"} | {a.rows_key for a in AUXILIARIES.values() if a.rows_key}
+    return [k for k in stats if k in fixed or (k[:1] in "TNPU" and (len(k) == 1 or k[1:].isdigit()))]
 
 
 # ---- the worst-case geometry, for the dry-run memory plan ----

@@ -51,6 +51,14 @@ def section_settings(cls, section, key: str, what: str, *, validate: bool = True
     return settings.validate() if validate else settings
 
 
+def always_checked(name: str, schema: type, what: str) -> Callable:
+    """A section check (register_config_section's `check`) that validates the run config's `name.*`
+    against `schema` whatever method runs: a bad value never waits unseen."""
+    def check(cfg, stages, check_data: bool) -> None:
+        section_settings(schema, cfg[name], name, what)
+    return check
+
+
 def parse_turn_coverage(turns: str) -> tuple[str, int]:
     """"all" | "first:N" | "last:N" (N >= 1) -> ("all", 0) | ("first", N) | ("last", N)."""
     if turns == "all":

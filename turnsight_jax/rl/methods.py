@@ -37,6 +37,7 @@ from turnsight_jax.rl.auxiliaries import AUXILIARIES, StepAuxiliary
 from turnsight_jax.rl.config import CONFIG_SECTIONS, AlgoConfig, ConfigSection, StepConfig, register_config_section  # noqa: F401
 from turnsight_jax.rl.episodes import run_episodes
 from turnsight_jax.rl.losses import LossTerm, get_loss_term
+from turnsight_jax.rl.views import VIEW_BUILDERS
 from turnsight_jax.rollout.driver import ObservationWindow, RolloutConfig, RolloutResult
 from turnsight_jax.rollout.sampler import SamplingParams
 
@@ -585,5 +586,9 @@ def resolve_method(cfg: StepConfig) -> ResolvedMethod:
         if missing:
             raise ConfigError(f"rollout controller {controller.name!r}: advantage transform {transform.name!r} reads "
                               f"{missing}, which no reward of [{', '.join(reward_names)}] fills")
-    return ResolvedMethod(m.name, controller, rewards, advantage, base, tuple(terms), m.teacher, transform,
-                          auxiliaries)
+    resolved = ResolvedMethod(m.name, controller, rewards, advantage, base, tuple(terms), m.teacher, transform,
+                              auxiliaries)
+    if resolved.needs_views and m.teacher not in VIEW_BUILDERS:
+        raise ConfigError(f"method {m.name!r}: no teacher view builder for teacher kind {m.teacher!r} "
+                          f"(rl.views.register_view_builder); registered: {sorted(VIEW_BUILDERS)}")
+    return resolved
