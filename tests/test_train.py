@@ -240,6 +240,59 @@ def test_ctrl_c_and_sigterm_ask_for_a_checkpoint_and_a_second_ctrl_c_stops_now(c
     assert {s: signal.getsignal(s) for s in before} == before
 
 
+def test_a_signal_arriving_inside_a_write_to_the_teed_stderr_never_ends_the_run(tmp_path):
+    """A signal handler runs between two bytecodes of whatever the main thread does, a write to
+    stderr included (a progress line, or the message of a signal a moment earlier: CI's chaos run
+    got SIGINT then SIGTERM and died of "reentrant call inside BufferedWriter"). Here the run log's
+    console raises SIGTERM in the middle of a write: the write completes, the flag is set, the
+    message and the line reach the console and the log once each; a SIGINT in the next write is
+    the second signal (stop now), raised as KeyboardInterrupt, not as a stream error."""
+    import io
+
+    from turnsight_jax.runlog import ConsoleLog
+    from turnsight_jax.train import _Preemption
+
+    class SignalsMidWrite(io.RawIOBase):  # the console: a real descriptor whose writes are interrupted
+        def __init__(self, fd, signals):
+            self.fd, self.signals = fd, list(signals)
+
+        def writable(self):
+            return True
+
+        def fileno(self):
+            return self.fd
+
+        def write(self, b):
+            if self.signals:
+                os.kill(os.getpid(), self.signals.pop(0))
+                time.sleep(0.01)  # the handler runs here, with the buffered stream's lock held
+            return os.write(self.fd, b)
+
+    console_path = tmp_path / "console.txt"
+    fd = os.open(console_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    raw = SignalsMidWrite(fd, [signal.SIGTERM, signal.SIGINT])
+    console = io.TextIOWrapper(io.BufferedWriter(raw), write_through=True)
+    saved, sys.stderr = sys.stderr, console
+    logger = ConsoleLog()
+    preempt = _Preemption()
+    try:
+        logger.start(tmp_path / "train.log")
+        print("[####] step 1/3 | reward 0.25", file=sys.stderr, flush=True)
+        assert preempt.requested
+        with pytest.raises(KeyboardInterrupt, match="second SIGINT"):  # the SIGINT after SIGTERM: stop now
+            print("step 2", file=sys.stderr, flush=True)
+    finally:
+        raw.signals.clear()  # none left for the default handlers
+        preempt.restore()
+        logger.stop()
+        sys.stderr = saved
+        console.close()
+    shown, logged = console_path.read_text(), (tmp_path / "train.log").read_text()
+    for text in (shown, logged):
+        assert text.count("received SIGTERM: checkpointing after this step, then exiting\n") == 1, text
+        assert text.count("[####] step 1/3 | reward 0.25\n") == 1, text
+
+
 def test_the_step_compiles_once_per_batch_geometry(uninterrupted):
     """The updated parameters keep their shardings (make_train_step's state_shardings), so the
     step and the rollout programs are not compiled again on the second step: the step's compiled

@@ -48,6 +48,33 @@ class ConsoleLog:
         self._file = None
 
 
+def write_from_signal_handler(text: str) -> None:
+    """Writes text to stderr (and to the run log that tees it) from a signal handler.
+
+    A Python signal handler runs between two bytecodes of whatever the main thread was doing, a
+    write to the same buffered stream included (a progress line, or the handler of a signal that
+    arrived a moment earlier); the stream then refuses the handler's write ("reentrant call"
+    RuntimeError), which would unwind through the interrupted code and end the run. So the bytes go
+    to each stream's file descriptor directly (os.write takes no Python lock); a stream without a
+    descriptor (a test's capture) gets a plain write, skipped if that one is mid-write."""
+    streams = (sys.stderr.file, sys.stderr.stream) if isinstance(sys.stderr, _Tee) else (sys.stderr,)
+    data = text.encode("utf-8", "replace")
+    for stream in streams:
+        try:
+            fd = stream.fileno()
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+            fd = None
+        try:
+            if fd is None:
+                stream.write(text)
+                continue
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except (OSError, RuntimeError):  # a closed console or a busy capture: the flag still counts
+            pass
+
+
 class _Tee:
     def __init__(self, stream, file):
         self.stream, self.file = stream, file

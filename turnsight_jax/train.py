@@ -46,7 +46,7 @@ from turnsight_jax.rl.batch import batch_row_order, make_train_batch, packed_ref
 from turnsight_jax.rl.methods import PROGRESS_METRICS, RolloutContext, TrainerHookStart, start_trainer_hooks
 from turnsight_jax.rl.step import TURNSIGHT_METRICS, init_aux, make_aux_optimizers, make_optimizer, make_train_step
 from turnsight_jax.rollout.progress import ProgressLine
-from turnsight_jax.runlog import ConsoleLog, MetricsLog, Progress, log, matmul_peak_flops
+from turnsight_jax.runlog import ConsoleLog, MetricsLog, Progress, log, matmul_peak_flops, write_from_signal_handler
 
 
 def _z_score(mean: float, se: float) -> float:
@@ -75,9 +75,8 @@ class _Preemption:
         # after the step (`distributed.any_process`)
         who = f"process {jax.process_index()}: " if jax.process_count() > 1 else ""
         again = "; press Ctrl-C again to stop now, without it" if signum == signal.SIGINT else ""
-        print(f"{who}received {name}: checkpointing after this step, then exiting{again}", file=sys.stderr,
-              flush=True)
-        self.requested = True
+        self.requested = True  # before the message, so a signal arriving while it is written sees it
+        write_from_signal_handler(f"{who}received {name}: checkpointing after this step, then exiting{again}\n")
 
     def restore(self):
         for s, h in self._old.items():
