@@ -63,8 +63,8 @@ def method_config(name: str):
     cfg = load_config_file(REPO / "configs" / "methods" / f"{'sdpo' if name == 'sdpo_advantage' else name}.py")
     if name == "sdpo_advantage":
         cfg.rl.method = name
-    if cfg.teacher.source == "sibling":
-        cfg.teacher.sibling_min_reward = 0.5
+    if cfg.privileged.source == "sibling":
+        cfg.privileged.sibling_min_reward = 0.5
     return cfg
 
 
@@ -127,7 +127,7 @@ def main():
         if method.uses("retrospective"):
             teacher_tokens += int((batch.aux_rows["retrospective"].layout.segment_ids >= 0).sum())
         rows.append([name, sc.teacher.weights if method.uses_teacher else "-",
-                     sc.teacher.source if method.teacher == "privileged" and method.needs_views else "-",
+                     sc.algo.section("privileged").source if method.teacher == "privileged" and method.needs_views else "-",
                      f"{walls[name]:.3f}", None, f"{teacher_tokens:,}",
                      f"{teacher / max(work.necessary, 1.0):.0%}", f"{critic / max(work.necessary, 1.0):.0%}",
                      f"{host * 1e3:.1f}"])

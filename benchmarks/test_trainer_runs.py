@@ -4,6 +4,10 @@ warm-start) one after another in this one process, as the tests' trainer process
 JAX's compile events counted per run.
 
     python benchmarks/test_trainer_runs.py --warm-start DIR [--xla-flags FLAGS] rlsd sdpo
+    python benchmarks/test_trainer_runs.py --warm-start DIR sdar sdar+model.attn_row_group=0
+
+A run named METHOD+KEY=VALUE+... adds those config overrides (`--config.KEY=VALUE`) to the run of
+configs/methods/METHOD.py, so one process compares a setting against its baseline.
 
 DIR: a completed `sft/` folder (a test run's `<run folder>/warm-start/sft`, or one built with
 `python -m turnsight_jax.sft` at tests/_train_runs.py's WARM_START sizes); without it the
@@ -61,14 +65,16 @@ def main() -> None:
         jax.monitoring.register_event_duration_secs_listener(lambda name, secs, **_: events[name].append(secs))
         warm = args.warm_start or build_warm_start(scratch / "warm")
         rows = []
-        for method in args.methods:
-            workdir = scratch / method
+        for i, run in enumerate(args.methods):
+            method, *overrides = run.split("+")
+            workdir = scratch / f"{i}-{method}"
             shutil.copytree(warm, workdir / "sft")
             events.clear()
             c0, w0 = _cpu_s(), time.perf_counter()
             try:
                 rc = train.main(["--config", str(REPO / "configs" / "methods" / f"{method}.py"),
-                                 "--workdir", str(workdir), *SIZES, "--config.log.records_every=1"])
+                                 "--workdir", str(workdir), *SIZES, "--config.log.records_every=1",
+                                 *(f"--config.{o}" for o in overrides)])
             except SystemExit as e:
                 rc = e.code
             cpu, wall = _cpu_s() - c0, time.perf_counter() - w0
@@ -79,7 +85,7 @@ def main() -> None:
             compile_s = events["/jax/core/compile/backend_compile_duration"]
             trace_s = sum(events["/jax/core/compile/jaxpr_trace_duration"]) + \
                 sum(events["/jax/core/compile/jaxpr_to_mlir_module_duration"])
-            rows.append((method, cpu, wall, sum(compile_s), len(compile_s), trace_s,
+            rows.append((run, cpu, wall, sum(compile_s), len(compile_s), trace_s,
                          " / ".join(f"{r['perf/update_s']:.2f}" for r in steps),
                          " / ".join(f"{r['perf/rollout_s']:.2f}" for r in steps)))
         print(f"XLA_FLAGS={os.environ['XLA_FLAGS']}")

@@ -13,9 +13,9 @@ from _train_runs import any_of as _any
 from _train_runs import train
 
 # RLSD's run also carries the studies' options (docs/experiments.md): its privileged block at a
-# fixed length (teacher.block_budget), faulty tools and the turn records the calibration reads.
-EXTRA = {"sdpo": ["--config.teacher.sibling_min_reward=0.01"],
-         "rlsd": ["--config.teacher.block_budget=40", "--config.faults.unavailable_rate=0.25",
+# fixed length (privileged.block_budget), faulty tools and the turn records the calibration reads.
+EXTRA = {"sdpo": ["--config.privileged.sibling_min_reward=0.01"],
+         "rlsd": ["--config.privileged.block_budget=40", "--config.faults.unavailable_rate=0.25",
                   "--config.log.turn_records=True"]}
 METHODS = ("rlsd", "sdpo", "sdar", "sod")
 RECORDS = "--config.log.records_every=1"  # trajectory records of every step: the privileged gaps and gates

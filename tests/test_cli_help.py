@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-ENTRY_POINTS = ["train", "sft", "evaluate", "distributed", "inspect", "report", "studies", "calibration", "export", "taskfile",
+ENTRY_POINTS = ["train", "sft", "evaluate", "distributed", "viewer", "report", "studies", "calibration", "export", "taskfile",
                 "judge.__main__"]
 
 

@@ -153,19 +153,16 @@ TODAY_DEFAULT["rl"].update(norm_pool="turn_mean", uncovered_in_stats=True, empty
                                                "message_close": "</hindsight><|im_end|>\n"})
 # The teacher section (issue 23's self-distillation baselines); no effect on the default method
 # (its teacher is the frozen reference).
-TODAY_DEFAULT["teacher"] = {"weights": "reference", "ema_decay": 0.99, "checkpoint": "", "preset": "",
-                            "source": "gold_answer", "placement": "prompt", "skills": "",
-                            "sibling_min_reward": 1.0, "top_k": 20}
+TODAY_DEFAULT["teacher"] = {"weights": "reference", "ema_decay": 0.99, "checkpoint": "", "preset": "", "top_k": 20}
 # Two-stage recipes: no effect on the default method (it never switches).
 TODAY_DEFAULT["rl"].update(switch_step=0, switch_method="")
 # A rollout controller in place of the method's own (issue 24's rollout methods), off.
 TODAY_DEFAULT["rl"].update(rollout="")
-# The methods' own sections (sdpo.*, gae.*, bar.*, ...) are not pinned here: each is its dataclass,
+# The methods' own sections (privileged.*, sdpo.*, gae.*, bar.*, ...) are not pinned here: each is its dataclass,
 # generated into the config (test_every_method_section_is_its_dataclass), their one source of truth.
 # The studies of issue 26 (docs/experiments.md), all off: the default run does not move (the equal-length
 # control, the adaptive horizons' tolerance, long chains, faulty tools, the turn records).
 TODAY_DEFAULT["rl"].update(hindsight_budget=0, hindsight_filler=".\n", horizon_tol=0.05)
-TODAY_DEFAULT["teacher"].update(block_budget=0, block_filler=".\n")
 TODAY_DEFAULT["data"].update(max_hops=0)
 TODAY_DEFAULT["data"].update(min_result_words=0, max_result_words=0)  # long tool results (issue 21's paper-like run): off
 TODAY_DEFAULT["log"].update(turn_records=False)
@@ -618,7 +615,7 @@ def test_a_config_file_setting_a_key_that_is_none_is_one_line(tmp_path):
 @pytest.mark.parametrize("override,message", [
     ("rl.hindsight_budget=-1", r"rl.hindsight_budget must be an int >= 0 \(tokens per block; 0: off\), got -1"),
     ("rl.hindsight_filler=''", r"rl.hindsight_filler must be a non-empty string"),
-    ("teacher.block_budget=-5", r"teacher.block_budget must be an int >= 0"),
+    ("privileged.block_budget=-5", r"privileged.block_budget must be an int >= 0"),
     ("rl.selection=adaptive", r"rl.selection must be one of \('vote', 'mean', 'dependency', 'saturation'\)"),
     ("rl.horizon_tol=-0.1", r"rl.horizon_tol must be a finite number >= 0"),
     ("faults.wrong_rate=1.5", r"faults.wrong_rate must be a probability in \[0, 1\], got 1.5"),
@@ -654,17 +651,17 @@ def test_turn_coverage_accepts_ascii_counts_only():
 
 
 def test_a_privileged_teachers_skills_file_is_checked_when_it_is_read(tmp_path):
-    """teacher.skills is read at validation when a stage's privileged teacher shows skills (SDAR:
-    teacher.source=skill), and a missing or malformed file is one ConfigError naming the key; a
+    """privileged.skills is read at validation when a stage's privileged teacher shows skills (SDAR:
+    privileged.source=skill), and a missing or malformed file is one ConfigError naming the key; a
     run whose teacher shows no skills never reads it (the check belongs to the self-distillation
     methods, registered with rl.methods.register_config_check)."""
     sdar = [str(REPO / "configs" / "methods" / "sdar.py")]
     bad = tmp_path / "skills.json"
     bad.write_text("{not json")
-    for path, message in ((tmp_path / "absent.json", "teacher.skills: "), (bad, "teacher.skills: ")):
+    for path, message in ((tmp_path / "absent.json", "privileged.skills: "), (bad, "privileged.skills: ")):
         with pytest.raises(ConfigError, match=message):
-            C.validate(C.load_run_config(sdar[0], [f"--config.teacher.skills={path}"]), 1)
+            C.validate(C.load_run_config(sdar[0], [f"--config.privileged.skills={path}"]), 1)
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"default": "Check every hop before answering."}))
-    C.validate(C.load_run_config(sdar[0], [f"--config.teacher.skills={good}"]), 1)
-    C.validate(C.load_run_config(None, [f"--config.teacher.skills={tmp_path / 'absent.json'}"]), 1)  # not read
+    C.validate(C.load_run_config(sdar[0], [f"--config.privileged.skills={good}"]), 1)
+    C.validate(C.load_run_config(None, [f"--config.privileged.skills={tmp_path / 'absent.json'}"]), 1)  # not read

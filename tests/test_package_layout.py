@@ -156,7 +156,9 @@ def test_the_layer_check_catches_an_upward_import():
 # keys, comments and messages alike); the methods reach them through the registries. Core words
 # that merely contain a method's name are not counted (`ppo_epochs`: the PPO-style epochs over a
 # batch, a knob of every method), nor the step auxiliaries' names ("critic", "prm"; rl.auxiliaries),
-# which the FLOP counter's parts name.
+# which the FLOP counter's parts name, nor the teacher kinds ("hindsight", "privileged":
+# rl.methods.TEACHER_KINDS, what a teacher view shows, on which the step's gap and coverage
+# branch; the privileged kind's settings are the `privileged.*` section).
 CORE_FILES = ("train.py", "rl/step.py", "rl/batch.py", "config.py")
 CORE_WORDS = ("ppo_epochs",)
 
@@ -168,11 +170,13 @@ def _method_names() -> list[str]:
     from turnsight_jax.rl.config import CONFIG_SECTIONS
 
     from turnsight_jax.rl.auxiliaries import AUXILIARIES
+    from turnsight_jax.rl.methods import TEACHER_KINDS
 
     core = {"grpo", "matchtir", "toolrl", "turnsight", "sampler"}
     # the step auxiliaries ("critic", "prm", "retrospective") are pieces the core loops over
     # (rl.auxiliaries), named for what they are, not methods; their config sections likewise
-    return sorted((set(registry.METHODS) | set(registry.ROLLOUTS) | set(CONFIG_SECTIONS)) - core - set(AUXILIARIES))
+    return sorted((set(registry.METHODS) | set(registry.ROLLOUTS) | set(CONFIG_SECTIONS)) - core - set(AUXILIARIES)
+                  - set(TEACHER_KINDS))
 
 
 def _named(text: str, names) -> dict[str, int]:

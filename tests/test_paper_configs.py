@@ -130,8 +130,8 @@ def test_each_config_differs_in_its_one_stated_thing(stem):
     if change.startswith("the method: "):
         method = re.match(r"the method: `(\w+)`", change).group(1)
         assert row["rl.method"] == method and ref["rl.method"] == "turnsight"
-        # the method's keys: rl.*, teacher.* and its own config section (sdpo.*, sdar.*, sod.*)
-        assert diff and all(k.startswith(("rl.", "teacher.", f"{method}.")) for k in diff), diff
+        # the method's keys: rl.*, teacher.*, privileged.* and its own config section (sdpo.*, sdar.*, sod.*)
+        assert diff and all(k.startswith(("rl.", "teacher.", "privileged.", f"{method}.")) for k in diff), diff
         assert compared == f"table1_turnsight_{stem[-2:]}"  # Table 1: the TurnSight row of the same model
     elif change.startswith("the model: "):
         assert diff and all(k.startswith("model.") for k in diff), diff
@@ -186,8 +186,8 @@ def test_methods_of_table1():
         for size in ("4b", "8b"):
             step_cfg, method = C.validate(_load(PAPER / f"table1_{name}_{size}.py"), 8)
             assert (step_cfg.algo.method, method.advantage.name, [t.name for t in method.loss_terms]) == (meth, adv, terms)
-            te = step_cfg.teacher
-            assert (te.weights, te.source, te.placement) == teacher and method.teacher == "privileged"
+            pv = step_cfg.algo.section("privileged")
+            assert (step_cfg.teacher.weights, pv.source, pv.placement) == teacher and method.teacher == "privileged"
     assert C.validate(_load(PAPER / "table1_rlsd_8b.py"), 8)[1].base.name == "matchtir"  # as the paper runs RLSD
 
 

@@ -1,5 +1,5 @@
 """Trajectory records (turnsight_jax.records, rl.turn_records) and the viewer
-(`python -m turnsight_jax.inspect`), on one fused TurnSight step over a replayed batch.
+(`python -m turnsight_jax.viewer`), on one fused TurnSight step over a replayed batch.
 
 The batch: 4 built-in tasks x 2 replayed siblings, one gold and one that goes wrong in its own way
 (a call to a tool that does not exist, a call that does not parse, a wasted call to a real tool
@@ -25,7 +25,7 @@ import optax
 import pytest
 from flax import nnx
 
-from turnsight_jax import inspect as viewer
+from turnsight_jax import viewer
 from turnsight_jax import records
 from turnsight_jax.envs.synthetic import SyntheticConfig, generate_task, gold_turn_texts
 from turnsight_jax.models.config import Qwen3Config
@@ -262,7 +262,7 @@ def test_inspect_without_records_is_an_error(tmp_path, capsys):
 
 
 def test_the_viewer_shows_the_records_in_a_real_browser(run_dir, stepped, browser, capsys):
-    """`python -m turnsight_jax.inspect RUN`, opened in headless Chromium: no console error, the
+    """`python -m turnsight_jax.viewer RUN`, opened in headless Chromium: no console error, the
     cut-off file named with its reason, and the weight and chosen depth of three turns picked at
     random, the depth histogram, the agreement and the filters equal the records."""
     assert viewer.main([str(run_dir)]) == 0
@@ -342,7 +342,9 @@ def test_a_script_error_on_the_page_is_caught(run_dir, browser, tmp_path):
 def test_the_viewer_layout_renders(run_dir, browser, tmp_path):
     """A screenshot of the page at 1400 x 1000: the panels and the turn table are drawn (many
     distinct colours in the table's region: row tints by weight, sign bars, text)."""
-    browser.open((run_dir / "viewer.html").as_uri())
+    page = tmp_path / "viewer.html"  # its own page: no test depends on another's having run first
+    assert viewer.main([str(run_dir), "--out", str(page)]) == 0
+    browser.open(page.as_uri())
     png = browser.screenshot()
     (tmp_path / "viewer.png").write_bytes(png)
     width, height, pixels = _decode_png(png)

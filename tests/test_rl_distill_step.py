@@ -77,11 +77,11 @@ def _dense(graphdef, params, seqs, preds, width=1024, most=128):
 
 def _cfg(method, *, base="grpo", weights="policy", source="gold_answer", sections=None, **algo):
     """`sections`: {method section: {key: value}} (sdpo.*, sdar.*, sod.*)."""
-    a = AlgoConfig(method=method, base=base, **algo)
+    a = AlgoConfig(method=method, base=base, **algo).with_section("privileged", source=source, placement="prompt")
     for name, values in (sections or {}).items():
         a = a.with_section(name, **values)
     return StepConfig(algo=a,
-                      teacher=TeacherConfig(weights=weights, source=source, placement="prompt", top_k=K,
+                      teacher=TeacherConfig(weights=weights, top_k=K,
                                             checkpoint="x" if weights == "external" else ""),
                       loss=LossConfig(clip_eps=0.2, clip_eps_high=0.28), group_size=G, max_turns=5, logprob_chunk=64)
 
@@ -112,7 +112,7 @@ def _batch(cfg, trajs, row_tasks, tok):
 def _reference_grads(cfg, policy, teacher, trajs, row_tasks, tok):
     """Everything unfused: each trajectory's privileged sequence prompt + block + the rest scored
     as a plain row by `teacher`, the advantages and every loss term per token in plain code."""
-    a, te = cfg.algo, cfg.teacher
+    a, te = cfg.algo, cfg.algo.section("privileged")
     b, n = len(trajs), max(int(t.policy_mask.sum()) for t in trajs)
     pol = [np.flatnonzero(t.policy_mask) for t in trajs]
     mask = np.zeros((b, n), bool)

@@ -95,7 +95,7 @@ def _score_plain(model, cases, rows=8, top_k=0):
 @pytest.mark.parametrize("source,placement,budget", [
     ("gold_answer", "prompt", 0), ("gold_answer", "turn", 0), ("sibling", "prompt", 0), ("sibling", "turn", 0),
     ("feedback", "prompt", 0), ("feedback", "turn", 0), ("skill", "prompt", 0), ("skill", "turn", 0),
-    # the equal-length control (teacher.block_budget): short blocks padded with the filler, long ones cut
+    # the equal-length control (privileged.block_budget): short blocks padded with the filler, long ones cut
     ("feedback", "turn", 30),
 ])
 def test_packed_privileged_views_equal_plain_sequences(tok, trajectories, model, source, placement, budget):

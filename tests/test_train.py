@@ -528,7 +528,7 @@ def test_every_step_logs_its_costs_and_records_are_written(uninterrupted):
 
 
 def test_the_runs_viewer_in_a_real_browser(uninterrupted, tmp_path):
-    """`python -m turnsight_jax.inspect RUN` on the trainer's own run folder, opened in headless
+    """`python -m turnsight_jax.viewer RUN` on the trainer's own run folder, opened in headless
     Chromium: no console error, and the weight and chosen depth of three turns picked at random
     equal the records."""
     import random
@@ -536,7 +536,7 @@ def test_the_runs_viewer_in_a_real_browser(uninterrupted, tmp_path):
     from _browser import Browser, find_browser
     from turnsight_jax import records
 
-    proc = subprocess.run([sys.executable, "-m", "turnsight_jax.inspect", str(uninterrupted), "--out",
+    proc = subprocess.run([sys.executable, "-m", "turnsight_jax.viewer", str(uninterrupted), "--out",
                            str(tmp_path / "viewer.html")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "2 steps, 8 trajectories" in proc.stdout, proc.stderr
     binary = find_browser()

@@ -158,18 +158,12 @@ def base_config() -> mlc.ConfigDict:
     c.rl.switch_method = ""  # the method from step switch_step on (same rl.base and every other key)
     c.rl.args = mlc.ConfigDict()  # free-form knobs of plug-in methods (--config.rl.args.<key>=<value>)
 
-    c.teacher = mlc.ConfigDict()  # who scores the teacher views, and what privileged context they show (rl.config.TeacherConfig)
+    c.teacher = mlc.ConfigDict()  # who scores the teacher views (rl.config.TeacherConfig; what a privileged view shows: the privileged.* section)
     c.teacher.weights = "reference"  # reference (frozen initial policy; TurnSight) | policy (current, no gradient) | ema | external
     c.teacher.ema_decay = 0.99  # weights=ema: teacher <- decay * teacher + (1 - decay) * policy after every step
     c.teacher.checkpoint = ""  # weights=external: a Hugging Face Qwen3 folder with the policy's tokenizer | warm_start
     c.teacher.preset = ""  # weights=external: its architecture (a preset) for --dry-run where the folder is absent
-    c.teacher.source = "gold_answer"  # privileged block: gold_answer | sibling | feedback | skill | none (the methods whose teacher kind is privileged)
-    c.teacher.placement = "prompt"  # privileged block: prompt (once, after the prompt) | turn (before every turn)
-    c.teacher.skills = ""  # source=skill: JSON file {task category: skill text}; "": the bundled skills
-    c.teacher.sibling_min_reward = 1.0  # source=sibling: a sibling rollout counts as successful at this reward or above
     c.teacher.top_k = 20  # teacher tokens a top-K KL (a loss term reading the teacher's top K) is computed on
-    c.teacher.block_budget = 0  # every privileged block exactly this many tokens (content cut to its head, or padded); 0: off
-    c.teacher.block_filler = DEFAULT_FILLER  # the text that pads a privileged block to the budget
 
 
     c.loss = mlc.ConfigDict()  # the clipped surrogate (turnsight_jax.rl.losses)
@@ -261,7 +255,7 @@ def base_config() -> mlc.ConfigDict:
     c.log.wandb = False  # True: log to Weights & Biases too
     c.log.wandb_project = "turnsight_jax"  # the W&B project (the entity: W&B's own WANDB_ENTITY or login default)
     c.log.wandb_mode = "online"  # "online" (needs `wandb login`) | "offline" (local; `wandb sync WORKDIR/wandb/offline-run-*`)
-    # trajectory records (turnsight_jax.records, docs/records.md; `python -m turnsight_jax.inspect RUN`)
+    # trajectory records (turnsight_jax.records, docs/records.md; `python -m turnsight_jax.viewer RUN`)
     c.log.records_every = 5  # every N steps, RUN/records/step_<step>.jsonl.gz (0: none)
     c.log.records_max_kib = 8192  # bound per step and process: whole prompt groups while the JSON fits
     c.log.records_text_chars = 4000  # each text (policy turn, observation, prompt) cut to this many characters
@@ -566,9 +560,7 @@ def step_config(cfg: mlc.ConfigDict) -> StepConfig:
                         matchtir_singleton=r.matchtir_singleton, toolrl_format=r.toolrl_format,
                         sections=method_sections(cfg), args=args),
         teacher=TeacherConfig(weights=te.weights, ema_decay=te.ema_decay, checkpoint=te.checkpoint,
-                              source=te.source, placement=te.placement, skills=te.skills,
-                              sibling_min_reward=te.sibling_min_reward, top_k=te.top_k,
-                              block_budget=te.block_budget, block_filler=te.block_filler),
+                              top_k=te.top_k),
         loss=LossConfig(clip_eps=l.clip_eps, clip_eps_high=l.clip_eps_high, clip_ratio_c=l.clip_ratio_c,
                         entropy_coef=l.entropy_coef, kl_coef=l.kl_coef,
                         kl_estimator=l.kl_estimator, kl_clip=l.kl_clip, aggregation=l.aggregation,

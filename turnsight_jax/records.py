@@ -1,6 +1,6 @@
 """Trajectory records: what the trainer writes every `log.records_every` steps so that a reader can
 see, turn by turn, where the credit went (docs/records.md holds the schema; the viewer is
-`python -m turnsight_jax.inspect RUN`).
+`python -m turnsight_jax.viewer RUN`).
 
 One gzip-compressed JSONL file per step and process, `RUN/records/step_000011.jsonl.gz` (the `step`
 of metrics.jsonl, 0-based; process p > 0 writes `step_000011.p<p>.jsonl.gz`): a header line,

@@ -18,7 +18,7 @@ def get_config():
     c.name = "rlsd_tiny"
     c.rl.method, c.rl.base = "rlsd", "matchtir"
     c.teacher.weights = "policy"  # the same model, given the privileged context (RLSD)
-    c.teacher.source, c.teacher.placement = "gold_answer", "prompt"
+    c.privileged.source, c.privileged.placement = "gold_answer", "prompt"
     c.train.steps = 8
     c.data.num_eval = 32
     return c

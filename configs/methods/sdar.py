@@ -1,6 +1,6 @@
 """SDAR (docs/baselines.md) on the tiny CPU experiment: GRPO plus the gated auxiliary NLL
 -coef * sigmoid(beta * (teacher - student log-prob)) * log p(token), the teacher being the current
-policy with a skill text for the task's category (teacher.skills; the bundled
+policy with a skill text for the task's category (privileged.skills; the bundled
 turnsight_jax/assets/skills_builtin.json by default) shown after the prompt.
 
     python -m turnsight_jax.train --config configs/methods/sdar.py --workdir /tmp/sdar_run
@@ -17,7 +17,7 @@ def get_config():
     c.rl.method, c.rl.base = "sdar", "grpo"
     c.sdar.coef, c.sdar.beta = 0.1, 1.0
     c.teacher.weights = "policy"
-    c.teacher.source, c.teacher.placement = "skill", "prompt"
+    c.privileged.source, c.privileged.placement = "skill", "prompt"
     c.train.steps = 8
     c.data.num_eval = 32
     return c

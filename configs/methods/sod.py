@@ -23,7 +23,7 @@ def get_config():
     c.sod.coef, c.sod.tau = 0.1, 1.0
     c.teacher.weights = "external"
     c.teacher.checkpoint = "warm_start"
-    c.teacher.source = "none"  # the teacher reads the student's own context
+    c.privileged.source = "none"  # the teacher reads the student's own context
     c.train.steps = 8
     c.data.num_eval = 32
     return c

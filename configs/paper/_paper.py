@@ -87,7 +87,7 @@ def row(method: str, model: str = "8b"):
     elif method in BASELINES:
         b = BASELINES[method]
         c.rl.method, c.rl.base = method, b["base"]
-        c.teacher.weights, c.teacher.source, c.teacher.placement = b["weights"], b["source"], b["placement"]
+        c.teacher.weights, c.privileged.source, c.privileged.placement = b["weights"], b["source"], b["placement"]
         for key, value in b.get("knobs", {}).items():  # "<method section>.<key>"
             section, name = key.split(".")
             c[section][name] = value

@@ -3,7 +3,7 @@
 The paper's source ablation (tool results vs tool results + answer vs answer alone, its Figure 3)
 compares blocks of different lengths, so a difference between sources can be a difference of
 context length. With a budget of L tokens (`rl.hindsight_budget` for the hindsight message,
-`teacher.block_budget` for a privileged block) every block is exactly L tokens long:
+`privileged.block_budget` for a privileged block) every block is exactly L tokens long:
 
 * the markup (the message's opening and closing pieces, and the gold answer, which lives in the
   opening piece of the hindsight message) is never cut; L smaller than it is an error;
@@ -11,7 +11,7 @@ context length. With a budget of L tokens (`rl.hindsight_budget` for the hindsig
   (the head is kept: turn k's own calls and results come first, later turns are dropped first,
   and a deeper hindsight block stays an extension of a shallower one), or followed by the filler
   when shorter;
-* the filler is a fixed text (`rl.hindsight_filler` / `teacher.block_filler`; default ".\\n", a
+* the filler is a fixed text (`rl.hindsight_filler` / `privileged.block_filler`; default ".\\n", a
   line holding one period, a single Qwen3 token) tokenised once as plain text and tiled token by
   token, so a run of it is what the tokenizer makes of the repeated text. It says nothing about
   the task.

@@ -4,7 +4,7 @@ shown that the student is not, as one user message of token ids.
 The block is inserted into the student's context either once right after the prompt (placement
 "prompt": the teacher reads prompt + block + the whole trajectory) or before each turn's assistant
 header (placement "turn", as TurnSight's hindsight block); methods.privileged_views packs those views.
-Sources (`teacher.source`):
+Sources (`privileged.source`):
 
 * "gold_answer": ``The correct final answer is: {answer}`` (the task's answer);
 * "sibling": a successful sibling rollout of the same prompt (`choose_sibling`): each of its turns'
@@ -168,14 +168,14 @@ def privileged_blocks(trajs: Sequence[Trajectory], tasks: Sequence[Task], tokeni
                       filler: str = budget_lib.DEFAULT_FILLER) -> list:
     """privileged_texts as token ids: per trajectory a list of ids or None ("prompt"), or one such
     entry per turn ("turn"). The markup is encoded with its special tokens, the content as plain
-    text. budget > 0 (teacher.block_budget): every block exactly that many tokens, its content
+    text. budget > 0 (privileged.block_budget): every block exactly that many tokens, its content
     cut to its head or padded with the tiled `filler` (chat.budget)."""
     open_ids = tok_lib.encode(tokenizer, template.message_open)
     close_ids = tok_lib.encode(tokenizer, template.message_close)
     if budget < 0:
-        raise ValueError(f"teacher.block_budget must be >= 0 (0: off), got {budget}")
+        raise ValueError(f"privileged.block_budget must be >= 0 (0: off), got {budget}")
     if budget and len(open_ids) + len(close_ids) > budget:
-        raise ValueError(f"teacher.block_budget={budget}: the privileged block's markup alone has "
+        raise ValueError(f"privileged.block_budget={budget}: the privileged block's markup alone has "
                          f"{len(open_ids) + len(close_ids)} tokens; raise the budget")
     pad = budget_lib.filler_ids(tokenizer, filler) if budget else []
     cache: dict[str, list[int]] = {}

@@ -19,15 +19,20 @@ refused: the blocks are placed on the trajectory itself, not on each turn's cont
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Sequence
 
 import numpy as np
 
+from turnsight_jax.chat.hindsight_template import DEFAULT_FILLER
 from turnsight_jax.chat.trajectory import Trajectory
+from turnsight_jax.errors import ConfigError
 from turnsight_jax.models.attention import Layout
 from turnsight_jax.rl.context_rows import context_row, has_elisions
-from turnsight_jax.methods.privileged_blocks import default_skills_path, load_skills, privileged_blocks
+from turnsight_jax.methods.privileged_blocks import (PLACEMENTS, PRIVILEGED_SOURCES, default_skills_path, load_skills,
+                                                     privileged_blocks)
+from turnsight_jax.rl.config import always_checked, check_budget, register_config_section
 from turnsight_jax.rl.views import (DEFAULT_PACKED_BUCKETS, PackedViews, ViewRequest, _distinct_predictors, _Row,
                                     pick_bucket, policy_positions, register_view_builder, view_token_kinds)
 
@@ -46,7 +51,7 @@ def build_privileged_views(
 ) -> tuple[PackedViews, dict[str, float]]:
     """Packed rows of the privileged views (numpy). blocks: methods.privileged_blocks.privileged_blocks'
     output (per trajectory ids or None for "prompt"; per turn for "turn"), or None for no
-    privileged context by design (teacher.source='none': another model reads the student's own
+    privileged context by design (privileged.source='none': another model reads the student's own
     context, every policy token covered, nothing counted as skipped). Returns (views, stats):
     views.view_pred [R, B, N] with R = 1 (+1 reference row), views.covered [B, N] bool; stats count
     the packed tokens, the views built and skipped."""
@@ -118,17 +123,46 @@ def _policy_valid(trajs, positions, policy_width) -> np.ndarray:
     return np.asarray((positions if positions is not None else policy_positions(trajs, policy_width))[1], bool)
 
 
-# ---- the "privileged" teacher kind's view builder (rl.views.register_view_builder) ----
+# ---- the "privileged" teacher kind: its config section and its view builder ----
+
+@dataclasses.dataclass(frozen=True)
+class PrivilegedConfig:
+    """The run config's `privileged.*` section: what the privileged teacher's view shows (RLSD,
+    SDPO, SDAR, SOD; who scores it is teacher.weights)."""
+
+    source: str = "gold_answer"  # the block: gold_answer | sibling | feedback | skill | none (the student's own context)
+    placement: str = "prompt"  # prompt (once, after the prompt) | turn (before every turn)
+    skills: str = ""  # source=skill: JSON file {task category: skill text}; "": the bundled skills
+    sibling_min_reward: float = 1.0  # source=sibling: a sibling rollout counts as successful at this reward or above
+    block_budget: int = 0  # every block exactly this many tokens (content cut to its head, or padded; chat.budget); 0: off
+    block_filler: str = DEFAULT_FILLER  # the text that pads a block to the budget
+
+    def validate(self) -> "PrivilegedConfig":
+        if self.source not in PRIVILEGED_SOURCES:
+            raise ConfigError(f"privileged.source must be one of {PRIVILEGED_SOURCES}, got {self.source!r}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"privileged.placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if not isinstance(self.skills, str):
+            raise ConfigError(f"privileged.skills must be a path (a string; '': the bundled skills), got {self.skills!r}")
+        if isinstance(self.sibling_min_reward, bool) or not isinstance(self.sibling_min_reward, (int, float)):
+            raise ConfigError(f"privileged.sibling_min_reward must be a number, got {self.sibling_min_reward!r}")
+        check_budget(self.block_budget, self.block_filler, "privileged.block_budget", "privileged.block_filler")
+        return self
+
+
+register_config_section("privileged", PrivilegedConfig, always_checked("privileged", PrivilegedConfig,
+                                                                        "a privileged-view"))
+
 
 @functools.lru_cache(maxsize=8)
 def _skills(path: str) -> dict[str, str]:
-    """teacher.skills' texts ("": the bundled file), read once per run."""
+    """privileged.skills' texts ("": the bundled file), read once per run."""
     return load_skills(path or default_skills_path())
 
 
 def _privileged_views(req: ViewRequest):
-    """One view: the student's context plus the block teacher.source gives, at teacher.placement."""
-    te, trajs = req.cfg.teacher, req.trajs
+    """One view: the student's context plus the block privileged.source gives, at privileged.placement."""
+    te, trajs = req.cfg.algo.section("privileged"), req.trajs
     blocks = None if te.source == "none" else privileged_blocks(
         trajs, req.tasks, req.tokenizer, source=te.source, placement=te.placement,
         skills=_skills(te.skills) if te.source == "skill" else None, rewards=[float(t.reward) for t in trajs],

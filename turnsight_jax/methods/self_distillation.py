@@ -244,16 +244,16 @@ for _name, _schema, _what in (("sdpo", SdpoConfig, "an SDPO"), ("sdar", SdarConf
 
 @register_config_check
 def _check_skills_file(cfg, stages, check_data: bool) -> None:
-    """teacher.skills (a JSON file of skill texts) is read before anything runs, when a stage's
-    privileged teacher shows skills (teacher.source=skill)."""
-    if not cfg.teacher.skills:
+    """privileged.skills (a JSON file of skill texts) is read before anything runs, when a stage's
+    privileged teacher shows skills (privileged.source=skill)."""
+    if not cfg.privileged.skills:
         return
     for sc, method in stages:
-        if method.needs_views and method.teacher == "privileged" and sc.teacher.source == "skill":
+        if method.needs_views and method.teacher == "privileged" and sc.algo.section("privileged").source == "skill":
             try:
-                load_skills(cfg.teacher.skills)
+                load_skills(cfg.privileged.skills)
             except (OSError, ValueError) as e:
-                raise ConfigError(f"teacher.skills: {e}") from None
+                raise ConfigError(f"privileged.skills: {e}") from None
             return
 
 

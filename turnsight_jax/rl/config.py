@@ -32,11 +32,9 @@ NORM_POOLS = ("turn_mean", "token_gap", "per_turn")
 # TurnSight, turns whose hindsight block is empty (the answer turn under source tool_results):
 # "weighted" like every other turn; "excluded": weight 1, out of the group statistics.
 EMPTY_BLOCK_TURNS = ("weighted", "excluded")
-# The teacher (docs/baselines.md): whose weights score the teacher views, and for the
-# privileged-context methods (RLSD, SDPO, SDAR, SOD) what block is shown where (methods.privileged_blocks).
+# The teacher (docs/baselines.md): whose weights score the teacher views. What a privileged view
+# shows is the `privileged.*` section of methods.privileged_views.
 TEACHER_WEIGHTS = ("reference", "policy", "ema", "external")
-PRIVILEGED_SOURCES = ("gold_answer", "sibling", "feedback", "skill", "none")
-PRIVILEGED_PLACEMENTS = ("prompt", "turn")
 
 
 def section_settings(cls, section, key: str, what: str, *, validate: bool = True):
@@ -223,37 +221,23 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TeacherConfig:
-    """Who scores the teacher views, and (privileged-context methods) what they show.
+    """Who scores the teacher views (what a privileged view shows: methods.privileged_views'
+    `privileged.*` section).
 
     weights: "reference" (the frozen initial policy, TurnSight's teacher), "policy" (the current
     policy at the step's start, no gradient), "ema" (an exponential moving average of the policy,
     `ema_decay` per step, kept by the trainer and checkpointed), "external" (another Hugging Face
-    Qwen3 with the same tokenizer, `checkpoint`). source / placement: the privileged block
-    (methods.privileged_blocks) and where it goes: once after the prompt, or before every turn.
-    skills: a JSON file {task category: text} for source "skill" ("": the bundled one).
-    sibling_min_reward: source "sibling" takes a sibling whose reward is at least this.
-    top_k: teacher tokens the top-K KL terms (SDPO, SOD) compare on.
-    block_budget / block_filler: the equal-length control of the privileged block (chat.budget):
-    every block exactly that many tokens (0: off), padded with the filler text."""
+    Qwen3 with the same tokenizer, `checkpoint`). top_k: how many of the teacher's top tokens its
+    forward returns (`StageInputs.teacher_pass`), for the loss terms that read them."""
 
     weights: str = "reference"
     ema_decay: float = 0.99
     checkpoint: str = ""
-    source: str = "gold_answer"
-    placement: str = "prompt"
-    skills: str = ""
-    sibling_min_reward: float = 1.0
     top_k: int = 20
-    block_budget: int = 0
-    block_filler: str = DEFAULT_FILLER
 
     def validate(self) -> None:
         if self.weights not in TEACHER_WEIGHTS:
             raise ConfigError(f"teacher.weights must be one of {TEACHER_WEIGHTS}, got {self.weights!r}")
-        if self.source not in PRIVILEGED_SOURCES:
-            raise ConfigError(f"teacher.source must be one of {PRIVILEGED_SOURCES}, got {self.source!r}")
-        if self.placement not in PRIVILEGED_PLACEMENTS:
-            raise ConfigError(f"teacher.placement must be one of {PRIVILEGED_PLACEMENTS}, got {self.placement!r}")
         if not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError(f"teacher.ema_decay must be in [0, 1), got {self.ema_decay}")
         if self.weights == "external" and not self.checkpoint:
@@ -261,7 +245,6 @@ class TeacherConfig:
                               "with the policy's tokenizer (or 'warm_start': the run's own warm-start)")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
             raise ConfigError(f"teacher.top_k must be an int >= 1, got {self.top_k!r}")
-        check_budget(self.block_budget, self.block_filler, "teacher.block_budget", "teacher.block_filler")
 
 
 def check_budget(budget: Any, filler: Any, key: str, filler_key: str) -> None:

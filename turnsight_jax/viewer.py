@@ -1,4 +1,4 @@
-"""`python -m turnsight_jax.inspect RUN [--out FILE]`: the trajectory viewer of a training run.
+"""`python -m turnsight_jax.viewer RUN [--out FILE]`: the trajectory viewer of a training run.
 
 Reads RUN/records/*.jsonl.gz (turnsight_jax.records, docs/records.md) and writes one
 self-contained static HTML file (default RUN/viewer.html): the records embedded as JSON, plain
@@ -96,7 +96,7 @@ def write_viewer(run_dir: pathlib.Path, out: pathlib.Path | None = None) -> tupl
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m turnsight_jax.inspect", description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(prog="python -m turnsight_jax.viewer", description=__doc__.split("\n\n")[1])
     parser.add_argument("run_dir", help="training run folder holding records/")
     parser.add_argument("--out", default=None, help="the HTML file to write (default: RUN_DIR/viewer.html)")
     args = parser.parse_args(argv)
