@@ -1,4 +1,4 @@
-// The trajectory viewer (turnsight_jax.inspect): renders the records embedded in #records-data.
+// The trajectory viewer (turnsight_jax.viewer): renders the records embedded in #records-data.
 // Every number shown carries its exact value in data-value (the record's JSON number), so a test
 // can read it back. Text from the records (model output, tool results) is only ever set as
 // textContent, never parsed as HTML.
