@@ -112,7 +112,7 @@ def _batch(cfg, trajs, row_tasks, tok):
 def _reference_grads(cfg, policy, teacher, trajs, row_tasks, tok):
     """Everything unfused: each trajectory's privileged sequence prompt + block + the rest scored
     as a plain row by `teacher`, the advantages and every loss term per token in plain code."""
-    a, te = cfg.algo, cfg.algo.section("privileged")
+    a, pv = cfg.algo, cfg.algo.section("privileged")
     b, n = len(trajs), max(int(t.policy_mask.sum()) for t in trajs)
     pol = [np.flatnonzero(t.policy_mask) for t in trajs]
     mask = np.zeros((b, n), bool)
@@ -122,17 +122,17 @@ def _reference_grads(cfg, policy, teacher, trajs, row_tasks, tok):
         mask[i, : len(pol[i])] = True
         old[i, : len(pol[i])] = t.old_logprobs[pol[i]]
         turn_ids[i, : len(pol[i])] = t.turn_ids[pol[i]]
-    skills = load_skills(default_skills_path()) if te.source == "skill" else None
-    blocks = privileged_blocks(trajs, row_tasks, tok, source=te.source, placement="prompt", skills=skills,
+    skills = load_skills(default_skills_path()) if pv.source == "skill" else None
+    blocks = privileged_blocks(trajs, row_tasks, tok, source=pv.source, placement="prompt", skills=skills,
                                rewards=[t.reward for t in trajs], group_ids=[t.group_id for t in trajs],
-                               min_reward=te.sibling_min_reward)
+                               min_reward=pv.sibling_min_reward)
     seqs, preds, covered = [], [], np.zeros((b, n), bool)
     for i, (t, blk) in enumerate(zip(trajs, blocks)):
         hs = t.turns[0].header_start
         blk = [] if blk is None else list(blk)
         seqs.append(list(t.tokens[:hs]) + blk + list(t.tokens[hs:]))
         preds.append(pol[i] - 1 + len(blk))  # every policy token sits after the block
-        covered[i, : len(pol[i])] = bool(blk) or te.source == "none"
+        covered[i, : len(pol[i])] = bool(blk) or pv.source == "none"
     tg, tp = nnx.split(teacher)
     t_lsm = _dense(tg, tp, seqs, preds)
     tlp = np.zeros((b, n), np.float32)

@@ -162,13 +162,13 @@ def _skills(path: str) -> dict[str, str]:
 
 def _privileged_views(req: ViewRequest):
     """One view: the student's context plus the block privileged.source gives, at privileged.placement."""
-    te, trajs = req.cfg.algo.section("privileged"), req.trajs
-    blocks = None if te.source == "none" else privileged_blocks(
-        trajs, req.tasks, req.tokenizer, source=te.source, placement=te.placement,
-        skills=_skills(te.skills) if te.source == "skill" else None, rewards=[float(t.reward) for t in trajs],
-        group_ids=[t.group_id for t in trajs], min_reward=te.sibling_min_reward, budget=te.block_budget,
-        filler=te.block_filler)
-    return build_privileged_views(trajs, req.tokenizer, blocks, placement=te.placement,
+    pv, trajs = req.cfg.algo.section("privileged"), req.trajs
+    blocks = None if pv.source == "none" else privileged_blocks(
+        trajs, req.tasks, req.tokenizer, source=pv.source, placement=pv.placement,
+        skills=_skills(pv.skills) if pv.source == "skill" else None, rewards=[float(t.reward) for t in trajs],
+        group_ids=[t.group_id for t in trajs], min_reward=pv.sibling_min_reward, budget=pv.block_budget,
+        filler=pv.block_filler)
+    return build_privileged_views(trajs, req.tokenizer, blocks, placement=pv.placement,
                                   with_reference=req.with_reference, positions=(req.policy_positions, req.pol_valid),
                                   buckets=req.buckets, min_widths=req.min_widths)
 
