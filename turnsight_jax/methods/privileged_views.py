@@ -32,7 +32,7 @@ from turnsight_jax.models.attention import Layout
 from turnsight_jax.rl.context_rows import context_row, has_elisions
 from turnsight_jax.methods.privileged_blocks import (PLACEMENTS, PRIVILEGED_SOURCES, default_skills_path, load_skills,
                                                      privileged_blocks)
-from turnsight_jax.rl.config import always_checked, check_budget, register_config_section
+from turnsight_jax.rl.config import check_budget, register_config_section, section_settings
 from turnsight_jax.rl.views import (DEFAULT_PACKED_BUCKETS, PackedViews, ViewRequest, _distinct_predictors, _Row,
                                     pick_bucket, policy_positions, register_view_builder, view_token_kinds)
 
@@ -150,8 +150,22 @@ class PrivilegedConfig:
         return self
 
 
-register_config_section("privileged", PrivilegedConfig, always_checked("privileged", PrivilegedConfig,
-                                                                        "a privileged-view"))
+def _check_section(cfg, stages, check_data: bool) -> None:
+    """The section's values whatever method runs (a bad value never waits unseen), and its skills
+    file read before anything runs when a stage's privileged teacher shows skills (source=skill)."""
+    settings = section_settings(PrivilegedConfig, cfg.privileged, "privileged", "a privileged-view")
+    if not settings.skills:
+        return
+    for sc, method in stages:
+        if method.needs_views and method.teacher == "privileged" and sc.algo.section("privileged").source == "skill":
+            try:
+                load_skills(settings.skills)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"privileged.skills: {e}") from None
+            return
+
+
+register_config_section("privileged", PrivilegedConfig, _check_section)
 
 
 @functools.lru_cache(maxsize=8)

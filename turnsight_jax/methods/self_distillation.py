@@ -176,13 +176,12 @@ def _sod_term(x, cfg: LossConfig, algo: AlgoConfig):
 
 
 # ---- registration ----
-# Their teachers score privileged views (methods.privileged_views) with the teacher.* config.
+# Their teachers (teacher.*) score privileged views (methods.privileged_views, its privileged.* section).
 from turnsight_jax.errors import ConfigError  # noqa: E402
-from turnsight_jax.methods import privileged_views  # noqa: E402, F401  the "privileged" teacher kind's view builder
-from turnsight_jax.methods.privileged_blocks import load_skills  # noqa: E402
+from turnsight_jax.methods import privileged_views  # noqa: E402, F401  the "privileged" teacher kind's view builder and section
 from turnsight_jax.rl.config import always_checked  # noqa: E402
-from turnsight_jax.rl.methods import (Method, register_config_check, register_config_section,  # noqa: E402
-                                     register_method, register_progress_metrics)
+from turnsight_jax.rl.methods import (Method, register_config_section, register_method,  # noqa: E402
+                                     register_progress_metrics)
 
 
 def _number(section: str, key: str, value, *, positive: bool = False) -> None:
@@ -240,21 +239,6 @@ class SodConfig:
 for _name, _schema, _what in (("sdpo", SdpoConfig, "an SDPO"), ("sdar", SdarConfig, "an SDAR"),
                               ("sod", SodConfig, "a SOD")):
     register_config_section(_name, _schema, always_checked(_name, _schema, _what))
-
-
-@register_config_check
-def _check_skills_file(cfg, stages, check_data: bool) -> None:
-    """privileged.skills (a JSON file of skill texts) is read before anything runs, when a stage's
-    privileged teacher shows skills (privileged.source=skill)."""
-    if not cfg.privileged.skills:
-        return
-    for sc, method in stages:
-        if method.needs_views and method.teacher == "privileged" and sc.algo.section("privileged").source == "skill":
-            try:
-                load_skills(cfg.privileged.skills)
-            except (OSError, ValueError) as e:
-                raise ConfigError(f"privileged.skills: {e}") from None
-            return
 
 
 register_method(Method("rlsd", advantage="rlsd", rewards=(), teacher="privileged",
