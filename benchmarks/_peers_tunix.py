@@ -54,7 +54,6 @@ def tunix_config(hf: dict):
 def main(work: pathlib.Path) -> None:
     import importlib.metadata as md
 
-    import jax
     import jax.numpy as jnp
     import numpy as np
     import optax

@@ -13,7 +13,7 @@ model.attn_impl = "pallas"), in one run on one device:
    necessary FLOPs of turnsight_jax.flops (the trainer's counter) / time / peak, and the
    executed / necessary ratio of each part.
 
-The peak: a bf16 matmul (8192^3) measured in the same run, and the chip's dense bf16 figure
+The peak: a bf16 matmul (8192^3, `--peak-size`) measured in the same run, and the chip's dense bf16 figure
 (`--spec-tflops`). The batch is built here (a CPU; the rollout's tools run sandboxed) and
 carried:
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import pathlib
 import pickle
 import sys
@@ -241,7 +240,7 @@ def count(batch, stats, sc, args, out: dict):
 
 
 def measure_peak(args) -> dict:
-    n = 8192
+    n = args.peak_size
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
     mm = jax.jit(lambda x: (x @ x).astype(jnp.bfloat16))
     t = time_fn(lambda: mm(a), repeats=10, warmup=3)
@@ -267,6 +266,8 @@ def main():
     ap.add_argument("--key-block", type=int, default=0, help="model.attn_key_block of the XLA kernel")
     ap.add_argument("--remat", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--peak-size", type=int, default=8192,
+                    help="the measured peak's bf16 matmul side (8192 on an accelerator; a CPU check of this script: ~512)")
     ap.add_argument("--spec-tflops", type=float, default=989.0, help="the chip's dense bf16 peak (H100/H200: 989)")
     ap.add_argument("--sections", nargs="+", default=["count", "parity", "attention", "step"],
                     help="count (FLOPs counted only, any machine) | parity | attention | step")

@@ -15,6 +15,15 @@ warm-start is built first (about 100 CPU-s). XLA flags default to the tests' tra
 (tests/conftest.py TRAINER_XLA_FLAGS); the compilation cache is a fresh folder, as in a cold CI
 run. Prints one row per run: CPU-seconds, wall seconds, XLA backend compile seconds and programs,
 tracing + lowering seconds, and per step the update and rollout seconds the trainer logged.
+
+    python benchmarks/test_trainer_runs.py --trim-vocab 8192 rlsd rlsd
+
+`--trim-vocab N` measures what a smaller head would save (the tests' model spends most of an
+update in its 151,936 x 64 tied head): the bundled Qwen3 BPE cut to its first N tokens and the
+merges among them (a valid byte-level BPE: any text still tokenizes, in more pieces), its special
+tokens renumbered after them, and the tiny-default preset's vocabulary patched in this process
+to fit. The warm-start is then built here too (`turnsight_jax.sft.main`, same sizes, this
+process's XLA flags), and its time printed. A measurement, not a supported configuration.
 """
 
 from __future__ import annotations
@@ -38,11 +47,33 @@ def _cpu_s() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def trimmed_tokenizer(n: int, out: pathlib.Path) -> int:
+    """The bundled tokenizer cut to ids < n (+ its specials, renumbered n, n + 1, ...) -> out/;
+    returns the model vocabulary that fits it (a multiple of 128)."""
+    from turnsight_jax.assets import default_tokenizer_dir
+
+    src = default_tokenizer_dir()
+    tj = json.loads((src / "tokenizer.json").read_text())
+    keep = {t: i for t, i in tj["model"]["vocab"].items() if i < n}
+    tj["model"]["vocab"] = keep
+    tj["model"]["merges"] = [m for m in tj["model"]["merges"] if m[0] in keep and m[1] in keep and m[0] + m[1] in keep]
+    for k, added in enumerate(tj["added_tokens"]):
+        added["id"] = n + k
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    decoder = sorted(cfg.get("added_tokens_decoder", {}).items(), key=lambda kv: int(kv[0]))
+    cfg["added_tokens_decoder"] = {str(n + k): v for k, (_, v) in enumerate(decoder)}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False))
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False))
+    return -(-(n + len(tj["added_tokens"])) // 128) * 128
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("methods", nargs="+", help="configs/methods/<name>.py, run in this order")
     ap.add_argument("--warm-start", type=pathlib.Path, default=None)
     ap.add_argument("--xla-flags", default=None)
+    ap.add_argument("--trim-vocab", type=int, default=0, help="N: the bundled tokenizer cut to N tokens (above)")
     args = ap.parse_args()
 
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="trainer-runs-"))
@@ -58,12 +89,33 @@ def main() -> None:
     try:
         import jax
 
-        from _train_runs import SIZES, build_warm_start
+        from _train_runs import SIZES, WARM_START, build_warm_start
         from turnsight_jax import train
+
+        extra = []
+        if args.trim_vocab:
+            import dataclasses
+
+            from turnsight_jax.models import config as model_config
+
+            vocab = trimmed_tokenizer(args.trim_vocab, scratch / "tokenizer")
+            model_config.PRESETS["tiny-default"] = dataclasses.replace(model_config.PRESETS["tiny-default"],
+                                                                       vocab_size=vocab)
+            extra = [f"--config.tokenizer_path={scratch / 'tokenizer'}"]
+            print(f"trimmed tokenizer: {args.trim_vocab} tokens + specials, model vocabulary {vocab}")
 
         events: dict[str, list[float]] = collections.defaultdict(list)
         jax.monitoring.register_event_duration_secs_listener(lambda name, secs, **_: events[name].append(secs))
-        warm = args.warm_start or build_warm_start(scratch / "warm")
+        if args.trim_vocab and not args.warm_start:
+            from turnsight_jax import sft
+
+            c0, w0 = _cpu_s(), time.perf_counter()
+            sft.main(["--config", str(REPO / "configs" / "methods" / "rlsd.py"), "--workdir", str(scratch / "warm"),
+                      *WARM_START, *extra])
+            print(f"warm-start (in this process): {time.perf_counter() - w0:.1f} s wall, {_cpu_s() - c0:.1f} CPU-s")
+            warm = scratch / "warm" / "sft"
+        else:
+            warm = args.warm_start or build_warm_start(scratch / "warm")
         rows = []
         for i, run in enumerate(args.methods):
             method, *overrides = run.split("+")
@@ -74,7 +126,7 @@ def main() -> None:
             try:
                 rc = train.main(["--config", str(REPO / "configs" / "methods" / f"{method}.py"),
                                  "--workdir", str(workdir), *SIZES, "--config.log.records_every=1",
-                                 *(f"--config.{o}" for o in overrides)])
+                                 *extra, *(f"--config.{o}" for o in overrides)])
             except SystemExit as e:
                 rc = e.code
             cpu, wall = _cpu_s() - c0, time.perf_counter() - w0
@@ -87,12 +139,14 @@ def main() -> None:
                 sum(events["/jax/core/compile/jaxpr_to_mlir_module_duration"])
             rows.append((run, cpu, wall, sum(compile_s), len(compile_s), trace_s,
                          " / ".join(f"{r['perf/update_s']:.2f}" for r in steps),
-                         " / ".join(f"{r['perf/rollout_s']:.2f}" for r in steps)))
+                         " / ".join(f"{r['perf/rollout_s']:.2f}" for r in steps),
+                         " / ".join(f"{r['rollout/reward_mean']:.2f}" for r in steps)))
         print(f"XLA_FLAGS={os.environ['XLA_FLAGS']}")
-        print("| run | CPU-s | wall s | backend compile s (programs) | trace + lower s | update s per step | rollout s per step |")
-        print("|---|---|---|---|---|---|---|")
-        for m, cpu, wall, comp, n, trace, upd, roll in rows:
-            print(f"| {m} | {cpu:.1f} | {wall:.1f} | {comp:.1f} ({n}) | {trace:.1f} | {upd} | {roll} |")
+        print("| run | CPU-s | wall s | backend compile s (programs) | trace + lower s | update s per step | "
+              "rollout s per step | mean reward per step |")
+        print("|---|---|---|---|---|---|---|---|")
+        for m, cpu, wall, comp, n, trace, upd, roll, reward in rows:
+            print(f"| {m} | {cpu:.1f} | {wall:.1f} | {comp:.1f} ({n}) | {trace:.1f} | {upd} | {roll} | {reward} |")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -4,7 +4,6 @@ dense window (hidden states and the pool written)."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -263,7 +263,6 @@ def arm_config(study: Study, arm: str, seed: int, steps: int):
 
 def warm_start(study: Study, workdir: pathlib.Path, seed: int) -> pathlib.Path:
     """The task family's supervised warm-start (the embedded default's recipe on its tasks)."""
-    import jax
 
     from turnsight_jax import model_setup
     from turnsight_jax.models.sharding import make_mesh

@@ -12,7 +12,6 @@ numbers as an uninterrupted one.
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 
 from turnsight_jax import embedded_default, sources
