@@ -75,6 +75,9 @@ def main() -> None:
     ap.add_argument("--xla-flags", default=None)
     ap.add_argument("--trim-vocab", type=int, default=0, help="N: the bundled tokenizer cut to N tokens (above)")
     args = ap.parse_args()
+    if args.trim_vocab and args.warm_start:
+        ap.error("--trim-vocab builds its own warm-start (a full-vocabulary one does not fit the trimmed model); "
+                 "drop --warm-start")
 
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="trainer-runs-"))
     # tests/conftest.py (imported for the tests' flags, one definition) keeps its run's files in
