@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-
 from turnsight_jax import taskfile
 from turnsight_jax.envs.ftrl import load_tasks
 from turnsight_jax.envs.synthetic import generate_tasks
